@@ -1,0 +1,52 @@
+"""tokenspeed-jax: DeepSeek-style multi-head latent attention (MLA) for JAX.
+
+Public ops (all plain functions, usable inside and outside ``jax.jit``; static configuration is
+keyword-only):
+
+* :func:`mla_decode` -- absorbed MLA decode / MTP (speculative) decode over a paged latent cache.
+* :func:`mla_prefill` -- ragged varlen prefill attention (non-absorbed, e.g. 192/128).
+* :func:`merge_attn_states` -- exact merge of two partial attentions (chunked context prefill).
+* :func:`concat_and_cache_mla` -- write ``[kv_c | k_pe]`` rows into the paged latent cache.
+* :func:`mla_kv_pack_quantize_fp8` -- pack and quantize prefill K/V to float8_e4m3fn.
+* :func:`plan_mla_decode` -- the pure-Python planner of the decode kernels.
+
+Backends are chosen per call (``backend="auto"`` or a name); see :mod:`tokenspeed_jax.backends`.
+"""
+
+from __future__ import annotations
+
+import os as _os
+
+# Source-checkout layout: ``ffi/`` and ``models/`` sit beside this package at the top of the tree and
+# pyproject maps them to ``tokenspeed_jax.ffi`` / ``tokenspeed_jax.models`` on install.  When the
+# package is imported straight from a checkout (PYTHONPATH, as on the GPU machine) the mapping does not
+# exist, so the checkout root is appended to this package's search path; an installed wheel contains
+# the subpackages itself and is left untouched.
+_pkg_dir = _os.path.dirname(_os.path.abspath(__file__))
+_root = _os.path.dirname(_pkg_dir)
+if not _os.path.isdir(_os.path.join(_pkg_dir, "ffi")) and _os.path.isfile(
+    _os.path.join(_root, "ffi", "__init__.py")
+):
+    __path__.append(_root)  # type: ignore[name-defined]  # noqa: F821
+
+from tokenspeed_jax.cache import concat_and_cache_mla, mla_kv_pack_quantize_fp8  # noqa: E402
+from tokenspeed_jax.decode import mla_decode  # noqa: E402
+from tokenspeed_jax.merge import merge_attn_states  # noqa: E402
+from tokenspeed_jax.planner import DecodePlan, plan_mla_decode  # noqa: E402
+from tokenspeed_jax.prefill import mla_prefill  # noqa: E402
+from tokenspeed_jax.backends import available_backends, backend_reasons, get_backend  # noqa: E402
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "DecodePlan",
+    "available_backends",
+    "backend_reasons",
+    "concat_and_cache_mla",
+    "get_backend",
+    "merge_attn_states",
+    "mla_decode",
+    "mla_kv_pack_quantize_fp8",
+    "mla_prefill",
+    "plan_mla_decode",
+]

@@ -1,0 +1,119 @@
+"""Backend registry for the MLA ops.
+
+A backend is an object with
+
+* ``name`` (str) and ``priority`` (int, higher is preferred by ``backend="auto"``),
+* ``supports_decode(problem: DecodeProblem) -> str | None`` and
+  ``supports_prefill(problem: PrefillProblem) -> str | None``: ``None`` when it can run the call,
+  otherwise a precise reason (arch, dtype, page size, head dims, missing package with the install
+  command, ...),
+* ``decode(problem, q, kv_cache, block_table, seq_lens, softmax_scale, output_scale) -> (out, lse|None)``
+* ``prefill(problem, q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale) -> (out, lse|None)``
+
+where the scales are float32 scalar arrays (runtime operands).  ``supports_*`` must be cheap and must not
+import torch or compile anything; availability checks that need an import are cached.
+
+Built-in backends: ``xla`` (pure JAX, exact fp32 reference, every platform), ``sm90`` (Hopper: our CuTe DSL
+decode kernel, FlashAttention-4's forward for prefill) and ``sm100`` (Blackwell: the TokenSpeed MLA
+kernels).  ``backend="auto"`` picks the highest-priority backend that supports the call; a named backend
+that cannot run it raises ``ValueError`` listing every backend's reason.  Nothing falls back silently
+when a backend is named.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any, Protocol
+
+from tokenspeed_jax.problems import DecodeProblem, PrefillProblem
+
+
+class Backend(Protocol):
+    name: str
+    priority: int
+
+    def supports_decode(self, problem: DecodeProblem) -> str | None: ...
+
+    def supports_prefill(self, problem: PrefillProblem) -> str | None: ...
+
+    def decode(self, problem, q, kv_cache, block_table, seq_lens, softmax_scale, output_scale): ...
+
+    def prefill(self, problem, q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale): ...
+
+
+_REGISTRY: dict[str, Backend] = {}
+# Built-in backends, imported on first use so that importing tokenspeed_jax never imports cutlass/torch.
+_BUILTIN = {
+    "xla": "tokenspeed_jax.backends.xla",
+    "sm90": "tokenspeed_jax.backends.sm90",
+    "sm100": "tokenspeed_jax.backends.sm100",
+}
+
+
+def register_backend(backend: Backend, *, replace: bool = False) -> Backend:
+    """Add a backend to the registry (``replace=True`` to override one of the same name)."""
+    if backend.name in _REGISTRY and not replace:
+        raise ValueError(f"backend {backend.name!r} is already registered")
+    _REGISTRY[backend.name] = backend
+    return backend
+
+
+def _load_builtins() -> None:
+    for name, module in _BUILTIN.items():
+        if name not in _REGISTRY:
+            try:
+                mod = importlib.import_module(module)
+            except ModuleNotFoundError as e:  # a backend module not present in this build
+                if e.name != module:
+                    raise
+                continue
+            if name not in _REGISTRY:
+                register_backend(mod.BACKEND)
+
+
+def all_backends() -> list[Backend]:
+    """Every registered backend, most preferred first."""
+    _load_builtins()
+    return sorted(_REGISTRY.values(), key=lambda b: -b.priority)
+
+
+def get_backend(name: str) -> Backend:
+    _load_builtins()
+    if name not in _REGISTRY:
+        raise ValueError(f"backend: unknown backend {name!r}; known backends: {sorted(_REGISTRY)}")
+    return _REGISTRY[name]
+
+
+def _supports(b: Backend, op: str, problem: Any) -> str | None:
+    return b.supports_decode(problem) if op == "decode" else b.supports_prefill(problem)
+
+
+def backend_reasons(op: str, problem: DecodeProblem | PrefillProblem) -> dict[str, str | None]:
+    """``{backend name: None if it can run this call else the reason}`` for ``op`` in decode/prefill."""
+    if op not in ("decode", "prefill"):
+        raise ValueError(f"op: expected 'decode' or 'prefill', got {op!r}")
+    return {b.name: _supports(b, op, problem) for b in all_backends()}
+
+
+def available_backends(op: str, problem: DecodeProblem | PrefillProblem) -> list[str]:
+    """Names of the backends that can run this call, most preferred first."""
+    return [n for n, r in backend_reasons(op, problem).items() if r is None]
+
+
+def select_backend(op: str, problem: DecodeProblem | PrefillProblem, backend: str) -> Backend:
+    """Resolve ``backend`` ("auto" or a name) for one call, or raise ValueError with every reason."""
+    if not isinstance(backend, str):
+        raise TypeError(f"backend: expected a backend name or 'auto', got {type(backend).__name__}")
+    if backend == "auto":
+        for b in all_backends():
+            if _supports(b, op, problem) is None:
+                return b
+        chosen = None
+    else:
+        chosen = get_backend(backend)
+        reason = _supports(chosen, op, problem)
+        if reason is None:
+            return chosen
+    lines = "\n".join(f"  {n}: {r or 'ok'}" for n, r in backend_reasons(op, problem).items())
+    what = "no backend" if chosen is None else f"backend {backend!r}"
+    raise ValueError(f"backend: {what} can run this mla_{op} call ({problem}).\nReasons:\n{lines}")

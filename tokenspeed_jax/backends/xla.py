@@ -1,0 +1,140 @@
+"""The ``xla`` backend: pure-JAX, exact fp32 reference of every op, on every platform.
+
+It is the oracle the GPU kernels are tested against, so it favours exactness over speed: 16-bit and FP8
+inputs are multiplied with fp32 accumulation (their products are exact in fp32), fp32 inputs use
+``Precision.HIGHEST`` (no TF32), softmax and normalisation run in fp32, and P @ V multiplies fp32 P by V
+upcast to fp32.  Masked keys are zeroed before any arithmetic so NaN in memory a request does not own
+never reaches a result.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+
+from tokenspeed_jax.problems import ALL_DTYPES, FP8_DTYPE, DecodeProblem, PrefillProblem
+
+HIGHEST = jax.lax.Precision.HIGHEST
+
+
+def _operand(x):
+    """Operand dtype for the score matmul: FP8 widens to bf16 (exact); others stay as they are."""
+    return x.astype(jnp.bfloat16) if jnp.dtype(x.dtype).name == FP8_DTYPE else x
+
+
+def _softmax_rows(s, valid):
+    """Masked, exactly-zero-safe softmax pieces: returns (p unnormalised, row sum l, row max m_safe)."""
+    s = jnp.where(valid, s, -jnp.inf)
+    m = jnp.max(s, axis=-1, keepdims=True)
+    m_safe = jnp.where(jnp.isfinite(m), m, 0.0)
+    p = jnp.exp(s - m_safe)  # masked entries: exp(-inf) = 0
+    return p, jnp.sum(p, axis=-1), m_safe[..., 0]
+
+
+def _finish(acc, l, m_safe, out_scale, out_dtype):
+    has = l > 0
+    inv = jnp.where(has, 1.0 / jnp.where(has, l, 1.0), 0.0)
+    out = (acc * (inv * out_scale)[..., None]).astype(out_dtype)
+    lse = jnp.where(has, m_safe + jnp.log(jnp.where(has, l, 1.0)), -jnp.inf).astype(jnp.float32)
+    return out, lse
+
+
+class XlaBackend:
+    name = "xla"
+    priority = 0
+
+    def supports_decode(self, problem: DecodeProblem) -> str | None:
+        if problem.dtype not in ALL_DTYPES:
+            return f"dtype {problem.dtype} not in {ALL_DTYPES}"
+        return None
+
+    def supports_prefill(self, problem: PrefillProblem) -> str | None:
+        if problem.dtype not in ALL_DTYPES:
+            return f"dtype {problem.dtype} not in {ALL_DTYPES}"
+        return None
+
+    # ------------------------------------------------------------------------------------------ decode
+    def decode(self, p: DecodeProblem, q, kv_cache, block_table, seq_lens, softmax_scale, output_scale):
+        B, S, H, D = q.shape
+        L = p.kv_lora_rank
+        K = p.max_kv_len
+        bt = jnp.clip(block_table.astype(jnp.int32), 0, p.num_pages - 1)
+        kv = jnp.take(kv_cache, bt, axis=0, mode="clip").reshape(B, K, D)  # paged gather
+        sl = jnp.clip(seq_lens.astype(jnp.int32), 0, K)
+        j = jnp.arange(K, dtype=jnp.int32)
+        kv = _operand(kv)
+        kv = jnp.where((j[None, :] < sl[:, None])[..., None], kv, jnp.zeros((), kv.dtype))
+        s = jnp.einsum("bshd,bkd->bshk", _operand(q), kv, preferred_element_type=jnp.float32,
+                       precision=HIGHEST) * softmax_scale
+        if p.causal:
+            limit = sl[:, None] - S + 1 + jnp.arange(S, dtype=jnp.int32)[None, :]
+        else:
+            limit = jnp.broadcast_to(sl[:, None], (B, S))
+        valid = (j[None, None, :] < limit[:, :, None])[:, :, None, :]  # [B, S, 1, K]
+        pr, l, m = _softmax_rows(s, valid)
+        acc = jnp.einsum("bshk,bkl->bshl", pr, kv[..., :L].astype(jnp.float32), precision=HIGHEST)
+        out, lse = _finish(acc, l, m, output_scale, jnp.dtype(p.out_dtype))
+        return out, (lse if p.return_lse else None)
+
+    # ----------------------------------------------------------------------------------------- prefill
+    def prefill(self, p: PrefillProblem, q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale):
+        Tq, Hq, Dqk = q.shape
+        Tk, Hk, Dv = v.shape
+        G = p.group_size
+        seg_q, pos_q, len_q = _segments(cu_seqlens_q, Tq)
+        seg_k, pos_k, len_k = _segments(cu_seqlens_k, Tk)
+        valid_k = seg_k < p.batch
+        kz = jnp.where(valid_k[:, None, None], _operand(k), jnp.zeros((), _operand(k).dtype))
+        vz = jnp.where(valid_k[:, None, None], v.astype(jnp.float32), 0.0)
+        # Per q row: visible key rows are those of its own request with pos_k <= pos_q + Lk - Lq.
+        lk_of_q = jnp.take(len_k, jnp.clip(seg_q, 0, p.batch - 1), mode="clip")
+        shift_q = jnp.where(seg_q < p.batch, pos_q + lk_of_q - len_q, -1)
+
+        # Query blocks bound the fp32 score tile to ~256 MiB; the reference stays usable at 32k+ tokens.
+        qb = max(1, min(Tq, (1 << 26) // max(1, Hq * max(Tk, 1))))
+        qb = 1 << int(math.floor(math.log2(qb))) if qb < Tq else Tq
+        nblk = -(-Tq // qb)
+        pad = nblk * qb - Tq
+        q4 = jnp.pad(_operand(q), ((0, pad), (0, 0), (0, 0))).reshape(nblk, qb, Hk, G, Dqk)
+        segq = jnp.pad(seg_q, (0, pad), constant_values=p.batch).reshape(nblk, qb)
+        shq = jnp.pad(shift_q, (0, pad), constant_values=-1).reshape(nblk, qb)
+
+        def block(args):
+            qblk, sq, sh = args
+            s = jnp.einsum("qhgd,khd->hgqk", qblk, kz, preferred_element_type=jnp.float32,
+                           precision=HIGHEST) * softmax_scale
+            vis = (sq[:, None] == seg_k[None, :]) & (sq[:, None] < p.batch)
+            if p.causal:
+                vis &= pos_k[None, :] <= sh[:, None]
+            pr, l, m = _softmax_rows(s, vis[None, None])
+            acc = jnp.einsum("hgqk,khd->qhgd", pr, vz, precision=HIGHEST)
+            l = jnp.moveaxis(l, -1, 0)
+            m = jnp.moveaxis(m, -1, 0)
+            return _finish(acc, l, m, 1.0, jnp.dtype(p.out_dtype))
+
+        if nblk == 1:
+            out, lse = block((q4[0], segq[0], shq[0]))
+            out, lse = out[None], lse[None]
+        else:
+            out, lse = jax.lax.map(block, (q4, segq, shq))
+        out = out.reshape(nblk * qb, Hq, Dv)[:Tq]
+        lse = lse.reshape(nblk * qb, Hq)[:Tq]
+        return out, (lse if p.return_lse else None)
+
+
+def _segments(cu, T):
+    """Per row of a packed [T] axis: (request id or B if unowned, position in request, request length)."""
+    cu = cu.astype(jnp.int32)
+    B = cu.shape[0] - 1
+    t = jnp.arange(T, dtype=jnp.int32)
+    seg = jnp.searchsorted(cu[1:], t, side="right").astype(jnp.int32)
+    seg = jnp.where(t < cu[0], B, seg)
+    segc = jnp.clip(seg, 0, B - 1)
+    start = jnp.take(cu, segc, mode="clip")
+    length = jnp.take(cu[1:] - cu[:-1], segc, mode="clip")
+    return seg, t - start, length
+
+
+BACKEND = XlaBackend()

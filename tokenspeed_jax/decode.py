@@ -1,0 +1,211 @@
+"""``mla_decode``: absorbed MLA decode and MTP (speculative) decode over a paged latent cache.
+
+This docstring is the normative statement of the decode contract; other modules refer to it.
+
+KV-cache row layout
+    ``kv_cache[num_pages, page_size, D]`` with ``D = kv_lora_rank + rope_dim`` (576 = 512 + 64 for
+    DeepSeek-R1).  Row ``r`` of a page holds ``[kv_c (kv_lora_rank) | k_pe (rope_dim)]`` of one token; V is
+    the first ``kv_lora_rank`` values of the same row (vLLM's ``concat_and_cache_mla`` byte layout).  Token
+    ``j`` of request ``b`` lives at ``kv_cache[block_table[b, j // page_size], j % page_size]``.
+
+FP8 scale convention
+    FP8 (e4m3) caches store ``x / k_scale``.  The caller folds every scale into the two runtime scalars:
+    ``softmax_scale = scale * q_scale * k_scale`` and ``output_scale = k_scale`` (V is the same rows).
+
+Scores and mask
+    ``s_j = softmax_scale * <q, kv_j>`` over all D dims in fp32.  With ``causal=True`` query token ``i``
+    (0-based, of ``S``) sees keys ``j < seq_len - S + 1 + i`` (bottom-right aligned MTP mask); with
+    ``causal=False`` it sees ``j < seq_len``.  ``out = output_scale * sum_j softmax(s)_j * kv_j[:kv_lora_rank]``.
+
+LSE
+    ``[B, S, H]`` float32, natural log of ``sum_j exp(s_j)``, independent of ``output_scale``.  A row that
+    sees no key (``seq_len == 0``, or ``seq_len < S`` under causal) gives exactly 0 output and LSE ``-inf``.
+
+Runtime data safety (clamp, documented decision)
+    ``seq_lens`` is clamped to ``[0, max_pages * page_size]`` and block-table entries to
+    ``[0, num_pages)`` before any access, so no input can read outside the cache; entries past the pages a
+    request uses are never read for its result and pages it does not own may hold NaN.  Out-of-range
+    values inside a request's used range give an unspecified (but memory-safe) result; ``validate=True``
+    reports them through ``jax.experimental.checkify`` instead.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import checkify
+
+from tokenspeed_jax import _checks as C
+from tokenspeed_jax.backends import select_backend
+from tokenspeed_jax.problems import ALL_DTYPES, DecodeProblem
+from tokenspeed_jax.runtime import current_target
+
+MAX_Q_LEN = 16
+MAX_HEADS = 128
+PAGE_SIZES = (16, 32, 64, 128, 256)
+
+
+def mla_decode(
+    q: jax.Array,
+    kv_cache: jax.Array,
+    block_table: jax.Array,
+    seq_lens: jax.Array,
+    *,
+    softmax_scale: float | jax.Array,
+    output_scale: float | jax.Array = 1.0,
+    causal: bool = True,
+    kv_lora_rank: int = 512,
+    return_lse: bool = False,
+    backend: str = "auto",
+    validate: bool = False,
+) -> jax.Array | tuple[jax.Array, jax.Array]:
+    """Multi-head latent attention decode (S = 1) and MTP decode (S = 2..16) over a paged cache.
+
+    Args:
+      q: ``[B, S, H, D]`` queries, ``D = kv_lora_rank + rope_dim``; H in 1..128, S in 1..16.
+      kv_cache: ``[num_pages, page_size, D]`` latent cache (row layout in the module docstring);
+        page_size a power of two in 16..256.  Same dtype as q: bf16, fp16, float8_e4m3fn (or float32 on
+        the xla backend).
+      block_table: int32 ``[B, max_pages]`` page ids per request.
+      seq_lens: int32 ``[B]`` total KV length of each request, including its S new tokens.
+      softmax_scale: runtime float32 scalar (Python float or traced); scores are ``softmax_scale * q.k``.
+      output_scale: runtime float32 scalar multiplying the output (not the LSE).
+      causal: bottom-right aligned MTP mask (module docstring) when True.
+      kv_lora_rank: latent width; V is ``kv[..., :kv_lora_rank]``.
+      return_lse: also return the natural-log LSE ``[B, S, H]`` float32.
+      backend: ``"auto"`` or a registered backend name (``"xla"``, ``"sm90"``, ``"sm100"``).
+      validate: check runtime data (lengths vs. table capacity, page ids in range) with
+        ``jax.experimental.checkify``; eager calls raise, jitted calls must be wrapped in
+        ``checkify.checkify``.
+
+    Returns:
+      ``out [B, S, H, kv_lora_rank]`` (bf16 for fp8 input, else the input dtype), or ``(out, lse)``.
+    """
+    problem = _decode_problem(q, kv_cache, block_table, seq_lens, causal, kv_lora_rank, return_lse)
+    if not isinstance(validate, bool):
+        raise TypeError(f"validate: expected a Python bool, got {validate!r}")
+    ss = C.f32_scalar(softmax_scale, "softmax_scale")
+    os_ = C.f32_scalar(output_scale, "output_scale")
+    impl = select_backend("decode", problem, backend)
+    with jax.named_scope("tokenspeed_mla_decode"):
+        if validate:
+            check_decode_inputs(block_table, seq_lens, num_pages=problem.num_pages,
+                                page_size=problem.page_size)
+        out, lse = _vmappable_decode(impl.name, problem)(q, kv_cache, block_table, seq_lens, ss, os_)
+    return (out, lse) if return_lse else out
+
+
+def _decode_problem(q, kv_cache, block_table, seq_lens, causal, kv_lora_rank, return_lse) -> DecodeProblem:
+    C.array(q, "q")
+    C.array(kv_cache, "kv_cache")
+    C.array(block_table, "block_table")
+    C.array(seq_lens, "seq_lens")
+    C.rank(q, "q", 4, "[B, S, H, D]")
+    C.rank(kv_cache, "kv_cache", 3, "[num_pages, page_size, D]")
+    C.rank(block_table, "block_table", 2, "[B, max_pages]")
+    C.rank(seq_lens, "seq_lens", 1, "[B]")
+    causal = C.static_bool(causal, "causal")
+    return_lse = C.static_bool(return_lse, "return_lse")
+    kv_lora_rank = C.static_pos_int(kv_lora_rank, "kv_lora_rank")
+    dtype = C.float_dtype(q, "q", ALL_DTYPES)
+    C.same_dtype(q, "q", kv_cache, "kv_cache")
+    C.int_dtype(block_table, "block_table")
+    C.int_dtype(seq_lens, "seq_lens")
+    B, S, H, D = q.shape
+    num_pages, page_size, Dk = kv_cache.shape
+    if D <= kv_lora_rank:
+        raise ValueError(
+            f"q: expected head dim D = kv_lora_rank + rope_dim > kv_lora_rank = {kv_lora_rank}, got D = {D}"
+        )
+    C.dim("kv_cache", "head dim (last axis) equal to q's D", Dk, D)
+    if not 1 <= S <= MAX_Q_LEN:
+        raise ValueError(f"q: expected S (axis 1, query tokens per request) in 1..{MAX_Q_LEN}, got {S}")
+    if not 1 <= H <= MAX_HEADS:
+        raise ValueError(f"q: expected H (axis 2, heads) in 1..{MAX_HEADS}, got {H}")
+    if B < 1:
+        raise ValueError(f"q: expected batch B (axis 0) >= 1, got {B}")
+    if page_size not in PAGE_SIZES:
+        raise ValueError(f"kv_cache: expected page_size (axis 1) a power of two in {PAGE_SIZES}, got {page_size}")
+    if num_pages < 1:
+        raise ValueError(f"kv_cache: expected num_pages (axis 0) >= 1, got {num_pages}")
+    C.dim("block_table", "batch (axis 0) equal to q's B", block_table.shape[0], B)
+    C.dim("seq_lens", "batch (axis 0) equal to q's B", seq_lens.shape[0], B)
+    if block_table.shape[1] < 1:
+        raise ValueError(f"block_table: expected max_pages (axis 1) >= 1, got {block_table.shape[1]}")
+    return DecodeProblem(
+        batch=B, q_len=S, num_heads=H, head_dim=D, kv_lora_rank=kv_lora_rank, page_size=page_size,
+        num_pages=num_pages, max_pages=block_table.shape[1], dtype=dtype, causal=causal,
+        return_lse=return_lse, target=current_target(),
+    )
+
+
+def check_decode_inputs(block_table, seq_lens, *, num_pages: int, page_size: int) -> None:
+    """checkify checks of the runtime decode data (see ``mla_decode(validate=True)``)."""
+    max_pages = block_table.shape[1]
+    sl = seq_lens.astype(jnp.int32)
+    checkify.check(jnp.all(sl >= 0), "seq_lens: expected every length >= 0, got a negative length")
+    checkify.check(
+        jnp.all(sl <= max_pages * page_size),
+        f"seq_lens: expected every length <= max_pages * page_size = {max_pages * page_size}",
+    )
+    used = jnp.arange(max_pages)[None, :] < (sl[:, None] + page_size - 1) // page_size
+    ok = (block_table >= 0) & (block_table < num_pages)
+    checkify.check(
+        jnp.all(ok | ~used),
+        f"block_table: expected page ids in [0, {num_pages}) for every page a request uses",
+    )
+
+
+@functools.lru_cache(maxsize=None)
+def _vmappable_decode(backend_name: str, problem: DecodeProblem):
+    """The backend call wrapped in a ``custom_vmap`` that folds a vmapped axis into the batch.
+
+    A vmapped axis of size V over q / block_table / seq_lens becomes V*B requests.  A vmapped kv_cache
+    ``[V, num_pages, ...]`` is folded into ``V*num_pages`` pages with block-table entries offset by
+    ``v * num_pages`` (after clamping, so a request still only reaches its own cache).  Vmapped scales
+    cannot be folded (one scale per kernel call), so that case runs the V calls sequentially.
+    """
+    from tokenspeed_jax.backends import get_backend
+
+    impl = get_backend(backend_name)
+
+    @jax.custom_batching.custom_vmap
+    def call(q, kv_cache, block_table, seq_lens, ss, os_):
+        p = _decode_problem(q, kv_cache, block_table, seq_lens, problem.causal, problem.kv_lora_rank,
+                            problem.return_lse)
+        p = DecodeProblem(**{**p.__dict__, "target": problem.target})
+        out, lse = impl.decode(p, q, kv_cache, block_table, seq_lens, ss, os_)
+        if lse is None:
+            lse = jnp.zeros((), jnp.float32)  # placeholder; dropped by mla_decode
+        return out, lse
+
+    @call.def_vmap
+    def rule(axis_size, in_batched, q, kv_cache, block_table, seq_lens, ss, os_):
+        qb, kb, bb, sb, ssb, osb = in_batched
+        if ssb or osb:
+            bcast = lambda x, b: x if b else jnp.broadcast_to(x, (axis_size,) + x.shape)  # noqa: E731
+            args = [bcast(x, b) for x, b in zip((q, kv_cache, block_table, seq_lens, ss, os_), in_batched)]
+            out = jax.lax.map(lambda a: call(*a), tuple(args))
+            return out, (True, True)
+        V = axis_size
+        q = q if qb else jnp.broadcast_to(q, (V,) + q.shape)
+        block_table = block_table if bb else jnp.broadcast_to(block_table, (V,) + block_table.shape)
+        seq_lens = seq_lens if sb else jnp.broadcast_to(seq_lens, (V,) + seq_lens.shape)
+        B = q.shape[1]
+        if kb:
+            P = kv_cache.shape[1]
+            offs = (jnp.arange(V, dtype=block_table.dtype) * P)[:, None, None]
+            block_table = jnp.clip(block_table, 0, P - 1) + offs
+            kv_cache = kv_cache.reshape((V * P,) + kv_cache.shape[2:])
+        out, lse = call(
+            q.reshape((V * B,) + q.shape[2:]), kv_cache, block_table.reshape((V * B,) + block_table.shape[2:]),
+            seq_lens.reshape(V * B), ss, os_,
+        )
+        out = out.reshape((V, B) + out.shape[1:])
+        if problem.return_lse:
+            lse = lse.reshape((V, B) + lse.shape[1:])
+        return (out, lse), (True, problem.return_lse)
+
+    return call

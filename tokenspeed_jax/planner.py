@@ -1,0 +1,163 @@
+"""``plan_mla_decode``: the pure-Python planner of the decode kernels.
+
+A plan is a function of static shapes and device facts only (batch, query tokens, heads, the block
+table's capacity, page size, dtype, arch, SM count): it fixes the tile shape, how query tokens and heads
+are packed into MMA rows, the split-KV count and the exact workspace the kernels need.  Kernel wrappers
+allocate exactly ``plan.workspace`` as XLA-owned buffers of the call (extra outputs of the custom call),
+never a global that grows, and CPU tests check plans for any shape.
+
+Each GPU generation has its own planning function (``_PLANNERS[family]``) because the kernels differ;
+they share :class:`DecodePlan`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable
+
+from tokenspeed_jax.problems import FP8_DTYPE, KERNEL_DTYPES
+
+
+@dataclasses.dataclass(frozen=True)
+class WorkspaceBuffer:
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * {"float32": 4, "int32": 4, "bfloat16": 2, "float16": 2}[self.dtype]
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodePlan:
+    """How one decode call is cut into CTAs.
+
+    rows: ``q_len * num_heads`` query rows that share each request's KV stream.
+    fold: query tokens folded into the MMA M dimension per tile (all S tokens share one KV read).
+    block_m / block_n: MMA rows per tile / KV tokens per main-loop step.
+    num_m_blocks: row tiles per request (``ceil(rows / block_m)``).
+    num_splits: KV splits per request (1 = the main kernel writes the output directly).
+    tokens_per_split: KV tokens each split covers (a multiple of block_n); split ``s`` covers
+      ``[s * tokens_per_split, (s + 1) * tokens_per_split)`` clipped to the request's length.
+    grid: launch grid of the main kernel.
+    workspace: the buffers the call needs beyond its outputs (exact shapes).
+    """
+
+    arch: str
+    num_sms: int
+    batch: int
+    q_len: int
+    num_heads: int
+    rows: int
+    fold: int
+    block_m: int
+    block_n: int
+    num_m_blocks: int
+    num_splits: int
+    tokens_per_split: int
+    grid: tuple[int, int, int]
+    workspace: tuple[WorkspaceBuffer, ...]
+    extra: tuple[tuple[str, object], ...] = ()
+
+    @property
+    def workspace_bytes(self) -> int:
+        return sum(w.nbytes for w in self.workspace)
+
+
+def _family(arch: str) -> str:
+    sm = int("".join(c for c in arch.removeprefix("sm_") if c.isdigit()))
+    if sm // 10 == 9:
+        return "sm90"
+    if sm // 10 in (10, 11):
+        return "sm100"
+    raise ValueError(f"arch: no decode planner for {arch!r} (planners: {sorted(_PLANNERS)})")
+
+
+def _plan_sm90(*, batch, q_len, num_heads, max_kv_len, page_size, dtype, kv_lora_rank, rope_dim, arch,
+               num_sms) -> DecodePlan:
+    """Hopper: 64-row wgmma tiles over rows = S*H (tokens and heads packed, heads fastest), 64-token
+    KV steps, and a static split-KV count that fills one wave of CTAs: each (request, row tile) gets
+    ``ceil(num_sms / (batch * m_blocks))`` splits, at most one per 64-token block and at least two
+    blocks per split so the combine stays cheap.  Partial outputs go to fp32 workspace
+    ``o_accum [B, splits, rows, kv_lora_rank]`` and ``lse_accum [B, splits, rows]``."""
+    block_m, block_n = 64, 64
+    rows = q_len * num_heads
+    m_blocks = -(-rows // block_m)
+    n_blocks = max(1, -(-max_kv_len // block_n))
+    want = max(1, -(-num_sms // (batch * m_blocks)))
+    splits = max(1, min(want, n_blocks // 2 if n_blocks >= 4 else 1))
+    blocks_per_split = -(-n_blocks // splits)
+    splits = -(-n_blocks // blocks_per_split)  # no empty trailing split
+    ws: tuple[WorkspaceBuffer, ...] = ()
+    if splits > 1:
+        ws = (
+            WorkspaceBuffer("o_accum", (batch, splits, rows, kv_lora_rank), "float32"),
+            WorkspaceBuffer("lse_accum", (batch, splits, rows), "float32"),
+        )
+    return DecodePlan(
+        arch=arch, num_sms=num_sms, batch=batch, q_len=q_len, num_heads=num_heads, rows=rows,
+        fold=q_len, block_m=block_m, block_n=block_n, num_m_blocks=m_blocks, num_splits=splits,
+        tokens_per_split=blocks_per_split * block_n, grid=(m_blocks, splits, batch), workspace=ws,
+    )
+
+
+_PLANNERS: dict[str, Callable[..., DecodePlan]] = {"sm90": _plan_sm90}
+
+
+def register_planner(family: str, fn: Callable[..., DecodePlan]) -> None:
+    """Install the planning function of a GPU family (``"sm90"``, ``"sm100"``)."""
+    _PLANNERS[family] = fn
+
+
+def plan_mla_decode(
+    *,
+    batch: int,
+    q_len: int,
+    num_heads: int,
+    max_kv_len: int,
+    page_size: int,
+    dtype: str = "bfloat16",
+    kv_lora_rank: int = 512,
+    rope_dim: int = 64,
+    arch: str = "sm_90a",
+    num_sms: int | None = None,
+) -> DecodePlan:
+    """Plan one decode call for ``arch`` (see the module docstring).
+
+    ``max_kv_len`` is the static capacity of a request (``max_pages * page_size``); runtime lengths may be
+    shorter, and kernels skip the empty part of each split.
+    """
+    for n, v in (("batch", batch), ("q_len", q_len), ("num_heads", num_heads), ("max_kv_len", max_kv_len),
+                 ("page_size", page_size), ("kv_lora_rank", kv_lora_rank), ("rope_dim", rope_dim)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ValueError(f"{n}: expected a positive int, got {v!r}")
+    if dtype not in KERNEL_DTYPES:
+        raise ValueError(f"dtype: expected one of {KERNEL_DTYPES}, got {dtype!r}")
+    family = _family(arch)
+    if family == "sm100" and "sm100" not in _PLANNERS:
+        import tokenspeed_jax.backends.sm100  # noqa: F401  (registers its planner)
+    if num_sms is None:
+        from tokenspeed_jax.runtime import _DEFAULT_SMS
+
+        num_sms = _DEFAULT_SMS.get(arch, 132)
+    return _PLANNERS[family](
+        batch=batch, q_len=q_len, num_heads=num_heads, max_kv_len=max_kv_len, page_size=page_size,
+        dtype=dtype, kv_lora_rank=kv_lora_rank, rope_dim=rope_dim, arch=arch, num_sms=num_sms,
+    )
+
+
+def plan_for_problem(problem) -> DecodePlan:
+    """The plan of a :class:`~tokenspeed_jax.problems.DecodeProblem` on its target."""
+    t = problem.target
+    return plan_mla_decode(
+        batch=problem.batch, q_len=problem.q_len, num_heads=problem.num_heads,
+        max_kv_len=problem.max_kv_len, page_size=problem.page_size, dtype=problem.dtype,
+        kv_lora_rank=problem.kv_lora_rank, rope_dim=problem.rope_dim, arch=t.arch or "sm_90a",
+        num_sms=t.num_sms,
+    )
+
+
+__all__ = ["DecodePlan", "WorkspaceBuffer", "plan_mla_decode", "plan_for_problem", "register_planner",
+           "FP8_DTYPE"]
