@@ -1,17 +1,51 @@
-"""The ``sm90`` backend (Hopper): placeholder until the kernels land; refuses every call with a reason."""
+"""The ``sm90`` backend (Hopper, H100/H200).
+
+Decode runs our CuTe DSL MLA decode kernel (:mod:`tokenspeed_jax.backends.sm90_decode`); prefill runs
+FlashAttention-4's CuTe DSL Hopper forward (:mod:`tokenspeed_jax.backends.sm90_prefill`).  Both go through
+the FFI layer in :mod:`tokenspeed_jax.ffi`.  Each half answers its own ``supports`` with a precise reason;
+a half that is not present in this build says so.
+"""
 
 from __future__ import annotations
+
+import importlib
+
+
+def _half(module: str):
+    try:
+        return importlib.import_module(module)
+    except ModuleNotFoundError as e:
+        if e.name != module:
+            raise
+        return None
 
 
 class Sm90Backend:
     name = "sm90"
     priority = 90
 
+    @staticmethod
+    def _decode_mod():
+        return _half("tokenspeed_jax.backends.sm90_decode")
+
+    @staticmethod
+    def _prefill_mod():
+        return _half("tokenspeed_jax.backends.sm90_prefill")
+
     def supports_decode(self, problem) -> str | None:
-        return "sm90 decode kernel not built yet"
+        m = self._decode_mod()
+        return "sm90 decode is not part of this build" if m is None else m.supports(problem)
 
     def supports_prefill(self, problem) -> str | None:
-        return "sm90 prefill kernel not built yet"
+        m = self._prefill_mod()
+        return "sm90 prefill is not part of this build" if m is None else m.supports(problem)
+
+    def decode(self, problem, q, kv_cache, block_table, seq_lens, softmax_scale, output_scale):
+        return self._decode_mod().decode(problem, q, kv_cache, block_table, seq_lens, softmax_scale,
+                                         output_scale)
+
+    def prefill(self, problem, q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale):
+        return self._prefill_mod().prefill(problem, q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale)
 
 
 BACKEND = Sm90Backend()
