@@ -1,0 +1,46 @@
+"""Test configuration shared by every test module.
+
+* 8 virtual CPU devices (``--xla_force_host_platform_device_count=8``) so sharding tests can build meshes;
+  set before jax initialises its backends.
+* ``gpu``-marked tests are skipped unless JAX sees a CUDA GPU.
+"""
+
+import os
+
+_flag = "--xla_force_host_platform_device_count=8"
+if _flag not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + _flag).strip()
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+
+jax.config.update("jax_enable_x64", False)
+
+
+def _has_gpu() -> bool:
+    try:
+        return any(d.platform == "gpu" for d in jax.devices())
+    except RuntimeError:
+        return False
+
+
+HAS_GPU = _has_gpu()
+
+
+def pytest_collection_modifyitems(config, items):
+    if HAS_GPU:
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture
+def rng(request):
+    """A fresh, logged seed per test: inputs differ every run, a failure prints the seed to replay."""
+    seed = int(os.environ.get("TOKENSPEED_TEST_SEED", np.random.SeedSequence().entropy % (2**31)))
+    request.node.user_properties.append(("seed", seed))
+    print(f"seed={seed}")
+    return np.random.default_rng(seed)
