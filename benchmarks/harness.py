@@ -1,0 +1,219 @@
+"""Shared benchmark harness: every contender on the same inputs in one process.
+
+Timing: a contender is a zero-argument callable that launches its work and returns what it produced
+(JAX arrays or torch tensors).  :func:`bench` warms it up, then runs ``repeats`` rounds; each round
+launches it ``iters`` times back to back (asynchronous dispatch keeps the GPU queue full, so launch
+overhead is hidden behind kernel time wherever the kernels are longer than a dispatch) and waits for the
+device, and the round's wall time divided by ``iters`` is one sample.  The median sample is reported.
+The same method applies to JAX and torch contenders, so they are compared like for like; every kernel a
+call launches (main + combine, casts, ...) is inside the timed region.
+
+Ceilings: :func:`measure_ceilings` measures the copy bandwidth (read + write of a large device-to-device
+copy) and the bf16 (and fp8 where supported) matmul rate on random data, once per process.  A result's
+``roofline_fraction`` is ``max(bytes / copy_bw, flops / matmul_rate) / time``: 1.0 is at the measured limit.
+
+Output: :class:`Report` collects rows and writes JSON (with the command line, date, device and
+ceilings) plus a PNG bar chart.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import json
+import math
+import os
+import shlex
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+def _sync(result: Any) -> None:
+    leaves = jax.tree_util.tree_leaves(result)
+    torch_seen = False
+    for x in leaves:
+        if isinstance(x, jax.Array):
+            x.block_until_ready()
+        elif type(x).__module__.startswith("torch"):
+            torch_seen = True
+    if torch_seen:
+        import torch
+
+        torch.cuda.synchronize()
+
+
+def bench(fn: Callable[[], Any], *, warmup: int = 3, iters: int = 10, repeats: int = 7,
+          min_round_s: float = 0.02) -> dict:
+    """Median per-call time of ``fn`` in microseconds (see the module docstring for the method)."""
+    for _ in range(warmup):
+        _sync(fn())
+    # Grow iters until a round lasts long enough to dwarf the host's wait/sync cost.
+    while True:
+        t0 = time.perf_counter()
+        out = None
+        for _ in range(iters):
+            out = fn()
+        _sync(out)
+        dt = time.perf_counter() - t0
+        if dt >= min_round_s or iters >= 1000:
+            break
+        iters = min(1000, max(iters * 2, int(iters * min_round_s / max(dt, 1e-6)) + 1))
+    samples = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            out = fn()
+        _sync(out)
+        samples.append((time.perf_counter() - t0) / iters * 1e6)
+    return {"median_us": statistics.median(samples), "min_us": min(samples), "max_us": max(samples),
+            "iters": iters, "repeats": repeats}
+
+
+@dataclasses.dataclass
+class Ceilings:
+    copy_gbps: float  # read + write bytes per second / 1e9
+    bf16_tflops: float
+    fp8_tflops: float | None
+
+    def time_floor_us(self, nbytes: float, flops: float, *, fp8: bool = False) -> float:
+        rate = (self.fp8_tflops if fp8 and self.fp8_tflops else self.bf16_tflops) * 1e12
+        return max(nbytes / (self.copy_gbps * 1e9), flops / rate) * 1e6
+
+
+_CEILINGS: Ceilings | None = None
+
+
+def measure_ceilings(*, copy_mib: int = 2048, n: int = 8192) -> Ceilings:
+    """Measure (once per process) the copy bandwidth and the matmul rates on random data."""
+    global _CEILINGS
+    if _CEILINGS is not None:
+        return _CEILINGS
+    key = jax.random.PRNGKey(0)
+    x = jax.random.normal(key, (copy_mib * 1024 * 1024 // 4,), jnp.float32)
+    copy = jax.jit(lambda a: a * 1.0000001)  # one read + one write of every element
+    t = bench(lambda: copy(x))["median_us"]
+    copy_gbps = 2 * x.nbytes / (t * 1e-6) / 1e9
+    a = jax.random.normal(key, (n, n), jnp.bfloat16)
+    b = jax.random.normal(jax.random.PRNGKey(1), (n, n), jnp.bfloat16)
+    mm = jax.jit(lambda a, b: jnp.dot(a, b, preferred_element_type=jnp.float32).astype(jnp.bfloat16))
+    t = bench(lambda: mm(a, b))["median_us"]
+    bf16 = 2 * n**3 / (t * 1e-6) / 1e12
+    fp8 = None
+    try:
+        a8, b8 = a.astype(jnp.float8_e4m3fn), b.astype(jnp.float8_e4m3fn)
+        mm8 = jax.jit(lambda a, b: jax.lax.dot_general(a, b, (((1,), (1,)), ((), ())),
+                                                       preferred_element_type=jnp.float32))
+        t = bench(lambda: mm8(a8, b8))["median_us"]
+        fp8 = 2 * n**3 / (t * 1e-6) / 1e12
+    except Exception:  # noqa: BLE001  (no fp8 dot on this platform)
+        fp8 = None
+    _CEILINGS = Ceilings(copy_gbps, bf16, fp8)
+    return _CEILINGS
+
+
+def device_name() -> str:
+    d = jax.devices()[0]
+    return f"{d.platform}:{getattr(d, 'device_kind', '?')}"
+
+
+class Report:
+    """Rows of (case, contender, time, bytes, flops) -> JSON + PNG with the command that produced them."""
+
+    def __init__(self, name: str, ceilings: Ceilings | None = None):
+        self.name = name
+        self.ceilings = ceilings
+        self.rows: list[dict] = []
+        self.command = " ".join(shlex.quote(a) for a in [os.path.basename(sys.executable), *sys.argv])
+        self.date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+
+    def add(self, case: str, contender: str, timing: dict | float | None, *, nbytes: float, flops: float,
+            fp8: bool = False, note: str = "", **extra) -> dict:
+        us = timing["median_us"] if isinstance(timing, dict) else timing
+        row: dict[str, Any] = {"case": case, "contender": contender, "us": us, "bytes": nbytes,
+                               "flops": flops, "note": note, **extra}
+        if us:
+            row["gbps"] = nbytes / (us * 1e-6) / 1e9
+            row["tflops"] = flops / (us * 1e-6) / 1e12
+            if self.ceilings:
+                row["roofline_fraction"] = self.ceilings.time_floor_us(nbytes, flops, fp8=fp8) / us
+        self.rows.append(row)
+        return row
+
+    def table(self) -> str:
+        lines = [f"{'case':42s} {'contender':18s} {'us':>10s} {'GB/s':>8s} {'TFLOP/s':>8s} {'roof':>6s}"]
+        for r in self.rows:
+            if r["us"]:
+                lines.append(f"{r['case']:42s} {r['contender']:18s} {r['us']:10.1f} {r['gbps']:8.0f} "
+                             f"{r['tflops']:8.1f} {r.get('roofline_fraction', float('nan')):6.2f}")
+            else:
+                lines.append(f"{r['case']:42s} {r['contender']:18s} {'-':>10s}  {r['note']}")
+        return "\n".join(lines)
+
+    def write(self, json_path: str, png_path: str | None = None) -> None:
+        os.makedirs(os.path.dirname(os.path.abspath(json_path)), exist_ok=True)
+        doc = {"name": self.name, "command": self.command, "date": self.date, "device": device_name(),
+               "jax": jax.__version__, "ceilings": dataclasses.asdict(self.ceilings) if self.ceilings else None,
+               "rows": self.rows}
+        with open(json_path, "w") as f:
+            json.dump(doc, f, indent=1, default=float)
+        if png_path:
+            plot(doc, png_path)
+
+
+def plot(doc: dict, png_path: str) -> None:
+    """Grouped bars: one group per case, one bar per contender, height = roofline fraction (or TFLOP/s)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [r for r in doc["rows"] if r.get("us")]
+    cases = list(dict.fromkeys(r["case"] for r in rows))
+    conts = list(dict.fromkeys(r["contender"] for r in rows))
+    metric = "roofline_fraction" if all("roofline_fraction" in r for r in rows) else "tflops"
+    fig, ax = plt.subplots(figsize=(max(8, 1.1 * len(cases) * max(1, len(conts)) / 2), 5))
+    w = 0.8 / max(1, len(conts))
+    for i, c in enumerate(conts):
+        vals = [next((r[metric] for r in rows if r["case"] == k and r["contender"] == c), math.nan)
+                for k in cases]
+        ax.bar(np.arange(len(cases)) + i * w, vals, w, label=c)
+    ax.set_xticks(np.arange(len(cases)) + 0.4 - w / 2)
+    ax.set_xticklabels(cases, rotation=35, ha="right", fontsize=7)
+    ax.set_ylabel("fraction of measured roofline" if metric == "roofline_fraction" else "TFLOP/s")
+    ax.set_title(f"{doc['name']} on {doc['device']} ({doc['date']})", fontsize=9)
+    ax.legend(fontsize=7)
+    fig.text(0.01, 0.01, doc["command"][:160], fontsize=6)
+    fig.tight_layout(rect=(0, 0.03, 1, 1))
+    fig.savefig(png_path, dpi=110)
+    plt.close(fig)
+
+
+def decode_cost(batch: int, q_len: int, heads: int, kv_len: int, *, d: int = 576, dv: int = 512,
+                elt_bytes: int = 2, out_bytes: int = 2) -> tuple[float, float]:
+    """(bytes, flops) of one absorbed MLA decode: KV read once per request, q read, out written."""
+    nbytes = batch * (kv_len * d * elt_bytes + q_len * heads * (d * elt_bytes + dv * out_bytes))
+    flops = 2.0 * batch * q_len * heads * kv_len * (d + dv)
+    return float(nbytes), flops
+
+
+def prefill_cost(lens_q: list[int], lens_k: list[int], hq: int, hk: int, *, dqk: int = 192, dv: int = 128,
+                 causal: bool, elt_bytes: int = 2) -> tuple[float, float]:
+    """(bytes, flops) of a ragged prefill; causal counts only the visible (bottom-right) scores."""
+    flops = 0.0
+    nbytes = 0.0
+    for lq, lk in zip(lens_q, lens_k):
+        if causal:
+            vis = sum(max(0, min(lk, i + lk - lq + 1)) for i in range(lq)) if lq < 4096 else (
+                lq * lk - lq * (lq - 1) / 2 if lk >= lq else lk * (lk + 1) / 2)
+        else:
+            vis = lq * lk
+        flops += 2.0 * hq * vis * (dqk + dv)
+        nbytes += elt_bytes * (lq * hq * (dqk + dv) + lk * hk * (dqk + dv))
+    return nbytes, flops
