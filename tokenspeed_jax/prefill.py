@@ -13,7 +13,10 @@ Contract (normative)
 
 from __future__ import annotations
 
+import functools
+
 import jax
+import jax.numpy as jnp
 
 from tokenspeed_jax import _checks as C
 from tokenspeed_jax.backends import select_backend
@@ -57,8 +60,33 @@ def mla_prefill(
     ss = C.f32_scalar(softmax_scale, "softmax_scale")
     impl = select_backend("prefill", problem, backend)
     with jax.named_scope("tokenspeed_mla_prefill"):
-        out, lse = impl.prefill(problem, q, k, v, cu_seqlens_q, cu_seqlens_k, ss)
+        if impl.name == "xla":  # pure JAX: vmap batches it natively
+            out, lse = impl.prefill(problem, q, k, v, cu_seqlens_q, cu_seqlens_k, ss)
+        else:
+            out, lse = _sequential_under_vmap(impl.name, problem)(q, k, v, cu_seqlens_q, cu_seqlens_k, ss)
     return (out, lse) if return_lse else out
+
+
+@functools.lru_cache(maxsize=None)
+def _sequential_under_vmap(backend_name: str, problem: PrefillProblem):
+    """Kernel backends take one ragged batch per call; under ``jax.vmap`` the mapped calls run one after
+    another (``lax.map``).  Folding would need re-offsetting cu_seqlens into one larger ragged batch;
+    a caller who wants that concatenates the requests itself, which is what ragged layouts are for."""
+    from tokenspeed_jax.backends import get_backend
+
+    impl = get_backend(backend_name)
+
+    @jax.custom_batching.custom_vmap
+    def call(q, k, v, cu_q, cu_k, ss):
+        out, lse = impl.prefill(problem, q, k, v, cu_q, cu_k, ss)
+        return out, (jnp.zeros((), jnp.float32) if lse is None else lse)
+
+    @call.def_vmap
+    def rule(axis_size, in_batched, *args):
+        args = [a if b else jnp.broadcast_to(a, (axis_size,) + a.shape) for a, b in zip(args, in_batched)]
+        return jax.lax.map(lambda a: call(*a), tuple(args)), (True, True)
+
+    return call
 
 
 def _prefill_problem(q, k, v, cu_q, cu_k, causal, return_lse, max_seqlen_q, max_seqlen_k) -> PrefillProblem:

@@ -84,12 +84,13 @@ class XlaBackend:
         Tk, Hk, Dv = v.shape
         G = p.group_size
         seg_q, pos_q, len_q = _segments(cu_seqlens_q, Tq)
-        seg_k, pos_k, len_k = _segments(cu_seqlens_k, Tk)
+        seg_k, pos_k, _ = _segments(cu_seqlens_k, Tk)
         valid_k = seg_k < p.batch
         kz = jnp.where(valid_k[:, None, None], _operand(k), jnp.zeros((), _operand(k).dtype))
         vz = jnp.where(valid_k[:, None, None], v.astype(jnp.float32), 0.0)
         # Per q row: visible key rows are those of its own request with pos_k <= pos_q + Lk - Lq.
-        lk_of_q = jnp.take(len_k, jnp.clip(seg_q, 0, p.batch - 1), mode="clip")
+        cu_k = cu_seqlens_k.astype(jnp.int32)
+        lk_of_q = jnp.take(cu_k[1:] - cu_k[:-1], jnp.clip(seg_q, 0, p.batch - 1), mode="clip")
         shift_q = jnp.where(seg_q < p.batch, pos_q + lk_of_q - len_q, -1)
 
         # Query blocks bound the fp32 score tile to ~256 MiB; the reference stays usable at 32k+ tokens.
