@@ -1,12 +1,7 @@
 """Shared benchmark harness: every contender on the same inputs in one process.
 
-Timing: a contender is a zero-argument callable that launches its work and returns what it produced
-(JAX arrays or torch tensors).  :func:`bench` warms it up, then runs ``repeats`` rounds; each round
-launches it ``iters`` times back to back (asynchronous dispatch keeps the GPU queue full, so launch
-overhead is hidden behind kernel time wherever the kernels are longer than a dispatch) and waits for the
-device, and the round's wall time divided by ``iters`` is one sample.  The median sample is reported.
-The same method applies to JAX and torch contenders, so they are compared like for like; every kernel a
-call launches (main + combine, casts, ...) is inside the timed region.
+Timing: :func:`tokenspeed_jax.timing.bench` (re-exported here): median over rounds of back-to-back
+asynchronous launches, JAX and torch contenders alike, every kernel of a call inside the timed region.
 
 Ceilings: :func:`measure_ceilings` measures the copy bandwidth (read + write of a large device-to-device
 copy) and the bf16 (and fp8 where supported) matmul rate on random data, once per process.  A result's
@@ -24,56 +19,14 @@ import json
 import math
 import os
 import shlex
-import statistics
 import sys
-import time
-from collections.abc import Callable
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-
-def _sync(result: Any) -> None:
-    leaves = jax.tree_util.tree_leaves(result)
-    torch_seen = False
-    for x in leaves:
-        if isinstance(x, jax.Array):
-            x.block_until_ready()
-        elif type(x).__module__.startswith("torch"):
-            torch_seen = True
-    if torch_seen:
-        import torch
-
-        torch.cuda.synchronize()
-
-
-def bench(fn: Callable[[], Any], *, warmup: int = 3, iters: int = 10, repeats: int = 7,
-          min_round_s: float = 0.02) -> dict:
-    """Median per-call time of ``fn`` in microseconds (see the module docstring for the method)."""
-    for _ in range(warmup):
-        _sync(fn())
-    # Grow iters until a round lasts long enough to dwarf the host's wait/sync cost.
-    while True:
-        t0 = time.perf_counter()
-        out = None
-        for _ in range(iters):
-            out = fn()
-        _sync(out)
-        dt = time.perf_counter() - t0
-        if dt >= min_round_s or iters >= 1000:
-            break
-        iters = min(1000, max(iters * 2, int(iters * min_round_s / max(dt, 1e-6)) + 1))
-    samples = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        for _ in range(iters):
-            out = fn()
-        _sync(out)
-        samples.append((time.perf_counter() - t0) / iters * 1e6)
-    return {"median_us": statistics.median(samples), "min_us": min(samples), "max_us": max(samples),
-            "iters": iters, "repeats": repeats}
+from tokenspeed_jax.timing import bench  # noqa: F401  (re-exported for the benchmark scripts)
 
 
 @dataclasses.dataclass

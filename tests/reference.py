@@ -75,19 +75,28 @@ def mla_prefill(q, k, v, cu_seqlens_q, cu_seqlens_k, *, softmax_scale, causal=Tr
     Tq, Hq, _ = q.shape
     Hk = k.shape[1]
     G = Hq // Hk
+    scale = float(softmax_scale)
     out = np.zeros((Tq, Hq, v.shape[2]))
     lse = np.full((Tq, Hq), -np.inf)
     for b in range(len(cq) - 1):
-        Lq, Lk = cq[b + 1] - cq[b], ck[b + 1] - ck[b]
-        for i in range(Lq):
-            n = min(Lk, max(0, i + Lk - Lq + 1)) if causal else Lk
-            t = cq[b] + i
-            for h in range(Hq):
-                kh = h // G
-                keys = k[ck[b]:ck[b] + n, kh]
-                vals = v[ck[b]:ck[b] + n, kh]
-                o, s = _attend(q[t, h][None], keys, vals, float(softmax_scale))
-                out[t, h], lse[t, h] = o[0], s[0]
+        Lq, Lk = int(cq[b + 1] - cq[b]), int(ck[b + 1] - ck[b])
+        if Lq <= 0:
+            continue
+        i = np.arange(Lq)[:, None]
+        j = np.arange(Lk)[None, :]
+        vis = (j <= i + Lk - Lq) if causal else np.ones((Lq, Lk), bool)
+        seen = vis.any(axis=1)
+        for h in range(Hq):
+            qs = q[cq[b]:cq[b + 1], h]
+            ks = k[ck[b]:ck[b + 1], h // G]
+            vs = v[ck[b]:ck[b + 1], h // G]
+            s = np.where(vis, scale * (qs @ ks.T), -np.inf)
+            m = np.where(seen, s.max(axis=1, initial=-np.inf), 0.0)[:, None]
+            p = np.where(vis, np.exp(s - m), 0.0)
+            l = p.sum(axis=1)
+            ls = np.where(seen, l, 1.0)
+            out[cq[b]:cq[b + 1], h] = np.where(seen[:, None], (p @ vs) / ls[:, None], 0.0)
+            lse[cq[b]:cq[b + 1], h] = np.where(seen, m[:, 0] + np.log(ls), -np.inf)
     return out, lse
 
 
@@ -173,3 +182,60 @@ def assert_close(got, want, *, dtype: str | None = None, atol: float = 1e-5, rto
             f"{what}: {int((err > lim).sum())}/{err.size} elements off; worst got {g[fin][i]!r} want "
             f"{w[fin][i]!r} (|err| {err[i]:.3g} > {lim[i]:.3g}, rtol {rtol}, atol {atol})"
         )
+
+
+# ---------------------------------------------------------------------------------------- test inputs
+GARBAGE_PAGE_IDS = (-7, -1, 1 << 30, 12345)
+
+
+def cast(x: np.ndarray, dtype: str) -> np.ndarray:
+    """float64 -> ``dtype`` (NumPy / ml_dtypes); float8 saturates like the FP8 convention."""
+    if dtype == "float8_e4m3fn":
+        return e4m3(x)
+    return np.asarray(x).astype(np.dtype(getattr(ml_dtypes, dtype, dtype)))
+
+
+def make_decode_inputs(rng: np.random.Generator, *, seq_lens, S: int, H: int, L: int, R: int,
+                       page_size: int, dtype: str = "bfloat16", extra_pages: int = 3,
+                       extra_cols: int = 1, scale_q: float = 1.0, scale_kv: float = 1.0):
+    """Random decode operands (NumPy) in the paged layout, adversarial where the contract allows.
+
+    Each request owns ``ceil(seq_len / page_size)`` pages drawn from a random permutation of the cache;
+    every row it does not own (other requests' tails, spare pages) holds NaN; block-table entries past a
+    request's used pages hold garbage ids (negative, huge, in range but foreign).
+    Returns ``(q [B,S,H,L+R], kv_cache [P,page_size,L+R], block_table int32, seq_lens int32)``.
+    """
+    seq_lens = np.asarray(seq_lens, np.int32)
+    B = len(seq_lens)
+    D = L + R
+    need = [-(-int(n) // page_size) for n in seq_lens]
+    max_pages = max(max(need), 1) + extra_cols
+    num_pages = sum(need) + extra_pages
+    perm = rng.permutation(num_pages)
+    kv = np.full((num_pages, page_size, D), np.nan)
+    bt = rng.choice(np.array(GARBAGE_PAGE_IDS + (0, num_pages - 1), np.int64), size=(B, max_pages))
+    at = 0
+    for b in range(B):
+        pages = perm[at:at + need[b]]
+        at += need[b]
+        bt[b, :need[b]] = pages
+        for j in range(int(seq_lens[b])):
+            kv[pages[j // page_size], j % page_size] = rng.standard_normal(D) * scale_kv
+    q = rng.standard_normal((B, S, H, D)) * scale_q
+    return cast(q, dtype), cast(kv, dtype), bt.astype(np.int32), seq_lens
+
+
+def make_prefill_inputs(rng: np.random.Generator, *, lens_q, lens_k, Hq: int, Hk: int, Dqk: int, Dv: int,
+                        dtype: str = "bfloat16", pad_q: int = 0, pad_k: int = 0):
+    """Random ragged prefill operands: requests packed back to back, then ``pad_q`` / ``pad_k`` rows
+    outside every request (q rows must come out 0 / -inf, k/v rows are NaN and must not be read).
+    Returns ``(q, k, v, cu_seqlens_q int32, cu_seqlens_k int32)``."""
+    cq = np.concatenate([[0], np.cumsum(lens_q)]).astype(np.int32)
+    ck = np.concatenate([[0], np.cumsum(lens_k)]).astype(np.int32)
+    Tq, Tk = int(cq[-1]) + pad_q, int(ck[-1]) + pad_k
+    q = rng.standard_normal((Tq, Hq, Dqk))
+    k = rng.standard_normal((Tk, Hk, Dqk))
+    v = rng.standard_normal((Tk, Hk, Dv))
+    k[ck[-1]:] = np.nan
+    v[ck[-1]:] = np.nan
+    return cast(q, dtype), cast(k, dtype), cast(v, dtype), cq, ck

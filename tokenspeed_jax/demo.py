@@ -1,0 +1,142 @@
+"""The main job on its embedded default: run MLA decode, MTP decode and prefill on generated data with
+the best available backend, check each against the exact ``xla`` reference, and print what ran where and
+how fast.
+
+    python -m tokenspeed_jax.demo            # or: tokenspeed-jax-demo
+    python -m tokenspeed_jax.demo --large    # DeepSeek-R1 serving-sized shapes (use on a GPU)
+
+DeepSeek-R1 attention dims: decode D = 576 (512 latent + 64 rope), V = 512; prefill Dqk 192 / Dv 128.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from tokenspeed_jax import backends, mla_decode, mla_prefill
+from tokenspeed_jax.decode import _decode_problem
+from tokenspeed_jax.prefill import _prefill_problem
+from tokenspeed_jax.timing import bench
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeCase:
+    batch: int
+    q_len: int
+    heads: int
+    kv_len: int
+    page_size: int = 64
+    dtype: str = "bfloat16"
+
+
+@dataclasses.dataclass(frozen=True)
+class PrefillCase:
+    lens: tuple[int, ...]
+    heads: int
+    dtype: str = "bfloat16"
+
+
+SMALL = (
+    [DecodeCase(4, 1, 16, 1000), DecodeCase(4, 4, 16, 1000), DecodeCase(2, 2, 128, 777, dtype="float8_e4m3fn")],
+    [PrefillCase((64, 128, 31), 16), PrefillCase((200,), 16, "float8_e4m3fn")],
+)
+LARGE = (
+    [DecodeCase(64, 1, 32, 8192), DecodeCase(64, 4, 32, 8192), DecodeCase(64, 1, 128, 8192),
+     DecodeCase(64, 1, 32, 8192, dtype="float8_e4m3fn")],
+    [PrefillCase((8192,), 16), PrefillCase((4096,) * 4, 32)],
+)
+
+
+def _decode_inputs(c: DecodeCase, rng: np.random.Generator):
+    pages_per = -(-c.kv_len // c.page_size)
+    num_pages = c.batch * pages_per + 3
+    dt = jnp.dtype(c.dtype)
+    q = jnp.asarray(rng.standard_normal((c.batch, c.q_len, c.heads, 576), np.float32)).astype(dt)
+    kv = jnp.asarray(rng.standard_normal((num_pages, c.page_size, 576), np.float32)).astype(dt)
+    bt = jnp.asarray(rng.permutation(num_pages)[: c.batch * pages_per].reshape(c.batch, pages_per), jnp.int32)
+    sl = jnp.asarray(rng.integers(c.kv_len // 2, c.kv_len + 1, c.batch), jnp.int32).at[0].set(c.kv_len)
+    return q, kv, bt, sl
+
+
+def _prefill_inputs(c: PrefillCase, rng: np.random.Generator):
+    t = sum(c.lens)
+    dt = jnp.dtype(c.dtype)
+    q = jnp.asarray(rng.standard_normal((t, c.heads, 192), np.float32)).astype(dt)
+    k = jnp.asarray(rng.standard_normal((t, c.heads, 192), np.float32)).astype(dt)
+    v = jnp.asarray(rng.standard_normal((t, c.heads, 128), np.float32)).astype(dt)
+    cu = jnp.asarray(np.concatenate([[0], np.cumsum(c.lens)]), jnp.int32)
+    return q, k, v, cu
+
+
+def _rel_err(a, b) -> float:
+    a = np.asarray(a, np.float64)
+    b = np.asarray(b, np.float64)
+    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
+
+
+def run(large: bool = False, backend: str = "auto", seed: int = 0) -> list[dict]:
+    rng = np.random.default_rng(seed)
+    dev = jax.devices()[0]
+    print(f"device: {dev.platform} {getattr(dev, 'device_kind', '')}  jax {jax.__version__}")
+    decode_cases, prefill_cases = LARGE if large else SMALL
+    results = []
+    for c in decode_cases:
+        q, kv, bt, sl = _decode_inputs(c, rng)
+        problem = _decode_problem(q, kv, bt, sl, True, 512, False)
+        chosen = backends.select_backend("decode", problem, backend).name
+        f = jax.jit(lambda q, kv, bt, sl, s, b=chosen: mla_decode(q, kv, bt, sl, softmax_scale=s, backend=b))
+        ref = jax.jit(lambda q, kv, bt, sl, s: mla_decode(q, kv, bt, sl, softmax_scale=s, backend="xla"))
+        scale = 576**-0.5
+        err = _rel_err(f(q, kv, bt, sl, scale), ref(q, kv, bt, sl, scale)) if chosen != "xla" else 0.0
+        t = bench(lambda: f(q, kv, bt, sl, scale), repeats=3)["median_us"]
+        elt = 1 if c.dtype == "float8_e4m3fn" else 2
+        kv_tokens = int(np.sum(np.asarray(sl)))
+        nbytes = kv_tokens * 576 * elt + c.batch * c.q_len * c.heads * (576 * elt + 512 * 2)
+        flops = 2.0 * kv_tokens * c.q_len * c.heads * (576 + 512)
+        r = dict(op="mla_decode", case=str(c), backend=chosen, us=t, gbps=nbytes / t / 1e3,
+                 tflops=flops / t / 1e6, rel_err_vs_xla=err)
+        results.append(r)
+        _print(r, problem, "decode")
+    for c in prefill_cases:
+        q, k, v, cu = _prefill_inputs(c, rng)
+        problem = _prefill_problem(q, k, v, cu, cu, True, False, None, None)
+        chosen = backends.select_backend("prefill", problem, backend).name
+        mx = max(c.lens)
+        f = jax.jit(lambda q, k, v, cu, s, b=chosen: mla_prefill(q, k, v, cu, cu, softmax_scale=s, backend=b,
+                                                                   max_seqlen_q=mx, max_seqlen_k=mx))
+        ref = jax.jit(lambda q, k, v, cu, s: mla_prefill(q, k, v, cu, cu, softmax_scale=s, backend="xla"))
+        scale = 192**-0.5
+        err = _rel_err(f(q, k, v, cu, scale), ref(q, k, v, cu, scale)) if chosen != "xla" else 0.0
+        t = bench(lambda: f(q, k, v, cu, scale), repeats=3)["median_us"]
+        flops = sum(2.0 * c.heads * (n * (n + 1) / 2) * (192 + 128) for n in c.lens)
+        r = dict(op="mla_prefill", case=str(c), backend=chosen, us=t, tflops=flops / t / 1e6,
+                 rel_err_vs_xla=err)
+        results.append(r)
+        _print(r, problem, "prefill")
+    return results
+
+
+def _print(r: dict, problem, op: str) -> None:
+    rate = f"{r['gbps']:8.1f} GB/s " if "gbps" in r else " " * 14
+    print(f"{r['op']:12s} {r['case']:70s} backend={r['backend']:6s} {r['us']:10.1f} us {rate}"
+          f"{r['tflops']:7.2f} TFLOP/s  rel.err vs xla {r['rel_err_vs_xla']:.1e}")
+    others = {n: why for n, why in backends.backend_reasons(op, problem).items() if why}
+    for n, why in others.items():
+        print(f"{'':14s}not {n}: {why}")
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--large", action="store_true", help="DeepSeek-R1 serving-sized shapes (GPU)")
+    ap.add_argument("--backend", default="auto", help="auto (default) or a backend name")
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args(argv)
+    run(large=args.large, backend=args.backend, seed=args.seed)
+
+
+if __name__ == "__main__":
+    main()
