@@ -1,0 +1,241 @@
+"""``DeepseekV3Config``: the frozen, hashable model configuration with Hugging Face ``config.json`` names.
+
+The field names are those of DeepSeek-V3/R1's published ``config.json`` (and of
+``transformers.DeepseekV3Config``), so ``DeepseekV3Config.from_json(path)`` reads a checkpoint directory's
+config as is.  Both spellings of the RoPE settings are accepted: the published ``rope_theta`` +
+``rope_scaling`` and newer transformers' ``rope_parameters`` (which ``save_pretrained`` writes).
+
+Presets (``DeepseekV3Config.preset(name)``):
+
+* ``deepseek-r1`` -- the published DeepSeek-R1 values (61 layers, 256 experts, FP8 128x128 blocks).
+* ``small`` -- the CLI demo: 4 layers, hidden 512, 16 heads, 16 experts, vocab 4096.
+* ``tiny`` -- tests: 2 layers (1 dense + 1 MoE), hidden 64, 2 heads, 8 experts, vocab 256.
+
+Every preset keeps the attention dims of the real model (kv_lora_rank 512, qk_rope_head_dim 64,
+qk_nope_head_dim 128, v_head_dim 128), which are what the MLA kernels are specialised for.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+from typing import Any
+
+
+def yarn_get_mscale(scale: float = 1.0, mscale: float = 1.0) -> float:
+    """YaRN's attention-magnitude correction ``0.1 * mscale * ln(scale) + 1`` (1 for ``scale <= 1``)."""
+    if scale <= 1:
+        return 1.0
+    return 0.1 * mscale * math.log(scale) + 1.0
+
+
+@dataclasses.dataclass(frozen=True)
+class RopeScaling:
+    """``rope_scaling`` of config.json; only ``type = "yarn"`` (DeepSeek-V3/R1) is supported."""
+
+    type: str = "yarn"
+    factor: float = 40.0
+    original_max_position_embeddings: int = 4096
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    mscale: float = 1.0
+    mscale_all_dim: float = 1.0
+
+
+@dataclasses.dataclass(frozen=True)
+class QuantizationConfig:
+    """``quantization_config`` of config.json (DeepSeek's FP8: e4m3 with 128x128 block scales)."""
+
+    quant_method: str = "fp8"
+    fmt: str = "e4m3"
+    activation_scheme: str = "dynamic"
+    weight_block_size: tuple[int, int] = (128, 128)
+
+
+@dataclasses.dataclass(frozen=True)
+class DeepseekV3Config:
+    vocab_size: int = 129280
+    hidden_size: int = 7168
+    intermediate_size: int = 18432
+    moe_intermediate_size: int = 2048
+    num_hidden_layers: int = 61
+    num_attention_heads: int = 128
+    num_key_value_heads: int = 128
+    n_shared_experts: int = 1
+    n_routed_experts: int = 256
+    routed_scaling_factor: float = 2.5
+    kv_lora_rank: int = 512
+    q_lora_rank: int | None = 1536
+    qk_rope_head_dim: int = 64
+    v_head_dim: int = 128
+    qk_nope_head_dim: int = 128
+    topk_method: str = "noaux_tc"
+    n_group: int = 8
+    topk_group: int = 4
+    num_experts_per_tok: int = 8
+    first_k_dense_replace: int = 3
+    norm_topk_prob: bool = True
+    scoring_func: str = "sigmoid"
+    hidden_act: str = "silu"
+    max_position_embeddings: int = 163840
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: RopeScaling | None = RopeScaling()
+    rope_interleave: bool = True
+    attention_bias: bool = False
+    num_nextn_predict_layers: int = 1
+    tie_word_embeddings: bool = False
+    bos_token_id: int | None = 0
+    eos_token_id: int | None = 1
+    quantization_config: QuantizationConfig | None = None
+
+    def __post_init__(self):
+        for name in ("hidden_size", "num_attention_heads", "kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim",
+                     "v_head_dim", "vocab_size", "num_hidden_layers"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v < 1:
+                raise ValueError(f"{name}: expected a positive int, got {v!r}")
+        if self.qk_rope_head_dim % 2:
+            raise ValueError(f"qk_rope_head_dim: expected an even number, got {self.qk_rope_head_dim}")
+        if self.num_key_value_heads != self.num_attention_heads:
+            raise ValueError(
+                f"num_key_value_heads: expected num_attention_heads = {self.num_attention_heads} (MLA), "
+                f"got {self.num_key_value_heads}"
+            )
+        if self.n_routed_experts % self.n_group:
+            raise ValueError(f"n_group: expected a divisor of n_routed_experts = {self.n_routed_experts}, "
+                             f"got {self.n_group}")
+        if not 1 <= self.topk_group <= self.n_group:
+            raise ValueError(f"topk_group: expected 1..n_group = {self.n_group}, got {self.topk_group}")
+        if self.n_routed_experts // self.n_group < 2:
+            raise ValueError("n_group: expected at least 2 experts per group (group score = top-2 sum), got "
+                             f"{self.n_routed_experts // self.n_group}")
+        if self.num_experts_per_tok > self.topk_group * (self.n_routed_experts // self.n_group):
+            raise ValueError(f"num_experts_per_tok: expected <= experts in the selected groups, got "
+                             f"{self.num_experts_per_tok}")
+        if self.scoring_func != "sigmoid" or self.topk_method != "noaux_tc":
+            raise ValueError(f"scoring_func/topk_method: only DeepSeek-V3's 'sigmoid'/'noaux_tc' routing is "
+                             f"implemented, got {self.scoring_func!r}/{self.topk_method!r}")
+        if self.hidden_act != "silu":
+            raise ValueError(f"hidden_act: expected 'silu', got {self.hidden_act!r}")
+        if self.rope_scaling is not None and self.rope_scaling.type != "yarn":
+            raise ValueError(f"rope_scaling: expected type 'yarn' or no scaling, got {self.rope_scaling.type!r}")
+
+    # ------------------------------------------------------------------------------------- derived
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    @property
+    def kv_cache_dim(self) -> int:
+        """Width of one latent cache row: ``kv_lora_rank + qk_rope_head_dim`` (576 for R1)."""
+        return self.kv_lora_rank + self.qk_rope_head_dim
+
+    @property
+    def softmax_scale(self) -> float:
+        """``qk_head_dim^-0.5 * mscale^2`` with ``mscale = yarn_get_mscale(factor, mscale_all_dim)``
+        (DeepSeek's reference and transformers' ``yarn_apply_mscale``)."""
+        s = self.qk_head_dim ** -0.5
+        rs = self.rope_scaling
+        if rs is not None and rs.mscale_all_dim:
+            m = yarn_get_mscale(rs.factor, rs.mscale_all_dim)
+            s = s * m * m
+        return s
+
+    def is_moe_layer(self, layer_idx: int) -> bool:
+        return layer_idx >= self.first_k_dense_replace and self.n_routed_experts > 0
+
+    @property
+    def fp8_block_size(self) -> tuple[int, int] | None:
+        q = self.quantization_config
+        return None if q is None else tuple(q.weight_block_size)
+
+    # -------------------------------------------------------------------------------- construction
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> DeepseekV3Config:
+        """From a ``config.json`` dict; unknown keys (architectures, torch_dtype, ...) are ignored."""
+        d = dict(d)
+        fields = {f.name for f in dataclasses.fields(cls)}
+        kw = {k: v for k, v in d.items() if k in fields}
+        rp = d.get("rope_parameters")
+        if rp and "rope_scaling" not in d:  # transformers >= 5 spelling
+            kw["rope_theta"] = rp.get("rope_theta", kw.get("rope_theta", 10000.0))
+            rtype = rp.get("rope_type", rp.get("type", "default"))
+            kw["rope_scaling"] = None if rtype == "default" else rp
+        rs = kw.get("rope_scaling", RopeScaling())
+        if isinstance(rs, dict):
+            rs = dict(rs)
+            rtype = rs.pop("rope_type", None) or rs.pop("type", "yarn")
+            rs.pop("type", None)
+            rf = {f.name for f in dataclasses.fields(RopeScaling)}
+            rs = RopeScaling(type=rtype, **{k: v for k, v in rs.items() if k in rf and v is not None})
+        kw["rope_scaling"] = rs
+        qc = kw.get("quantization_config")
+        if isinstance(qc, dict):
+            if qc.get("quant_method", "fp8") != "fp8" or qc.get("fmt", "e4m3") != "e4m3":
+                raise ValueError(f"quantization_config: only DeepSeek's fp8/e4m3 block quantisation is "
+                                 f"supported, got {qc}")
+            kw["quantization_config"] = QuantizationConfig(
+                quant_method="fp8", fmt="e4m3", activation_scheme=qc.get("activation_scheme", "dynamic"),
+                weight_block_size=tuple(qc.get("weight_block_size", (128, 128))),
+            )
+        for k in ("eos_token_id", "bos_token_id"):
+            if isinstance(kw.get(k), list):
+                kw[k] = kw[k][0] if kw[k] else None
+        if kw.get("num_key_value_heads") is None:
+            kw["num_key_value_heads"] = kw.get("num_attention_heads", cls.num_attention_heads)
+        return cls(**kw)
+
+    @classmethod
+    def from_json(cls, path: str | os.PathLike) -> DeepseekV3Config:
+        """From ``config.json`` (a file or a checkpoint directory containing one)."""
+        path = os.fspath(path)
+        if os.path.isdir(path):
+            path = os.path.join(path, "config.json")
+        try:
+            with open(path) as f:
+                d = json.load(f)
+        except FileNotFoundError:
+            raise FileNotFoundError(f"config.json: no such file {path!r}") from None
+        except json.JSONDecodeError as e:
+            raise ValueError(f"config.json: {path!r} is not valid JSON ({e})") from None
+        return cls.from_dict(d)
+
+    def to_dict(self) -> dict[str, Any]:
+        """A ``config.json`` dict (published field names, loadable by transformers' DeepseekV3Config)."""
+        d = dataclasses.asdict(self)
+        if self.rope_scaling is not None:
+            d["rope_scaling"] = dataclasses.asdict(self.rope_scaling)
+        if self.quantization_config is not None:
+            d["quantization_config"] = {**dataclasses.asdict(self.quantization_config),
+                                        "weight_block_size": list(self.quantization_config.weight_block_size)}
+        d["model_type"] = "deepseek_v3"
+        d["architectures"] = ["DeepseekV3ForCausalLM"]
+        return d
+
+    def replace(self, **kw) -> DeepseekV3Config:
+        return dataclasses.replace(self, **kw)
+
+    @classmethod
+    def preset(cls, name: str) -> DeepseekV3Config:
+        if name not in PRESETS:
+            raise ValueError(f"preset: expected one of {sorted(PRESETS)}, got {name!r}")
+        return PRESETS[name]
+
+
+PRESETS: dict[str, DeepseekV3Config] = {
+    "deepseek-r1": DeepseekV3Config(quantization_config=QuantizationConfig()),
+    "small": DeepseekV3Config(
+        vocab_size=4096, hidden_size=512, intermediate_size=1024, moe_intermediate_size=256,
+        num_hidden_layers=4, num_attention_heads=16, num_key_value_heads=16, q_lora_rank=256,
+        n_routed_experts=16, n_group=4, topk_group=2, num_experts_per_tok=4, first_k_dense_replace=1,
+        max_position_embeddings=163840,
+    ),
+    "tiny": DeepseekV3Config(
+        vocab_size=256, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+        num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2, q_lora_rank=32,
+        n_routed_experts=8, n_group=2, topk_group=1, num_experts_per_tok=2, first_k_dense_replace=1,
+    ),
+}
