@@ -35,13 +35,16 @@ Compilation and caching
     One compile per static configuration: the key is ``(target, compile_key, constexprs, input/output
     shapes/dtypes/specs, arch, library versions, the launch function's source file)``. ``compile_key``
     must be a hashable frozen dataclass (or tuple of plain values) that identifies everything the
-    generated code depends on that is not an operand shape/dtype. Two caches:
+    generated code depends on that is not an operand shape/dtype. Operand extents are part of the key
+    unless ``dynamic_shapes=True`` (the kernel reads extents at run time and the specs carry explicit
+    divisibility hints; then one object serves every extent, e.g. every token count). Two caches:
 
     * in memory: cutlass.jax's compile cache (a hit skips even tracing the CuTe DSL function);
     * on disk: the compiled object (cubin + host launcher) under :func:`cache_dir`
       (``$TOKENSPEED_JAX_CACHE_DIR``, default ``$XDG_CACHE_HOME/tokenspeed_jax/ffi`` or
       ``~/.cache/tokenspeed_jax/ffi``; ``TOKENSPEED_JAX_DISK_CACHE=0`` disables it), keyed by a
-      SHA-256 of the stable textual form of the key above plus the ``CUTE_DSL_*`` environment, written
+      SHA-256 of the stable textual form of the key above plus the ``CUTE_DSL_*`` environment (less
+    ``CUTE_DSL_ARCH``, already in the key, so an object cross-compiled on CPU serves the GPU), written
       atomically. A second process lowering the same configuration loads the object instead of tracing
       and compiling it. Keys whose text contains a memory address (``at 0x``) are not stable across
       processes and are cached in memory only.
@@ -81,7 +84,7 @@ import tempfile
 import threading
 from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -89,10 +92,13 @@ import numpy as np
 
 __all__ = [
     "TARGET_PREFIX",
+    "CompileKey",
     "cache_dir",
+    "cache_stats",
     "custom_call",
     "export_disabled_safety_checks",
     "is_available",
+    "register_target",
     "registered_targets",
     "scalar_operand",
     "target_name",
@@ -103,7 +109,13 @@ logger = logging.getLogger(__name__)
 TARGET_PREFIX = "tokenspeed_"
 _NOGRAPH_SUFFIX = "_nograph"
 _TARGET_RE = re.compile(r"^[a-z0-9][a-z0-9_]*$")
-_BASE_VERSIONS = ("nvidia-cutlass-dsl", "jax", "jaxlib", "tokenspeed-jax")
+# The CuTe DSL compiler ships in per-CUDA "libs" wheels; an object is reused only with the same build.
+_BASE_VERSIONS = (
+    "nvidia-cutlass-dsl",
+    "nvidia-cutlass-dsl-libs-cu12",
+    "nvidia-cutlass-dsl-libs-cu13",
+    "tokenspeed-jax",
+)
 
 _lock = threading.Lock()
 _registered: set[str] = set()
@@ -153,8 +165,8 @@ def export_disabled_safety_checks(targets: Iterable[str] | None = None) -> tuple
         import cutlass.jax as cjax
 
         checks.extend(cjax.get_export_disabled_safety_checks())
-    except Exception:  # noqa: BLE001 - cutlass.jax missing: only our names
-        pass
+    except Exception:  # cutlass.jax missing: only our names
+        logger.debug("cutlass.jax unavailable; exporting tokenspeed targets only", exc_info=True)
     return tuple(checks)
 
 
@@ -169,8 +181,10 @@ def _handler_symbols(allow_cuda_graph: bool) -> tuple[int, dict[str, str]]:
         return version, dict(table[version][builtin])
     # Fallback: the symbol naming scheme of nvidia-cutlass-dsl 4.8.
     execute = "Execute" if allow_cuda_graph else "ExecuteNoCudaGraph"
-    syms = {"prepare": f"CuteDSLRT_NvJaxCutlassCallPrepare_v{version}",
-            "execute": f"CuteDSLRT_NvJaxCutlassCall{execute}_v{version}"}
+    syms = {
+        "prepare": f"CuteDSLRT_NvJaxCutlassCallPrepare_v{version}",
+        "execute": f"CuteDSLRT_NvJaxCutlassCall{execute}_v{version}",
+    }
     if version >= 2:
         syms["instantiate"] = f"CuteDSLRT_NvJaxCutlassCallInstantiate_v{version}"
     return version, syms
@@ -262,11 +276,21 @@ class CompileKey:
     versions: tuple[tuple[str, str], ...]  # (distribution, version)
     launch: str  # module.qualname of the launch function
     launch_source: str  # digest of the file defining it (stale-binary guard while developing)
+    dynamic_shapes: bool = False  # one object for every extent (see custom_call)
 
     def stable_text(self) -> str | None:
         """Process-independent text of this key, or None when some part prints a memory address."""
         text = repr(self)
         return None if " at 0x" in text else text
+
+
+def _erase_extents(spec: Any) -> Any:
+    """``spec`` with every operand extent replaced by None (ranks, dtypes and TensorSpecs kept)."""
+
+    def erase(args: Any) -> Any:
+        return tuple(dataclasses.replace(a, shape=(None,) * len(a.shape)) for a in args)
+
+    return dataclasses.replace(spec, in_args=erase(spec.in_args), out_args=erase(spec.out_args))
 
 
 def _spec_text(spec: Any) -> str | None:
@@ -275,62 +299,107 @@ def _spec_text(spec: Any) -> str | None:
 
 
 def _env_text() -> str:
-    skip = {"CUTE_DSL_CACHE_DIR", "CUTE_DSL_LOG_LEVEL", "CUTE_DSL_LOG_TO_CONSOLE", "CUTE_DSL_LOG_TO_FILE"}
+    # CUTE_DSL_ARCH is in the key as CompileKey.arch (set on CPU to cross-compile, detected on a GPU).
+    skip = {
+        "CUTE_DSL_CACHE_DIR",
+        "CUTE_DSL_LOG_LEVEL",
+        "CUTE_DSL_LOG_TO_CONSOLE",
+        "CUTE_DSL_LOG_TO_FILE",
+        "CUTE_DSL_ARCH",
+    }
     return repr(sorted((k, v) for k, v in os.environ.items() if k.startswith("CUTE_DSL_") and k not in skip))
 
 
 class _DiskBackedCompileCache(dict):
-    """cutlass.jax's in-memory compile cache, backed on disk for keys made by :func:`custom_call`.
+    """cutlass.jax's in-memory compile cache, extended for keys made by :func:`custom_call`.
 
     cutlass.jax looks compiled kernels up with ``cache.get(CompileCacheKey(compile_key, spec, env))``
-    and stores them with ``cache[key] = CompileResult(module, fingerprint, spec)``; entries whose
-    ``compile_key`` is a :class:`CompileKey` are also read from / written to :func:`cache_dir`. Other
-    cutlass.jax users are unaffected.
+    and stores them with ``cache[key] = CompileResult(module, fingerprint, spec)``. For entries whose
+    ``compile_key`` is a :class:`CompileKey`:
+
+    * with ``dynamic_shapes``, the lookup ignores operand extents (the compiled object reads them at
+      run time; only its exported symbol name mentions the extents it was traced with), so one object
+      serves every token count;
+    * entries are read from / written to :func:`cache_dir`.
+
+    Other cutlass.jax users are unaffected.
     """
 
-    stats = {"disk_hits": 0, "disk_writes": 0, "misses": 0}
+    stats: ClassVar[dict[str, int]] = {"disk_hits": 0, "disk_writes": 0, "misses": 0, "shape_reuses": 0}
+
+    def __init__(self, *args: Any) -> None:
+        super().__init__(*args)
+        self._erased: dict[Any, tuple[bytes, bytes]] = {}
 
     @staticmethod
-    def _path(key: Any) -> Path | None:
+    def _ours(key: Any) -> CompileKey | None:
         ck = getattr(key, "compile_key", None)
-        if not isinstance(ck, CompileKey):
-            return None
+        return ck if isinstance(ck, CompileKey) else None
+
+    @staticmethod
+    def _lookup_spec(key: Any, ck: CompileKey) -> Any:
+        spec = getattr(key, "spec", None)
+        return _erase_extents(spec) if ck.dynamic_shapes else spec
+
+    def _path(self, key: Any, ck: CompileKey) -> Path | None:
         root = cache_dir()
         if root is None:
             return None
-        kt, st = ck.stable_text(), _spec_text(getattr(key, "spec", None))
+        kt, st = ck.stable_text(), _spec_text(self._lookup_spec(key, ck))
         if kt is None or st is None:
             return None
-        digest = hashlib.sha256("\n".join((kt, st, _env_text())).encode()).hexdigest()
+        digest = hashlib.sha256(f"{kt}\n{st}\n{_env_text()}".encode()).hexdigest()
         return root / f"{ck.target}-{digest[:40]}.o"
+
+    def _result(self, key: Any, module: bytes) -> Any:
+        from cutlass.jax.compile import CompileResult
+
+        return CompileResult(module=module, fingerprint=hashlib.sha256(module).digest(), spec=key.spec)
 
     def get(self, key: Any, default: Any = None) -> Any:
         hit = super().get(key)
         if hit is not None:
             return hit
-        path = self._path(key)
+        ck = self._ours(key)
+        if ck is None:
+            return default
+        erased = (
+            (ck, self._lookup_spec(key, ck), getattr(key, "environment", None)) if ck.dynamic_shapes else None
+        )
+        if erased is not None and erased in self._erased:
+            result = self._result(key, self._erased[erased][0])
+            type(self).stats["shape_reuses"] += 1
+            super().__setitem__(key, result)
+            return result
+        path = self._path(key, ck)
         if path is None or not path.is_file():
-            if path is not None:
-                type(self).stats["misses"] += 1
+            type(self).stats["misses"] += 1
             return default
         try:
-            from cutlass.jax.compile import CompileResult
-
-            module = path.read_bytes()
-            result = CompileResult(module=module, fingerprint=hashlib.sha256(module).digest(), spec=key.spec)
-        except Exception:  # noqa: BLE001 - unreadable entry: recompile
+            result = self._result(key, path.read_bytes())
+        except Exception:
             logger.warning("tokenspeed_jax.ffi: ignoring unreadable cache entry %s", path, exc_info=True)
             return default
         type(self).stats["disk_hits"] += 1
         logger.debug("tokenspeed_jax.ffi: disk cache hit %s", path)
         super().__setitem__(key, result)
+        if erased is not None:
+            self._erased[erased] = (result.module, result.fingerprint)
         return result
 
     def __setitem__(self, key: Any, value: Any) -> None:
         super().__setitem__(key, value)
-        path = self._path(key)
+        ck = self._ours(key)
         module = getattr(value, "module", None)
-        if path is None or not isinstance(module, (bytes, bytearray)):
+        if ck is None or not isinstance(module, (bytes, bytearray)):
+            return
+        if ck.dynamic_shapes:
+            self._erased[(ck, self._lookup_spec(key, ck), getattr(key, "environment", None))] = (
+                module,
+                value.fingerprint,
+            )
+        path = self._path(key, ck)
+        if path is None:
             return
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
@@ -341,6 +410,10 @@ class _DiskBackedCompileCache(dict):
             type(self).stats["disk_writes"] += 1
         except OSError:
             logger.warning("tokenspeed_jax.ffi: could not write cache entry %s", path, exc_info=True)
+
+    def clear(self) -> None:
+        super().clear()
+        self._erased.clear()
 
 
 @functools.cache
@@ -376,7 +449,7 @@ def _check_hashable(name: str, value: Any) -> None:
 
 
 def _is_array(x: Any) -> bool:
-    return isinstance(x, (jax.Array, np.ndarray)) or isinstance(x, jax.core.Tracer)
+    return isinstance(x, (jax.Array, np.ndarray, jax.core.Tracer))
 
 
 def _compile_arch() -> str:
@@ -387,7 +460,24 @@ def _compile_arch() -> str:
         # Lowering for CUDA from a CPU process without an override: let CuTe DSL decide (CUTE_DSL_ARCH
         # or the detected device).
         return os.environ.get("CUTE_DSL_ARCH", "")
+    dsl_arch = _dsl_arch()
+    if dsl_arch and dsl_arch != t.arch:
+        raise RuntimeError(
+            f"tokenspeed_jax.ffi: the call targets {t.arch} but CuTe DSL compiles for {dsl_arch} "
+            f"(CUTE_DSL_ARCH={os.environ.get('CUTE_DSL_ARCH')!r} or the detected GPU); set "
+            f"CUTE_DSL_ARCH={t.arch} in the environment before starting Python to cross-compile"
+        )
     return t.arch
+
+
+def _dsl_arch() -> str | None:
+    """The arch CuTe DSL's runtime assumes (``CUTE_DSL_ARCH`` or the detected device), if known."""
+    try:
+        from cutlass.cutlass_dsl.cutlass import CuTeDSL
+
+        return str(CuTeDSL._get_dsl().envar.arch)
+    except Exception:  # noqa: BLE001 - internals moved: skip the check
+        return os.environ.get("CUTE_DSL_ARCH")
 
 
 def custom_call(
@@ -401,6 +491,7 @@ def custom_call(
     allow_cuda_graph: bool = True,
     input_output_aliases: Mapping[int, int] | None = None,
     library_versions: Sequence[str] = (),
+    dynamic_shapes: bool = False,
     **constexprs: Any,
 ) -> Callable[..., tuple[jax.Array, ...]]:
     """Return ``call(*inputs) -> tuple(outputs)`` running ``launch`` as custom call ``tokenspeed_{target}``.
@@ -414,6 +505,10 @@ def custom_call(
     ``allow_cuda_graph``: False selects the ``tokenspeed_{target}_nograph`` target.
     ``input_output_aliases``: ``{input_index: output_index}`` buffers to donate.
     ``library_versions``: extra pip distributions whose versions join the key (e.g. ``"flash-attn-4"``).
+    ``dynamic_shapes``: the launch reads every operand extent at run time (no ``static`` TensorSpec) and
+    ``input_specs``/``output_specs`` give every operand explicit divisibility hints that hold for all
+    extents; then one compiled object serves all extents (e.g. every token count) instead of one per
+    shape. Without it, cutlass.jax infers each extent as a divisibility hint and compiles per shape.
     ``constexprs``: compile-time keyword arguments of ``launch``; runtime scalars must be operands.
 
     The returned callable works inside ``jax.jit``; it must be lowered for CUDA (on a GPU, or on CPU with
@@ -426,8 +521,9 @@ def custom_call(
         raise TypeError("compile_key: expected a hashable static config (frozen dataclass), got None")
     _check_hashable("compile_key", compile_key)
     if isinstance(outputs, (jax.ShapeDtypeStruct,)) or not isinstance(outputs, Sequence) or not outputs:
-        raise TypeError("outputs: expected a non-empty sequence of jax.ShapeDtypeStruct, "
-                        f"got {type(outputs).__name__}")
+        raise TypeError(
+            f"outputs: expected a non-empty sequence of jax.ShapeDtypeStruct, got {type(outputs).__name__}"
+        )
     outs = []
     for i, o in enumerate(outputs):
         if not (hasattr(o, "shape") and hasattr(o, "dtype")):
@@ -442,6 +538,11 @@ def custom_call(
                 "operands (pass a shape-(1,) array as an input, see scalar_operand)"
             )
         _check_hashable(k, v)
+    if dynamic_shapes and (input_specs is None or output_specs is None):
+        raise ValueError(
+            "dynamic_shapes: needs explicit input_specs and output_specs (TensorSpec divisibility hints "
+            "valid for every extent); got None"
+        )
     for d in library_versions:
         if not isinstance(d, str):
             raise TypeError(f"library_versions: expected distribution names, got {d!r}")
@@ -450,7 +551,14 @@ def custom_call(
 
     register_target(name)
     _install_disk_cache()
-    versions = tuple((d, _version(d)) for d in (*_BASE_VERSIONS, *library_versions))
+    # The compiled object depends on CuTe DSL, the FFI ABI version cutlass.jax picks for this JAX, and the
+    # libraries named by the op; not on the exact jax/jaxlib release.
+    from cutlass.jax import get_cutlass_call_ffi_version
+
+    versions = (
+        *((d, _version(d)) for d in (*_BASE_VERSIONS, *library_versions)),
+        ("cutlass_call_ffi", str(get_cutlass_call_ffi_version())),
+    )
     fn = inspect.unwrap(getattr(launch, "__wrapped__", launch))
     launch_id = f"{getattr(launch, '__module__', '?')}.{getattr(launch, '__qualname__', repr(launch))}"
     try:
@@ -461,10 +569,14 @@ def custom_call(
     def call(*inputs: Any) -> tuple[jax.Array, ...]:
         for i, x in enumerate(inputs):
             if x is not None and getattr(x, "ndim", None) == 0:
-                raise ValueError(f"{name}: input {i} is 0-d; pass runtime scalars as shape-(1,) arrays "
-                                 "(tokenspeed_jax.ffi.scalar_operand)")
+                raise ValueError(
+                    f"{name}: input {i} is 0-d; pass runtime scalars as shape-(1,) arrays "
+                    "(tokenspeed_jax.ffi.scalar_operand)"
+                )
         arch = _compile_arch()
-        key = CompileKey(name, compile_key, arch, versions, launch_id, _file_digest(src))
+        key = CompileKey(
+            name, compile_key, arch, versions, launch_id, _file_digest(src), bool(dynamic_shapes)
+        )
         inner = cjax.cutlass_call(
             launch,
             output_shape_dtype=tuple(outs),
@@ -483,7 +595,7 @@ def custom_call(
             return tuple(inner(*args))
 
         @run.def_vmap
-        def _no_vmap(axis_size, in_batched, *args):  # noqa: ARG001
+        def _no_vmap(axis_size, in_batched, *args):
             raise NotImplementedError(
                 f"{name}: jax.vmap is not supported at the FFI layer; the public op handles batching "
                 "(e.g. mla_decode folds a vmapped axis into its batch)"
@@ -503,5 +615,3 @@ def __getattr__(attr: str) -> Any:
 
         return importlib.import_module(__name__ + ".device")
     raise AttributeError(f"module {__name__!r} has no attribute {attr!r}")
-
-

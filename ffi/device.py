@@ -8,7 +8,7 @@ element 0, converted to the requested type, so the compiled code is independent 
 from __future__ import annotations
 
 import cutlass
-import cutlass.cute as cute
+from cutlass import cute
 
 
 @cute.jit

@@ -38,8 +38,8 @@ def _attend(qrows: np.ndarray, keys: np.ndarray, vals: np.ndarray, scale: float)
     s = scale * (qrows @ keys.T)
     m = s.max(axis=1, keepdims=True)
     p = np.exp(s - m)
-    l = p.sum(axis=1)
-    return (p @ vals) / l[:, None], m[:, 0] + np.log(l)
+    den = p.sum(axis=1)
+    return (p @ vals) / den[:, None], m[:, 0] + np.log(den)
 
 
 def mla_decode(q, kv_cache, block_table, seq_lens, *, softmax_scale, output_scale=1.0, causal=True,
@@ -93,8 +93,7 @@ def mla_prefill(q, k, v, cu_seqlens_q, cu_seqlens_k, *, softmax_scale, causal=Tr
             s = np.where(vis, scale * (qs @ ks.T), -np.inf)
             m = np.where(seen, s.max(axis=1, initial=-np.inf), 0.0)[:, None]
             p = np.where(vis, np.exp(s - m), 0.0)
-            l = p.sum(axis=1)
-            ls = np.where(seen, l, 1.0)
+            ls = np.where(seen, p.sum(axis=1), 1.0)
             out[cq[b]:cq[b + 1], h] = np.where(seen[:, None], (p @ vs) / ls[:, None], 0.0)
             lse[cq[b]:cq[b + 1], h] = np.where(seen, m[:, 0] + np.log(ls), -np.inf)
     return out, lse

@@ -72,7 +72,8 @@ def concat_and_cache_mla(
         slots = slot_mapping.astype(jnp.int32)
         # Negative slots map past the end and are dropped, like slots beyond the cache.
         slots = jnp.where(slots < 0, P * ps, slots)
-        flat = kv_cache.reshape(P * ps, D).at[slots].set(rows, mode="drop", unique_indices=False)
+        flat = jnp.asarray(kv_cache).reshape(P * ps, D)  # asarray: a NumPy cache has no .at
+        flat = flat.at[slots].set(rows, mode="drop", unique_indices=False)
         return flat.reshape(P, ps, D)
 
 

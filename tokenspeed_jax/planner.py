@@ -77,19 +77,33 @@ def _family(arch: str) -> str:
 
 def _plan_sm90(*, batch, q_len, num_heads, max_kv_len, page_size, dtype, kv_lora_rank, rope_dim, arch,
                num_sms) -> DecodePlan:
-    """Hopper: 64-row wgmma tiles over rows = S*H (tokens and heads packed, heads fastest), 64-token
-    KV steps, and a static split-KV count that fills one wave of CTAs: each (request, row tile) gets
-    ``ceil(num_sms / (batch * m_blocks))`` splits, at most one per 64-token block and at least two
-    blocks per split so the combine stays cheap.  Partial outputs go to fp32 workspace
+    """Hopper (kernel: ``tokenspeed_jax.kernels.sm90.mla_decode``): 64-row wgmma tiles over rows = S*H
+    (tokens and heads packed, heads fastest), 64-token KV steps, one CTA per SM (225 KB of smem), and a
+    static split-KV count chosen for whole waves: among ``splits <= ceil(num_sms / (batch * m_blocks))``
+    with at least two 64-token blocks per split, the one that maximises ``ctas / (waves * num_sms)`` (``ctas = batch * m_blocks * splits``), the
+    smallest on near-ties (fewer partials to combine).  Splits are fixed token ranges of the static
+    capacity, so results do not depend on other requests' lengths.  Partial outputs go to fp32 workspace
     ``o_accum [B, splits, rows, kv_lora_rank]`` and ``lse_accum [B, splits, rows]``."""
     block_m, block_n = 64, 64
     rows = q_len * num_heads
     m_blocks = -(-rows // block_m)
     n_blocks = max(1, -(-max_kv_len // block_n))
-    want = max(1, -(-num_sms // (batch * m_blocks)))
-    splits = max(1, min(want, n_blocks // 2 if n_blocks >= 4 else 1))
-    blocks_per_split = -(-n_blocks // splits)
+    base = batch * m_blocks
+    max_splits = n_blocks // 2 if n_blocks >= 4 else 1
+    max_splits = min(max_splits, -(-num_sms // base))  # never more than one wave's worth
+    best, best_score = 1, -1.0
+    for s in range(1, max_splits + 1):
+        ctas = base * s
+        score = ctas / (-(-ctas // num_sms) * num_sms) - 0.002 * s
+        if score > best_score + 1e-9:
+            best, best_score = s, score
+    blocks_per_split = -(-n_blocks // best)
     splits = -(-n_blocks // blocks_per_split)  # no empty trailing split
+    # Kernel KV step (``extra["kv_step"]``): 64 tokens, 2-stage cp.async ring.  The kernel also has a
+    # 32-token, 4-stage ring (more bytes in flight per SM); measured on H200 (2026-11-29,
+    # docs/sm90_decode.md) it is ~20% slower even for memory-bound R <= 64, because its 64x16 QK wgmmas
+    # re-read Q from smem twice as often, so the planner does not pick it.
+    kv_step = 64
     ws: tuple[WorkspaceBuffer, ...] = ()
     if splits > 1:
         ws = (
@@ -100,6 +114,7 @@ def _plan_sm90(*, batch, q_len, num_heads, max_kv_len, page_size, dtype, kv_lora
         arch=arch, num_sms=num_sms, batch=batch, q_len=q_len, num_heads=num_heads, rows=rows,
         fold=q_len, block_m=block_m, block_n=block_n, num_m_blocks=m_blocks, num_splits=splits,
         tokens_per_split=blocks_per_split * block_n, grid=(m_blocks, splits, batch), workspace=ws,
+        extra=(("kv_step", kv_step),),
     )
 
 
@@ -138,6 +153,9 @@ def plan_mla_decode(
     family = _family(arch)
     if family == "sm100" and "sm100" not in _PLANNERS:
         import tokenspeed_jax.backends.sm100  # noqa: F401  (registers its planner)
+    if family not in _PLANNERS:
+        raise ValueError(f"arch: no decode planner registered for {arch!r} (family {family!r}; "
+                         f"planners: {sorted(_PLANNERS)})")
     if num_sms is None:
         from tokenspeed_jax.runtime import _DEFAULT_SMS
 

@@ -92,8 +92,16 @@ class DeepseekV3Config:
     quantization_config: QuantizationConfig | None = None
 
     def __post_init__(self):
-        for name in ("hidden_size", "num_attention_heads", "kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim",
-                     "v_head_dim", "vocab_size", "num_hidden_layers"):
+        for name in (
+            "hidden_size",
+            "num_attention_heads",
+            "kv_lora_rank",
+            "qk_rope_head_dim",
+            "qk_nope_head_dim",
+            "v_head_dim",
+            "vocab_size",
+            "num_hidden_layers",
+        ):
             v = getattr(self, name)
             if not isinstance(v, int) or v < 1:
                 raise ValueError(f"{name}: expected a positive int, got {v!r}")
@@ -105,23 +113,33 @@ class DeepseekV3Config:
                 f"got {self.num_key_value_heads}"
             )
         if self.n_routed_experts % self.n_group:
-            raise ValueError(f"n_group: expected a divisor of n_routed_experts = {self.n_routed_experts}, "
-                             f"got {self.n_group}")
+            raise ValueError(
+                f"n_group: expected a divisor of n_routed_experts = {self.n_routed_experts}, "
+                f"got {self.n_group}"
+            )
         if not 1 <= self.topk_group <= self.n_group:
             raise ValueError(f"topk_group: expected 1..n_group = {self.n_group}, got {self.topk_group}")
         if self.n_routed_experts // self.n_group < 2:
-            raise ValueError("n_group: expected at least 2 experts per group (group score = top-2 sum), got "
-                             f"{self.n_routed_experts // self.n_group}")
+            raise ValueError(
+                "n_group: expected at least 2 experts per group (group score = top-2 sum), got "
+                f"{self.n_routed_experts // self.n_group}"
+            )
         if self.num_experts_per_tok > self.topk_group * (self.n_routed_experts // self.n_group):
-            raise ValueError(f"num_experts_per_tok: expected <= experts in the selected groups, got "
-                             f"{self.num_experts_per_tok}")
+            raise ValueError(
+                f"num_experts_per_tok: expected <= experts in the selected groups, got "
+                f"{self.num_experts_per_tok}"
+            )
         if self.scoring_func != "sigmoid" or self.topk_method != "noaux_tc":
-            raise ValueError(f"scoring_func/topk_method: only DeepSeek-V3's 'sigmoid'/'noaux_tc' routing is "
-                             f"implemented, got {self.scoring_func!r}/{self.topk_method!r}")
+            raise ValueError(
+                f"scoring_func/topk_method: only DeepSeek-V3's 'sigmoid'/'noaux_tc' routing is "
+                f"implemented, got {self.scoring_func!r}/{self.topk_method!r}"
+            )
         if self.hidden_act != "silu":
             raise ValueError(f"hidden_act: expected 'silu', got {self.hidden_act!r}")
         if self.rope_scaling is not None and self.rope_scaling.type != "yarn":
-            raise ValueError(f"rope_scaling: expected type 'yarn' or no scaling, got {self.rope_scaling.type!r}")
+            raise ValueError(
+                f"rope_scaling: expected type 'yarn' or no scaling, got {self.rope_scaling.type!r}"
+            )
 
     # ------------------------------------------------------------------------------------- derived
     @property
@@ -137,7 +155,7 @@ class DeepseekV3Config:
     def softmax_scale(self) -> float:
         """``qk_head_dim^-0.5 * mscale^2`` with ``mscale = yarn_get_mscale(factor, mscale_all_dim)``
         (DeepSeek's reference and transformers' ``yarn_apply_mscale``)."""
-        s = self.qk_head_dim ** -0.5
+        s = self.qk_head_dim**-0.5
         rs = self.rope_scaling
         if rs is not None and rs.mscale_all_dim:
             m = yarn_get_mscale(rs.factor, rs.mscale_all_dim)
@@ -175,10 +193,13 @@ class DeepseekV3Config:
         qc = kw.get("quantization_config")
         if isinstance(qc, dict):
             if qc.get("quant_method", "fp8") != "fp8" or qc.get("fmt", "e4m3") != "e4m3":
-                raise ValueError(f"quantization_config: only DeepSeek's fp8/e4m3 block quantisation is "
-                                 f"supported, got {qc}")
+                raise ValueError(
+                    f"quantization_config: only DeepSeek's fp8/e4m3 block quantisation is supported, got {qc}"
+                )
             kw["quantization_config"] = QuantizationConfig(
-                quant_method="fp8", fmt="e4m3", activation_scheme=qc.get("activation_scheme", "dynamic"),
+                quant_method="fp8",
+                fmt="e4m3",
+                activation_scheme=qc.get("activation_scheme", "dynamic"),
                 weight_block_size=tuple(qc.get("weight_block_size", (128, 128))),
             )
         for k in ("eos_token_id", "bos_token_id"):
@@ -209,8 +230,10 @@ class DeepseekV3Config:
         if self.rope_scaling is not None:
             d["rope_scaling"] = dataclasses.asdict(self.rope_scaling)
         if self.quantization_config is not None:
-            d["quantization_config"] = {**dataclasses.asdict(self.quantization_config),
-                                        "weight_block_size": list(self.quantization_config.weight_block_size)}
+            d["quantization_config"] = {
+                **dataclasses.asdict(self.quantization_config),
+                "weight_block_size": list(self.quantization_config.weight_block_size),
+            }
         d["model_type"] = "deepseek_v3"
         d["architectures"] = ["DeepseekV3ForCausalLM"]
         return d
@@ -228,14 +251,34 @@ class DeepseekV3Config:
 PRESETS: dict[str, DeepseekV3Config] = {
     "deepseek-r1": DeepseekV3Config(quantization_config=QuantizationConfig()),
     "small": DeepseekV3Config(
-        vocab_size=4096, hidden_size=512, intermediate_size=1024, moe_intermediate_size=256,
-        num_hidden_layers=4, num_attention_heads=16, num_key_value_heads=16, q_lora_rank=256,
-        n_routed_experts=16, n_group=4, topk_group=2, num_experts_per_tok=4, first_k_dense_replace=1,
+        vocab_size=4096,
+        hidden_size=512,
+        intermediate_size=1024,
+        moe_intermediate_size=256,
+        num_hidden_layers=4,
+        num_attention_heads=16,
+        num_key_value_heads=16,
+        q_lora_rank=256,
+        n_routed_experts=16,
+        n_group=4,
+        topk_group=2,
+        num_experts_per_tok=4,
+        first_k_dense_replace=1,
         max_position_embeddings=163840,
     ),
     "tiny": DeepseekV3Config(
-        vocab_size=256, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
-        num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2, q_lora_rank=32,
-        n_routed_experts=8, n_group=2, topk_group=1, num_experts_per_tok=2, first_k_dense_replace=1,
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        moe_intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        q_lora_rank=32,
+        n_routed_experts=8,
+        n_group=2,
+        topk_group=1,
+        num_experts_per_tok=2,
+        first_k_dense_replace=1,
     ),
 }

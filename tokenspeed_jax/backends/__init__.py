@@ -115,5 +115,6 @@ def select_backend(op: str, problem: DecodeProblem | PrefillProblem, backend: st
         if reason is None:
             return chosen
     lines = "\n".join(f"  {n}: {r or 'ok'}" for n, r in backend_reasons(op, problem).items())
-    what = "no backend" if chosen is None else f"backend {backend!r}"
-    raise ValueError(f"backend: {what} can run this mla_{op} call ({problem}).\nReasons:\n{lines}")
+    what = "no backend can" if chosen is None else f"backend {backend!r} cannot"
+    raise ValueError(f"backend: expected a backend that can run this call; {what} run this mla_{op} call "
+                     f"({problem}).\nReasons:\n{lines}")

@@ -27,7 +27,7 @@ def _operand(x):
 def _softmax_rows(s, valid):
     """Masked, exactly-zero-safe softmax pieces: returns (p unnormalised, row sum l, row max m_safe)."""
     s = jnp.where(valid, s, -jnp.inf)
-    m = jnp.max(s, axis=-1, keepdims=True)
+    m = jnp.max(s, axis=-1, keepdims=True, initial=-jnp.inf)  # initial: no keys at all (Tk = 0)
     m_safe = jnp.where(jnp.isfinite(m), m, 0.0)
     p = jnp.exp(s - m_safe)  # masked entries: exp(-inf) = 0
     return p, jnp.sum(p, axis=-1), m_safe[..., 0]
@@ -95,7 +95,7 @@ class XlaBackend:
 
         # Query blocks bound the fp32 score tile to ~256 MiB; the reference stays usable at 32k+ tokens.
         qb = max(1, min(Tq, (1 << 26) // max(1, Hq * max(Tk, 1))))
-        qb = 1 << int(math.floor(math.log2(qb))) if qb < Tq else Tq
+        qb = 1 << int(math.floor(math.log2(qb))) if qb < Tq else max(Tq, 1)  # Tq = 0: one empty block
         nblk = -(-Tq // qb)
         pad = nblk * qb - Tq
         q4 = jnp.pad(_operand(q), ((0, pad), (0, 0), (0, 0))).reshape(nblk, qb, Hk, G, Dqk)

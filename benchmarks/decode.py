@@ -1,0 +1,335 @@
+"""MLA decode: correctness check and benchmark of the sm90 kernel in one process (one GPU call).
+
+    CUTE_DSL_ARCH=sm_90a python -m benchmarks.decode --prewarm 12 --check --bench \
+        --out $OUT/decode.json --png $OUT/decode.png
+
+``--prewarm N`` compiles every configuration the run needs in N CPU worker processes first (lowering for
+CUDA under ``target_override``), filling the tokenspeed_jax.ffi disk cache so the timed process only loads
+objects.  ``--check`` runs the correctness matrix against the exact fp32 reference (``backend="xla"`` on
+fp32-cast inputs) and the bf16 xla backend: NaN in every page a request does not own, permuted block
+tables, garbage past the used table entries, ragged lengths (0, 1, S-1, page-1, page+1, long), poisoned
+device memory before each call, LSE, -inf rows, and bitwise run-to-run determinism.  ``--bench`` times
+ours vs FlashMLA (BF16 and the FP8 fork, from the GPU kit) vs plain XLA on the issue's matrix.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+import time
+
+import numpy as np
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    name: str
+    dtype: str
+    B: int
+    S: int
+    H: int
+    page: int
+    max_pages: int
+    lens: tuple[int, ...] | None = None  # None: random in [0, capacity]
+    causal: bool = True
+    garbage: bool = False  # garbage block-table entries past the used ones + a seq_len beyond capacity
+
+    @property
+    def num_pages(self) -> int:
+        return self.B * self.max_pages + 8
+
+
+CHECK = [
+    Case("s1h16p64", "bfloat16", 3, 1, 16, 64, 40, (0, 1, 2500)),
+    Case("s2h128p64", "bfloat16", 3, 2, 128, 64, 40, (1, 65, 2555)),
+    Case("s4h32p32", "bfloat16", 3, 4, 32, 32, 64, (3, 31, 2000)),
+    Case("s8h8p128", "bfloat16", 3, 8, 8, 128, 20, (7, 129, 2560)),
+    Case("s16h1p16", "bfloat16", 3, 16, 1, 16, 100, (15, 17, 1600)),
+    Case("s3h96p64", "bfloat16", 3, 3, 96, 64, 40, (2, 63, 2559)),
+    Case("s16h64p64_f16", "float16", 3, 16, 64, 64, 40, (16, 100, 2000)),
+    Case("b64s4h16p64", "bfloat16", 64, 4, 16, 64, 24, None),
+    Case("b1s1h128p64_81920", "bfloat16", 1, 1, 128, 64, 1280, (81920,)),
+    Case("s4h16p64_noncausal", "bfloat16", 3, 4, 16, 64, 40, (0, 5, 2000), causal=False),
+    Case("s2h32p64_garbage", "bfloat16", 3, 2, 32, 64, 16, (300, 10**7, 64), garbage=True),
+    Case("b1s1h16p64_short", "bfloat16", 1, 1, 16, 64, 4, (70,)),
+    Case("fp8_s1h16p64", "float8_e4m3fn", 3, 1, 16, 64, 40, (0, 65, 2500)),
+    Case("fp8_s4h128p64", "float8_e4m3fn", 3, 4, 128, 64, 40, (3, 64, 2000)),
+    Case("fp8_s2h32p32_garbage", "float8_e4m3fn", 3, 2, 32, 32, 32, (1, 33, 10**6), garbage=True),
+    Case("fp8_s8h16p128", "float8_e4m3fn", 2, 8, 16, 128, 12, (129, 1500)),
+]
+
+BENCH = [(64, 81920, 64, H, S) for H in (16, 32, 128) for S in (1, 4, 8)] + [
+    (128, 4096, 64, 16, 1), (128, 4096, 64, 128, 1), (1, 81920, 64, 16, 1), (8, 16384, 64, 128, 2)]
+
+
+def bench_case(B, K, page, H, S) -> Case:
+    return Case(f"B{B}_K{K}_H{H}_S{S}", "bfloat16", B, S, H, page, K // page, (K,) * B)
+
+
+def shapes(c: Case):
+    import jax
+    import jax.numpy as jnp
+
+    dt = jnp.dtype(c.dtype)
+    return (jax.ShapeDtypeStruct((c.B, c.S, c.H, 576), dt), jax.ShapeDtypeStruct((c.num_pages, c.page, 576), dt),
+            jax.ShapeDtypeStruct((c.B, c.max_pages), jnp.int32), jax.ShapeDtypeStruct((c.B,), jnp.int32))
+
+
+def decode_fn(c: Case, backend: str):
+    import jax
+
+    from tokenspeed_jax import mla_decode
+
+    def f(q, kv, bt, sl, scale):
+        return mla_decode(q, kv, bt, sl, softmax_scale=scale, causal=c.causal, return_lse=True, backend=backend)
+
+    return jax.jit(f)
+
+
+def _prewarm_one(c: Case, step32: bool = False) -> str:
+    import jax
+    import jax.numpy as jnp
+
+    from tokenspeed_jax.runtime import target_override
+
+    t = time.time()
+    with target_override("sm_90a", num_sms=132):
+        scale = jax.ShapeDtypeStruct((), jnp.float32)
+        decode_fn(c, "sm90").trace(*shapes(c), scale).lower(lowering_platforms=("cuda",))
+        if step32 and c.name.startswith("B") and c.H * c.S <= 64 and c.dtype == "bfloat16":
+            from tokenspeed_jax.backends import sm90_decode
+            from tokenspeed_jax.decode import _decode_problem
+
+            prob = _decode_problem(*shapes(c), True, 512, False)
+            jax.jit(lambda q, kv, bt, sl, s: sm90_decode.decode(prob, q, kv, bt, sl, s, jnp.float32(1.0),
+                                                                kv_step=32)[0]).trace(*shapes(c), scale).lower(
+                lowering_platforms=("cuda",))
+    return f"{c.name}: {time.time() - t:.1f}s"
+
+
+def _worker_init():
+    os.environ["JAX_PLATFORMS"] = "cpu"
+
+
+def prewarm(cases, workers: int) -> None:
+    import multiprocessing as mp
+
+    t = time.time()
+    os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
+    ctx = mp.get_context("spawn")
+    env_backup = os.environ.get("JAX_PLATFORMS")
+    os.environ["JAX_PLATFORMS"] = "cpu"  # inherited by the spawned workers
+    try:
+        with ctx.Pool(workers, initializer=_worker_init) as pool:
+            for msg in pool.imap_unordered(_prewarm_one, cases):  # (the step-32 variant compiles in-process)
+                print("prewarm", msg, flush=True)
+    finally:
+        if env_backup is None:
+            os.environ.pop("JAX_PLATFORMS", None)
+        else:
+            os.environ["JAX_PLATFORMS"] = env_backup
+    print(f"prewarm: {len(cases)} configs in {time.time() - t:.0f}s", flush=True)
+
+
+# ------------------------------------------------------------------------------------------- inputs
+def make_inputs(c: Case, seed: int):
+    import jax.numpy as jnp
+
+    rng = np.random.default_rng(seed)
+    cap = c.max_pages * c.page
+    lens = np.array(c.lens if c.lens is not None else rng.integers(0, cap + 1, c.B), np.int64)
+    used = np.minimum((np.minimum(lens, cap) + c.page - 1) // c.page, c.max_pages)
+    perm = rng.permutation(c.num_pages)
+    bt = np.zeros((c.B, c.max_pages), np.int64)
+    kv = rng.standard_normal((c.num_pages, c.page, 576), np.float32)
+    owned = np.zeros(c.num_pages, bool)
+    k = 0
+    for b in range(c.B):
+        bt[b, : used[b]] = perm[k: k + used[b]]
+        owned[perm[k: k + used[b]]] = True
+        k += used[b]
+        if c.garbage:
+            bt[b, used[b]:] = rng.choice([-7, c.num_pages, 2**30, -(2**30)], c.max_pages - used[b])
+        else:
+            bt[b, used[b]:] = perm[rng.integers(0, c.num_pages, c.max_pages - used[b])]
+    kv[~owned] = np.nan
+    q = rng.standard_normal((c.B, c.S, c.H, 576), np.float32)
+    dt = jnp.dtype(c.dtype)
+    return (jnp.asarray(q, dt), jnp.asarray(kv, dt), jnp.asarray(bt, jnp.int32), jnp.asarray(lens.clip(0, 2**31 - 1),
+            jnp.int32))
+
+
+def poison():
+    import jax.numpy as jnp
+
+    x = jnp.full((64 << 20,), jnp.nan, jnp.float32)  # 256 MiB of NaN, freed: the allocator reuses it
+    x.block_until_ready()
+    del x
+
+
+def check(cases, seed: int) -> list[dict]:
+    import jax.numpy as jnp
+
+    results = []
+    for c in cases:
+        t0 = time.time()
+        q, kv, bt, sl = make_inputs(c, seed)
+        scale = jnp.float32(576 ** -0.5)
+        poison()
+        out, lse = decode_fn(c, "sm90")(q, kv, bt, sl, scale)
+        out = np.asarray(out.astype(jnp.float32))
+        lse = np.asarray(lse)
+        poison()
+        out2, lse2 = decode_fn(c, "sm90")(q, kv, bt, sl, scale)
+        det = bool(np.array_equal(np.asarray(out2.astype(jnp.float32)), out, equal_nan=True)
+                   and np.array_equal(np.asarray(lse2), lse, equal_nan=True))
+        ro, rl = decode_fn(c, "xla")(q.astype(jnp.float32), kv.astype(jnp.float32), bt, sl, scale)
+        ro, rl = np.asarray(ro), np.asarray(rl)
+        # the same computation in the output dtype = the exact result rounded once (what the xla backend
+        # gives for 16-bit/FP8 inputs): its error is the yardstick of the tolerance
+        from tokenspeed_jax.problems import out_dtype_name
+
+        xo = np.asarray(jnp.asarray(ro).astype(out_dtype_name(c.dtype)).astype(jnp.float32))
+        err = np.abs(out - ro)
+        err_x = float(np.nanmax(np.abs(xo - ro)))
+        # Tolerance (ARCHITECTURE.md): at most 2x the error of the same computation in the input dtype
+        # (the xla backend on bf16/fp16 inputs, i.e. output rounding) plus 1e-3.
+        ok_o = bool(float(np.max(err)) <= 2 * err_x + 1e-3)
+        inf_ok = bool(np.array_equal(np.isneginf(lse), np.isneginf(rl)))
+        fin = np.isfinite(rl)
+        lerr = float(np.max(np.abs(lse[fin] - rl[fin]))) if fin.any() else 0.0
+        ok_l = inf_ok and lerr <= 1e-3 + 1e-4 * float(np.max(np.abs(rl[fin]), initial=0))
+        zero_rows = bool(np.all(out[np.isneginf(rl)] == 0))
+        finite = bool(np.all(np.isfinite(out)))
+        r = {"case": c.name, "ok": ok_o and ok_l and det and zero_rows and finite, "max_err": float(np.max(err)),
+             "xla_native_err": err_x, "err_ratio": float(np.max(err)) / max(err_x, 1e-12), "lse_err": lerr,
+             "lse_inf_match": inf_ok, "deterministic": det, "empty_rows_zero": zero_rows, "all_finite": finite,
+             "secs": round(time.time() - t0, 1)}
+        print(json.dumps(r), flush=True)
+        results.append(r)
+    return results
+
+
+# -------------------------------------------------------------------------------------------- bench
+def bench(cases, report, with_xla=True, with_flashmla=True, step32=False) -> None:
+    fm = None
+    if with_flashmla:
+        try:
+            import flash_mla as fm
+        except Exception as e:  # noqa: BLE001
+            print("flash_mla unavailable:", e)
+    for (B, K, page, H, S) in cases:
+        _bench_one(report, fm, bench_case(B, K, page, H, S), with_xla, step32)
+        print(report.table().splitlines()[-1], flush=True)
+
+
+def _bench_one(report, fm, c: Case, with_xla: bool, step32: bool = False) -> None:
+    import jax
+    import jax.numpy as jnp
+
+    from benchmarks.harness import bench as timeit
+    from benchmarks.harness import decode_cost
+
+    B, K, page, H, S = c.B, c.max_pages * c.page, c.page, c.H, c.S
+    key = jax.random.PRNGKey(B * 1000 + H * 10 + S)
+    kv = jax.random.normal(key, (c.num_pages, page, 576), jnp.bfloat16)
+    q = jax.random.normal(jax.random.PRNGKey(1), (B, S, H, 576), jnp.bfloat16)
+    bt = jnp.arange(B * c.max_pages, dtype=jnp.int32).reshape(B, c.max_pages)
+    sl = jnp.full((B,), K, jnp.int32)
+    scale = jnp.float32(576 ** -0.5)
+    nbytes, flops = decode_cost(B, S, H, K)
+    ours = decode_fn(c, "sm90")
+    report.add(c.name, "ours bf16", timeit(lambda: ours(q, kv, bt, sl, scale)), nbytes=nbytes, flops=flops)
+    if step32 and H * S <= 64:  # the kernel's alternative 32-token, 4-stage ring (not planned)
+        from tokenspeed_jax.backends import sm90_decode
+        from tokenspeed_jax.decode import _decode_problem
+
+        prob = _decode_problem(q, kv, bt, sl, True, 512, False)
+        s32 = jax.jit(lambda q, kv, bt, sl, s: sm90_decode.decode(prob, q, kv, bt, sl, s, jnp.float32(1.0),
+                                                                  kv_step=32)[0])
+        report.add(c.name, "ours bf16 step32", timeit(lambda: s32(q, kv, bt, sl, scale)), nbytes=nbytes,
+                   flops=flops)
+    c8 = dataclasses.replace(c, dtype="float8_e4m3fn")
+    q8j, kv8j = q.astype(jnp.float8_e4m3fn), kv.astype(jnp.float8_e4m3fn)
+    ours8 = decode_fn(c8, "sm90")
+    nb8j, _ = decode_cost(B, S, H, K, elt_bytes=1)
+    report.add(c.name, "ours fp8", timeit(lambda: ours8(q8j, kv8j, bt, sl, scale)), nbytes=nb8j, flops=flops,
+               fp8=True)
+    if fm is not None:
+        import torch
+
+        tq = torch.from_dlpack(q)
+        tk = torch.from_dlpack(kv).view(c.num_pages, page, 1, 576)
+        tbt = torch.from_dlpack(bt)
+        tsl = torch.from_dlpack(sl)
+        sched, _ = fm.get_mla_metadata()
+
+        def run():
+            return fm.flash_mla_with_kvcache(tq, tk, tbt, tsl, 512, sched, None, softmax_scale=576 ** -0.5,
+                                             causal=True)
+
+        ref_out = run()[0]
+        report.add(c.name, "FlashMLA bf16", timeit(run), nbytes=nbytes, flops=flops)
+        o = np.asarray(ours(q, kv, bt, sl, scale)[0].astype(jnp.float32))
+        r = np.asarray(jax.dlpack.from_dlpack(ref_out).astype(jnp.float32))
+        print(f"{c.name}: max |ours - FlashMLA| = {np.max(np.abs(o - r)):.3e}", flush=True)
+        q8, k8 = tq.to(torch.float8_e4m3fn), tk.to(torch.float8_e4m3fn)
+        one = torch.ones(1, dtype=torch.float32, device=tq.device)
+
+        def run8():
+            return fm.flash_mla_fp8_dense(q8, k8, tbt, tsl, 576 ** -0.5, True, one, one)
+
+        nb8, _ = decode_cost(B, S, H, K, elt_bytes=1)
+        try:
+            report.add(c.name, "FlashMLA fp8", timeit(run8), nbytes=nb8, flops=flops, fp8=True)
+        except Exception as e:  # noqa: BLE001
+            report.add(c.name, "FlashMLA fp8", None, nbytes=nb8, flops=flops, note=str(e)[:80])
+    if with_xla and H == 32 and B == 64:
+        xf = decode_fn(c, "xla")
+        report.add(c.name, "plain XLA", timeit(lambda: xf(q, kv, bt, sl, scale)), nbytes=nbytes, flops=flops)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--check", action="store_true")
+    ap.add_argument("--bench", action="store_true")
+    ap.add_argument("--prewarm", type=int, default=0, help="CPU worker processes compiling every config first")
+    ap.add_argument("--no-xla", action="store_true")
+    ap.add_argument("--cases", default="", help="comma-separated CHECK case names (default: all)")
+    ap.add_argument("--quick", action="store_true", help="bench 4 representative shapes only")
+    ap.add_argument("--step32", action="store_true", help="also time the kernel's 32-token ring (R <= 64)")
+    ap.add_argument("--seed", type=int, default=int(time.time()) % 100000)
+    ap.add_argument("--out", default="/tmp/decode.json")
+    ap.add_argument("--png", default=None)
+    a = ap.parse_args(argv)
+    os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
+    checks = [c for c in CHECK if not a.cases or c.name in a.cases.split(",")]
+    benches = [BENCH[i] for i in (0, 4, 8, 9)] if a.quick else BENCH
+    if a.prewarm:
+        todo = (checks if a.check else []) + ([bench_case(*x) for x in benches] if a.bench else [])
+        todo += [dataclasses.replace(bench_case(*x), dtype="float8_e4m3fn") for x in benches] if a.bench else []
+        prewarm(todo, a.prewarm)
+    doc = {"seed": a.seed}
+    if a.check:
+        res = check(checks, a.seed)
+        doc["check"] = res
+        print(f"check: {sum(r['ok'] for r in res)}/{len(res)} cases pass (seed {a.seed})", flush=True)
+        with open(a.out.replace(".json", "_check.json"), "w") as f:
+            json.dump(doc, f, indent=1)
+    if a.bench:
+        from benchmarks.harness import Report, measure_ceilings
+
+        rep = Report("mla_decode sm90", measure_ceilings())
+        try:
+            bench(benches, rep, with_xla=not a.no_xla, step32=a.step32)
+        finally:
+            rep.write(a.out, a.png)
+            print(rep.table())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

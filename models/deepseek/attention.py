@@ -1,0 +1,248 @@
+"""Multi-head latent attention (MLA) as a Flax NNX module, running on the public tokenspeed_jax ops.
+
+Parameters (checkpoint names): ``q_a_proj -> q_a_layernorm -> q_b_proj`` (or ``q_proj`` when
+``q_lora_rank`` is None), ``kv_a_proj_with_mqa -> kv_a_layernorm``, ``kv_b_proj``, ``o_proj``.
+
+Two forms of the same attention (documented decision, as in vLLM/SGLang):
+
+* Prefill (``batch.mode == "prefill"``) uses the non-absorbed form through :func:`tokenspeed_jax.mla_prefill`:
+  ``k = [k_nope | k_pe]`` (192) and ``v`` (128) per head from ``kv_b_proj``, ragged over the packed
+  requests.  With a chunked context (``batch.context_lens``), the tokens already in the paged cache are
+  gathered, expanded by ``kv_b_proj`` and attended non-causally; the two partial results are combined
+  with :func:`tokenspeed_jax.merge_attn_states`.
+* Decode (``batch.mode == "decode"``, S = 1 or S = k+1 MTP verification) uses the absorbed form through
+  :func:`tokenspeed_jax.mla_decode`: ``q_nope`` is multiplied by ``W_UK`` into the 512-dim latent, the
+  output latent is mapped back by ``W_UV``; keys and values are the cache rows themselves.
+
+Every call writes its new tokens' ``[kv_c | k_pe]`` rows into the layer's paged cache with
+:func:`tokenspeed_jax.concat_and_cache_mla` (rows layout: :mod:`tokenspeed_jax.decode`) and returns the
+new cache: the cache is data passed in and returned.  An FP8 (e4m3) cache stores ``x / k_scale``; decode
+queries are quantised with a per-call dynamic scale ``q_scale = max|q| / 448`` and the scales are folded into
+``softmax_scale`` / ``output_scale`` as the decode contract prescribes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from flax import nnx, struct
+from tokenspeed_jax.models.deepseek.config import DeepseekV3Config
+from tokenspeed_jax.models.deepseek.layers import RMSNorm, linear
+from tokenspeed_jax.models.deepseek.rope import apply_rope, rope_cos_sin, rope_frequencies
+
+import tokenspeed_jax as ts
+
+E4M3_MAX = 448.0
+
+
+@struct.dataclass
+class AttentionBatch:
+    """Per-call attention metadata shared by every layer (a pytree; ``mode``/``q_len``/``capacity``/
+    ``backend`` are static).
+
+    Tokens are packed: ``T`` rows, ``positions [T]`` their absolute positions, ``slot_mapping [T]`` their
+    cache slots (``page * page_size + row``; -1 writes nothing, e.g. padding).
+
+    prefill: ``cu_seqlens_q [B + 1]`` request boundaries (rows past ``cu_seqlens_q[-1]`` are padding).
+      Chunked context: ``block_table [B, max_pages]`` and ``context_lens [B]`` (tokens of each request
+      already in the cache, attended by every new token), ``context_capacity`` a static bound on
+      ``sum(context_lens)``; ``context_lens is None`` means no context.
+    decode: ``T = B * q_len`` rows ordered request-major; ``block_table [B, max_pages]`` and
+      ``seq_lens [B]`` (cache length including the ``q_len`` new tokens).
+    """
+
+    positions: jax.Array
+    slot_mapping: jax.Array | None = None
+    cu_seqlens_q: jax.Array | None = None
+    block_table: jax.Array | None = None
+    context_lens: jax.Array | None = None
+    seq_lens: jax.Array | None = None
+    mode: str = struct.field(pytree_node=False, default="prefill")
+    q_len: int = struct.field(pytree_node=False, default=1)
+    context_capacity: int = struct.field(pytree_node=False, default=0)
+    max_seqlen_q: int | None = struct.field(pytree_node=False, default=None)
+    backend: str = struct.field(pytree_node=False, default="auto")
+
+    def replace(self, **kw) -> AttentionBatch:
+        return dataclasses.replace(self, **kw)
+
+
+def gather_context(kv_cache: jax.Array, block_table: jax.Array, context_lens: jax.Array, capacity: int):
+    """Pack the cached context rows of every request: ``(rows [capacity, D], cu_seqlens_ctx [B + 1])``.
+
+    Row ``r < cu[-1]`` is token ``r - cu[b]`` of request ``b``; rows past ``cu[-1]`` are zero.
+    """
+    P, ps, D = kv_cache.shape
+    lens = context_lens.astype(jnp.int32)
+    cu = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(lens)])
+    r = jnp.arange(capacity, dtype=jnp.int32)
+    B = lens.shape[0]
+    req = jnp.clip(jnp.searchsorted(cu[1:], r, side="right"), 0, B - 1).astype(jnp.int32)
+    pos = r - cu[req]
+    page = jnp.take_along_axis(
+        block_table[req], jnp.clip(pos // ps, 0, block_table.shape[1] - 1)[:, None], axis=1
+    )[:, 0]
+    rows = kv_cache.reshape(P * ps, D)[jnp.clip(page, 0, P - 1) * ps + pos % ps]
+    rows = jnp.where((r < cu[-1])[:, None], rows, jnp.zeros((), rows.dtype))
+    return rows, cu
+
+
+def _quantize_fp8(x, scale):
+    y = x.astype(jnp.float32) / scale
+    return jnp.clip(y, -E4M3_MAX, E4M3_MAX).astype(jnp.float8_e4m3fn)
+
+
+class MLAttention(nnx.Module):
+    def __init__(
+        self, config: DeepseekV3Config, *, dtype=jnp.float32, param_dtype=jnp.float32, rngs: nnx.Rngs
+    ):
+        c = config
+        self.config = c
+        self.dtype = dtype
+        H = c.num_attention_heads
+        kw = {"dtype": dtype, "param_dtype": param_dtype, "rngs": rngs}
+        if c.q_lora_rank is None:
+            self.q_proj = linear(c.hidden_size, H * c.qk_head_dim, **kw)
+        else:
+            self.q_a_proj = linear(c.hidden_size, c.q_lora_rank, **kw)
+            self.q_a_layernorm = RMSNorm(c.q_lora_rank, **kw)
+            self.q_b_proj = linear(c.q_lora_rank, H * c.qk_head_dim, **kw)
+        self.kv_a_proj_with_mqa = linear(c.hidden_size, c.kv_lora_rank + c.qk_rope_head_dim, **kw)
+        self.kv_a_layernorm = RMSNorm(c.kv_lora_rank, **kw)
+        self.kv_b_proj = linear(c.kv_lora_rank, H * (c.qk_nope_head_dim + c.v_head_dim), **kw)
+        self.o_proj = linear(H * c.v_head_dim, c.hidden_size, **kw)
+        inv_freq, self.rope_attention_factor = rope_frequencies(c)
+        self.inv_freq = tuple(float(f) for f in inv_freq)  # static data, not a parameter
+
+    # ------------------------------------------------------------------------------ projections
+    def _q(self, x, cos, sin):
+        c = self.config
+        if c.q_lora_rank is None:
+            q = self.q_proj(x)
+        else:
+            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+        q = q.reshape(x.shape[0], c.num_attention_heads, c.qk_head_dim)
+        q_nope, q_pe = q[..., : c.qk_nope_head_dim], q[..., c.qk_nope_head_dim :]
+        return q_nope, apply_rope(q_pe, cos, sin, interleave=c.rope_interleave)
+
+    def _kv_latent(self, x, cos, sin):
+        c = self.config
+        kv = self.kv_a_proj_with_mqa(x)
+        kv_c = self.kv_a_layernorm(kv[:, : c.kv_lora_rank])
+        k_pe = apply_rope(kv[:, c.kv_lora_rank :], cos, sin, interleave=c.rope_interleave)
+        return kv_c, k_pe
+
+    def _expand_kv(self, kv_c, k_pe):
+        """Non-absorbed keys/values: ``k [T, H, nope + rope]``, ``v [T, H, v_head_dim]``."""
+        c = self.config
+        H = c.num_attention_heads
+        kvb = self.kv_b_proj(kv_c.astype(self.dtype)).reshape(
+            kv_c.shape[0], H, c.qk_nope_head_dim + c.v_head_dim
+        )
+        k_nope, v = kvb[..., : c.qk_nope_head_dim], kvb[..., c.qk_nope_head_dim :]
+        pe = jnp.broadcast_to(k_pe[:, None, :].astype(k_nope.dtype), (kv_c.shape[0], H, c.qk_rope_head_dim))
+        return jnp.concatenate([k_nope, pe], axis=-1), v
+
+    def _w_uk_uv(self):
+        c = self.config
+        w = self.kv_b_proj.kernel[...].astype(self.dtype)
+        w = w.reshape(c.kv_lora_rank, c.num_attention_heads, c.qk_nope_head_dim + c.v_head_dim)
+        return w[..., : c.qk_nope_head_dim], w[..., c.qk_nope_head_dim :]
+
+    # ---------------------------------------------------------------------------------- forward
+    def __call__(
+        self,
+        x: jax.Array,
+        batch: AttentionBatch,
+        kv_cache: jax.Array | None = None,
+        k_scale: jax.Array | None = None,
+    ) -> tuple[jax.Array, jax.Array | None]:
+        """``x [T, hidden]`` -> ``(out [T, hidden], new kv_cache)`` (see the module docstring)."""
+        c = self.config
+        cos, sin = rope_cos_sin(batch.positions, self.inv_freq, self.rope_attention_factor)
+        q_nope, q_pe = self._q(x, cos, sin)
+        kv_c, k_pe = self._kv_latent(x, cos, sin)
+        fp8 = kv_cache is not None and jnp.dtype(kv_cache.dtype) == jnp.float8_e4m3fn
+        if kv_cache is not None and batch.slot_mapping is not None:
+            kv_cache = ts.concat_and_cache_mla(
+                kv_c, k_pe, kv_cache, batch.slot_mapping, scale=k_scale if fp8 else None
+            )
+        if batch.mode == "prefill":
+            out = self._prefill(q_nope, q_pe, kv_c, k_pe, batch, kv_cache, k_scale, fp8)
+        elif batch.mode == "decode":
+            if kv_cache is None:
+                raise ValueError("kv_cache: expected the layer's paged cache for a decode call, got None")
+            out = self._decode(q_nope, q_pe, batch, kv_cache, k_scale, fp8)
+        else:
+            raise ValueError(f"batch.mode: expected 'prefill' or 'decode', got {batch.mode!r}")
+        T = x.shape[0]
+        return self.o_proj(out.reshape(T, c.num_attention_heads * c.v_head_dim).astype(self.dtype)), kv_cache
+
+    def _prefill(self, q_nope, q_pe, kv_c, k_pe, batch, kv_cache, k_scale, fp8):
+        c = self.config
+        q = jnp.concatenate([q_nope, q_pe.astype(q_nope.dtype)], axis=-1)
+        k, v = self._expand_kv(kv_c, k_pe)
+        cu = batch.cu_seqlens_q
+        kw = {"softmax_scale": c.softmax_scale, "backend": batch.backend}
+        if batch.context_lens is None:
+            return ts.mla_prefill(
+                q,
+                k,
+                v,
+                cu,
+                cu,
+                causal=True,
+                max_seqlen_q=batch.max_seqlen_q,
+                max_seqlen_k=batch.max_seqlen_q,
+                **kw,
+            )
+        out_new, lse_new = ts.mla_prefill(
+            q,
+            k,
+            v,
+            cu,
+            cu,
+            causal=True,
+            return_lse=True,
+            max_seqlen_q=batch.max_seqlen_q,
+            max_seqlen_k=batch.max_seqlen_q,
+            **kw,
+        )
+        rows, cu_ctx = gather_context(kv_cache, batch.block_table, batch.context_lens, batch.context_capacity)
+        rows = rows.astype(jnp.float32) * k_scale if fp8 else rows
+        kc, vc = self._expand_kv(rows[:, : c.kv_lora_rank], rows[:, c.kv_lora_rank :])
+        out_ctx, lse_ctx = ts.mla_prefill(q, kc, vc, cu, cu_ctx, causal=False, return_lse=True, **kw)
+        out, _ = ts.merge_attn_states(out_ctx, lse_ctx, out_new, lse_new)
+        return out
+
+    def _decode(self, q_nope, q_pe, batch, kv_cache, k_scale, fp8):
+        c = self.config
+        S = batch.q_len
+        B = batch.seq_lens.shape[0]
+        H = c.num_attention_heads
+        w_uk, w_uv = self._w_uk_uv()
+        q_lat = jnp.einsum("thd,chd->thc", q_nope, w_uk)
+        q = jnp.concatenate([q_lat, q_pe.astype(q_lat.dtype)], axis=-1).reshape(B, S, H, c.kv_cache_dim)
+        ss, os_ = c.softmax_scale, 1.0
+        if fp8:
+            q_scale = jnp.maximum(jnp.max(jnp.abs(q.astype(jnp.float32))), 1e-12) / E4M3_MAX
+            q = _quantize_fp8(q, q_scale)
+            ss = ss * q_scale * k_scale
+            os_ = k_scale
+        else:
+            q = q.astype(kv_cache.dtype)
+        out = ts.mla_decode(
+            q,
+            kv_cache,
+            batch.block_table,
+            batch.seq_lens,
+            softmax_scale=ss,
+            output_scale=os_,
+            causal=True,
+            kv_lora_rank=c.kv_lora_rank,
+            backend=batch.backend,
+        )
+        out = out.reshape(B * S, H, c.kv_lora_rank).astype(self.dtype)
+        return jnp.einsum("thc,chv->thv", out, w_uv)

@@ -1,0 +1,132 @@
+"""CPU checks of the sm90 MLA decode kernel: compile for sm_90a, read PTX/SASS, lower mla_decode for CUDA.
+
+The compile runs in a subprocess (``CUTE_DSL_ARCH`` must be set before cutlass is imported, one arch per
+process).  SASS checks (HGMMA, no local-memory spills) run when ``nvdisasm`` is available
+(``pip install nvidia-cuda-nvdisasm``); otherwise the PTX is checked (wgmma, no ``.local``).
+"""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from tokenspeed_jax.planner import plan_mla_decode
+from tokenspeed_jax.problems import DecodeProblem, Target
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+_SCRIPT = textwrap.dedent(
+    """
+    import json, re, sys, glob, os
+    import cutlass, cutlass.cute as cute, cutlass.cute.runtime as rt
+    from tokenspeed_jax.kernels.sm90.mla_decode import MlaDecodeSm90
+    res = {}
+    cfgs = [("bfloat16", 16, 1, 64, 1, 4096, 64), ("float16", 32, 4, 32, 3, 256, 64),
+            ("float8_e4m3fn", 128, 2, 128, 2, 512, 64)]
+    for (dtype, H, S, page, splits, tps, bn) in cfgs:
+        k = MlaDecodeSm90(dtype=dtype, num_heads=H, q_len=S, page_size=page, causal=True, num_splits=splits,
+                          tokens_per_split=tps, block_n=bn)
+        dt, ot = k.dtype, k.out_dtype
+        B, R = 2, H * S
+        f = rt.make_fake_compact_tensor
+        args = [rt.make_fake_stream(), f(dt, (B, S, H, 576), assumed_align=16), f(dt, (50, page, 576), assumed_align=16),
+                f(cutlass.Int32, (B, 24)), f(cutlass.Int32, (B,)), f(cutlass.Float32, (1,)), f(cutlass.Float32, (1,)),
+                f(ot, (B, S, H, 512), assumed_align=16), f(cutlass.Float32, (B, S, H))]
+        if splits > 1:
+            args += [f(cutlass.Float32, (B, splits, R, 512), assumed_align=16), f(cutlass.Float32, (B, splits, R))]
+        cute.compile(k, *args)
+    d = os.environ["CUTE_DSL_DUMP_DIR"]
+    ptx = "".join(open(p).read() for p in glob.glob(d + "/*.ptx"))
+    sass = "".join(open(p).read() for p in glob.glob(d + "/*.sass"))
+    res["ptx_wgmma"] = len(re.findall(r"wgmma.mma_async", ptx))
+    res["ptx_local"] = len(re.findall(r"\\.local", ptx))
+    res["sass"] = bool(sass)
+    res["sass_hgmma"] = len(re.findall(r"HGMMA", sass))
+    res["sass_spill"] = len(re.findall(r"\\b(STL|LDL)\\b", sass))
+    # lowering of the public op for CUDA, on this CPU machine
+    import jax, jax.numpy as jnp
+    from tokenspeed_jax import mla_decode
+    from tokenspeed_jax.runtime import target_override
+    sd = jax.ShapeDtypeStruct
+    f = lambda q, kv, bt, sl, s, o: mla_decode(q, kv, bt, sl, softmax_scale=s, output_scale=o, backend="sm90",
+                                              return_lse=True)
+    with target_override("sm_90a"):
+        txt = jax.jit(f).trace(sd((3, 2, 16, 576), jnp.bfloat16), sd((200, 64, 576), jnp.bfloat16),
+                               sd((3, 40), jnp.int32), sd((3,), jnp.int32), sd((), jnp.float32),
+                               sd((), jnp.float32)).lower(lowering_platforms=("cuda",)).as_text()
+    res["targets"] = sorted(set(re.findall(r"custom_call @(\\w+)", txt)))
+    print("RESULT " + json.dumps(res))
+    """
+)
+
+
+@pytest.mark.compile
+def test_sm90_decode_compiles_for_sm90a(tmp_path):
+    env = dict(os.environ, CUTE_DSL_ARCH="sm_90a", CUTE_DSL_DUMP_DIR=str(tmp_path), TOKENSPEED_JAX_DISK_CACHE="0",
+               JAX_PLATFORMS="cpu", PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    have_nvdisasm = shutil.which("nvdisasm") is not None or _pip_has("nvidia.cuda_nvdisasm")
+    env["CUTE_DSL_KEEP"] = "ptx,sass" if have_nvdisasm else "ptx"
+    p = subprocess.run([sys.executable, "-c", _SCRIPT], env=env, capture_output=True, text=True, timeout=600,
+                       cwd=ROOT, check=False)
+    line = [ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")]
+    assert p.returncode == 0 and line, p.stdout[-3000:] + p.stderr[-3000:]
+    r = json.loads(line[0][7:])
+    assert r["ptx_wgmma"] >= 3 * 40, r  # 36 QK (64x32x16) + 4 PV (64x256x16) per kernel
+    assert r["ptx_local"] == 0, r
+    if r["sass"]:
+        assert r["sass_hgmma"] >= 3 * 40, r
+        assert r["sass_spill"] == 0, r
+    assert "tokenspeed_mla_decode_sm90" in r["targets"], r
+
+
+def _pip_has(mod: str) -> bool:
+    import importlib.util
+
+    try:
+        return importlib.util.find_spec(mod) is not None
+    except ModuleNotFoundError:
+        return False
+
+
+def _problem(**kw):
+    base = {"batch": 3, "q_len": 2, "num_heads": 16, "head_dim": 576, "kv_lora_rank": 512, "page_size": 64,
+            "num_pages": 100, "max_pages": 40, "dtype": "bfloat16", "causal": True, "return_lse": True,
+            "target": Target("cuda", "sm_90a", 132)}
+    base.update(kw)
+    return DecodeProblem(**base)
+
+
+def test_supports_reasons():
+    from tokenspeed_jax.backends import sm90_decode as m
+
+    assert m.supports(_problem()) is None
+    assert m.supports(_problem(dtype="float16")) is None
+    assert "sm_90" in m.supports(_problem(target=Target("cpu")))
+    assert "sm_90" in m.supports(_problem(target=Target("cuda", "sm_100a", 148)))
+    assert m.supports(_problem(dtype="float8_e4m3fn")) is None
+    assert "float32" in m.supports(_problem(dtype="float32"))
+    assert "kv_lora_rank" in m.supports(_problem(kv_lora_rank=448, head_dim=512))
+
+
+@pytest.mark.parametrize("B,S,H,K", [(64, 1, 16, 81920), (64, 8, 128, 81920), (1, 1, 16, 81920), (3, 2, 16, 2560),
+                                     (128, 1, 128, 4096), (1, 16, 1, 64), (7, 3, 96, 100000)])
+def test_sm90_plan(B, S, H, K):
+    p = plan_mla_decode(batch=B, q_len=S, num_heads=H, max_kv_len=K, page_size=64, arch="sm_90a", num_sms=132)
+    R = S * H
+    assert p.rows == R and p.num_m_blocks == -(-R // 64) and p.block_m == 64 and p.block_n == 64
+    assert p.tokens_per_split % 64 == 0
+    assert (p.num_splits - 1) * p.tokens_per_split < K <= p.num_splits * p.tokens_per_split
+    assert p.grid == (p.num_m_blocks, p.num_splits, B)
+    if p.num_splits == 1:
+        assert p.workspace == ()
+    else:
+        shapes = {w.name: w.shape for w in p.workspace}
+        assert shapes == {"o_accum": (B, p.num_splits, R, 512), "lse_accum": (B, p.num_splits, R)}
+    ctas = B * p.num_m_blocks * p.num_splits
+    if B * p.num_m_blocks < 132 and K >= 64 * 4:
+        # fills (most of) a wave, unless limited by at least two 64-token blocks per split
+        assert ctas >= 100 or p.num_splits == -(-K // 64) // 2

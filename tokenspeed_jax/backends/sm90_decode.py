@@ -1,0 +1,95 @@
+"""Decode half of the ``sm90`` backend: our CuTe DSL MLA decode kernel for Hopper.
+
+Kernel: :mod:`tokenspeed_jax.kernels.sm90.mla_decode` (design, masking, clamping and split-KV in its
+docstring; contract in :mod:`tokenspeed_jax.decode`).  Planning: ``_plan_sm90`` in
+:mod:`tokenspeed_jax.planner` (64-row tiles over ``rows = S*H``, 64-token KV steps, static split count);
+the split-KV partials are XLA-owned extra outputs of the custom call, sized exactly by the plan.
+
+FP8 (``float8_e4m3fn`` q and cache, scales folded into ``softmax_scale`` / ``output_scale`` as the decode
+contract says) runs the same kernel with an exact in-smem upcast to bf16 and returns bf16.
+
+Custom calls: ``tokenspeed_mla_decode_sm90`` (main kernel, plus the combine kernel launched from the same
+launch function when the plan splits KV).  ``softmax_scale`` / ``output_scale`` are (1,)-shaped float32
+operands, so a new value never recompiles.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from tokenspeed_jax.planner import plan_for_problem
+from tokenspeed_jax.problems import KERNEL_DTYPES, DecodeProblem
+
+TARGET = "mla_decode_sm90"
+_MIN_PAGE = 8
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeKernelKey:
+    """Everything the generated code depends on beyond operand shapes/dtypes."""
+
+    kernel: str
+    dtype: str
+    num_heads: int
+    q_len: int
+    page_size: int
+    causal: bool
+    num_splits: int
+    tokens_per_split: int
+    block_n: int
+
+
+def supports(problem: DecodeProblem) -> str | None:
+    """None when the sm90 decode kernel runs ``problem``, else why not."""
+    t = problem.target
+    if t.platform != "cuda" or t.sm is None or t.sm // 10 != 9:
+        return f"sm90 decode needs a CUDA sm_90 target, got {t.platform} {t.arch}"
+    if problem.dtype not in KERNEL_DTYPES:
+        return f"sm90 decode kernel supports dtypes {KERNEL_DTYPES}, got {problem.dtype}"
+    if problem.kv_lora_rank != 512 or problem.head_dim != 576:
+        return (f"sm90 decode kernel needs kv_lora_rank 512 and head_dim 576 (DeepSeek MLA), got "
+                f"{problem.kv_lora_rank} and {problem.head_dim}")
+    if problem.page_size < _MIN_PAGE:
+        return f"sm90 decode kernel needs page_size >= {_MIN_PAGE}, got {problem.page_size}"
+    if not 1 <= problem.num_heads <= 128 or not 1 <= problem.q_len <= 16:
+        return f"sm90 decode kernel needs H in 1..128 and S in 1..16, got H={problem.num_heads} S={problem.q_len}"
+    try:
+        import cutlass  # noqa: F401
+    except ImportError:
+        return "sm90 decode needs nvidia-cutlass-dsl>=4.8.1 (pip install nvidia-cutlass-dsl)"
+    return None
+
+
+def decode(problem: DecodeProblem, q, kv_cache, block_table, seq_lens, softmax_scale, output_scale, *,
+           kv_step: int | None = None):
+    """Run the kernel; returns ``(out [B,S,H,512], lse [B,S,H] | None)``.
+
+    ``kv_step`` (32 or 64) overrides the planner's kernel KV step (benchmarks compare the two)."""
+    from tokenspeed_jax import ffi
+    from tokenspeed_jax.kernels.sm90.mla_decode import launch_mla_decode
+
+    why = supports(problem)
+    if why:
+        raise ValueError(why)
+    plan = plan_for_problem(problem)
+    B, S, H = problem.batch, problem.q_len, problem.num_heads
+    block_n = kv_step or dict(plan.extra).get("kv_step", plan.block_n)
+    if block_n not in (32, 64):
+        raise ValueError(f"kv_step: expected 32 or 64, got {kv_step!r}")
+    key = DecodeKernelKey("mla_decode_sm90.v2", problem.dtype, H, S, problem.page_size, problem.causal,
+                          plan.num_splits, plan.tokens_per_split, block_n)
+    outputs = [jax.ShapeDtypeStruct((B, S, H, problem.kv_lora_rank), jnp.dtype(problem.out_dtype)),
+               jax.ShapeDtypeStruct((B, S, H), jnp.float32)]
+    outputs += [jax.ShapeDtypeStruct(w.shape, jnp.dtype(w.dtype)) for w in plan.workspace]
+    call = ffi.custom_call(
+        TARGET, launch_mla_decode, outputs=outputs, compile_key=key,
+        dtype=problem.dtype, num_heads=H, q_len=S, page_size=problem.page_size, causal=problem.causal,
+        num_splits=plan.num_splits, tokens_per_split=plan.tokens_per_split, block_n=block_n,
+    )
+    res = call(q, kv_cache, block_table.astype(jnp.int32), seq_lens.astype(jnp.int32),
+               ffi.scalar_operand(softmax_scale), ffi.scalar_operand(output_scale))
+    out, lse = res[0], res[1]
+    return out, (lse if problem.return_lse else None)

@@ -1,0 +1,5 @@
+"""Hopper (SM90) CuTe DSL kernels.  CuTe DSL only: no jax, no torch in this package.
+
+* :mod:`.mla_decode` -- :class:`MlaDecodeSm90`, absorbed-MLA paged decode (main + split-KV combine).
+* :mod:`.helpers` -- shared device helpers (barrier ids, quad reductions, row pointers).
+"""

@@ -1,0 +1,256 @@
+"""Hopper (SM90) ragged prefill forward: FlashAttention-4's CuTe DSL kernel, adapted to our contract.
+
+We depend on ``flash-attn-4`` (BSD) for the kernel and change two things through overrides of its
+``@cute.jit`` device methods, without copying its source:
+
+* **softmax_scale is read from device memory.** FA4 takes the scale as a host ``Float32`` kernel
+  argument, which would bake the value into the launch (and a new value could not be captured in a
+  CUDA graph). Our launch passes the shape-``(1,)`` float32 scale tensor through FA4's otherwise unused
+  ``learnable_sink`` tensor slot (FA4 forwards it untouched from ``__call__`` to ``kernel`` to ``mma``);
+  :meth:`FA4PrefillSm90.mma` loads it once per consumer thread, forms ``scale * log2(e)`` exactly as
+  FA4's host code would, and calls FA4's ``mma`` with ``learnable_sink=None``. The host ``softmax_scale``
+  argument is a dummy constant. Cost: one cached 4-byte load per thread per CTA.
+* **Rows that see no key give 0 and LSE -inf.** For bottom-right causal masks with ``Lq > Lk`` and for
+  requests with ``Lk = 0``, FA4 still processes one (out-of-range) K/V block for tiles that see
+  nothing, which is not guaranteed to be fully masked. :meth:`FA4PrefillSm90.epilogue` overwrites, in
+  registers, every row whose query index ``i`` has no visible key (``Lk == 0`` or, causal,
+  ``i < Lq - Lk``) with output 0 and LSE -inf before FA4's epilogue stores the tile.
+
+Layouts: q ``[Tq, Hq, Dqk]``, k ``[Tk, Hk, Dqk]``, v ``[Tk, Hk, Dv]``, out ``[Tq, Hq, Dv]`` row-major as
+FA4 expects; our LSE ``[Tq, Hq]`` is handed to FA4 as the ``(Hq, Tq)`` view it writes into (strides
+``(1, Hq)``), so no transpose pass is needed. FA4's LSE is already the natural log. Tile sizes come
+from FA4's own SM90 heuristic.
+
+CuTe DSL only; importing this module imports ``flash_attn.cute`` (which imports torch), so the backend
+imports it lazily.
+"""
+
+from __future__ import annotations
+
+import math
+
+import cutlass
+from cutlass import Float32, Int32, const_expr, cute
+from flash_attn.cute.flash_fwd_sm90 import FlashAttentionForwardSm90
+from flash_attn.cute.utils import AuxData
+from quack import layout_utils
+
+LOG2_E = math.log2(math.e)
+
+_DTYPES = {"bfloat16": cutlass.BFloat16, "float16": cutlass.Float16}
+
+
+def _fa4_sm90_tiles(head_dim: int, head_dim_v: int, causal: bool):
+    """FA4's own SM90 forward tile heuristic (tile_m, tile_n, mma_pv_is_rs, intra_wg_overlap)."""
+    from flash_attn.cute.interface import _tile_size_fwd_sm90
+
+    cfg = _tile_size_fwd_sm90(head_dim, head_dim_v, causal, False)
+    return cfg.m_block_size, cfg.n_block_size, cfg.mma_pv_is_rs, cfg.intra_wg_overlap
+
+
+class FA4PrefillSm90(FlashAttentionForwardSm90):
+    """FA4's SM90 forward with a device-resident softmax scale and exact empty-row semantics.
+
+    Static configuration: ``dtype`` ("bfloat16"/"float16"), ``head_dim``, ``head_dim_v``,
+    ``qhead_per_kvhead`` (Hq / Hk; GQA rows are packed as FA4 does), ``causal`` (bottom-right).
+    """
+
+    def __init__(self, dtype: str, head_dim: int, head_dim_v: int, qhead_per_kvhead: int, *, causal: bool):
+        reason = self.can_implement_problem(dtype, head_dim, head_dim_v, qhead_per_kvhead)
+        if reason is not None:
+            raise ValueError(reason)
+        tile_m, tile_n, mma_pv_is_rs, intra_wg_overlap = _fa4_sm90_tiles(head_dim, head_dim_v, causal)
+        super().__init__(
+            _DTYPES[dtype],
+            head_dim,
+            head_dim_v,
+            qhead_per_kvhead,
+            is_causal=causal,
+            is_local=False,
+            pack_gqa=qhead_per_kvhead > 1,
+            tile_m=tile_m,
+            tile_n=tile_n,
+            num_stages=2,
+            num_threads=384,
+            Q_in_regs=False,
+            intra_wg_overlap=intra_wg_overlap,
+            mma_pv_is_rs=mma_pv_is_rs,
+        )
+
+    @staticmethod
+    def can_implement_problem(
+        dtype: str, head_dim: int, head_dim_v: int, qhead_per_kvhead: int
+    ) -> str | None:
+        """None if this kernel handles the configuration, else why not."""
+        if dtype not in _DTYPES:
+            return f"dtype {dtype} (the FA4 Hopper forward takes bfloat16/float16)"
+        for name, d in (("Dqk", head_dim), ("Dv", head_dim_v)):
+            if not 8 <= d <= 256 or d % 8:
+                return f"{name} = {d} (FA4's Hopper forward needs a multiple of 8 in [8, 256])"
+        if qhead_per_kvhead < 1:
+            return f"Hq / Hk = {qhead_per_kvhead}"
+        return None
+
+    # ------------------------------------------------------------------------------ device overrides
+    @cute.jit
+    def mma(
+        self,
+        tiled_mma_qk: cute.TiledMma,
+        tiled_mma_pv: cute.TiledMma,
+        mO: cute.Tensor,
+        mLSE: cute.Tensor | None,
+        sQ: cute.Tensor,
+        sK: cute.Tensor,
+        sVt: cute.Tensor,
+        sP: cute.Tensor | None,
+        sO: cute.Tensor,
+        learnable_sink: cute.Tensor | None,
+        pipeline_k,
+        pipeline_v,
+        pipeline_q,
+        gmem_tiled_copy_O: cute.TiledCopy,
+        tma_atom_O: cute.CopyAtom | None,
+        tidx: Int32,
+        softmax_scale_log2: Float32,
+        softmax_scale: Float32 | None,
+        block_info,
+        SeqlenInfoCls,
+        AttentionMaskCls,
+        TileSchedulerCls,
+        blocksparse_tensors,
+        aux_data: AuxData = AuxData(),  # noqa: B008 - FA4's signature
+        fastdiv_mods=None,
+    ):
+        # ``learnable_sink`` carries our (1,) float32 softmax-scale tensor (see the module docstring).
+        scale_log2 = Float32(learnable_sink[0]) * Float32(LOG2_E)
+        FlashAttentionForwardSm90.mma(
+            self,
+            tiled_mma_qk,
+            tiled_mma_pv,
+            mO,
+            mLSE,
+            sQ,
+            sK,
+            sVt,
+            sP,
+            sO,
+            None,
+            pipeline_k,
+            pipeline_v,
+            pipeline_q,
+            gmem_tiled_copy_O,
+            tma_atom_O,
+            tidx,
+            scale_log2,
+            softmax_scale,
+            block_info,
+            SeqlenInfoCls,
+            AttentionMaskCls,
+            TileSchedulerCls,
+            blocksparse_tensors,
+            aux_data,
+            fastdiv_mods,
+        )
+
+    @cute.jit
+    def epilogue(
+        self,
+        acc_O: cute.Tensor,
+        lse: cute.Tensor,
+        mO: cute.Tensor,
+        mLSE: cute.Tensor | None,
+        sO: cute.Tensor,
+        seqlen,
+        gmem_tiled_copy_O: cute.TiledCopy,
+        tma_atom_O: cute.CopyAtom | None,
+        tiled_mma: cute.TiledMma,
+        tidx: Int32,
+        m_block: Int32,
+        head_idx: Int32,
+        batch_idx: Int32,
+    ):
+        # First query index of this request that sees a key (bottom-right causal: i + Lk - Lq >= 0).
+        first_visible = Int32(0)
+        if const_expr(self.is_causal):
+            first_visible = seqlen.seqlen_q - seqlen.seqlen_k
+        no_keys = seqlen.seqlen_k <= 0
+        cO = cute.make_identity_tensor((self.tile_m, self.tile_hdimv))
+        thr_mma = tiled_mma.get_slice(tidx)
+        tOcO = layout_utils.reshape_acc_to_mn(thr_mma.partition_C(cO))
+        acc_O_mn = layout_utils.reshape_acc_to_mn(acc_O)
+        for m in cutlass.range(cute.size(acc_O_mn, mode=[0]), unroll_full=True):
+            row = m_block * self.tile_m + tOcO[m, 0][0]
+            q_idx = row
+            if const_expr(self.pack_gqa):
+                q_idx = row // self.qhead_per_kvhead
+            if no_keys or q_idx < first_visible:
+                lse[m] = -Float32.inf
+                for n in cutlass.range(cute.size(acc_O_mn, mode=[1]), unroll_full=True):
+                    acc_O_mn[m, n] = Float32(0.0)
+        FlashAttentionForwardSm90.epilogue(
+            self,
+            acc_O,
+            lse,
+            mO,
+            mLSE,
+            sO,
+            seqlen,
+            gmem_tiled_copy_O,
+            tma_atom_O,
+            tiled_mma,
+            tidx,
+            m_block,
+            head_idx,
+            batch_idx,
+        )
+
+
+@cute.jit
+def fa4_prefill_launch(
+    stream,
+    q: cute.Tensor,
+    k: cute.Tensor,
+    v: cute.Tensor,
+    cu_seqlens_q: cute.Tensor,
+    cu_seqlens_k: cute.Tensor,
+    softmax_scale: cute.Tensor,
+    out: cute.Tensor,
+    lse: cute.Tensor | None = None,
+    *,
+    dtype: cutlass.Constexpr,
+    head_dim: cutlass.Constexpr,
+    head_dim_v: cutlass.Constexpr,
+    qhead_per_kvhead: cutlass.Constexpr,
+    causal: cutlass.Constexpr,
+):
+    """Launch :class:`FA4PrefillSm90` (static configuration from the constexprs) on one ragged batch.
+
+    Operands in FFI order: q, k, v, cu_seqlens_q, cu_seqlens_k (int32 ``[B + 1]``), softmax_scale
+    (float32 ``(1,)``), then outputs out and, when requested, lse ``[Tq, Hq]`` float32. The constexprs
+    are plain values (not a kernel object) so the compile key has a stable text for the disk cache.
+    """
+    kernel = FA4PrefillSm90(dtype, head_dim, head_dim_v, qhead_per_kvhead, causal=causal)
+    lse_view = None
+    if const_expr(lse is not None):
+        lse_view = cute.make_tensor(lse.iterator, cute.select(lse.layout, mode=[1, 0]))
+    kernel(
+        q,
+        k,
+        v,
+        out,
+        lse_view,
+        Float32(1.0),  # dummy: the kernel reads the scale from ``softmax_scale`` (learnable_sink slot)
+        cu_seqlens_q,
+        cu_seqlens_k,
+        None,  # seqused_q
+        None,  # seqused_k
+        None,  # page_table
+        None,  # window_size_left
+        None,  # window_size_right
+        softmax_scale,  # -> learnable_sink slot
+        None,  # blocksparse_tensors
+        AuxData(),
+        None,  # cu_total_m_blocks
+        None,  # cu_total_splits_m_blocks
+        stream,
+    )

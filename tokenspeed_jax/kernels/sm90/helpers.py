@@ -1,0 +1,50 @@
+"""Small device helpers shared by the SM90 kernels (CuTe DSL only)."""
+
+from __future__ import annotations
+
+import enum
+
+import cutlass
+from cutlass import Float32, Int32, Int64, cute
+
+LOG2_E = 1.4426950408889634
+LN_2 = 0.6931471805599453
+
+
+class Barrier(enum.IntEnum):
+    """Named barrier ids of the decode kernel (0 is __syncthreads, reserved)."""
+
+    TILE_READY = 1  # a KV tile landed in smem (and the previous tile is fully consumed)
+    ROW_MAX = 2  # per-warpgroup row maxima published in smem
+    P_READY = 3  # both warpgroups' halves of P are in smem
+    ROW_SUM = 4  # per-warpgroup row sums published in smem (epilogue)
+    CONVERTED = 5  # FP8: the staged tile is upcast into the bf16 compute tile
+
+
+@cute.jit
+def quad_max(x: Float32) -> Float32:
+    """Max over the 4 lanes of a quad (the lanes that share one accumulator row)."""
+    x = cute.arch.fmax(x, cute.arch.shuffle_sync_bfly(x, offset=1))
+    x = cute.arch.fmax(x, cute.arch.shuffle_sync_bfly(x, offset=2))
+    return x
+
+
+@cute.jit
+def quad_sum(x: Float32) -> Float32:
+    """Sum over the 4 lanes of a quad."""
+    x = x + cute.arch.shuffle_sync_bfly(x, offset=1)
+    x = x + cute.arch.shuffle_sync_bfly(x, offset=2)
+    return x
+
+
+@cute.jit
+def row_ptr(base: cute.Tensor, row: Int64, col, row_elems: cutlass.Constexpr[int], align: cutlass.Constexpr[int]):
+    """An ``align``-byte aligned pointer to element ``col`` of ``row`` of a row-major ``[*, row_elems]``
+    global tensor (the caller guarantees the alignment)."""
+    p = base.iterator + (row * row_elems + col)
+    return cute.make_ptr(base.element_type, p.toint(), cute.AddressSpace.gmem, assumed_align=align)
+
+
+@cute.jit
+def clamp(x: Int32, lo: Int32, hi: Int32) -> Int32:
+    return cutlass.min(cutlass.max(x, lo), hi)

@@ -1,0 +1,481 @@
+"""Absorbed-MLA paged decode for Hopper (SM90), CuTe DSL: main kernel + split-KV combine kernel.
+
+Contract: ``tokenspeed_jax.decode`` module docstring (cache row layout, mask, LSE, clamping).
+
+Structure (phase 1 of ``shared/design/sm90_mla_decode.md``, correctness first):
+
+* One CTA = (64-row tile of the ``R = S*H`` query rows of one request, one KV split).  Rows are
+  ``r = s*H + h`` (heads fastest), so the KV stream of a request is read once for all S tokens and all
+  heads of a tile.  Rows past R are computed on a clamped copy of row R-1 and never stored.
+* 256 threads = 2 math warpgroups.  Each ``block_n``-token KV tile (block_n x 576) is gathered through the
+  block table with 16-byte ``cp.async`` into a ring of ``stages`` 128B-swizzled K-major smem tiles
+  (``stages - 1`` tiles stream in while one is computed; the refill is issued right after the QK wgmmas
+  so its block-table reads overlap them).  ``block_n = 64`` with 2 stages is what the planner uses;
+  ``block_n = 32`` with 4 stages also exists (more bytes in flight) but measured ~20% slower on H200 because
+  its 64x16 QK wgmmas re-read Q from smem twice as often.  cp.async rather than TMA because it handles
+  every page size (16..256) and per-token clamping with one code path.
+* FP8 (e4m3 q and kv, bf16 out): q is upcast to bf16 once while loading; KV tiles land as raw e4m3 in a
+  staging ring (cp.async, ``stages`` deep) and are upcast (exactly) into one bf16 tile before the MMAs, so
+  the math is the BF16 path's (bf16 wgmma, fp32 accumulation, P rounded to bf16).  HBM traffic is the
+  FP8 bytes; FP8 tensor cores (QGMMA + V transpose) are future work.
+* Warpgroup g computes ``S_g = Q K[32g:32g+32]^T`` (wgmma SS, 64x32x576), the two warpgroups exchange row
+  maxima through smem, write bf16/fp16 ``P`` halves to one 64x64 swizzled smem tile, then each computes
+  ``O[:, 256g:256g+256] += P V`` (wgmma SS, 64x256x64) with V an MN-major view of the same K tile (no copy).
+* Online softmax in the exp2 domain, fp32 statistics; masked scores are -inf, a row whose max is still
+  -inf uses 0 as its reference so exp2 gives exact zeros.  Tokens past a request's length are loaded from
+  its last valid token (finite data, weight exactly 0), so NaN in pages it does not own never reaches a
+  product.  seq_len is clamped to ``[0, max_pages*page_size]``, page ids to ``[0, num_pages)``.
+* ``num_splits == 1``: the main kernel writes ``out`` (scaled by ``output_scale``) and ``lse``.  Otherwise it
+  writes normalised fp32 partials ``o_accum[B, splits, R, 512]`` and natural-log ``lse_accum[B, splits, R]``
+  (-inf for an empty split) and :meth:`combine_kernel` merges them in fixed split order (deterministic).
+* ``softmax_scale`` and ``output_scale`` are read at run time from float32 device arrays of shape (1,).
+"""
+
+from __future__ import annotations
+
+import cutlass
+import cutlass.utils.hopper_helpers as sm90_utils
+from cutlass import Float32, Int32, Int64, cute
+from cutlass.cute.nvgpu import cpasync, warpgroup
+from cutlass.tensor_utils import LayoutEnum
+
+from tokenspeed_jax.kernels.sm90.helpers import LN_2, LOG2_E, Barrier, clamp, quad_max, quad_sum, row_ptr
+
+_DTYPES = {"bfloat16": cutlass.BFloat16, "float16": cutlass.Float16, "float8_e4m3fn": cutlass.Float8E4M3FN}
+
+
+class MlaDecodeSm90:
+    """Static configuration of one decode kernel (see module docstring).
+
+    Args: dtype ("bfloat16" | "float16" | "float8_e4m3fn"), num_heads H, q_len S, page_size, causal,
+    num_splits, tokens_per_split (multiple of block_n), block_n (32 | 64), head_dim D (576),
+    kv_lora_rank (512).
+    """
+
+    block_m = 64
+    num_threads = 256
+
+    def __init__(self, *, dtype: str, num_heads: int, q_len: int, page_size: int, causal: bool,
+                 num_splits: int, tokens_per_split: int, block_n: int = 64, head_dim: int = 576,
+                 kv_lora_rank: int = 512):
+        why = self.can_implement(dtype=dtype, num_heads=num_heads, q_len=q_len, page_size=page_size,
+                                 tokens_per_split=tokens_per_split, head_dim=head_dim,
+                                 kv_lora_rank=kv_lora_rank)
+        if why:
+            raise ValueError(why)
+        if block_n not in (32, 64) or tokens_per_split % block_n:
+            raise ValueError(f"block_n must be 32 or 64 and divide tokens_per_split, got {block_n}, {tokens_per_split}")
+        self.dtype_name = dtype
+        self.dtype = _DTYPES[dtype]
+        self.fp8 = dtype == "float8_e4m3fn"
+        self.mma_dtype = cutlass.BFloat16 if self.fp8 else self.dtype  # operand dtype in smem / wgmma
+        self.out_dtype = cutlass.BFloat16 if self.fp8 else self.dtype
+        self.block_n = block_n
+        # ring depth: fills ~225 KB of smem (see docs/sm90_decode.md for the budget)
+        self.stages = {(False, 64): 2, (False, 32): 4, (True, 64): 2, (True, 32): 6}[(self.fp8, block_n)]
+        self.H, self.S = num_heads, q_len
+        self.R = num_heads * q_len
+        self.page_size = page_size
+        self.causal = causal
+        self.num_splits = num_splits
+        self.tokens_per_split = tokens_per_split
+        self.D, self.DV = head_dim, kv_lora_rank
+        self.num_m_blocks = -(-self.R // self.block_m)
+
+    @staticmethod
+    def can_implement(*, dtype, num_heads, q_len, page_size, tokens_per_split, head_dim, kv_lora_rank):
+        if dtype not in _DTYPES:
+            return f"dtype {dtype} not in {tuple(_DTYPES)}"
+        if head_dim != 576 or kv_lora_rank != 512:
+            return f"head_dim/kv_lora_rank must be 576/512 (DeepSeek MLA), got {head_dim}/{kv_lora_rank}"
+        if not 1 <= num_heads <= 128 or not 1 <= q_len <= 16:
+            return f"num_heads in 1..128 and q_len in 1..16 required, got {num_heads}, {q_len}"
+        if page_size < 8 or page_size & (page_size - 1):
+            return f"page_size must be a power of two >= 8, got {page_size}"
+        if tokens_per_split % 64:
+            return f"tokens_per_split must be a multiple of 64, got {tokens_per_split}"
+        return None
+
+    # ------------------------------------------------------------------------------------------ host
+    def _layouts(self):
+        dt = self.mma_dtype
+        tile_qk = (self.block_m, self.block_n, self.D)
+        q_layout = sm90_utils.make_smem_layout_a(LayoutEnum.ROW_MAJOR, tile_qk, dt, 1)
+        k_layout = sm90_utils.make_smem_layout_b(LayoutEnum.ROW_MAJOR, tile_qk, dt, 1 if self.fp8 else self.stages)
+        # V = MN-major view (d, token) of one K stage: same bytes, 128B swizzle, K (token) tiled first.
+        v_layout = sm90_utils.make_smem_layout_b(LayoutEnum.COL_MAJOR, (self.block_m, self.DV, self.block_n), dt, 1)
+        p_layout = sm90_utils.make_smem_layout_a(LayoutEnum.ROW_MAJOR, (self.block_m, self.DV // 2, self.block_n),
+                                                 dt, 1)
+        # FP8 staging ring: raw e4m3 rows, row-major (not an MMA operand)
+        st_layout = cute.make_layout((self.block_n, self.D, self.stages),
+                                     stride=(self.D, 1, self.block_n * self.D))
+        return q_layout, k_layout, v_layout, p_layout, st_layout
+
+    @cute.jit
+    def __call__(self, stream, q: cute.Tensor, kv: cute.Tensor, block_table: cute.Tensor, seq_lens: cute.Tensor,
+                 softmax_scale: cute.Tensor, output_scale: cute.Tensor, out: cute.Tensor, lse: cute.Tensor, o_accum: cute.Tensor = None,
+                 lse_accum: cute.Tensor = None):
+        dt = self.mma_dtype
+        q_layout, k_layout, v_layout, p_layout, st_layout = self._layouts()
+        st_elems = cute.cosize(st_layout) if cutlass.const_expr(self.fp8) else 0
+        qk_mma = sm90_utils.make_trivial_tiled_mma(
+            dt, dt, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.K, Float32, (1, 1, 1),
+            (self.block_m, self.block_n // 2))
+        pv_mma = sm90_utils.make_trivial_tiled_mma(
+            dt, dt, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.MN, Float32, (1, 1, 1),
+            (self.block_m, self.DV // 2))
+
+        @cute.struct
+        class Storage:
+            row_max: cute.struct.MemRange[Float32, 2 * 64]
+            row_sum: cute.struct.MemRange[Float32, 2 * 64]
+            sQ: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(q_layout)], 1024]
+            sK: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(k_layout)], 1024]
+            sP: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(p_layout)], 1024]
+            sSt: cute.struct.Align[cute.struct.MemRange[cutlass.Float8E4M3FN, st_elems], 1024]
+
+        self.kernel(qk_mma, pv_mma, q, kv, block_table, seq_lens, softmax_scale, output_scale, out, lse, o_accum, lse_accum,
+                    q_layout, k_layout, v_layout, p_layout, st_layout, Storage).launch(
+            grid=(self.num_m_blocks, self.num_splits, q.shape[0]), block=(self.num_threads, 1, 1),
+            smem=Storage.size_in_bytes(), stream=stream, min_blocks_per_mp=1)
+        if cutlass.const_expr(self.num_splits > 1):
+            self.combine_kernel(o_accum, lse_accum, output_scale, out, lse).launch(
+                grid=(self.R, q.shape[0], 1), block=(128, 1, 1), stream=stream)
+
+    # ---------------------------------------------------------------------------------------- device
+    def _row_copy(self, dtype, bits: int, vals: int):
+        """Tiled copy of 256 threads: 32 rows x 8 threads, ``vals`` contiguous elements each."""
+        if bits == 128 and dtype.width == 16:
+            op = cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL)
+        else:
+            op = cute.nvgpu.CopyUniversalOp()
+        atom = cute.make_copy_atom(op, dtype, num_bits_per_copy=bits)
+        return atom, cute.make_tiled_copy_tv(atom, cute.make_ordered_layout((32, 8), order=(1, 0)),
+                                             cute.make_layout((1, vals)))
+
+    @cute.jit
+    def load_rows(self, sX: cute.Tensor, base: cute.Tensor, rows: cute.Tensor, tid: Int32):
+        """cp.async 16-bit rows: smem row 32m + t//8 <- global row ``rows[m]`` of ``base`` (row-major, D
+        wide); thread t copies the 16-byte chunks (t % 8) + 8k."""
+        atom, tiled = self._row_copy(self.mma_dtype, 128, 8)
+        tXsX = tiled.get_slice(tid).partition_D(sX)  # (CPY, rows/32, 9)
+        for m in cutlass.range_constexpr(cute.size(tXsX, mode=[1])):
+            for k in cutlass.range_constexpr(cute.size(tXsX, mode=[2])):
+                dst = tXsX[None, m, k]
+                src = cute.make_tensor(row_ptr(base, rows[m], (tid % 8) * 8 + 64 * k, self.D, 16), dst.layout)
+                cute.copy(atom, src, dst)
+
+    @cute.jit
+    def load_q_fp8(self, sQ: cute.Tensor, mQ: cute.Tensor, rows: cute.Tensor, tid: Int32):
+        """e4m3 q rows -> bf16 smem (exact upcast), synchronous 8-byte global loads."""
+        _, tiled = self._row_copy(self.mma_dtype, 128, 8)
+        tXsQ = tiled.get_slice(tid).partition_D(sQ)
+        for m in cutlass.range_constexpr(cute.size(tXsQ, mode=[1])):
+            for k in cutlass.range_constexpr(cute.size(tXsQ, mode=[2])):
+                src = cute.make_tensor(row_ptr(mQ, rows[m], (tid % 8) * 8 + 64 * k, self.D, 8), cute.make_layout(8))
+                f8 = cute.make_rmem_tensor((8,), cutlass.Float8E4M3FN)
+                cute.autovec_copy(src, f8)
+                b16 = cute.make_rmem_tensor((8,), self.mma_dtype)
+                b16.store(f8.load().to(self.mma_dtype))
+                cute.autovec_copy(b16, tXsQ[None, m, k])
+
+    @cute.jit
+    def kv_rows(self, mBT, b, tile_start, split_end, num_pages, tid, count: cutlass.Constexpr[int],
+                stride: cutlass.Constexpr[int], first):
+        """Global cache rows of tokens ``tile_start + first + stride*m`` (m < count).  Tokens at or past the
+        split end are redirected to the request's last visible token: finite data whose probability is
+        exactly 0, so NaN in pages a request does not own never reaches a product."""
+        rows = cute.make_rmem_tensor((count,), Int64)
+        for m in cutlass.range_constexpr(count):
+            tok = cutlass.min(tile_start + first + stride * m, split_end - 1)
+            pg = clamp(mBT[b, tok // self.page_size], 0, num_pages - 1)
+            rows[m] = Int64(pg) * self.page_size + tok % self.page_size
+        return rows
+
+    @cute.jit
+    def load_kv(self, sK, sSt, stage, mKV, mBT, b, tile_start, split_end, num_pages, tid):
+        """Issue the cp.async of one KV tile into ring slot ``stage`` (no commit)."""
+        if cutlass.const_expr(not self.fp8):
+            rows = self.kv_rows(mBT, b, tile_start, split_end, num_pages, tid, self.block_n // 32, 32, tid // 8)
+            self.load_rows(sK[None, None, stage], mKV, rows, tid)
+        else:
+            # raw e4m3 rows: chunk c = tid + 256 j of the tile is 16 bytes at (row c // 36, col 16 (c % 36))
+            n_chunks = self.block_n * (self.D // 16)
+            atom = cute.make_copy_atom(cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL),
+                                       cutlass.Float8E4M3FN, num_bits_per_copy=128)
+            sFlat = cute.make_tensor(sSt[None, None, stage].iterator, cute.make_layout((16, n_chunks), stride=(1, 16)))
+            for j in cutlass.range_constexpr((n_chunks + 255) // 256):
+                c = tid + 256 * j
+                if c < n_chunks:
+                    row, col = c // (self.D // 16), c % (self.D // 16)
+                    grow = self.kv_rows(mBT, b, tile_start, split_end, num_pages, tid, 1, 0, row)
+                    src = cute.make_tensor(row_ptr(mKV, grow[0], col * 16, self.D, 16), cute.make_layout(16))
+                    cute.copy(atom, src, sFlat[None, c])
+
+    @cute.jit
+    def convert_kv(self, sSt_stage: cute.Tensor, sKc: cute.Tensor, tid: Int32):
+        """Upcast one staged e4m3 tile into the bf16 swizzled compute tile (exact)."""
+        _, tiled = self._row_copy(self.mma_dtype, 128, 8)
+        _, tiled8 = self._row_copy(cutlass.Float8E4M3FN, 64, 8)
+        tXsK = tiled.get_slice(tid).partition_D(sKc)
+        tXsS = tiled8.get_slice(tid).partition_S(sSt_stage)
+        for m in cutlass.range_constexpr(cute.size(tXsK, mode=[1])):
+            for k in cutlass.range_constexpr(cute.size(tXsK, mode=[2])):
+                f8 = cute.make_rmem_tensor((8,), cutlass.Float8E4M3FN)
+                cute.autovec_copy(tXsS[None, m, k], f8)
+                b16 = cute.make_rmem_tensor((8,), self.mma_dtype)
+                b16.store(f8.load().to(self.mma_dtype))
+                cute.autovec_copy(b16, tXsK[None, m, k])
+
+    @cute.kernel
+    def kernel(self, qk_mma: cute.TiledMma, pv_mma: cute.TiledMma, mQ: cute.Tensor, mKV: cute.Tensor,
+               mBT: cute.Tensor, mSeq: cute.Tensor, mSS: cute.Tensor, mOS: cute.Tensor, mOut: cute.Tensor,
+               mLse: cute.Tensor, mOacc: cute.Tensor, mLacc: cute.Tensor, q_layout: cute.ComposedLayout,
+               k_layout: cute.ComposedLayout, v_layout: cute.ComposedLayout, p_layout: cute.ComposedLayout,
+               st_layout: cute.Layout, Storage: cutlass.Constexpr):
+        tid, _, _ = cute.arch.thread_idx()
+        mblk, split, b = cute.arch.block_idx()
+        wg = cute.arch.make_warp_uniform(tid // 128)
+        wtid = tid % 128
+        bn, P = self.block_n, self.stages
+        smem = cutlass.utils.SmemAllocator()
+        st = smem.allocate(Storage)
+        sQ = st.sQ.get_tensor(q_layout.outer, swizzle=q_layout.inner)
+        sK = st.sK.get_tensor(k_layout.outer, swizzle=k_layout.inner)
+        sP = st.sP.get_tensor(p_layout.outer, swizzle=p_layout.inner)
+        sSt = sK  # FP8 staging ring (unused for 16-bit inputs)
+        if cutlass.const_expr(self.fp8):
+            sSt = st.sSt.get_tensor(st_layout)
+        sMax = st.row_max.get_tensor(cute.make_layout(128))
+        sSum = st.row_sum.get_tensor(cute.make_layout(128))
+
+        scale_log2 = mSS[0] * LOG2_E
+        out_scale = mOS[0]
+        max_pages = mBT.shape[1]
+        num_pages = mKV.shape[0]
+        seq = clamp(mSeq[b], 0, max_pages * self.page_size)
+        split_start = split * self.tokens_per_split
+        split_end = cutlass.min(split_start + self.tokens_per_split, seq)
+        n_tiles = Int32(0)
+        if split_end > split_start:
+            n_tiles = (split_end - split_start + bn - 1) // bn
+
+        # ---- Q tile: rows past R are a clamped copy of row R-1 (finite, never stored).
+        qrows = cute.make_rmem_tensor((2,), Int64)
+        for m in cutlass.range_constexpr(2):
+            r = cutlass.min(mblk * self.block_m + tid // 8 + 32 * m, self.R - 1)
+            qrows[m] = Int64(b) * self.R + r
+        if cutlass.const_expr(self.fp8):
+            self.load_q_fp8(sQ[None, None, 0], mQ, qrows, tid)
+        else:
+            self.load_rows(sQ[None, None, 0], mQ, qrows, tid)
+        # ---- prologue: tiles 0 .. P-2 in flight, one commit group each (Q joins group 0)
+        for j in cutlass.range_constexpr(P - 1):
+            if j < n_tiles:
+                self.load_kv(sK, sSt, j, mKV, mBT, b, split_start + j * bn, split_end, num_pages, tid)
+            cute.arch.cp_async_commit_group()
+
+        # ---- MMA partitions
+        qk_thr = qk_mma.get_slice(wtid)
+        pv_thr = pv_mma.get_slice(wtid)
+        tSrQ = qk_thr.make_fragment_A(qk_thr.partition_A(sQ[None, None, 0]))
+        acc_s = qk_thr.make_fragment_C(qk_thr.partition_shape_C((self.block_m, bn // 2)))
+        acc_o = pv_thr.make_fragment_C(pv_thr.partition_shape_C((self.block_m, self.DV // 2)))
+        acc_o.fill(0.0)
+        tScS = qk_thr.partition_C(cute.make_identity_tensor((self.block_m, bn // 2)))
+        sPw = cute.local_tile(sP[None, None, 0], (self.block_m, bn // 2), (0, wg))
+        tSsP = qk_thr.partition_C(sPw)
+        tOrP = pv_thr.make_fragment_A(pv_thr.partition_A(sP[None, None, 0]))
+        row_in = cute.make_rmem_tensor((2,), Int32)  # tile rows of this thread's two accumulator rows
+        row_in[0] = tScS[0][0]
+        row_in[1] = tScS[2][0]
+        lim = cute.make_rmem_tensor((2,), Int32)  # first masked key of each row
+        for h in cutlass.range_constexpr(2):
+            s_tok = (mblk * self.block_m + row_in[h]) // self.H
+            lim_h = seq
+            if cutlass.const_expr(self.causal):
+                lim_h = seq - self.S + 1 + s_tok
+            lim[h] = cutlass.min(lim_h, split_end)
+        row_m = cute.make_rmem_tensor((2,), Float32)
+        row_l = cute.make_rmem_tensor((2,), Float32)
+        for h in cutlass.range_constexpr(2):
+            row_m[h] = -Float32.inf
+            row_l[h] = 0.0
+
+        for i in cutlass.range(n_tiles, unroll=1):
+            stage = i % P
+            tile_start = split_start + i * bn
+            cute.arch.cp_async_wait_group(P - 2)  # tile i (and Q) landed for this thread
+            cute.arch.fence_view_async_shared()
+            # all threads' copies of tile i are visible and iteration i-1 is fully done (its slot is free)
+            cute.arch.barrier(barrier_id=int(Barrier.TILE_READY), number_of_threads=self.num_threads)
+            sKs = sK[None, None, 0]
+            if cutlass.const_expr(self.fp8):
+                self.convert_kv(sSt[None, None, stage], sKs, tid)
+                cute.arch.fence_view_async_shared()
+                cute.arch.barrier(barrier_id=int(Barrier.CONVERTED), number_of_threads=self.num_threads)
+            else:
+                sKs = sK[None, None, stage]
+            # ---- S = Q K_g^T
+            sKw = cute.local_tile(sKs, (bn // 2, self.D), (wg, 0))
+            tSrK = qk_thr.make_fragment_B(qk_thr.partition_B(sKw))
+            warpgroup.fence()
+            for k in cutlass.range_constexpr(cute.size(tSrQ, mode=[2])):
+                qk_mma.set(warpgroup.Field.ACCUMULATE, k != 0)
+                cute.gemm(qk_mma, acc_s, tSrQ[None, None, k], tSrK[None, None, k], acc_s)
+            warpgroup.commit_group()
+            # Refill the slot of tile i-1 (free since TILE_READY) while the QK wgmmas run: the block-table
+            # reads and address math of the prefetch stay off the critical path.
+            if i + P - 1 < n_tiles:
+                self.load_kv(sK, sSt, (i + P - 1) % P, mKV, mBT, b, tile_start + (P - 1) * bn, split_end,
+                             num_pages, tid)
+            cute.arch.cp_async_commit_group()
+            warpgroup.wait_group(0)
+            # ---- mask, scale, row max (exchanged between the two warpgroups)
+            tile_max = cute.make_rmem_tensor((2,), Float32)
+            tile_max[0] = -Float32.inf
+            tile_max[1] = -Float32.inf
+            for e in cutlass.range_constexpr(cute.size(acc_s)):
+                h = (e // 2) % 2
+                key = tile_start + wg * (bn // 2) + tScS[e][1]
+                v = acc_s[e] * scale_log2
+                if key >= lim[h]:
+                    v = -Float32.inf
+                acc_s[e] = v
+                tile_max[h] = cute.arch.fmax(tile_max[h], v)
+            for h in cutlass.range_constexpr(2):
+                tile_max[h] = quad_max(tile_max[h])
+                if wtid % 4 == 0:
+                    sMax[wg * 64 + row_in[h]] = tile_max[h]
+            cute.arch.barrier(barrier_id=int(Barrier.ROW_MAX), number_of_threads=self.num_threads)
+            alpha = cute.make_rmem_tensor((2,), Float32)
+            ref = cute.make_rmem_tensor((2,), Float32)
+            for h in cutlass.range_constexpr(2):
+                other = sMax[(1 - wg) * 64 + row_in[h]]
+                m_new = cute.arch.fmax(row_m[h], cute.arch.fmax(tile_max[h], other))
+                ref[h] = m_new
+                if m_new == -Float32.inf:
+                    ref[h] = 0.0
+                alpha[h] = cute.arch.exp2(row_m[h] - ref[h])
+                row_m[h] = m_new
+                row_l[h] = row_l[h] * alpha[h]
+            # ---- P = exp2(s - m), to smem in the operand dtype
+            for e in cutlass.range_constexpr(cute.size(acc_s)):
+                h = (e // 2) % 2
+                p = cute.arch.exp2(acc_s[e] - ref[h])
+                acc_s[e] = p
+                row_l[h] = row_l[h] + p
+            rP = cute.make_rmem_tensor_like(acc_s, self.mma_dtype)
+            rP.store(acc_s.load().to(self.mma_dtype))
+            cute.autovec_copy(rP, tSsP)
+            cute.arch.fence_view_async_shared()
+            cute.arch.barrier(barrier_id=int(Barrier.P_READY), number_of_threads=self.num_threads)
+            # ---- O = alpha O + P V_g
+            for e in cutlass.range_constexpr(cute.size(acc_o)):
+                acc_o[e] = acc_o[e] * alpha[(e // 2) % 2]
+            sV = cute.make_tensor(cute.recast_ptr(sKs.iterator, v_layout.inner), v_layout.outer)
+            sVw = cute.local_tile(sV[None, None, 0], (self.DV // 2, bn), (wg, 0))
+            tOrV = pv_thr.make_fragment_B(pv_thr.partition_B(sVw))
+            warpgroup.fence()
+            pv_mma.set(warpgroup.Field.ACCUMULATE, True)
+            for k in cutlass.range_constexpr(cute.size(tOrP, mode=[2])):
+                cute.gemm(pv_mma, acc_o, tOrP[None, None, k], tOrV[None, None, k], acc_o)
+            warpgroup.commit_group()
+            warpgroup.wait_group(0)
+
+        cute.arch.cp_async_wait_group(0)
+        self.epilogue(pv_thr, acc_o, row_m, row_l, row_in, sSum, mOut, mLse, mOacc, mLacc, out_scale, mblk,
+                      split, b, wg, wtid)
+
+    @cute.jit
+    def epilogue(self, pv_thr, acc_o, row_m, row_l, row_in, sSum, mOut, mLse, mOacc, mLacc, out_scale, mblk,
+                 split, b, wg, wtid):
+        for h in cutlass.range_constexpr(2):
+            row_l[h] = quad_sum(row_l[h])
+            if wtid % 4 == 0:
+                sSum[wg * 64 + row_in[h]] = row_l[h]
+        cute.arch.barrier(barrier_id=int(Barrier.ROW_SUM), number_of_threads=self.num_threads)
+        inv = cute.make_rmem_tensor((2,), Float32)
+        lse = cute.make_rmem_tensor((2,), Float32)
+        for h in cutlass.range_constexpr(2):
+            l_tot = sSum[row_in[h]] + sSum[64 + row_in[h]]
+            inv[h] = 0.0
+            lse[h] = -Float32.inf
+            if l_tot > 0.0:
+                inv[h] = 1.0 / l_tot
+                lse[h] = (row_m[h] + cute.math.log2(l_tot, fastmath=False)) * LN_2
+        tOcO = pv_thr.partition_C(cute.make_identity_tensor((self.block_m, self.DV // 2)))
+        direct = cutlass.const_expr(self.num_splits == 1)
+        for h in cutlass.range_constexpr(2):
+            r = mblk * self.block_m + row_in[h]
+            if r < self.R:
+                if cutlass.const_expr(direct):
+                    base = Int64(b) * self.R + r
+                    gO = cute.make_tensor(mOut.iterator + base * self.DV, cute.make_layout(self.DV))
+                    if wtid % 4 == 0 and wg == 0:
+                        gL = cute.make_tensor(mLse.iterator + base, cute.make_layout(1))
+                        gL[0] = lse[h]
+                    for e in cutlass.range_constexpr(cute.size(acc_o)):
+                        if cutlass.const_expr((e // 2) % 2 == h):
+                            gO[wg * (self.DV // 2) + tOcO[e][1]] = (acc_o[e] * (inv[h] * out_scale)).to(self.out_dtype)
+                else:
+                    base = (Int64(b) * self.num_splits + split) * self.R + r
+                    gO = cute.make_tensor(mOacc.iterator + base * self.DV, cute.make_layout(self.DV))
+                    if wtid % 4 == 0 and wg == 0:
+                        gL = cute.make_tensor(mLacc.iterator + base, cute.make_layout(1))
+                        gL[0] = lse[h]
+                    for e in cutlass.range_constexpr(cute.size(acc_o)):
+                        if cutlass.const_expr((e // 2) % 2 == h):
+                            gO[wg * (self.DV // 2) + tOcO[e][1]] = acc_o[e] * inv[h]
+
+    @cute.kernel
+    def combine_kernel(self, mOacc: cute.Tensor, mLacc: cute.Tensor, mOS: cute.Tensor, mOut: cute.Tensor,
+                       mLse: cute.Tensor):
+        """One CTA per (row, request): fixed-order LSE-weighted sum of the split partials."""
+        tid, _, _ = cute.arch.thread_idx()
+        r, b, _ = cute.arch.block_idx()
+        ns = self.num_splits
+        lbase = Int64(b) * ns * self.R + r
+        gL = cute.make_tensor(mLacc.iterator + lbase, cute.make_layout(ns, stride=self.R))
+        m = -Float32.inf
+        for s in cutlass.range(ns, unroll=1):
+            m = cute.arch.fmax(m, gL[s])
+        total = Float32(0.0)
+        acc = cute.make_rmem_tensor((4,), Float32)
+        acc.fill(0.0)
+        if m != -Float32.inf:
+            for s in cutlass.range(ns, unroll=1):
+                w = cute.arch.exp2((gL[s] - m) * LOG2_E)
+                total = total + w
+                gO = cute.make_tensor(mOacc.iterator + (lbase + Int64(s) * self.R) * self.DV + tid * 4,
+                                      cute.make_layout(4))
+                for j in cutlass.range_constexpr(4):
+                    acc[j] = acc[j] + w * gO[j]
+        inv = Float32(0.0)
+        lse = -Float32.inf
+        if total > 0.0:
+            inv = mOS[0] / total
+            lse = m + cute.math.log(total, fastmath=False)
+        obase = Int64(b) * self.R + r
+        gOut = cute.make_tensor(mOut.iterator + obase * self.DV + tid * 4, cute.make_layout(4))
+        for j in cutlass.range_constexpr(4):
+            gOut[j] = (acc[j] * inv).to(self.out_dtype)
+        if tid == 0:
+            gLse = cute.make_tensor(mLse.iterator + obase, cute.make_layout(1))
+            gLse[0] = lse
+
+
+@cute.jit
+def launch_mla_decode(stream, q: cute.Tensor, kv: cute.Tensor, block_table: cute.Tensor, seq_lens: cute.Tensor,
+                      softmax_scale: cute.Tensor, output_scale: cute.Tensor, out: cute.Tensor, lse: cute.Tensor,
+                      o_accum: cute.Tensor = None, lse_accum: cute.Tensor = None, *,
+                      dtype: cutlass.Constexpr, num_heads: cutlass.Constexpr, q_len: cutlass.Constexpr,
+                      page_size: cutlass.Constexpr, causal: cutlass.Constexpr, num_splits: cutlass.Constexpr,
+                      tokens_per_split: cutlass.Constexpr, block_n: cutlass.Constexpr = 64):
+    """FFI launch function (``tokenspeed_jax.ffi`` ABI): inputs, outputs, then the split-KV workspace."""
+    MlaDecodeSm90(dtype=dtype, num_heads=num_heads, q_len=q_len, page_size=page_size, causal=causal,
+                  num_splits=num_splits, tokens_per_split=tokens_per_split, block_n=block_n)(
+        stream, q, kv, block_table, seq_lens, softmax_scale, output_scale, out, lse, o_accum, lse_accum)
+
+
+__all__ = ["MlaDecodeSm90", "launch_mla_decode"]

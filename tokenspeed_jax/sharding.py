@@ -1,0 +1,315 @@
+"""Run :func:`~tokenspeed_jax.mla_decode` and :func:`~tokenspeed_jax.mla_prefill` under ``jax.shard_map``.
+
+Two ways to split a call over the axes of a :class:`jax.sharding.Mesh`; either or both may be used (a 2-D
+mesh ``("data", "model")`` runs data parallel over one axis and tensor parallel over the other).  Mesh
+axes a call does not name replicate the work.  The per-device call is the ordinary op on the local
+shards, so every backend works unchanged (the kernels see a smaller B or H).
+
+Decode (``sharded_mla_decode``)
+    Tensor parallel, ``head_axis``: q ``[B, S, H, D]`` is split along H, so each device runs ``H / n``
+    heads.  Absorbed MLA decode shares one latent KV stream among all heads, so the latent cache, the
+    block table and the lengths are replicated; out is split along H, LSE along H.  H must be a multiple
+    of the axis size.
+
+    Data parallel, ``batch_axis``: q, block_table and seq_lens are split along B (a multiple of the axis
+    size; device ``d`` serves requests ``d * B/n .. (d+1) * B/n - 1``).  The cache is either
+
+    * ``cache_sharding="pages"`` (default): split along pages; device ``d`` holds pages
+      ``d * P/n .. (d+1) * P/n - 1`` of the global ``[P, page_size, D]`` cache, a request's pages must live
+      on the device that serves it, and its block-table entries are **shard-local** page ids in
+      ``[0, P/n)``.  :func:`localize_block_table` turns global ids into that form.  This is what a
+      data-parallel serving stack does (each replica owns its KV pool);
+    * ``cache_sharding="replicated"``: every device holds the whole cache and the table holds global ids.
+
+Prefill (``sharded_mla_prefill``)
+    Tensor parallel, ``head_axis``: q ``[Tq, Hq, Dqk]`` split along Hq; k/v split along Hk when Hk is a
+    multiple of the axis size (contiguous head blocks keep query head ``h`` on the device of its KV head
+    ``h // (Hq/Hk)``), replicated when ``Hk == 1``.
+
+    Data parallel, ``batch_axis``: ragged batches have no batch axis, so the caller lays them out per
+    shard: q/k/v are split into ``n`` equal slabs of rows along axis 0, slab ``d`` packs the requests of
+    device ``d`` from its row 0 (rows past its last request are padding: 0 output / LSE -inf, never
+    read as keys), and ``cu_seqlens_q`` / ``cu_seqlens_k`` are the ``n`` shard-local offset arrays of
+    ``B_local + 1`` entries each, concatenated (shape ``[n * (B_local + 1)]``, each part starting at 0).
+    :func:`split_varlen_batch` builds this layout from an ordinary packed batch and returns the row map
+    back.
+
+Scales are replicated runtime scalars (Python floats or traced float32 arrays) in both ops.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import numpy as np
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
+
+from tokenspeed_jax import _checks as C
+from tokenspeed_jax.decode import mla_decode
+from tokenspeed_jax.prefill import mla_prefill
+
+__all__ = ["localize_block_table", "sharded_mla_decode", "sharded_mla_prefill", "split_varlen_batch"]
+
+
+def _shard_map(f, mesh, in_specs, out_specs):
+    """``jax.shard_map`` (jax >= 0.7), else ``jax.experimental.shard_map.shard_map`` (older jax).
+
+    Replication checking is off: the ops are custom calls / custom_vmap wrappers whose outputs are all
+    sharded along the named axes (or replicated by construction)."""
+    sm = getattr(jax, "shard_map", None)
+    if sm is not None:
+        return sm(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)
+    from jax.experimental.shard_map import shard_map as legacy  # pragma: no cover (jax < 0.7)
+
+    return legacy(f, mesh, in_specs=in_specs, out_specs=out_specs, check_rep=False)
+
+
+def _axis(mesh: Mesh, axis, name: str) -> int:
+    """Size of a named mesh axis (1 for None), with a clear error for unknown names."""
+    if axis is None:
+        return 1
+    if not isinstance(axis, str):
+        raise TypeError(f"{name}: expected a mesh axis name (str) or None, got {type(axis).__name__}")
+    if axis not in mesh.shape:
+        raise ValueError(f"{name}: expected one of the mesh axes {tuple(mesh.shape)}, got {axis!r}")
+    return mesh.shape[axis]
+
+
+def _divisible(what: str, size: int, n: int, axis: str, argname: str) -> None:
+    if size % n:
+        raise ValueError(f"{argname}: expected {what} to be a multiple of the size of mesh axis {axis!r} "
+                         f"({n}), got {size}")
+
+
+def sharded_mla_decode(
+    q: jax.Array,
+    kv_cache: jax.Array,
+    block_table: jax.Array,
+    seq_lens: jax.Array,
+    *,
+    mesh: Mesh,
+    head_axis: str | None = None,
+    batch_axis: str | None = None,
+    cache_sharding: str = "pages",
+    softmax_scale: float | jax.Array,
+    output_scale: float | jax.Array = 1.0,
+    causal: bool = True,
+    kv_lora_rank: int = 512,
+    return_lse: bool = False,
+    backend: str = "auto",
+) -> jax.Array | tuple[jax.Array, jax.Array]:
+    """:func:`~tokenspeed_jax.mla_decode` with heads split over ``head_axis`` (tensor parallel) and/or
+    requests split over ``batch_axis`` (data parallel); see the module docstring for the layouts.
+
+    Args:
+      q, kv_cache, block_table, seq_lens: as in ``mla_decode`` (global shapes).  With ``batch_axis`` and
+        ``cache_sharding="pages"`` the block table holds shard-local page ids (:func:`localize_block_table`).
+      mesh: the device mesh.  head_axis / batch_axis: mesh axis names, or None.
+      cache_sharding: ``"pages"`` (split the cache along pages over ``batch_axis``) or ``"replicated"``.
+        Ignored without ``batch_axis`` (tensor parallel always replicates the latent cache).
+      softmax_scale, output_scale, causal, kv_lora_rank, return_lse, backend: as in ``mla_decode``.
+
+    Returns:
+      ``out [B, S, H, kv_lora_rank]`` (or ``(out, lse)``) sharded along B over ``batch_axis`` and along H
+      over ``head_axis``.
+    """
+    if not isinstance(mesh, Mesh):
+        raise TypeError(f"mesh: expected a jax.sharding.Mesh, got {type(mesh).__name__}")
+    for x, n in ((q, "q"), (kv_cache, "kv_cache"), (block_table, "block_table"), (seq_lens, "seq_lens")):
+        C.array(x, n)
+    C.rank(q, "q", 4, "[B, S, H, D]")
+    C.rank(kv_cache, "kv_cache", 3, "[num_pages, page_size, D]")
+    nh = _axis(mesh, head_axis, "head_axis")
+    nb = _axis(mesh, batch_axis, "batch_axis")
+    if head_axis is not None and head_axis == batch_axis:
+        raise ValueError(f"batch_axis: expected a mesh axis other than head_axis, got {batch_axis!r} twice")
+    if cache_sharding not in ("pages", "replicated"):
+        raise ValueError(f"cache_sharding: expected 'pages' or 'replicated', got {cache_sharding!r}")
+    C.static_bool(return_lse, "return_lse")
+    if head_axis is not None:
+        _divisible("H (q axis 2)", q.shape[2], nh, head_axis, "q")
+    pages = batch_axis is not None and cache_sharding == "pages"
+    if batch_axis is not None:
+        _divisible("B (q axis 0)", q.shape[0], nb, batch_axis, "q")
+    if pages:
+        _divisible("num_pages (axis 0)", kv_cache.shape[0], nb, batch_axis, "kv_cache")
+    ss = C.f32_scalar(softmax_scale, "softmax_scale")
+    os_ = C.f32_scalar(output_scale, "output_scale")
+
+    causal = C.static_bool(causal, "causal")
+    kv_lora_rank = C.static_pos_int(kv_lora_rank, "kv_lora_rank")
+    if not isinstance(backend, str):
+        raise TypeError(f"backend: expected a backend name or 'auto', got {type(backend).__name__}")
+    fn = _decode_fn(mesh, head_axis, batch_axis, pages, causal, kv_lora_rank, bool(return_lse), backend)
+    return fn(q, kv_cache, block_table, seq_lens, ss, os_)
+
+
+@functools.lru_cache(maxsize=256)
+def _decode_fn(mesh, head_axis, batch_axis, pages, causal, kv_lora_rank, return_lse, backend):
+    """One jitted shard_map per static configuration (eager shard_map would dispatch op by op)."""
+    q_spec = P(batch_axis, None, head_axis, None)
+    kv_spec = P(batch_axis, None, None) if pages else P()
+    out_specs = q_spec if not return_lse else (q_spec, P(batch_axis, None, head_axis))
+    in_specs = (q_spec, kv_spec, P(batch_axis, None), P(batch_axis), P(), P())
+
+    def local(q, kv, bt, sl, ss, os_):
+        return mla_decode(q, kv, bt, sl, softmax_scale=ss, output_scale=os_, causal=causal,
+                          kv_lora_rank=kv_lora_rank, return_lse=return_lse, backend=backend)
+
+    mapped = _shard_map(local, mesh, in_specs, out_specs)
+
+    @jax.jit
+    def run(*args):
+        with jax.named_scope("tokenspeed_sharded_mla_decode"):
+            return mapped(*args)
+
+    return run
+
+
+def sharded_mla_prefill(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    cu_seqlens_q: jax.Array,
+    cu_seqlens_k: jax.Array,
+    *,
+    mesh: Mesh,
+    head_axis: str | None = None,
+    batch_axis: str | None = None,
+    softmax_scale: float | jax.Array,
+    causal: bool = True,
+    return_lse: bool = False,
+    max_seqlen_q: int | None = None,
+    max_seqlen_k: int | None = None,
+    backend: str = "auto",
+) -> jax.Array | tuple[jax.Array, jax.Array]:
+    """:func:`~tokenspeed_jax.mla_prefill` with heads split over ``head_axis`` and/or per-shard ragged
+    batches over ``batch_axis`` (layout in the module docstring; :func:`split_varlen_batch` builds it).
+
+    Without ``batch_axis`` the cu_seqlens are the ordinary ``[B + 1]`` offsets (replicated).  With it they
+    are ``[n * (B_local + 1)]`` shard-local offsets and q/k/v rows are ``n`` equal per-shard slabs.
+    max_seqlen_* are per-request hints, valid for every shard.
+    """
+    if not isinstance(mesh, Mesh):
+        raise TypeError(f"mesh: expected a jax.sharding.Mesh, got {type(mesh).__name__}")
+    for x, n in ((q, "q"), (k, "k"), (v, "v"), (cu_seqlens_q, "cu_seqlens_q"),
+                 (cu_seqlens_k, "cu_seqlens_k")):
+        C.array(x, n)
+    C.rank(q, "q", 3, "[Tq, Hq, Dqk]")
+    C.rank(k, "k", 3, "[Tk, Hk, Dqk]")
+    C.rank(cu_seqlens_q, "cu_seqlens_q", 1, "[B + 1]")
+    C.rank(cu_seqlens_k, "cu_seqlens_k", 1, "[B + 1]")
+    nh = _axis(mesh, head_axis, "head_axis")
+    nb = _axis(mesh, batch_axis, "batch_axis")
+    if head_axis is not None and head_axis == batch_axis:
+        raise ValueError(f"batch_axis: expected a mesh axis other than head_axis, got {batch_axis!r} twice")
+    C.static_bool(return_lse, "return_lse")
+    kv_head_axis = None
+    if head_axis is not None:
+        _divisible("Hq (q axis 1)", q.shape[1], nh, head_axis, "q")
+        if k.shape[1] % nh == 0:
+            kv_head_axis = head_axis
+        elif k.shape[1] != 1:
+            raise ValueError(f"k: expected Hk (axis 1) to be 1 or a multiple of the size of mesh axis "
+                             f"{head_axis!r} ({nh}), got {k.shape[1]}")
+    if batch_axis is not None:
+        _divisible("Tq (axis 0, n equal per-shard slabs)", q.shape[0], nb, batch_axis, "q")
+        _divisible("Tk (axis 0, n equal per-shard slabs)", k.shape[0], nb, batch_axis, "k")
+        _divisible("length (n shard-local offset arrays)", cu_seqlens_q.shape[0], nb, batch_axis,
+                   "cu_seqlens_q")
+        _divisible("length (n shard-local offset arrays)", cu_seqlens_k.shape[0], nb, batch_axis,
+                   "cu_seqlens_k")
+    ss = C.f32_scalar(softmax_scale, "softmax_scale")
+
+    causal = C.static_bool(causal, "causal")
+    max_seqlen_q = C.static_pos_int(max_seqlen_q, "max_seqlen_q", allow_none=True)
+    max_seqlen_k = C.static_pos_int(max_seqlen_k, "max_seqlen_k", allow_none=True)
+    if not isinstance(backend, str):
+        raise TypeError(f"backend: expected a backend name or 'auto', got {type(backend).__name__}")
+    fn = _prefill_fn(mesh, head_axis, kv_head_axis, batch_axis, causal, bool(return_lse), max_seqlen_q,
+                     max_seqlen_k, backend)
+    return fn(q, k, v, cu_seqlens_q, cu_seqlens_k, ss)
+
+
+@functools.lru_cache(maxsize=256)
+def _prefill_fn(mesh, head_axis, kv_head_axis, batch_axis, causal, return_lse, max_seqlen_q, max_seqlen_k,
+                backend):
+    q_spec = P(batch_axis, head_axis, None)
+    kv_spec = P(batch_axis, kv_head_axis, None)
+    cu_spec = P(batch_axis)
+    out_specs = q_spec if not return_lse else (q_spec, P(batch_axis, head_axis))
+
+    def local(q, k, v, cq, ck, ss):
+        return mla_prefill(q, k, v, cq, ck, softmax_scale=ss, causal=causal, return_lse=return_lse,
+                           max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, backend=backend)
+
+    mapped = _shard_map(local, mesh, (q_spec, kv_spec, kv_spec, cu_spec, cu_spec, P()), out_specs)
+
+    @jax.jit
+    def run(*args):
+        with jax.named_scope("tokenspeed_sharded_mla_prefill"):
+            return mapped(*args)
+
+    return run
+
+
+# ------------------------------------------------------------------------------- host-side layouts
+def localize_block_table(block_table, *, num_pages: int, num_shards: int) -> np.ndarray:
+    """Global page ids -> shard-local ids for data-parallel decode with a page-sharded cache.
+
+    Request ``b`` is served by shard ``d = b // (B / num_shards)``, which holds global pages
+    ``[d * P/n, (d+1) * P/n)``; its entries become ``id - d * P/n``.  Entries outside the shard's range are
+    left as they are minus the offset (they are garbage either way: only pages a request uses are read, and
+    those must be on its shard; ``mla_decode(validate=True)`` inside the shard reports violations).
+    """
+    bt = np.asarray(block_table)
+    if bt.ndim != 2:
+        raise ValueError(f"block_table: expected rank 2 [B, max_pages], got shape {bt.shape}")
+    B = bt.shape[0]
+    if B % num_shards or num_pages % num_shards:
+        raise ValueError(f"num_shards: expected a divisor of B = {B} and num_pages = {num_pages}, "
+                         f"got {num_shards}")
+    per = num_pages // num_shards
+    shard = np.arange(B) // (B // num_shards)
+    return (bt - (shard * per)[:, None]).astype(bt.dtype)
+
+
+def split_varlen_batch(q, k, v, cu_seqlens_q, cu_seqlens_k, *, num_shards: int):
+    """Host-side re-layout of a packed ragged batch for data-parallel ``sharded_mla_prefill``.
+
+    Requests are dealt to shards in contiguous groups of ``ceil(B / num_shards)`` (a short last group is
+    padded with empty requests).  Returns ``(q, k, v, cu_seqlens_q, cu_seqlens_k, q_rows)`` where the
+    arrays have the per-shard layout of the module docstring (equal slabs, padding rows of q zero and of
+    k/v zero) and ``q_rows [Tq]`` maps each original q row to its row in the new layout, so
+    ``out_global = out_sharded[q_rows]``.
+    """
+    q, k, v = np.asarray(q), np.asarray(k), np.asarray(v)
+    cq, ck = np.asarray(cu_seqlens_q).astype(np.int64), np.asarray(cu_seqlens_k).astype(np.int64)
+    B = len(cq) - 1
+    n = int(num_shards)
+    if n < 1:
+        raise ValueError(f"num_shards: expected a positive int, got {num_shards!r}")
+    bl = -(-B // n)
+    groups = [list(range(d * bl, min(B, (d + 1) * bl))) for d in range(n)]
+    tq = max(1, max(sum(int(cq[b + 1] - cq[b]) for b in g) for g in groups))
+    tk = max(1, max(sum(int(ck[b + 1] - ck[b]) for b in g) for g in groups))
+    out_q = np.zeros((n * tq,) + q.shape[1:], q.dtype)
+    out_k = np.zeros((n * tk,) + k.shape[1:], k.dtype)
+    out_v = np.zeros((n * tk,) + v.shape[1:], v.dtype)
+    new_cq = np.zeros((n, bl + 1), np.int32)
+    new_ck = np.zeros((n, bl + 1), np.int32)
+    q_rows = np.zeros(int(cq[-1] - cq[0]), np.int64)
+    for d, g in enumerate(groups):
+        at_q = at_k = 0
+        for i, b in enumerate(g):
+            lq, lk = int(cq[b + 1] - cq[b]), int(ck[b + 1] - ck[b])
+            out_q[d * tq + at_q:d * tq + at_q + lq] = q[cq[b]:cq[b + 1]]
+            out_k[d * tk + at_k:d * tk + at_k + lk] = k[ck[b]:ck[b + 1]]
+            out_v[d * tk + at_k:d * tk + at_k + lk] = v[ck[b]:ck[b + 1]]
+            q_rows[cq[b] - cq[0]:cq[b + 1] - cq[0]] = d * tq + at_q + np.arange(lq)
+            at_q, at_k = at_q + lq, at_k + lk
+            new_cq[d, i + 1], new_ck[d, i + 1] = at_q, at_k
+        new_cq[d, len(g) + 1:], new_ck[d, len(g) + 1:] = at_q, at_k
+    return out_q, out_k, out_v, new_cq.reshape(-1), new_ck.reshape(-1), q_rows
