@@ -10,6 +10,13 @@ fp32-cast inputs) and the bf16 xla backend: NaN in every page a request does not
 tables, garbage past the used table entries, ragged lengths (0, 1, S-1, page-1, page+1, long), poisoned
 device memory before each call, LSE, -inf rows, and bitwise run-to-run determinism.  ``--bench`` times
 ours vs FlashMLA (BF16 and the FP8 fork, from the GPU kit) vs plain XLA on the issue's matrix.
+
+``--schedule overlap`` (an opt-in kernel schedule, ``tokenspeed_jax.backends.sm90_decode``): ``--check``
+runs the matrix on that schedule (and records whether it is bitwise equal to the default schedule, which it
+is designed to be), ``--bench`` times it as extra columns ``ours bf16 overlap`` / ``ours fp8 overlap`` next
+to the default and FlashMLA:
+
+    CUTE_DSL_ARCH=sm_90a python -m benchmarks.decode --prewarm 15 --check --bench --schedule overlap --quick
 """
 
 from __future__ import annotations
@@ -78,10 +85,24 @@ def shapes(c: Case):
             jax.ShapeDtypeStruct((c.B, c.max_pages), jnp.int32), jax.ShapeDtypeStruct((c.B,), jnp.int32))
 
 
-def decode_fn(c: Case, backend: str):
+def decode_fn(c: Case, backend: str, schedule: str | None = None):
+    """jitted ``(q, kv, bt, sl, scale) -> (out, lse)``; ``schedule`` (sm90 only) calls the sm90 wrapper
+    directly with that kernel schedule instead of going through ``mla_decode``."""
     import jax
+    import jax.numpy as jnp
 
     from tokenspeed_jax import mla_decode
+
+    if schedule is not None:
+        from tokenspeed_jax.backends import sm90_decode
+        from tokenspeed_jax.decode import _decode_problem
+
+        def g(q, kv, bt, sl, scale):
+            prob = _decode_problem(q, kv, bt, sl, c.causal, 512, True)
+            return sm90_decode.decode(prob, q, kv, bt, sl, scale.astype(jnp.float32), jnp.float32(1.0),
+                                      schedule=schedule)
+
+        return jax.jit(g)
 
     def f(q, kv, bt, sl, scale):
         return mla_decode(q, kv, bt, sl, softmax_scale=scale, causal=c.causal, return_lse=True, backend=backend)
@@ -89,7 +110,7 @@ def decode_fn(c: Case, backend: str):
     return jax.jit(f)
 
 
-def _prewarm_one(c: Case, step32: bool = False) -> str:
+def _prewarm_one(c: Case, step32: bool = False, schedule: str | None = None) -> str:
     import jax
     import jax.numpy as jnp
 
@@ -99,6 +120,8 @@ def _prewarm_one(c: Case, step32: bool = False) -> str:
     with target_override("sm_90a", num_sms=132):
         scale = jax.ShapeDtypeStruct((), jnp.float32)
         decode_fn(c, "sm90").trace(*shapes(c), scale).lower(lowering_platforms=("cuda",))
+        if schedule is not None:
+            decode_fn(c, "sm90", schedule).trace(*shapes(c), scale).lower(lowering_platforms=("cuda",))
         if step32 and c.name.startswith("B") and c.H * c.S <= 64 and c.dtype == "bfloat16":
             from tokenspeed_jax.backends import sm90_decode
             from tokenspeed_jax.decode import _decode_problem
@@ -114,7 +137,8 @@ def _worker_init():
     os.environ["JAX_PLATFORMS"] = "cpu"
 
 
-def prewarm(cases, workers: int) -> None:
+def prewarm(cases, workers: int, schedule: str | None = None) -> None:
+    import functools
     import multiprocessing as mp
 
     t = time.time()
@@ -124,7 +148,7 @@ def prewarm(cases, workers: int) -> None:
     os.environ["JAX_PLATFORMS"] = "cpu"  # inherited by the spawned workers
     try:
         with ctx.Pool(workers, initializer=_worker_init) as pool:
-            for msg in pool.imap_unordered(_prewarm_one, cases):  # (the step-32 variant compiles in-process)
+            for msg in pool.imap_unordered(functools.partial(_prewarm_one, schedule=schedule), cases):  # (the step-32 variant compiles in-process)
                 print("prewarm", msg, flush=True)
     finally:
         if env_backup is None:
@@ -170,7 +194,7 @@ def poison():
     del x
 
 
-def check(cases, seed: int) -> list[dict]:
+def check(cases, seed: int, schedule: str | None = None) -> list[dict]:
     import jax.numpy as jnp
 
     results = []
@@ -179,11 +203,12 @@ def check(cases, seed: int) -> list[dict]:
         q, kv, bt, sl = make_inputs(c, seed)
         scale = jnp.float32(576 ** -0.5)
         poison()
-        out, lse = decode_fn(c, "sm90")(q, kv, bt, sl, scale)
+        fn = decode_fn(c, "sm90", schedule)
+        out, lse = fn(q, kv, bt, sl, scale)
         out = np.asarray(out.astype(jnp.float32))
         lse = np.asarray(lse)
         poison()
-        out2, lse2 = decode_fn(c, "sm90")(q, kv, bt, sl, scale)
+        out2, lse2 = fn(q, kv, bt, sl, scale)
         det = bool(np.array_equal(np.asarray(out2.astype(jnp.float32)), out, equal_nan=True)
                    and np.array_equal(np.asarray(lse2), lse, equal_nan=True))
         ro, rl = decode_fn(c, "xla")(q.astype(jnp.float32), kv.astype(jnp.float32), bt, sl, scale)
@@ -204,7 +229,14 @@ def check(cases, seed: int) -> list[dict]:
         ok_l = inf_ok and lerr <= 1e-3 + 1e-4 * float(np.max(np.abs(rl[fin]), initial=0))
         zero_rows = bool(np.all(out[np.isneginf(rl)] == 0))
         finite = bool(np.all(np.isfinite(out)))
-        r = {"case": c.name, "ok": ok_o and ok_l and det and zero_rows and finite, "max_err": float(np.max(err)),
+        extra = {}
+        if schedule is not None:  # informational: the schedules are designed to give bitwise equal results
+            do, dl = decode_fn(c, "sm90")(q, kv, bt, sl, scale)
+            extra = {"schedule": schedule, "bitwise_equal_default": bool(
+                np.array_equal(np.asarray(do.astype(jnp.float32)), out, equal_nan=True)
+                and np.array_equal(np.asarray(dl), lse, equal_nan=True))}
+        r = {"case": c.name, **extra, "ok": ok_o and ok_l and det and zero_rows and finite,
+             "max_err": float(np.max(err)),
              "xla_native_err": err_x, "err_ratio": float(np.max(err)) / max(err_x, 1e-12), "lse_err": lerr,
              "lse_inf_match": inf_ok, "deterministic": det, "empty_rows_zero": zero_rows, "all_finite": finite,
              "secs": round(time.time() - t0, 1)}
@@ -214,7 +246,7 @@ def check(cases, seed: int) -> list[dict]:
 
 
 # -------------------------------------------------------------------------------------------- bench
-def bench(cases, report, with_xla=True, with_flashmla=True, step32=False) -> None:
+def bench(cases, report, with_xla=True, with_flashmla=True, step32=False, schedule=None) -> None:
     fm = None
     if with_flashmla:
         try:
@@ -222,11 +254,11 @@ def bench(cases, report, with_xla=True, with_flashmla=True, step32=False) -> Non
         except Exception as e:  # noqa: BLE001
             print("flash_mla unavailable:", e)
     for (B, K, page, H, S) in cases:
-        _bench_one(report, fm, bench_case(B, K, page, H, S), with_xla, step32)
+        _bench_one(report, fm, bench_case(B, K, page, H, S), with_xla, step32, schedule)
         print(report.table().splitlines()[-1], flush=True)
 
 
-def _bench_one(report, fm, c: Case, with_xla: bool, step32: bool = False) -> None:
+def _bench_one(report, fm, c: Case, with_xla: bool, step32: bool = False, schedule: str | None = None) -> None:
     import jax
     import jax.numpy as jnp
 
@@ -243,6 +275,13 @@ def _bench_one(report, fm, c: Case, with_xla: bool, step32: bool = False) -> Non
     nbytes, flops = decode_cost(B, S, H, K)
     ours = decode_fn(c, "sm90")
     report.add(c.name, "ours bf16", timeit(lambda: ours(q, kv, bt, sl, scale)), nbytes=nbytes, flops=flops)
+    if schedule is not None:
+        ours_s = decode_fn(c, "sm90", schedule)
+        report.add(c.name, f"ours bf16 {schedule}", timeit(lambda: ours_s(q, kv, bt, sl, scale)), nbytes=nbytes,
+                   flops=flops)
+        same = bool(np.array_equal(np.asarray(ours_s(q, kv, bt, sl, scale)[0].astype(jnp.float32)),
+                                   np.asarray(ours(q, kv, bt, sl, scale)[0].astype(jnp.float32))))
+        print(f"{c.name}: bf16 {schedule} bitwise equal to default: {same}", flush=True)
     if step32 and H * S <= 64:  # the kernel's alternative 32-token, 4-stage ring (not planned)
         from tokenspeed_jax.backends import sm90_decode
         from tokenspeed_jax.decode import _decode_problem
@@ -258,6 +297,10 @@ def _bench_one(report, fm, c: Case, with_xla: bool, step32: bool = False) -> Non
     nb8j, _ = decode_cost(B, S, H, K, elt_bytes=1)
     report.add(c.name, "ours fp8", timeit(lambda: ours8(q8j, kv8j, bt, sl, scale)), nbytes=nb8j, flops=flops,
                fp8=True)
+    if schedule is not None:
+        ours8_s = decode_fn(c8, "sm90", schedule)
+        report.add(c.name, f"ours fp8 {schedule}", timeit(lambda: ours8_s(q8j, kv8j, bt, sl, scale)), nbytes=nb8j,
+                   flops=flops, fp8=True)
     if fm is not None:
         import torch
 
@@ -301,6 +344,8 @@ def main(argv=None):
     ap.add_argument("--cases", default="", help="comma-separated CHECK case names (default: all)")
     ap.add_argument("--quick", action="store_true", help="bench 4 representative shapes only")
     ap.add_argument("--step32", action="store_true", help="also time the kernel's 32-token ring (R <= 64)")
+    ap.add_argument("--schedule", default=None, choices=("default", "overlap"),
+                    help="check this sm90 kernel schedule and time it next to the default (sm90_decode.SCHEDULES)")
     ap.add_argument("--seed", type=int, default=int(time.time()) % 100000)
     ap.add_argument("--out", default="/tmp/decode.json")
     ap.add_argument("--png", default=None)
@@ -311,12 +356,13 @@ def main(argv=None):
     if a.prewarm:
         todo = (checks if a.check else []) + ([bench_case(*x) for x in benches] if a.bench else [])
         todo += [dataclasses.replace(bench_case(*x), dtype="float8_e4m3fn") for x in benches] if a.bench else []
-        prewarm(todo, a.prewarm)
+        prewarm(todo, a.prewarm, a.schedule)
     doc = {"seed": a.seed}
     if a.check:
-        res = check(checks, a.seed)
+        res = check(checks, a.seed, a.schedule)
         doc["check"] = res
-        print(f"check: {sum(r['ok'] for r in res)}/{len(res)} cases pass (seed {a.seed})", flush=True)
+        sched = f", schedule {a.schedule}" if a.schedule else ""
+        print(f"check: {sum(r['ok'] for r in res)}/{len(res)} cases pass (seed {a.seed}{sched})", flush=True)
         with open(a.out.replace(".json", "_check.json"), "w") as f:
             json.dump(doc, f, indent=1)
     if a.bench:
@@ -324,7 +370,7 @@ def main(argv=None):
 
         rep = Report("mla_decode sm90", measure_ceilings())
         try:
-            bench(benches, rep, with_xla=not a.no_xla, step32=a.step32)
+            bench(benches, rep, with_xla=not a.no_xla, step32=a.step32, schedule=a.schedule)
         finally:
             rep.write(a.out, a.png)
             print(rep.table())

@@ -25,11 +25,13 @@ _SCRIPT = textwrap.dedent(
     import cutlass, cutlass.cute as cute, cutlass.cute.runtime as rt
     from tokenspeed_jax.kernels.sm90.mla_decode import MlaDecodeSm90
     res = {}
-    cfgs = [("bfloat16", 16, 1, 64, 1, 4096, 64), ("float16", 32, 4, 32, 3, 256, 64),
-            ("float8_e4m3fn", 128, 2, 128, 2, 512, 64)]
-    for (dtype, H, S, page, splits, tps, bn) in cfgs:
+    d = os.environ["CUTE_DSL_DUMP_DIR"]
+    cfgs = [("bfloat16", 16, 1, 64, 1, 4096, 64, "default"), ("float16", 32, 4, 32, 3, 256, 64, "default"),
+            ("float8_e4m3fn", 128, 2, 128, 2, 512, 64, "default"), ("bfloat16", 32, 2, 32, 3, 256, 64, "overlap")]
+    for (dtype, H, S, page, splits, tps, bn, sched) in cfgs:
+        before = set(glob.glob(d + "/*"))
         k = MlaDecodeSm90(dtype=dtype, num_heads=H, q_len=S, page_size=page, causal=True, num_splits=splits,
-                          tokens_per_split=tps, block_n=bn)
+                          tokens_per_split=tps, block_n=bn, schedule=sched)
         dt, ot = k.dtype, k.out_dtype
         B, R = 2, H * S
         f = rt.make_fake_compact_tensor
@@ -39,7 +41,16 @@ _SCRIPT = textwrap.dedent(
         if splits > 1:
             args += [f(cutlass.Float32, (B, splits, R, 512), assumed_align=16), f(cutlass.Float32, (B, splits, R))]
         cute.compile(k, *args)
-    d = os.environ["CUTE_DSL_DUMP_DIR"]
+        if sched == "overlap":  # this compile's own dump files
+            new = sorted(set(glob.glob(d + "/*")) - before)
+            optx = "".join(open(p).read() for p in new if p.endswith(".ptx"))
+            osass = "".join(open(p).read() for p in new if p.endswith(".sass"))
+            res["ov_ptx_wgmma"] = len(re.findall(r"wgmma.mma_async", optx))
+            res["ov_ptx_wait1"] = len(re.findall(r"wgmma.wait_group.sync.aligned\\s+1;", optx))
+            res["ov_sass"] = bool(osass)
+            res["ov_sass_hgmma"] = len(re.findall(r"HGMMA\\.64x(?:32|256)x16", osass))
+            res["ov_sass_depbar"] = len(re.findall(r"WARPGROUP\\.DEPBAR", osass))
+            res["ov_sass_spill"] = len(re.findall(r"\\b(STL|LDL)\\b", osass))
     ptx = "".join(open(p).read() for p in glob.glob(d + "/*.ptx"))
     sass = "".join(open(p).read() for p in glob.glob(d + "/*.sass"))
     res["ptx_wgmma"] = len(re.findall(r"wgmma.mma_async", ptx))
@@ -59,6 +70,14 @@ _SCRIPT = textwrap.dedent(
                                sd((3, 40), jnp.int32), sd((3,), jnp.int32), sd((), jnp.float32),
                                sd((), jnp.float32)).lower(lowering_platforms=("cuda",)).as_text()
     res["targets"] = sorted(set(re.findall(r"custom_call @(\\w+)", txt)))
+    # the opt-in schedule through the public op, selected by the environment variable
+    from tokenspeed_jax.backends.sm90_decode import SCHEDULE_ENV
+    os.environ[SCHEDULE_ENV] = "overlap"
+    with target_override("sm_90a"):
+        txt = jax.jit(f).trace(sd((2, 1, 16, 576), jnp.bfloat16), sd((100, 64, 576), jnp.bfloat16),
+                               sd((2, 40), jnp.int32), sd((2,), jnp.int32), sd((), jnp.float32),
+                               sd((), jnp.float32)).lower(lowering_platforms=("cuda",)).as_text()
+    res["ov_targets"] = sorted(set(re.findall(r"custom_call @(\\w+)", txt)))
     print("RESULT " + json.dumps(res))
     """
 )
@@ -81,6 +100,30 @@ def test_sm90_decode_compiles_for_sm90a(tmp_path):
         assert r["sass_hgmma"] >= 3 * 40, r
         assert r["sass_spill"] == 0, r
     assert "tokenspeed_mla_decode_sm90" in r["targets"], r
+    # schedule "overlap": 36 QK + 4 PV in the loop + 4 PV after it; PV(i-1) retired by wait_group(1) while
+    # QK(i) stays async; ptxas must not serialize the wgmmas (that shows as a WARPGROUP.DEPBAR per HGMMA)
+    assert r["ov_ptx_wgmma"] >= 44 and r["ov_ptx_wait1"] >= 1, r
+    if r["ov_sass"]:
+        assert r["ov_sass_hgmma"] >= 44 and r["ov_sass_depbar"] <= 4 and r["ov_sass_spill"] == 0, r
+    assert "tokenspeed_mla_decode_sm90" in r["ov_targets"], r
+
+
+def test_schedule_switch(monkeypatch):
+    from tokenspeed_jax.backends import sm90_decode as m
+
+    monkeypatch.delenv(m.SCHEDULE_ENV, raising=False)
+    assert m.resolve_schedule() == "default"
+    assert m.resolve_schedule("overlap") == "overlap"
+    monkeypatch.setenv(m.SCHEDULE_ENV, "overlap")
+    assert m.resolve_schedule() == "overlap"
+    assert m.resolve_schedule("default") == "default"  # the argument wins
+    monkeypatch.setenv(m.SCHEDULE_ENV, "fast")
+    with pytest.raises(ValueError, match=m.SCHEDULE_ENV):
+        m.resolve_schedule()
+    with pytest.raises(ValueError, match="schedule"):
+        m.resolve_schedule("seesaw")
+    assert m.DecodeKernelKey("k", "bfloat16", 16, 1, 64, True, 1, 64, 64) != m.DecodeKernelKey(
+        "k", "bfloat16", 16, 1, 64, True, 1, 64, 64, "overlap")
 
 
 def _pip_has(mod: str) -> bool:

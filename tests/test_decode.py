@@ -221,3 +221,38 @@ def test_decode_runtime_data_clamped(rng):
     bt2[1, 1] = -3
     out, lse = decode(q, kv_ok, bt2, sl, 0.2, 1.0, kv_lora_rank=L)
     assert np.isfinite(np.asarray(out)).all() and np.isfinite(np.asarray(lse)).all()
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_decode_equals_prefill_on_the_same_keys(rng, causal):
+    """Cross-op consistency: request b's decode equals a prefill of its S queries over its seq_len cache
+    rows as one KV head (keys = whole rows, values = the first kv_lora_rank columns); both masks are
+    bottom-right aligned."""
+    L, R, ps, S, H = 32, 16, 16, 4, 3
+    lens = [2, 19, 40]
+    q, kv, bt, sl = ref.make_decode_inputs(rng, seq_lens=lens, S=S, H=H, L=L, R=R, page_size=ps,
+                                           dtype="float32")
+    out, lse = decode(q, kv, bt, sl, 0.2, 1.0, causal=causal, kv_lora_rank=L)
+    kvf = np.asarray(kv)
+    rows = np.concatenate([kvf[bt[b, np.arange(n) // ps], np.arange(n) % ps] for b, n in enumerate(lens)])
+    cq = np.arange(len(lens) + 1, dtype=np.int32) * S
+    ck = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
+    p_out, p_lse = tj.mla_prefill(q.reshape(-1, H, L + R), rows[:, None, :], rows[:, None, :L], cq, ck,
+                                  softmax_scale=0.2, causal=causal, return_lse=True, backend=BACKEND)
+    np.testing.assert_allclose(np.asarray(out).reshape(-1, H, L), np.asarray(p_out), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(np.asarray(lse).reshape(-1, H), np.asarray(p_lse), rtol=1e-5, atol=1e-6)
+
+
+def test_backend_listing_on_this_machine(rng):
+    """The registry's public views: xla can run every valid call; every backend gives None or a reason."""
+    from tokenspeed_jax.decode import _decode_problem
+
+    q, kv, bt, sl = ref.make_decode_inputs(rng, seq_lens=[3], S=1, H=2, L=32, R=16, page_size=16,
+                                           dtype="bfloat16")
+    prob = _decode_problem(q, kv, bt, sl, True, 32, False)
+    reasons = tj.backend_reasons("decode", prob)
+    assert reasons["xla"] is None and set(reasons) >= {"xla", "sm90", "sm100"}
+    assert all(r is None or (isinstance(r, str) and r) for r in reasons.values())
+    avail = tj.available_backends("decode", prob)
+    assert avail[-1] == "xla" and avail == [n for n, r in reasons.items() if r is None]
+    assert tj.get_backend("xla").name == "xla"

@@ -308,3 +308,51 @@ def test_prefill_bad_offsets_are_memory_safe(rng):
     for cq, ck in (([0, 3, 50], [0, 2, 60]), ([0, 4, 2], [0, 5, 1]), ([-3, 2, 5], [-1, 3, 6])):
         out, lse = f(np.array(cq, i32), np.array(ck, i32))
         assert np.isfinite(np.asarray(out)).all() and not np.isnan(np.asarray(lse)).any()
+
+
+def test_validate_under_jit_needs_checkify_and_works_under_vmap(rng):
+    """Documented: a jitted validate=True call must be functionalised with checkify.checkify; under
+    vmap + checkify the per-batch errors are reported."""
+    q, kv, bt, sl = _decode_data(rng)
+
+    def f(s):
+        return tj.mla_decode(q, kv, bt, s, softmax_scale=0.2, kv_lora_rank=16, validate=True)
+
+    with pytest.raises(ValueError, match="checkify"):
+        jax.jit(f)(sl)
+    err, out = checkify.checkify(jax.jit(jax.vmap(f)))(np.stack([sl, -sl]))
+    assert "seq_lens: expected every length >= 0" in err.get()
+    assert out.shape == (2, 3, 2, 2, 16)
+
+
+PREFILL_BAD_RUNTIME = [
+    ("q starts late", [1, 3, 5], [0, 2, 6], r"^cu_seqlens_q: expected the first offset to be 0"),
+    ("q decreases", [0, 4, 2], [0, 2, 6], r"^cu_seqlens_q: expected non-decreasing offsets"),
+    ("q past rows", [0, 3, 6], [0, 2, 6], r"^cu_seqlens_q: expected the last offset <= 5"),
+    ("k negative", [0, 3, 5], [-1, 2, 6], r"^cu_seqlens_k: expected the first offset to be 0"),
+    ("k decreases", [0, 3, 5], [0, 5, 4], r"^cu_seqlens_k: expected non-decreasing offsets"),
+    ("k past rows", [0, 3, 5], [0, 2, 7], r"^cu_seqlens_k: expected the last offset <= 6"),
+]
+
+
+@pytest.mark.parametrize("name,cq,ck,pattern", PREFILL_BAD_RUNTIME, ids=[c[0] for c in PREFILL_BAD_RUNTIME])
+def test_prefill_validate_reports_bad_offsets(rng, name, cq, ck, pattern):
+    q = rng.standard_normal((5, 2, 8)).astype(f32)
+    k = rng.standard_normal((6, 2, 8)).astype(f32)
+    cq, ck = np.array(cq, i32), np.array(ck, i32)
+    with pytest.raises(checkify.JaxRuntimeError, match=pattern):
+        tj.mla_prefill(q, k, k, cq, ck, softmax_scale=0.3, validate=True)
+    f = checkify.checkify(jax.jit(lambda a, b: tj.mla_prefill(q, k, k, a, b, softmax_scale=0.3, validate=True)))
+    err, out = f(cq, ck)
+    assert err.get() is not None and __import__("re").search(pattern[1:], err.get())
+    assert np.isfinite(np.asarray(out)).all()
+    good_q, good_k = np.array([0, 3, 5], i32), np.array([0, 2, 6], i32)
+    err, out = f(good_q, good_k)
+    assert err.get() is None
+    want = tj.mla_prefill(q, k, k, good_q, good_k, softmax_scale=0.3)
+    np.testing.assert_array_equal(np.asarray(out), np.asarray(want))
+
+
+def test_prefill_validate_type():
+    with pytest.raises(TypeError, match=r"^validate: expected a Python bool, got 'yes'"):
+        P(validate="yes")()

@@ -145,6 +145,12 @@ def test_sharding_errors(rng):
         ts.sharded_mla_decode(q, kv, bt, sl, mesh=m, batch_axis="model", **kw)
     with pytest.raises(ValueError, match=r"^cache_sharding: expected 'pages' or 'replicated', got 'rows'"):
         ts.sharded_mla_decode(q, kv, bt, sl, mesh=m, batch_axis="model", cache_sharding="rows", **kw)
+    with pytest.raises(ValueError, match=r"^seq_lens: expected batch \(axis 0\) equal to q's B = 3, got 2"):
+        ts.sharded_mla_decode(q, kv, bt, sl[:2], mesh=m, batch_axis="model", **kw)
+    with pytest.raises(ValueError, match=r"^block_table: expected rank 2"):
+        ts.sharded_mla_decode(q, kv, bt[0], sl, mesh=m, head_axis="model", **kw)
+    with pytest.raises(TypeError, match=r"^head_axis: expected a mesh axis name \(str\) or None, got int"):
+        ts.sharded_mla_decode(q, kv, bt, sl, mesh=m, head_axis=0, **kw)
     with pytest.raises(TypeError, match=r"^mesh: expected a jax.sharding.Mesh, got NoneType"):
         ts.sharded_mla_decode(q, kv, bt, sl, mesh=None, **kw)
     with pytest.raises(ValueError, match=r"^batch_axis: expected a mesh axis other than head_axis"):

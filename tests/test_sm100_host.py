@@ -281,6 +281,7 @@ def test_prefill_rows_with_keys(causal):
         ({"head_dim": 544}, "head dim 544 not supported"),
         ({"page_size": 256}, "page_size 256 not supported"),
         ({"num_heads": 129}, "num_heads 129 not supported"),
+        ({"q_len": 0}, "q_len 0 not supported"),
         ({"batch": 4096, "max_pages": 8192, "q_len": 16}, "workspace"),
     ],
 )

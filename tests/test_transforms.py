@@ -209,3 +209,19 @@ def test_named_scopes(rng):
         lowered = jax.jit(fn).lower()
         assert scope in lowered.as_text(debug_info=True), scope
         assert scope in lowered.compile().as_text(), scope  # op_name metadata seen by the profiler
+
+
+@pytest.mark.parametrize("bt_dtype", [np.int8, np.int16])
+def test_vmapped_cache_with_narrow_int_block_table(rng, bt_dtype):
+    """Regression: folding a vmapped cache offsets page ids by v * num_pages; with an int8 / int16 block
+    table that arithmetic (and the clip to num_pages - 1) must not wrap around."""
+    V, P = 3, 200
+    kv = rng.standard_normal((V, P, PS, L + R)).astype(np.float32)
+    q = rng.standard_normal((V, 2, 1, 2, L + R)).astype(np.float32)
+    bt = rng.integers(0, 127, size=(V, 2, 2)).astype(bt_dtype)
+    sl = rng.integers(0, 2 * PS + 1, size=(V, 2)).astype(np.int32)
+    out, lse = jax.jit(jax.vmap(decode))(q, kv, bt, sl)
+    for v in range(V):
+        r_out, r_lse = ref.mla_decode(q[v], kv[v], bt[v], sl[v], softmax_scale=0.2, kv_lora_rank=L)
+        ref.assert_close(out[v], r_out, what=f"out[{v}]")
+        ref.assert_close(lse[v], r_lse, dtype="float32", what=f"lse[{v}]")

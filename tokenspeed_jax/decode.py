@@ -196,8 +196,8 @@ def _vmappable_decode(backend_name: str, problem: DecodeProblem):
         B = q.shape[1]
         if kb:
             P = kv_cache.shape[1]
-            offs = (jnp.arange(V, dtype=block_table.dtype) * P)[:, None, None]
-            block_table = jnp.clip(block_table, 0, P - 1) + offs
+            offs = (jnp.arange(V, dtype=jnp.int32) * P)[:, None, None]  # int32: narrow ids overflow
+            block_table = jnp.clip(block_table.astype(jnp.int32), 0, P - 1) + offs
             kv_cache = kv_cache.reshape((V * P,) + kv_cache.shape[2:])
         out, lse = call(
             q.reshape((V * B,) + q.shape[2:]), kv_cache, block_table.reshape((V * B,) + block_table.shape[2:]),

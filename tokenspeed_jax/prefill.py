@@ -17,6 +17,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+from jax.experimental import checkify
 
 from tokenspeed_jax import _checks as C
 from tokenspeed_jax.backends import select_backend
@@ -37,6 +38,7 @@ def mla_prefill(
     max_seqlen_q: int | None = None,
     max_seqlen_k: int | None = None,
     backend: str = "auto",
+    validate: bool = False,
 ) -> jax.Array | tuple[jax.Array, jax.Array]:
     """Ragged varlen attention forward (module docstring has the contract).
 
@@ -51,20 +53,38 @@ def mla_prefill(
         kernels to size their grids; results are correct without them (a hint smaller than a real
         length is a caller error that kernels do not read past, but may truncate).
       backend: ``"auto"`` or a registered backend name.
+      validate: check the runtime offsets with ``jax.experimental.checkify`` (as ``mla_decode``): each
+        cu_seqlens starts at 0, never decreases and ends within its rows (Tq / Tk); eager calls raise,
+        jitted calls must be wrapped in ``checkify.checkify``.
 
     Returns:
       ``out [Tq, Hq, Dv]`` or ``(out, lse)``.
     """
     problem = _prefill_problem(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, return_lse, max_seqlen_q,
                                max_seqlen_k)
+    if not isinstance(validate, bool):
+        raise TypeError(f"validate: expected a Python bool, got {validate!r}")
     ss = C.f32_scalar(softmax_scale, "softmax_scale")
     impl = select_backend("prefill", problem, backend)
     with jax.named_scope("tokenspeed_mla_prefill"):
+        if validate:
+            check_prefill_inputs(cu_seqlens_q, cu_seqlens_k, num_q_tokens=problem.num_q_tokens,
+                                 num_k_tokens=problem.num_k_tokens)
         if impl.name == "xla":  # pure JAX: vmap batches it natively
             out, lse = impl.prefill(problem, q, k, v, cu_seqlens_q, cu_seqlens_k, ss)
         else:
             out, lse = _sequential_under_vmap(impl.name, problem)(q, k, v, cu_seqlens_q, cu_seqlens_k, ss)
     return (out, lse) if return_lse else out
+
+
+def check_prefill_inputs(cu_seqlens_q, cu_seqlens_k, *, num_q_tokens: int, num_k_tokens: int) -> None:
+    """checkify checks of the runtime prefill offsets (see ``mla_prefill(validate=True)``)."""
+    for cu, name, rows in ((cu_seqlens_q, "cu_seqlens_q", num_q_tokens),
+                           (cu_seqlens_k, "cu_seqlens_k", num_k_tokens)):
+        c = jnp.asarray(cu).astype(jnp.int32)
+        checkify.check(c[0] == 0, f"{name}: expected the first offset to be 0, got a nonzero one")
+        checkify.check(jnp.all(c[1:] >= c[:-1]), f"{name}: expected non-decreasing offsets, got a decrease")
+        checkify.check(c[-1] <= rows, f"{name}: expected the last offset <= {rows} (rows of the array)")
 
 
 @functools.lru_cache(maxsize=None)

@@ -121,6 +121,10 @@ def sharded_mla_decode(
         C.array(x, n)
     C.rank(q, "q", 4, "[B, S, H, D]")
     C.rank(kv_cache, "kv_cache", 3, "[num_pages, page_size, D]")
+    C.rank(block_table, "block_table", 2, "[B, max_pages]")
+    C.rank(seq_lens, "seq_lens", 1, "[B]")
+    C.dim("block_table", "batch (axis 0) equal to q's B", block_table.shape[0], q.shape[0])
+    C.dim("seq_lens", "batch (axis 0) equal to q's B", seq_lens.shape[0], q.shape[0])
     nh = _axis(mesh, head_axis, "head_axis")
     nb = _axis(mesh, batch_axis, "batch_axis")
     if head_axis is not None and head_axis == batch_axis:
@@ -199,6 +203,7 @@ def sharded_mla_prefill(
         C.array(x, n)
     C.rank(q, "q", 3, "[Tq, Hq, Dqk]")
     C.rank(k, "k", 3, "[Tk, Hk, Dqk]")
+    C.rank(v, "v", 3, "[Tk, Hk, Dv]")
     C.rank(cu_seqlens_q, "cu_seqlens_q", 1, "[B + 1]")
     C.rank(cu_seqlens_k, "cu_seqlens_k", 1, "[B + 1]")
     nh = _axis(mesh, head_axis, "head_axis")

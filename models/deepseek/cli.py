@@ -63,6 +63,9 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--page-size", type=int, default=64)
     p.add_argument("--prefill-chunk", type=int, default=None, help="chunked context prefill chunk size")
+    p.add_argument(
+        "--no-plain", action="store_true", help="with MTP, skip the comparison run with plain decode"
+    )
     p.add_argument("--temperature", type=float, default=0.0, help="> 0 samples (plain decode only)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
@@ -185,12 +188,25 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     engine.generate(prompts, args.max_new_tokens, **kw)  # compile
     compile_s = time.perf_counter() - t0
+    res = None
     if args.profile:
         os.makedirs(args.profile, exist_ok=True)
-        with jax.profiler.trace(args.profile):
-            res = engine.generate(prompts, args.max_new_tokens, **kw)
-    else:
+        try:
+            jax.profiler.start_trace(args.profile)
+        except (RuntimeError, OSError, ValueError) as e:  # e.g. no CUPTI: report it, still measure
+            print(f"profile: could not start the XLA profiler ({type(e).__name__}: {e})")
+        else:
+            try:
+                res = engine.generate(prompts, args.max_new_tokens, **kw)
+            finally:
+                jax.profiler.stop_trace()
+    if res is None:
         res = engine.generate(prompts, args.max_new_tokens, **kw)
+    plain = None
+    if k and not args.no_plain:  # the same prompts with plain decode (S = 1), for comparison
+        pkw = {**kw, "num_speculative_tokens": 0}
+        engine.generate(prompts, args.max_new_tokens, **pkw)
+        plain = engine.generate(prompts, args.max_new_tokens, **pkw)
     backends = attention_backends(engine, len(prompts), max(lens), k + 1)
     out = {
         "platform": platform,
@@ -218,6 +234,13 @@ def main(argv: list[str] | None = None) -> int:
         print(
             f"MTP acceptance rate: {res.acceptance_rate:.3f} "
             f"({res.accepted_tokens}/{res.draft_tokens} drafts)"
+        )
+    if plain is not None and plain.decode_tokens:
+        out["plain_decode_tokens_per_s"] = plain.decode_tokens / plain.decode_s
+        out["mtp_tokens_equal_plain"] = plain.tokens == res.tokens
+        print(
+            f"decode (plain, S = 1): {out['plain_decode_tokens_per_s']:.1f} tokens/s; MTP tokens == plain "
+            f"greedy tokens: {'yes' if out['mtp_tokens_equal_plain'] else 'NO'}"
         )
     for op, b in backends.items():
         print(f"attention backend ({op}): {b}")

@@ -138,9 +138,10 @@ class DeepseekV3(nnx.Module):
         model's final-norm output for the first draft).  Returns ``(mtp hidden [T, hidden], logits [T, V],
         new cache)``; the layer uses cache ``num_hidden_layers + depth``."""
         li = self.config.num_hidden_layers + depth
-        h, kv = self.mtp[depth](
-            self.embed_tokens(next_ids), prev_hidden, batch, cache.layers[li], cache.k_scale
-        )
+        emb = self.embed_tokens(next_ids)
+        # Position 0's embedding input is zeroed, as vLLM/SGLang do for DeepSeek's MTP.
+        emb = jnp.where((batch.positions == 0)[:, None], jnp.zeros((), emb.dtype), emb)
+        h, kv = self.mtp[depth](emb, prev_hidden, batch, cache.layers[li], cache.k_scale)
         layers = list(cache.layers)
         layers[li] = kv
         return h, self.mtp[depth].logits(h), cache.replace(layers=tuple(layers))

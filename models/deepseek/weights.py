@@ -97,6 +97,12 @@ class SafetensorsFile:
     def keys(self):
         return self.header.keys()
 
+    def __iter__(self):
+        return iter(self.header)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.header
+
     def dtype_name(self, name: str) -> str:
         return self.header[name]["dtype"]
 

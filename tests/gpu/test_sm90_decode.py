@@ -62,3 +62,25 @@ def test_new_scale_does_not_recompile(rng):
     assert f._cache_size() == n
     assert not bool(jnp.array_equal(a, b))
     jax.block_until_ready(b)
+
+
+@pytest.mark.skipif(os.environ.get("TOKENSPEED_SANITIZER") != "1", reason="opt-in: TOKENSPEED_SANITIZER=1 (slow)")
+def test_memcheck_small_shapes():
+    """compute-sanitizer memcheck of our two kernels (main + combine) on shapes with garbage block-table
+    entries, a seq_len beyond the table, NaN pages, BF16 and FP8.  Only kernels whose name contains
+    ``MlaDecodeSm90`` are checked (XLA's own kernels are out of scope)."""
+    import shutil
+    import subprocess
+    import sys
+
+    exe = shutil.which("compute-sanitizer")
+    if exe is None:
+        pytest.skip("compute-sanitizer not found")
+    names = ("s2h32p64_garbage", "fp8_s2h32p32_garbage", "b1s1h16p64_short")
+    code = ("import sys; from benchmarks.decode import CHECK, check; "
+            f"r = check([c for c in CHECK if c.name in {names!r}], 5); "
+            "sys.exit(0 if r and all(x['ok'] for x in r) else 3)")
+    p = subprocess.run([exe, "--tool", "memcheck", "--error-exitcode", "9", "--kernel-name", "kns=MlaDecodeSm90",
+                        sys.executable, "-c", code], capture_output=True, text=True, timeout=1800, check=False)
+    assert p.returncode == 0, p.stdout[-4000:] + p.stderr[-4000:]
+    assert "ERROR SUMMARY: 0 errors" in p.stdout + p.stderr, p.stdout[-4000:]

@@ -18,21 +18,22 @@ ROPE = {
 }
 
 
-def tiny_config_dict() -> dict:
+def tiny_config_dict(**overrides) -> dict:
     c = DeepseekV3Config.preset("tiny").to_dict()
     c.pop("quantization_config", None)
     c.update(rope_scaling=dict(ROPE), max_position_embeddings=2560)
+    c.update(overrides)
     return c
 
 
-def make_hf_model(seed: int):
+def make_hf_model(seed: int, **overrides):
     """A random fp32 transformers DeepseekV3ForCausalLM (eager attention) with weights of std 0.1 (more
     decisive logits than the default 0.02), random norm weights and correction bias."""
     import torch
     from transformers import DeepseekV3Config as HFConfig
     from transformers import DeepseekV3ForCausalLM
 
-    d = tiny_config_dict()
+    d = tiny_config_dict(**overrides)
     hf_cfg = HFConfig(**{k: v for k, v in d.items() if k not in ("architectures", "model_type")})
     hf_cfg._attn_implementation = "eager"
     torch.manual_seed(seed)

@@ -40,3 +40,4 @@ def test_cli_tiny_with_profile(tmp_path, capsys):
     assert res["trace_names"]["tokenspeed_concat_and_cache_mla"]
     assert res["prefill_tokens_per_s"] > 0 and res["decode_tokens_per_s"] > 0
     assert 0.0 <= res["mtp_acceptance_rate"] <= 1.0
+    assert res["mtp_tokens_equal_plain"] is True and res["plain_decode_tokens_per_s"] > 0

@@ -89,3 +89,19 @@ def test_fp8_block_checkpoint(hf_checkpoint, model_seed, tmp_path):
     orig = hf_logits(hf_model, ids)
     # e4m3 weights are a few % off each; routing may flip for a token, so compare in norm only.
     assert np.linalg.norm(got - orig) < 0.3 * np.linalg.norm(orig)
+
+
+def test_variant_q_proj_plain_rope_no_yarn(model_seed, tmp_path):
+    """The other config branches: q_proj (q_lora_rank None, as DeepSeek-V2-Lite), non-interleaved RoPE
+    and no rope scaling; checkpoint without MTP tensors (loads without the MTP layer)."""
+    from tokenspeed_jax.models.deepseek import load_checkpoint
+
+    hf_model, cfg = hf_util.make_hf_model(model_seed, q_lora_rank=None, rope_interleave=False, rope_scaling=None)
+    hf_util.write_checkpoint(tmp_path, hf_util.hf_state(hf_model), cfg, num_shards=1)
+    with pytest.warns(UserWarning, match="no MTP tensors"):
+        ours = load_checkpoint(tmp_path, dtype=jnp.float32, progress=False)
+    assert ours.config.q_lora_rank is None and ours.config.rope_scaling is None
+    ids = np.random.default_rng(model_seed + 6).integers(0, 256, 24).tolist()
+    ref = hf_logits(hf_model, ids)
+    got = np.asarray(ours.logits(jnp.asarray(ids, jnp.int32)))
+    np.testing.assert_allclose(got, ref, rtol=1e-4, atol=1e-4 * np.abs(ref).max())

@@ -11,11 +11,20 @@ contract says) runs the same kernel with an exact in-smem upcast to bf16 and ret
 Custom calls: ``tokenspeed_mla_decode_sm90`` (main kernel, plus the combine kernel launched from the same
 launch function when the plan splits KV).  ``softmax_scale`` / ``output_scale`` are (1,)-shaped float32
 operands, so a new value never recompiles.
+
+Schedules (opt-in, compile-time): ``"default"`` is the measured kernel; ``"overlap"`` keeps the same math
+and barriers but, for 16-bit inputs, issues PV(i-1) before waiting for tile i so QK(i) queues right behind it
+on the tensor cores, refills each warpgroup's own V columns as soon as its PV retired, loads block-table
+entries one tile ahead, and skips the O rescale when no row max moved (FP8: only the last one).  Chosen by
+``decode(..., schedule=...)`` or, when that is None, by the environment variable
+``TOKENSPEED_SM90_DECODE_SCHEDULE`` (read when the call is traced; a jitted function keeps the schedule it
+was traced with).  Details: the kernel's ``mainloop_overlap`` docstring and ``docs/sm90_decode.md``.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import os
 
 import jax
 import jax.numpy as jnp
@@ -24,6 +33,8 @@ from tokenspeed_jax.planner import plan_for_problem
 from tokenspeed_jax.problems import KERNEL_DTYPES, DecodeProblem
 
 TARGET = "mla_decode_sm90"
+SCHEDULE_ENV = "TOKENSPEED_SM90_DECODE_SCHEDULE"
+SCHEDULES = ("default", "overlap")  # = tokenspeed_jax.kernels.sm90.mla_decode.SCHEDULES (no cutlass import here)
 _MIN_PAGE = 8
 
 
@@ -40,6 +51,7 @@ class DecodeKernelKey:
     num_splits: int
     tokens_per_split: int
     block_n: int
+    schedule: str = "default"
 
 
 def supports(problem: DecodeProblem) -> str | None:
@@ -63,11 +75,23 @@ def supports(problem: DecodeProblem) -> str | None:
     return None
 
 
+def resolve_schedule(schedule: str | None = None) -> str:
+    """``schedule`` if given, else ``$TOKENSPEED_SM90_DECODE_SCHEDULE``, else ``"default"``; validated."""
+    source = "schedule"
+    if schedule is None:
+        schedule, source = os.environ.get(SCHEDULE_ENV, "") or "default", SCHEDULE_ENV
+    if schedule not in SCHEDULES:
+        raise ValueError(f"{source}: expected one of {SCHEDULES}, got {schedule!r}")
+    return schedule
+
+
 def decode(problem: DecodeProblem, q, kv_cache, block_table, seq_lens, softmax_scale, output_scale, *,
-           kv_step: int | None = None):
+           kv_step: int | None = None, schedule: str | None = None):
     """Run the kernel; returns ``(out [B,S,H,512], lse [B,S,H] | None)``.
 
-    ``kv_step`` (32 or 64) overrides the planner's kernel KV step (benchmarks compare the two)."""
+    ``kv_step`` (32 or 64) overrides the planner's kernel KV step (benchmarks compare the two).
+    ``schedule`` ("default" | "overlap"; None: ``$TOKENSPEED_SM90_DECODE_SCHEDULE`` or "default") selects
+    the main-loop schedule (module docstring); "overlap" needs the 64-token KV step."""
     from tokenspeed_jax import ffi
     from tokenspeed_jax.kernels.sm90.mla_decode import launch_mla_decode
 
@@ -79,15 +103,18 @@ def decode(problem: DecodeProblem, q, kv_cache, block_table, seq_lens, softmax_s
     block_n = kv_step or dict(plan.extra).get("kv_step", plan.block_n)
     if block_n not in (32, 64):
         raise ValueError(f"kv_step: expected 32 or 64, got {kv_step!r}")
+    schedule = resolve_schedule(schedule)
+    if schedule == "overlap" and block_n != 64:
+        raise ValueError(f"schedule: 'overlap' needs kv_step 64, got kv_step {block_n}")
     key = DecodeKernelKey("mla_decode_sm90.v2", problem.dtype, H, S, problem.page_size, problem.causal,
-                          plan.num_splits, plan.tokens_per_split, block_n)
+                          plan.num_splits, plan.tokens_per_split, block_n, schedule)
     outputs = [jax.ShapeDtypeStruct((B, S, H, problem.kv_lora_rank), jnp.dtype(problem.out_dtype)),
                jax.ShapeDtypeStruct((B, S, H), jnp.float32)]
     outputs += [jax.ShapeDtypeStruct(w.shape, jnp.dtype(w.dtype)) for w in plan.workspace]
     call = ffi.custom_call(
         TARGET, launch_mla_decode, outputs=outputs, compile_key=key,
         dtype=problem.dtype, num_heads=H, q_len=S, page_size=problem.page_size, causal=problem.causal,
-        num_splits=plan.num_splits, tokens_per_split=plan.tokens_per_split, block_n=block_n,
+        num_splits=plan.num_splits, tokens_per_split=plan.tokens_per_split, block_n=block_n, schedule=schedule,
     )
     res = call(q, kv_cache, block_table.astype(jnp.int32), seq_lens.astype(jnp.int32),
                ffi.scalar_operand(softmax_scale), ffi.scalar_operand(output_scale))

@@ -29,6 +29,14 @@ Structure (phase 1 of ``shared/design/sm90_mla_decode.md``, correctness first):
   writes normalised fp32 partials ``o_accum[B, splits, R, 512]`` and natural-log ``lse_accum[B, splits, R]``
   (-inf for an empty split) and :meth:`combine_kernel` merges them in fixed split order (deterministic).
 * ``softmax_scale`` and ``output_scale`` are read at run time from float32 device arrays of shape (1,).
+* ``schedule`` (compile-time): ``"default"`` is the loop above (its code is unchanged by the option: same
+  PTX).  ``"overlap"`` (opt-in, ``block_n`` 64) computes bitwise the same result with a shorter per-tile
+  chain: for 16-bit inputs :meth:`MlaDecodeSm90.mainloop_overlap` issues PV(i-1) before waiting for tile i,
+  so TILE_READY and the QK(i) issue run under PV(i-1) and QK(i) queues behind it on the tensor cores; each
+  warpgroup refills its own V half (+ half the rope columns) of the free slot as soon as its PV(i-1) retired
+  (``wait_group(1)``), from block-table entries loaded one tile ahead; O's rescale is skipped when no row
+  max of the warp moved.  FP8 keeps the default loop (its upcast overwrites the bf16 tile PV reads) with
+  only the rescale skip.
 """
 
 from __future__ import annotations
@@ -41,6 +49,7 @@ from cutlass.tensor_utils import LayoutEnum
 
 from tokenspeed_jax.kernels.sm90.helpers import LN_2, LOG2_E, Barrier, clamp, quad_max, quad_sum, row_ptr
 
+SCHEDULES = ("default", "overlap")
 _DTYPES = {"bfloat16": cutlass.BFloat16, "float16": cutlass.Float16, "float8_e4m3fn": cutlass.Float8E4M3FN}
 
 
@@ -57,7 +66,7 @@ class MlaDecodeSm90:
 
     def __init__(self, *, dtype: str, num_heads: int, q_len: int, page_size: int, causal: bool,
                  num_splits: int, tokens_per_split: int, block_n: int = 64, head_dim: int = 576,
-                 kv_lora_rank: int = 512):
+                 kv_lora_rank: int = 512, schedule: str = "default"):
         why = self.can_implement(dtype=dtype, num_heads=num_heads, q_len=q_len, page_size=page_size,
                                  tokens_per_split=tokens_per_split, head_dim=head_dim,
                                  kv_lora_rank=kv_lora_rank)
@@ -65,6 +74,10 @@ class MlaDecodeSm90:
             raise ValueError(why)
         if block_n not in (32, 64) or tokens_per_split % block_n:
             raise ValueError(f"block_n must be 32 or 64 and divide tokens_per_split, got {block_n}, {tokens_per_split}")
+        if schedule not in SCHEDULES:
+            raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
+        if schedule == "overlap" and block_n != 64:
+            raise ValueError(f"schedule 'overlap' needs block_n 64, got {block_n}")
         self.dtype_name = dtype
         self.dtype = _DTYPES[dtype]
         self.fp8 = dtype == "float8_e4m3fn"
@@ -81,6 +94,11 @@ class MlaDecodeSm90:
         self.tokens_per_split = tokens_per_split
         self.D, self.DV = head_dim, kv_lora_rank
         self.num_m_blocks = -(-self.R // self.block_m)
+        # schedule "overlap" (opt-in, see the module docstring): block-table prefetch one tile ahead, O
+        # rescale skipped when no row max moved, and (16-bit inputs) PV(i) left in flight under QK(i+1).
+        self.schedule = schedule
+        self.overlap = schedule == "overlap"
+        self.defer_pv = self.overlap and not self.fp8
 
     @staticmethod
     def can_implement(*, dtype, num_heads, q_len, page_size, tokens_per_split, head_dim, kv_lora_rank):
@@ -227,6 +245,158 @@ class MlaDecodeSm90:
                 b16.store(f8.load().to(self.mma_dtype))
                 cute.autovec_copy(b16, tXsK[None, m, k])
 
+    @cute.jit
+    def page_ids(self, pgs: cute.Tensor, mBT: cute.Tensor, b: Int32, tile_start: Int32, split_end: Int32,
+                 wtid: Int32):
+        """Schedule "overlap": raw block-table entries of tokens ``tile_start + wtid//4 + 32m`` (m < 2, the
+        rows :meth:`load_kv_half` copies), loaded one tile ahead so the refill never waits on them.  Tokens
+        are clamped into the split (caller guarantees ``split_end > tile_start >= 0`` of a non-empty split)."""
+        for m in cutlass.range_constexpr(2):
+            tok = cutlass.min(tile_start + wtid // 4 + 32 * m, split_end - 1)
+            pgs[m] = mBT[b, tok // self.page_size]
+
+    @cute.jit
+    def load_kv_half(self, sKs: cute.Tensor, mKV: cute.Tensor, pgs: cute.Tensor, tile_start: Int32,
+                     split_end: Int32, num_pages: Int32, wg: Int32, wtid: Int32):
+        """Schedule "overlap": warpgroup ``wg`` refills only the columns it alone reads in PV, V columns
+        ``[256wg, 256wg+256)``, plus rope columns ``[512+32wg, 512+32wg+32)`` (read only by QK), of all 64 rows
+        of one tile (cp.async, no commit).  Thread ``wtid`` copies rows ``wtid//4 + 32m`` (m < 2), 16-byte
+        chunks ``wtid%4 + 4k``; page ids come from :meth:`page_ids` (clamped to ``[0, num_pages)`` here)."""
+        rows = cute.make_rmem_tensor((2,), Int64)
+        for m in cutlass.range_constexpr(2):
+            tok = cutlass.min(tile_start + wtid // 4 + 32 * m, split_end - 1)
+            rows[m] = Int64(clamp(pgs[m], 0, num_pages - 1)) * self.page_size + tok % self.page_size
+        atom = cute.make_copy_atom(cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL), self.mma_dtype,
+                                   num_bits_per_copy=128)
+        tiled = cute.make_tiled_copy_tv(atom, cute.make_ordered_layout((32, 4), order=(1, 0)),
+                                        cute.make_layout((1, 8)))
+        thr = tiled.get_slice(wtid)
+        half = self.DV // 2
+        rope_w = (self.D - self.DV) // 2
+        for part in cutlass.range_constexpr(2):
+            width = half if part == 0 else rope_w
+            col0 = wg * half if part == 0 else self.DV + wg * rope_w
+            sX = cute.local_tile(sKs, (self.block_n, width), (0, wg + (0 if part == 0 else self.DV // rope_w)))
+            tX = thr.partition_D(sX)  # (CPY, 2, width / 32)
+            for m in cutlass.range_constexpr(cute.size(tX, mode=[1])):
+                for k in cutlass.range_constexpr(cute.size(tX, mode=[2])):
+                    dst = tX[None, m, k]
+                    col = col0 + (wtid % 4) * 8 + 32 * k
+                    src = cute.make_tensor(row_ptr(mKV, rows[m], col, self.D, 16), dst.layout)
+                    cute.copy(atom, src, dst)
+
+    @cute.jit
+    def rescale_o(self, acc_o: cute.Tensor, alpha: cute.Tensor):
+        """Schedule "overlap": ``O *= alpha`` per row, skipped when every alpha of the warp is exactly 1
+        (no row max moved; alpha <= 1 always), which is bitwise the same result."""
+        moved = cute.arch.vote_any_sync(cutlass.min(alpha[0], alpha[1]) < Float32(1.0))
+        if moved:
+            for e in cutlass.range_constexpr(cute.size(acc_o)):
+                acc_o[e] = acc_o[e] * alpha[(e // 2) % 2]
+
+    @cute.jit
+    def issue_pv(self, pv_mma: cute.TiledMma, acc_o: cute.Tensor, tOrP: cute.Tensor, sKs: cute.Tensor,
+                 v_layout: cute.ComposedLayout, wg: Int32, wtid: Int32):
+        """Issue ``O[:, 256wg:256wg+256] += P V_wg`` (wgmma SS, V = MN-major view of K tile ``sKs``), no commit."""
+        pv_thr = pv_mma.get_slice(wtid)
+        sV = cute.make_tensor(cute.recast_ptr(sKs.iterator, v_layout.inner), v_layout.outer)
+        sVw = cute.local_tile(sV[None, None, 0], (self.DV // 2, self.block_n), (wg, 0))
+        tOrV = pv_thr.make_fragment_B(pv_thr.partition_B(sVw))
+        warpgroup.fence()
+        for k in cutlass.range_constexpr(cute.size(tOrP, mode=[2])):
+            cute.gemm(pv_mma, acc_o, tOrP[None, None, k], tOrV[None, None, k], acc_o)
+
+    @cute.jit
+    def mainloop_overlap(self, qk_mma, pv_mma, tSrQ, acc_s, acc_o, tScS, tSsP, tOrP, row_in, lim, row_m, row_l,
+                         pgs, sK, sMax, mKV, mBT, b, split_start, split_end, num_pages, n_tiles, scale_log2, wg,
+                         wtid, v_layout):
+        """Schedule "overlap" (16-bit inputs, ``block_n`` 64, 2-slot ring).  Iteration i:
+
+        1. issue PV(i-1) (P(i-1) in smem since P_READY(i-1), O already rescaled), commit (an empty group for
+           i = 0, so every iteration has the same group structure);
+        2. wait for tile i (cp.async) + TILE_READY, while PV(i-1) runs on the tensor cores;
+        3. issue QK(i), commit: it queues right behind PV(i-1), no tensor-core bubble between them;
+        4. wait_group(1): PV(i-1) retired for this warpgroup (groups retire in order).  Refill the columns of
+           slot (i+1)%2 that only this warpgroup reads in PV (its V half) plus its half of the rope columns
+           (read only by QK(i-1), retired before ROW_MAX(i-1)), from page ids loaded one tile earlier; then
+           load the page ids of tile i+2;
+        5. wait_group(0): S(i) ready; mask, row max exchange (ROW_MAX), O *= alpha (skipped when no row
+           max moved), P(i) -> smem (sP is free: both warpgroups retired PV(i-1) before ROW_MAX(i)), P_READY.
+        No wgmma group is pending across the loop back-edge (ptxas serializes every wgmma otherwise); the
+        last PV is issued after the loop.  Barriers per tile: TILE_READY, ROW_MAX, P_READY (as default).
+        """
+        bn, P = self.block_n, self.stages
+        qk_thr = qk_mma.get_slice(wtid)
+        pv_mma.set(warpgroup.Field.ACCUMULATE, True)
+        for i in cutlass.range(n_tiles, unroll=1):
+            stage = i % P
+            tile_start = split_start + i * bn
+            if i > 0:
+                self.issue_pv(pv_mma, acc_o, tOrP, sK[None, None, (i + P - 1) % P], v_layout, wg, wtid)
+            warpgroup.commit_group()
+            cute.arch.cp_async_wait_group(P - 2)  # tile i landed for this thread
+            cute.arch.fence_view_async_shared()
+            cute.arch.barrier(barrier_id=int(Barrier.TILE_READY), number_of_threads=self.num_threads)
+            # ---- S = Q K_g^T
+            sKw = cute.local_tile(sK[None, None, stage], (bn // 2, self.D), (wg, 0))
+            tSrK = qk_thr.make_fragment_B(qk_thr.partition_B(sKw))
+            warpgroup.fence()
+            for k in cutlass.range_constexpr(cute.size(tSrQ, mode=[2])):
+                qk_mma.set(warpgroup.Field.ACCUMULATE, k != 0)
+                cute.gemm(qk_mma, acc_s, tSrQ[None, None, k], tSrK[None, None, k], acc_s)
+            warpgroup.commit_group()
+            warpgroup.wait_group(1)  # PV(i-1) retired (this warpgroup)
+            if i + 1 < n_tiles:
+                self.load_kv_half(sK[None, None, (i + 1) % P], mKV, pgs, tile_start + bn, split_end, num_pages,
+                                  wg, wtid)
+            cute.arch.cp_async_commit_group()
+            self.page_ids(pgs, mBT, b, tile_start + 2 * bn, split_end, wtid)
+            warpgroup.wait_group(0)  # QK(i) retired
+            # ---- mask, scale, row max (exchanged between the two warpgroups): as the default schedule
+            tile_max = cute.make_rmem_tensor((2,), Float32)
+            tile_max[0] = -Float32.inf
+            tile_max[1] = -Float32.inf
+            for e in cutlass.range_constexpr(cute.size(acc_s)):
+                h = (e // 2) % 2
+                key = tile_start + wg * (bn // 2) + tScS[e][1]
+                v = acc_s[e] * scale_log2
+                if key >= lim[h]:
+                    v = -Float32.inf
+                acc_s[e] = v
+                tile_max[h] = cute.arch.fmax(tile_max[h], v)
+            for h in cutlass.range_constexpr(2):
+                tile_max[h] = quad_max(tile_max[h])
+                if wtid % 4 == 0:
+                    sMax[wg * 64 + row_in[h]] = tile_max[h]
+            cute.arch.barrier(barrier_id=int(Barrier.ROW_MAX), number_of_threads=self.num_threads)
+            alpha = cute.make_rmem_tensor((2,), Float32)
+            ref = cute.make_rmem_tensor((2,), Float32)
+            for h in cutlass.range_constexpr(2):
+                other = sMax[(1 - wg) * 64 + row_in[h]]
+                m_new = cute.arch.fmax(row_m[h], cute.arch.fmax(tile_max[h], other))
+                ref[h] = m_new
+                if m_new == -Float32.inf:
+                    ref[h] = 0.0
+                alpha[h] = cute.arch.exp2(row_m[h] - ref[h])
+                row_m[h] = m_new
+                row_l[h] = row_l[h] * alpha[h]
+            self.rescale_o(acc_o, alpha)  # PV(i-1) retired, PV(i) not issued yet
+            # ---- P = exp2(s - m), to smem in the operand dtype
+            for e in cutlass.range_constexpr(cute.size(acc_s)):
+                h = (e // 2) % 2
+                p = cute.arch.exp2(acc_s[e] - ref[h])
+                acc_s[e] = p
+                row_l[h] = row_l[h] + p
+            rP = cute.make_rmem_tensor_like(acc_s, self.mma_dtype)
+            rP.store(acc_s.load().to(self.mma_dtype))
+            cute.autovec_copy(rP, tSsP)
+            cute.arch.fence_view_async_shared()
+            cute.arch.barrier(barrier_id=int(Barrier.P_READY), number_of_threads=self.num_threads)
+        if n_tiles > 0:
+            self.issue_pv(pv_mma, acc_o, tOrP, sK[None, None, (n_tiles - 1) % P], v_layout, wg, wtid)
+        warpgroup.commit_group()
+        warpgroup.wait_group(0)
+
     @cute.kernel
     def kernel(self, qk_mma: cute.TiledMma, pv_mma: cute.TiledMma, mQ: cute.Tensor, mKV: cute.Tensor,
                mBT: cute.Tensor, mSeq: cute.Tensor, mSS: cute.Tensor, mOS: cute.Tensor, mOut: cute.Tensor,
@@ -275,6 +445,15 @@ class MlaDecodeSm90:
                 self.load_kv(sK, sSt, j, mKV, mBT, b, split_start + j * bn, split_end, num_pages, tid)
             cute.arch.cp_async_commit_group()
 
+        # ---- schedule "overlap" (16-bit): block-table entries of the first in-loop refill (tile 1)
+        pgs = None
+        if cutlass.const_expr(self.defer_pv):
+            pgs = cute.make_rmem_tensor((2,), Int32)
+            pgs[0] = 0
+            pgs[1] = 0
+            if n_tiles > 0:
+                self.page_ids(pgs, mBT, b, split_start + bn, split_end, wtid)
+
         # ---- MMA partitions
         qk_thr = qk_mma.get_slice(wtid)
         pv_thr = pv_mma.get_slice(wtid)
@@ -302,86 +481,96 @@ class MlaDecodeSm90:
             row_m[h] = -Float32.inf
             row_l[h] = 0.0
 
-        for i in cutlass.range(n_tiles, unroll=1):
-            stage = i % P
-            tile_start = split_start + i * bn
-            cute.arch.cp_async_wait_group(P - 2)  # tile i (and Q) landed for this thread
-            cute.arch.fence_view_async_shared()
-            # all threads' copies of tile i are visible and iteration i-1 is fully done (its slot is free)
-            cute.arch.barrier(barrier_id=int(Barrier.TILE_READY), number_of_threads=self.num_threads)
-            sKs = sK[None, None, 0]
-            if cutlass.const_expr(self.fp8):
-                self.convert_kv(sSt[None, None, stage], sKs, tid)
+        if cutlass.const_expr(self.defer_pv):
+            self.mainloop_overlap(qk_mma, pv_mma, tSrQ, acc_s, acc_o, tScS, tSsP, tOrP, row_in, lim, row_m, row_l,
+                                  pgs, sK, sMax, mKV, mBT, b, split_start, split_end, num_pages, n_tiles,
+                                  scale_log2, wg, wtid, v_layout)
+        else:
+            for i in cutlass.range(n_tiles, unroll=1):
+                stage = i % P
+                tile_start = split_start + i * bn
+                cute.arch.cp_async_wait_group(P - 2)  # tile i (and Q) landed for this thread
                 cute.arch.fence_view_async_shared()
-                cute.arch.barrier(barrier_id=int(Barrier.CONVERTED), number_of_threads=self.num_threads)
-            else:
-                sKs = sK[None, None, stage]
-            # ---- S = Q K_g^T
-            sKw = cute.local_tile(sKs, (bn // 2, self.D), (wg, 0))
-            tSrK = qk_thr.make_fragment_B(qk_thr.partition_B(sKw))
-            warpgroup.fence()
-            for k in cutlass.range_constexpr(cute.size(tSrQ, mode=[2])):
-                qk_mma.set(warpgroup.Field.ACCUMULATE, k != 0)
-                cute.gemm(qk_mma, acc_s, tSrQ[None, None, k], tSrK[None, None, k], acc_s)
-            warpgroup.commit_group()
-            # Refill the slot of tile i-1 (free since TILE_READY) while the QK wgmmas run: the block-table
-            # reads and address math of the prefetch stay off the critical path.
-            if i + P - 1 < n_tiles:
-                self.load_kv(sK, sSt, (i + P - 1) % P, mKV, mBT, b, tile_start + (P - 1) * bn, split_end,
-                             num_pages, tid)
-            cute.arch.cp_async_commit_group()
-            warpgroup.wait_group(0)
-            # ---- mask, scale, row max (exchanged between the two warpgroups)
-            tile_max = cute.make_rmem_tensor((2,), Float32)
-            tile_max[0] = -Float32.inf
-            tile_max[1] = -Float32.inf
-            for e in cutlass.range_constexpr(cute.size(acc_s)):
-                h = (e // 2) % 2
-                key = tile_start + wg * (bn // 2) + tScS[e][1]
-                v = acc_s[e] * scale_log2
-                if key >= lim[h]:
-                    v = -Float32.inf
-                acc_s[e] = v
-                tile_max[h] = cute.arch.fmax(tile_max[h], v)
-            for h in cutlass.range_constexpr(2):
-                tile_max[h] = quad_max(tile_max[h])
-                if wtid % 4 == 0:
-                    sMax[wg * 64 + row_in[h]] = tile_max[h]
-            cute.arch.barrier(barrier_id=int(Barrier.ROW_MAX), number_of_threads=self.num_threads)
-            alpha = cute.make_rmem_tensor((2,), Float32)
-            ref = cute.make_rmem_tensor((2,), Float32)
-            for h in cutlass.range_constexpr(2):
-                other = sMax[(1 - wg) * 64 + row_in[h]]
-                m_new = cute.arch.fmax(row_m[h], cute.arch.fmax(tile_max[h], other))
-                ref[h] = m_new
-                if m_new == -Float32.inf:
-                    ref[h] = 0.0
-                alpha[h] = cute.arch.exp2(row_m[h] - ref[h])
-                row_m[h] = m_new
-                row_l[h] = row_l[h] * alpha[h]
-            # ---- P = exp2(s - m), to smem in the operand dtype
-            for e in cutlass.range_constexpr(cute.size(acc_s)):
-                h = (e // 2) % 2
-                p = cute.arch.exp2(acc_s[e] - ref[h])
-                acc_s[e] = p
-                row_l[h] = row_l[h] + p
-            rP = cute.make_rmem_tensor_like(acc_s, self.mma_dtype)
-            rP.store(acc_s.load().to(self.mma_dtype))
-            cute.autovec_copy(rP, tSsP)
-            cute.arch.fence_view_async_shared()
-            cute.arch.barrier(barrier_id=int(Barrier.P_READY), number_of_threads=self.num_threads)
-            # ---- O = alpha O + P V_g
-            for e in cutlass.range_constexpr(cute.size(acc_o)):
-                acc_o[e] = acc_o[e] * alpha[(e // 2) % 2]
-            sV = cute.make_tensor(cute.recast_ptr(sKs.iterator, v_layout.inner), v_layout.outer)
-            sVw = cute.local_tile(sV[None, None, 0], (self.DV // 2, bn), (wg, 0))
-            tOrV = pv_thr.make_fragment_B(pv_thr.partition_B(sVw))
-            warpgroup.fence()
-            pv_mma.set(warpgroup.Field.ACCUMULATE, True)
-            for k in cutlass.range_constexpr(cute.size(tOrP, mode=[2])):
-                cute.gemm(pv_mma, acc_o, tOrP[None, None, k], tOrV[None, None, k], acc_o)
-            warpgroup.commit_group()
-            warpgroup.wait_group(0)
+                # all threads' copies of tile i are visible and iteration i-1 is fully done (its slot is free)
+                cute.arch.barrier(barrier_id=int(Barrier.TILE_READY), number_of_threads=self.num_threads)
+                sKs = sK[None, None, 0]
+                if cutlass.const_expr(self.fp8):
+                    self.convert_kv(sSt[None, None, stage], sKs, tid)
+                    cute.arch.fence_view_async_shared()
+                    cute.arch.barrier(barrier_id=int(Barrier.CONVERTED), number_of_threads=self.num_threads)
+                else:
+                    sKs = sK[None, None, stage]
+                # ---- S = Q K_g^T
+                sKw = cute.local_tile(sKs, (bn // 2, self.D), (wg, 0))
+                tSrK = qk_thr.make_fragment_B(qk_thr.partition_B(sKw))
+                warpgroup.fence()
+                for k in cutlass.range_constexpr(cute.size(tSrQ, mode=[2])):
+                    qk_mma.set(warpgroup.Field.ACCUMULATE, k != 0)
+                    cute.gemm(qk_mma, acc_s, tSrQ[None, None, k], tSrK[None, None, k], acc_s)
+                warpgroup.commit_group()
+                # Refill the slot of tile i-1 (free since TILE_READY) while the QK wgmmas run: the block-table
+                # reads and address math of the prefetch stay off the critical path.
+                if i + P - 1 < n_tiles:
+                    self.load_kv(sK, sSt, (i + P - 1) % P, mKV, mBT, b, tile_start + (P - 1) * bn, split_end,
+                                 num_pages, tid)
+                cute.arch.cp_async_commit_group()
+                warpgroup.wait_group(0)
+                # ---- mask, scale, row max (exchanged between the two warpgroups)
+                tile_max = cute.make_rmem_tensor((2,), Float32)
+                tile_max[0] = -Float32.inf
+                tile_max[1] = -Float32.inf
+                for e in cutlass.range_constexpr(cute.size(acc_s)):
+                    h = (e // 2) % 2
+                    key = tile_start + wg * (bn // 2) + tScS[e][1]
+                    v = acc_s[e] * scale_log2
+                    if key >= lim[h]:
+                        v = -Float32.inf
+                    acc_s[e] = v
+                    tile_max[h] = cute.arch.fmax(tile_max[h], v)
+                for h in cutlass.range_constexpr(2):
+                    tile_max[h] = quad_max(tile_max[h])
+                    if wtid % 4 == 0:
+                        sMax[wg * 64 + row_in[h]] = tile_max[h]
+                cute.arch.barrier(barrier_id=int(Barrier.ROW_MAX), number_of_threads=self.num_threads)
+                alpha = cute.make_rmem_tensor((2,), Float32)
+                ref = cute.make_rmem_tensor((2,), Float32)
+                for h in cutlass.range_constexpr(2):
+                    other = sMax[(1 - wg) * 64 + row_in[h]]
+                    m_new = cute.arch.fmax(row_m[h], cute.arch.fmax(tile_max[h], other))
+                    ref[h] = m_new
+                    if m_new == -Float32.inf:
+                        ref[h] = 0.0
+                    alpha[h] = cute.arch.exp2(row_m[h] - ref[h])
+                    row_m[h] = m_new
+                    row_l[h] = row_l[h] * alpha[h]
+                if cutlass.const_expr(self.overlap):
+                    # PV(i-1) retired (wait_group above) and PV(i) not issued: O is free; rescaling before
+                    # P_READY lets the barrier absorb it
+                    self.rescale_o(acc_o, alpha)
+                # ---- P = exp2(s - m), to smem in the operand dtype
+                for e in cutlass.range_constexpr(cute.size(acc_s)):
+                    h = (e // 2) % 2
+                    p = cute.arch.exp2(acc_s[e] - ref[h])
+                    acc_s[e] = p
+                    row_l[h] = row_l[h] + p
+                rP = cute.make_rmem_tensor_like(acc_s, self.mma_dtype)
+                rP.store(acc_s.load().to(self.mma_dtype))
+                cute.autovec_copy(rP, tSsP)
+                cute.arch.fence_view_async_shared()
+                cute.arch.barrier(barrier_id=int(Barrier.P_READY), number_of_threads=self.num_threads)
+                # ---- O = alpha O + P V_g
+                if cutlass.const_expr(not self.overlap):
+                    for e in cutlass.range_constexpr(cute.size(acc_o)):
+                        acc_o[e] = acc_o[e] * alpha[(e // 2) % 2]
+                sV = cute.make_tensor(cute.recast_ptr(sKs.iterator, v_layout.inner), v_layout.outer)
+                sVw = cute.local_tile(sV[None, None, 0], (self.DV // 2, bn), (wg, 0))
+                tOrV = pv_thr.make_fragment_B(pv_thr.partition_B(sVw))
+                warpgroup.fence()
+                pv_mma.set(warpgroup.Field.ACCUMULATE, True)
+                for k in cutlass.range_constexpr(cute.size(tOrP, mode=[2])):
+                    cute.gemm(pv_mma, acc_o, tOrP[None, None, k], tOrV[None, None, k], acc_o)
+                warpgroup.commit_group()
+                warpgroup.wait_group(0)
 
         cute.arch.cp_async_wait_group(0)
         self.epilogue(pv_thr, acc_o, row_m, row_l, row_in, sSum, mOut, mLse, mOacc, mLacc, out_scale, mblk,
@@ -471,10 +660,12 @@ def launch_mla_decode(stream, q: cute.Tensor, kv: cute.Tensor, block_table: cute
                       o_accum: cute.Tensor = None, lse_accum: cute.Tensor = None, *,
                       dtype: cutlass.Constexpr, num_heads: cutlass.Constexpr, q_len: cutlass.Constexpr,
                       page_size: cutlass.Constexpr, causal: cutlass.Constexpr, num_splits: cutlass.Constexpr,
-                      tokens_per_split: cutlass.Constexpr, block_n: cutlass.Constexpr = 64):
+                      tokens_per_split: cutlass.Constexpr, block_n: cutlass.Constexpr = 64,
+                      schedule: cutlass.Constexpr = "default"):
     """FFI launch function (``tokenspeed_jax.ffi`` ABI): inputs, outputs, then the split-KV workspace."""
     MlaDecodeSm90(dtype=dtype, num_heads=num_heads, q_len=q_len, page_size=page_size, causal=causal,
-                  num_splits=num_splits, tokens_per_split=tokens_per_split, block_n=block_n)(
+                  num_splits=num_splits, tokens_per_split=tokens_per_split, block_n=block_n,
+                  schedule=schedule)(
         stream, q, kv, block_table, seq_lens, softmax_scale, output_scale, out, lse, o_accum, lse_accum)
 
 
