@@ -71,7 +71,7 @@ def supports(problem: DecodeProblem) -> str | None:
     try:
         import cutlass  # noqa: F401
     except ImportError:
-        return "sm90 decode needs nvidia-cutlass-dsl>=4.8.1 (pip install nvidia-cutlass-dsl)"
+        return "sm90 decode needs nvidia-cutlass-dsl>=4.8.1: pip install 'tokenspeed-jax[cute]'"
     return None
 
 
