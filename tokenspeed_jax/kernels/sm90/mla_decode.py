@@ -307,6 +307,83 @@ class MlaDecodeSm90:
             cute.gemm(pv_mma, acc_o, tOrP[None, None, k], tOrV[None, None, k], acc_o)
 
     @cute.jit
+    def wait_tile(self):
+        """Wait for this thread's cp.async of the current tile (``stages - 2`` groups may stay in flight), make
+        them visible to the async proxy, then TILE_READY: every thread's copies of the tile landed and the
+        previous iteration is fully done (its ring slot is free)."""
+        cute.arch.cp_async_wait_group(self.stages - 2)
+        cute.arch.fence_view_async_shared()
+        cute.arch.barrier(barrier_id=int(Barrier.TILE_READY), number_of_threads=self.num_threads)
+
+    @cute.jit
+    def issue_qk(self, qk_mma: cute.TiledMma, qk_thr, acc_s: cute.Tensor, tSrQ: cute.Tensor, sKs: cute.Tensor,
+                 wg: Int32):
+        """Issue ``S_wg = Q K[32wg:32wg+32]^T`` (wgmma SS, 64x32x576) from K tile ``sKs``, no commit."""
+        sKw = cute.local_tile(sKs, (self.block_n // 2, self.D), (wg, 0))
+        tSrK = qk_thr.make_fragment_B(qk_thr.partition_B(sKw))
+        warpgroup.fence()
+        for k in cutlass.range_constexpr(cute.size(tSrQ, mode=[2])):
+            qk_mma.set(warpgroup.Field.ACCUMULATE, k != 0)
+            cute.gemm(qk_mma, acc_s, tSrQ[None, None, k], tSrK[None, None, k], acc_s)
+
+    @cute.jit
+    def mask_scale_max(self, acc_s: cute.Tensor, tScS: cute.Tensor, lim: cute.Tensor, tile_start: Int32,
+                       scale_log2: Float32, wg: Int32):
+        """Scale S into the exp2 domain in place, -inf for keys at or past the row's ``lim``; returns this
+        thread's max of each of its two rows (not yet reduced over the quad)."""
+        tile_max = cute.make_rmem_tensor((2,), Float32)
+        tile_max[0] = -Float32.inf
+        tile_max[1] = -Float32.inf
+        for e in cutlass.range_constexpr(cute.size(acc_s)):
+            h = (e // 2) % 2
+            key = tile_start + wg * (self.block_n // 2) + tScS[e][1]
+            v = acc_s[e] * scale_log2
+            if key >= lim[h]:
+                v = -Float32.inf
+            acc_s[e] = v
+            tile_max[h] = cute.arch.fmax(tile_max[h], v)
+        return tile_max
+
+    @cute.jit
+    def update_row_max(self, tile_max: cute.Tensor, sMax: cute.Tensor, row_in: cute.Tensor, row_m: cute.Tensor,
+                       row_l: cute.Tensor, wg: Int32, wtid: Int32):
+        """Reduce ``tile_max`` over the quad, exchange it with the other warpgroup through ``sMax``
+        (ROW_MAX), then the online-softmax update: ``row_m`` <- new max, ``row_l *= alpha``.  Returns
+        ``(alpha, ref)``: the O/l rescale factor and the reference P is computed against (0 for a row whose
+        max is still -inf, so exp2 gives exact zeros)."""
+        for h in cutlass.range_constexpr(2):
+            tile_max[h] = quad_max(tile_max[h])
+            if wtid % 4 == 0:
+                sMax[wg * 64 + row_in[h]] = tile_max[h]
+        cute.arch.barrier(barrier_id=int(Barrier.ROW_MAX), number_of_threads=self.num_threads)
+        alpha = cute.make_rmem_tensor((2,), Float32)
+        ref = cute.make_rmem_tensor((2,), Float32)
+        for h in cutlass.range_constexpr(2):
+            other = sMax[(1 - wg) * 64 + row_in[h]]
+            m_new = cute.arch.fmax(row_m[h], cute.arch.fmax(tile_max[h], other))
+            ref[h] = m_new
+            if m_new == -Float32.inf:
+                ref[h] = 0.0
+            alpha[h] = cute.arch.exp2(row_m[h] - ref[h])
+            row_m[h] = m_new
+            row_l[h] = row_l[h] * alpha[h]
+        return alpha, ref
+
+    @cute.jit
+    def store_p(self, acc_s: cute.Tensor, ref: cute.Tensor, row_l: cute.Tensor, tSsP: cute.Tensor):
+        """``P = exp2(S - ref)`` (added to ``row_l``), to the P smem tile in the operand dtype, then P_READY."""
+        for e in cutlass.range_constexpr(cute.size(acc_s)):
+            h = (e // 2) % 2
+            p = cute.arch.exp2(acc_s[e] - ref[h])
+            acc_s[e] = p
+            row_l[h] = row_l[h] + p
+        rP = cute.make_rmem_tensor_like(acc_s, self.mma_dtype)
+        rP.store(acc_s.load().to(self.mma_dtype))
+        cute.autovec_copy(rP, tSsP)
+        cute.arch.fence_view_async_shared()
+        cute.arch.barrier(barrier_id=int(Barrier.P_READY), number_of_threads=self.num_threads)
+
+    @cute.jit
     def mainloop_overlap(self, qk_mma, pv_mma, tSrQ, acc_s, acc_o, tScS, tSsP, tOrP, row_in, lim, row_m, row_l,
                          pgs, sK, sMax, mKV, mBT, b, split_start, split_end, num_pages, n_tiles, scale_log2, wg,
                          wtid, v_layout):
@@ -334,16 +411,8 @@ class MlaDecodeSm90:
             if i > 0:
                 self.issue_pv(pv_mma, acc_o, tOrP, sK[None, None, (i + P - 1) % P], v_layout, wg, wtid)
             warpgroup.commit_group()
-            cute.arch.cp_async_wait_group(P - 2)  # tile i landed for this thread
-            cute.arch.fence_view_async_shared()
-            cute.arch.barrier(barrier_id=int(Barrier.TILE_READY), number_of_threads=self.num_threads)
-            # ---- S = Q K_g^T
-            sKw = cute.local_tile(sK[None, None, stage], (bn // 2, self.D), (wg, 0))
-            tSrK = qk_thr.make_fragment_B(qk_thr.partition_B(sKw))
-            warpgroup.fence()
-            for k in cutlass.range_constexpr(cute.size(tSrQ, mode=[2])):
-                qk_mma.set(warpgroup.Field.ACCUMULATE, k != 0)
-                cute.gemm(qk_mma, acc_s, tSrQ[None, None, k], tSrK[None, None, k], acc_s)
+            self.wait_tile()  # tile i landed
+            self.issue_qk(qk_mma, qk_thr, acc_s, tSrQ, sK[None, None, stage], wg)  # S = Q K_g^T
             warpgroup.commit_group()
             warpgroup.wait_group(1)  # PV(i-1) retired (this warpgroup)
             if i + 1 < n_tiles:
@@ -352,46 +421,11 @@ class MlaDecodeSm90:
             cute.arch.cp_async_commit_group()
             self.page_ids(pgs, mBT, b, tile_start + 2 * bn, split_end, wtid)
             warpgroup.wait_group(0)  # QK(i) retired
-            # ---- mask, scale, row max (exchanged between the two warpgroups): as the default schedule
-            tile_max = cute.make_rmem_tensor((2,), Float32)
-            tile_max[0] = -Float32.inf
-            tile_max[1] = -Float32.inf
-            for e in cutlass.range_constexpr(cute.size(acc_s)):
-                h = (e // 2) % 2
-                key = tile_start + wg * (bn // 2) + tScS[e][1]
-                v = acc_s[e] * scale_log2
-                if key >= lim[h]:
-                    v = -Float32.inf
-                acc_s[e] = v
-                tile_max[h] = cute.arch.fmax(tile_max[h], v)
-            for h in cutlass.range_constexpr(2):
-                tile_max[h] = quad_max(tile_max[h])
-                if wtid % 4 == 0:
-                    sMax[wg * 64 + row_in[h]] = tile_max[h]
-            cute.arch.barrier(barrier_id=int(Barrier.ROW_MAX), number_of_threads=self.num_threads)
-            alpha = cute.make_rmem_tensor((2,), Float32)
-            ref = cute.make_rmem_tensor((2,), Float32)
-            for h in cutlass.range_constexpr(2):
-                other = sMax[(1 - wg) * 64 + row_in[h]]
-                m_new = cute.arch.fmax(row_m[h], cute.arch.fmax(tile_max[h], other))
-                ref[h] = m_new
-                if m_new == -Float32.inf:
-                    ref[h] = 0.0
-                alpha[h] = cute.arch.exp2(row_m[h] - ref[h])
-                row_m[h] = m_new
-                row_l[h] = row_l[h] * alpha[h]
+            # ---- softmax step: as the default schedule
+            tile_max = self.mask_scale_max(acc_s, tScS, lim, tile_start, scale_log2, wg)
+            alpha, ref = self.update_row_max(tile_max, sMax, row_in, row_m, row_l, wg, wtid)
             self.rescale_o(acc_o, alpha)  # PV(i-1) retired, PV(i) not issued yet
-            # ---- P = exp2(s - m), to smem in the operand dtype
-            for e in cutlass.range_constexpr(cute.size(acc_s)):
-                h = (e // 2) % 2
-                p = cute.arch.exp2(acc_s[e] - ref[h])
-                acc_s[e] = p
-                row_l[h] = row_l[h] + p
-            rP = cute.make_rmem_tensor_like(acc_s, self.mma_dtype)
-            rP.store(acc_s.load().to(self.mma_dtype))
-            cute.autovec_copy(rP, tSsP)
-            cute.arch.fence_view_async_shared()
-            cute.arch.barrier(barrier_id=int(Barrier.P_READY), number_of_threads=self.num_threads)
+            self.store_p(acc_s, ref, row_l, tSsP)
         if n_tiles > 0:
             self.issue_pv(pv_mma, acc_o, tOrP, sK[None, None, (n_tiles - 1) % P], v_layout, wg, wtid)
         warpgroup.commit_group()
@@ -489,10 +523,7 @@ class MlaDecodeSm90:
             for i in cutlass.range(n_tiles, unroll=1):
                 stage = i % P
                 tile_start = split_start + i * bn
-                cute.arch.cp_async_wait_group(P - 2)  # tile i (and Q) landed for this thread
-                cute.arch.fence_view_async_shared()
-                # all threads' copies of tile i are visible and iteration i-1 is fully done (its slot is free)
-                cute.arch.barrier(barrier_id=int(Barrier.TILE_READY), number_of_threads=self.num_threads)
+                self.wait_tile()  # tile i (and Q) landed; iteration i-1 is fully done (its slot is free)
                 sKs = sK[None, None, 0]
                 if cutlass.const_expr(self.fp8):
                     self.convert_kv(sSt[None, None, stage], sKs, tid)
@@ -500,13 +531,7 @@ class MlaDecodeSm90:
                     cute.arch.barrier(barrier_id=int(Barrier.CONVERTED), number_of_threads=self.num_threads)
                 else:
                     sKs = sK[None, None, stage]
-                # ---- S = Q K_g^T
-                sKw = cute.local_tile(sKs, (bn // 2, self.D), (wg, 0))
-                tSrK = qk_thr.make_fragment_B(qk_thr.partition_B(sKw))
-                warpgroup.fence()
-                for k in cutlass.range_constexpr(cute.size(tSrQ, mode=[2])):
-                    qk_mma.set(warpgroup.Field.ACCUMULATE, k != 0)
-                    cute.gemm(qk_mma, acc_s, tSrQ[None, None, k], tSrK[None, None, k], acc_s)
+                self.issue_qk(qk_mma, qk_thr, acc_s, tSrQ, sKs, wg)  # S = Q K_g^T
                 warpgroup.commit_group()
                 # Refill the slot of tile i-1 (free since TILE_READY) while the QK wgmmas run: the block-table
                 # reads and address math of the prefetch stay off the critical path.
@@ -515,60 +540,20 @@ class MlaDecodeSm90:
                                  num_pages, tid)
                 cute.arch.cp_async_commit_group()
                 warpgroup.wait_group(0)
-                # ---- mask, scale, row max (exchanged between the two warpgroups)
-                tile_max = cute.make_rmem_tensor((2,), Float32)
-                tile_max[0] = -Float32.inf
-                tile_max[1] = -Float32.inf
-                for e in cutlass.range_constexpr(cute.size(acc_s)):
-                    h = (e // 2) % 2
-                    key = tile_start + wg * (bn // 2) + tScS[e][1]
-                    v = acc_s[e] * scale_log2
-                    if key >= lim[h]:
-                        v = -Float32.inf
-                    acc_s[e] = v
-                    tile_max[h] = cute.arch.fmax(tile_max[h], v)
-                for h in cutlass.range_constexpr(2):
-                    tile_max[h] = quad_max(tile_max[h])
-                    if wtid % 4 == 0:
-                        sMax[wg * 64 + row_in[h]] = tile_max[h]
-                cute.arch.barrier(barrier_id=int(Barrier.ROW_MAX), number_of_threads=self.num_threads)
-                alpha = cute.make_rmem_tensor((2,), Float32)
-                ref = cute.make_rmem_tensor((2,), Float32)
-                for h in cutlass.range_constexpr(2):
-                    other = sMax[(1 - wg) * 64 + row_in[h]]
-                    m_new = cute.arch.fmax(row_m[h], cute.arch.fmax(tile_max[h], other))
-                    ref[h] = m_new
-                    if m_new == -Float32.inf:
-                        ref[h] = 0.0
-                    alpha[h] = cute.arch.exp2(row_m[h] - ref[h])
-                    row_m[h] = m_new
-                    row_l[h] = row_l[h] * alpha[h]
+                # ---- softmax step: mask, scale, row max (exchanged between the two warpgroups), P -> smem
+                tile_max = self.mask_scale_max(acc_s, tScS, lim, tile_start, scale_log2, wg)
+                alpha, ref = self.update_row_max(tile_max, sMax, row_in, row_m, row_l, wg, wtid)
                 if cutlass.const_expr(self.overlap):
                     # PV(i-1) retired (wait_group above) and PV(i) not issued: O is free; rescaling before
                     # P_READY lets the barrier absorb it
                     self.rescale_o(acc_o, alpha)
-                # ---- P = exp2(s - m), to smem in the operand dtype
-                for e in cutlass.range_constexpr(cute.size(acc_s)):
-                    h = (e // 2) % 2
-                    p = cute.arch.exp2(acc_s[e] - ref[h])
-                    acc_s[e] = p
-                    row_l[h] = row_l[h] + p
-                rP = cute.make_rmem_tensor_like(acc_s, self.mma_dtype)
-                rP.store(acc_s.load().to(self.mma_dtype))
-                cute.autovec_copy(rP, tSsP)
-                cute.arch.fence_view_async_shared()
-                cute.arch.barrier(barrier_id=int(Barrier.P_READY), number_of_threads=self.num_threads)
+                self.store_p(acc_s, ref, row_l, tSsP)
                 # ---- O = alpha O + P V_g
                 if cutlass.const_expr(not self.overlap):
                     for e in cutlass.range_constexpr(cute.size(acc_o)):
                         acc_o[e] = acc_o[e] * alpha[(e // 2) % 2]
-                sV = cute.make_tensor(cute.recast_ptr(sKs.iterator, v_layout.inner), v_layout.outer)
-                sVw = cute.local_tile(sV[None, None, 0], (self.DV // 2, bn), (wg, 0))
-                tOrV = pv_thr.make_fragment_B(pv_thr.partition_B(sVw))
-                warpgroup.fence()
                 pv_mma.set(warpgroup.Field.ACCUMULATE, True)
-                for k in cutlass.range_constexpr(cute.size(tOrP, mode=[2])):
-                    cute.gemm(pv_mma, acc_o, tOrP[None, None, k], tOrV[None, None, k], acc_o)
+                self.issue_pv(pv_mma, acc_o, tOrP, sKs, v_layout, wg, wtid)
                 warpgroup.commit_group()
                 warpgroup.wait_group(0)
 
