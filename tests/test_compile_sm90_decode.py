@@ -26,12 +26,18 @@ _SCRIPT = textwrap.dedent(
     from tokenspeed_jax.kernels.sm90.mla_decode import MlaDecodeSm90
     res = {}
     d = os.environ["CUTE_DSL_DUMP_DIR"]
-    cfgs = [("bfloat16", 16, 1, 64, 1, 4096, 64, "default"), ("float16", 32, 4, 32, 3, 256, 64, "default"),
-            ("float8_e4m3fn", 128, 2, 128, 2, 512, 64, "default"), ("bfloat16", 32, 2, 32, 3, 256, 64, "overlap")]
+    from tokenspeed_jax.kernels.sm90.mla_decode_seesaw import MlaDecodeSeesawSm90
+    cfgs = [("bfloat16", 16, 1, 64, 1, 4096, 64, "lockstep"), ("float16", 32, 4, 32, 3, 256, 64, "lockstep"),
+            ("float8_e4m3fn", 128, 2, 128, 2, 512, 64, "lockstep"), ("bfloat16", 32, 2, 32, 3, 256, 64, "overlap"),
+            ("float16", 32, 4, 16, 3, 320, 64, "seesaw")]
     for (dtype, H, S, page, splits, tps, bn, sched) in cfgs:
         before = set(glob.glob(d + "/*"))
-        k = MlaDecodeSm90(dtype=dtype, num_heads=H, q_len=S, page_size=page, causal=True, num_splits=splits,
-                          tokens_per_split=tps, block_n=bn, schedule=sched)
+        if sched == "seesaw":
+            k = MlaDecodeSeesawSm90(dtype=dtype, num_heads=H, q_len=S, page_size=page, causal=True,
+                                    num_splits=splits, tokens_per_split=tps, block_n=bn)
+        else:
+            k = MlaDecodeSm90(dtype=dtype, num_heads=H, q_len=S, page_size=page, causal=True, num_splits=splits,
+                              tokens_per_split=tps, block_n=bn, schedule=sched)
         dt, ot = k.dtype, k.out_dtype
         B, R = 2, H * S
         f = rt.make_fake_compact_tensor
@@ -51,6 +57,16 @@ _SCRIPT = textwrap.dedent(
             res["ov_sass_hgmma"] = len(re.findall(r"HGMMA\\.64x(?:32|256)x16", osass))
             res["ov_sass_depbar"] = len(re.findall(r"WARPGROUP\\.DEPBAR", osass))
             res["ov_sass_spill"] = len(re.findall(r"\\b(STL|LDL)\\b", osass))
+        if sched == "seesaw":
+            new = sorted(set(glob.glob(d + "/*")) - before)
+            sptx = "".join(open(p).read() for p in new if p.endswith(".ptx"))
+            ssass = "".join(open(p).read() for p in new if p.endswith(".sass"))
+            res["ss_ptx_qk"] = len(re.findall(r"wgmma.mma_async.sync.aligned.m64n64k16", sptx))
+            res["ss_ptx_pv"] = len(re.findall(r"wgmma.mma_async.sync.aligned.m64n256k16", sptx))
+            res["ss_ptx_mbar_cp"] = len(re.findall(r"cp.async.mbarrier.arrive.noinc", sptx))
+            res["ss_sass"] = bool(ssass)
+            res["ss_sass_rs"] = len(re.findall(r"HGMMA\\.64x256x16\\.F32\\.F16 R\\d+, R\\d+", ssass))
+            res["ss_sass_spill"] = len(re.findall(r"\\b(STL|LDL)\\b", ssass))
     ptx = "".join(open(p).read() for p in glob.glob(d + "/*.ptx"))
     sass = "".join(open(p).read() for p in glob.glob(d + "/*.sass"))
     res["ptx_wgmma"] = len(re.findall(r"wgmma.mma_async", ptx))
@@ -106,22 +122,28 @@ def test_sm90_decode_compiles_for_sm90a(tmp_path):
     if r["ov_sass"]:
         assert r["ov_sass_hgmma"] >= 44 and r["ov_sass_depbar"] <= 4 and r["ov_sass_spill"] == 0, r
     assert "tokenspeed_mla_decode_sm90" in r["ov_targets"], r
+    # schedule "seesaw": 2 x 36 QK (prologue) + 36 per warpgroup loop, 4 PVs of 4 k-steps (2 with P from
+    # registers), 4 column-group refills in the prologue + 2 per warpgroup loop completing mbarriers
+    assert r["ss_ptx_qk"] == 4 * 36 and r["ss_ptx_pv"] == 16 and r["ss_ptx_mbar_cp"] >= 8, r
+    if r["ss_sass"]:
+        assert r["ss_sass_rs"] == 8 and r["ss_sass_spill"] == 0, r
 
 
 def test_schedule_switch(monkeypatch):
     from tokenspeed_jax.backends import sm90_decode as m
 
     monkeypatch.delenv(m.SCHEDULE_ENV, raising=False)
-    assert m.resolve_schedule() == "default"
+    assert m.resolve_schedule() == "auto"
     assert m.resolve_schedule("overlap") == "overlap"
     monkeypatch.setenv(m.SCHEDULE_ENV, "overlap")
     assert m.resolve_schedule() == "overlap"
-    assert m.resolve_schedule("default") == "default"  # the argument wins
+    assert m.resolve_schedule("lockstep") == "lockstep"  # the argument wins
+    assert m.resolve_schedule("seesaw") == "seesaw"
     monkeypatch.setenv(m.SCHEDULE_ENV, "fast")
     with pytest.raises(ValueError, match=m.SCHEDULE_ENV):
         m.resolve_schedule()
     with pytest.raises(ValueError, match="schedule"):
-        m.resolve_schedule("seesaw")
+        m.resolve_schedule("default")
     assert m.DecodeKernelKey("k", "bfloat16", 16, 1, 64, True, 1, 64, 64) != m.DecodeKernelKey(
         "k", "bfloat16", 16, 1, 64, True, 1, 64, 64, "overlap")
 

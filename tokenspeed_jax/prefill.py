@@ -8,7 +8,20 @@ Contract (normative)
     ``Lq`` queries and ``Lk`` keys sees keys ``j <= i + Lk - Lq``.  Scores are ``softmax_scale * q.k`` in
     fp32.  Output ``[Tq, Hq, Dv]`` (bf16 for fp8 input, else the input dtype); LSE ``[Tq, Hq]`` float32 natural
     log.  A row that sees no key, and any q row outside every request (past ``cu_seqlens_q[-1]``), gives 0
-    output and LSE ``-inf``.  k/v rows outside every request are never read.
+    output and LSE ``-inf``.
+
+    K/V rows past the last request (``cu_seqlens_k[-1] <= row < Tk``; padding the caller may leave as
+    garbage): the ``xla`` backend never reads them.  Kernel backends (``sm90``, ``sm100``) load whole key
+    tiles of at most 128 rows, so they read up to 127 rows past ``cu_seqlens_k[-1]`` and multiply those v
+    rows by probabilities that are exactly 0; ``0 * NaN`` is NaN, so **k/v rows in
+    ``[cu_seqlens_k[-1], cu_seqlens_k[-1] + 127)`` must hold finite values** (zeros, stale data, any finite
+    garbage), or the last request's output may become NaN.  Rows from ``cu_seqlens_k[-1] + 127`` on are
+    never read and may hold anything.  The safe spellings: pass k/v with exactly ``cu_seqlens_k[-1]`` rows,
+    or zero their padding where k/v are produced (fused into the producer it is nearly free; a separate
+    pass over v is not, which is why the kernels do not do it).  The same holds inside the requests: on kernel
+    backends a non-finite v row may reach every output row whose key tile covers it, also where its
+    probability is 0 (a causally masked key of its own request, or request ``b + 1``'s first rows for
+    request ``b``); the ``xla`` backend confines it to the rows that see it.
 """
 
 from __future__ import annotations
@@ -44,7 +57,9 @@ def mla_prefill(
 
     Args:
       q: ``[Tq, Hq, Dqk]``; k: ``[Tk, Hk, Dqk]``; v: ``[Tk, Hk, Dv]``; all bf16, fp16 or float8_e4m3fn
-        (float32 on the xla backend), one dtype.
+        (float32 on the xla backend), one dtype.  Rows past ``cu_seqlens_k[-1]``: kernel backends read
+        up to 127 of them, which must be finite (module docstring); exactly-sized or zero-padded k/v
+        are safe everywhere.
       cu_seqlens_q, cu_seqlens_k: int32 ``[B + 1]`` request boundaries (non-decreasing, starting at 0).
       softmax_scale: runtime float32 scalar.
       causal: bottom-right aligned causal mask.

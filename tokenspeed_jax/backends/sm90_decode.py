@@ -12,13 +12,19 @@ Custom calls: ``tokenspeed_mla_decode_sm90`` (main kernel, plus the combine kern
 launch function when the plan splits KV).  ``softmax_scale`` / ``output_scale`` are (1,)-shaped float32
 operands, so a new value never recompiles.
 
-Schedules (opt-in, compile-time): ``"default"`` is the measured kernel; ``"overlap"`` keeps the same math
-and barriers but, for 16-bit inputs, issues PV(i-1) before waiting for tile i so QK(i) queues right behind it
-on the tensor cores, refills each warpgroup's own V columns as soon as its PV retired, loads block-table
-entries one tile ahead, and skips the O rescale when no row max moved (FP8: only the last one).  Chosen by
-``decode(..., schedule=...)`` or, when that is None, by the environment variable
+Schedules (compile-time main loops; details in the kernel modules and ``docs/sm90_decode.md``):
+
+* ``"seesaw"`` (:mod:`tokenspeed_jax.kernels.sm90.mla_decode_seesaw`, the default for 16-bit inputs): the
+  two warpgroups own alternate 64-token tiles for QK^T and work out of phase, so one warpgroup's softmax
+  runs under the other's matmuls; KV refills per column group through mbarriers.
+* ``"lockstep"`` (:class:`~tokenspeed_jax.kernels.sm90.mla_decode.MlaDecodeSm90`, the default and only loop
+  for FP8): both warpgroups on the same tile, three CTA-wide barriers per tile.
+* ``"overlap"``: lockstep with PV(i-1) issued ahead of QK(i) (opt-in, measured no faster).
+
+``"auto"`` picks seesaw for bf16/fp16 and lockstep for FP8; an explicit ``"seesaw"`` with FP8 inputs also
+runs lockstep.  Chosen by ``decode(..., schedule=...)`` or, when that is None, by the environment variable
 ``TOKENSPEED_SM90_DECODE_SCHEDULE`` (read when the call is traced; a jitted function keeps the schedule it
-was traced with).  Details: the kernel's ``mainloop_overlap`` docstring and ``docs/sm90_decode.md``.
+was traced with).
 """
 
 from __future__ import annotations
@@ -34,7 +40,7 @@ from tokenspeed_jax.problems import KERNEL_DTYPES, DecodeProblem
 
 TARGET = "mla_decode_sm90"
 SCHEDULE_ENV = "TOKENSPEED_SM90_DECODE_SCHEDULE"
-SCHEDULES = ("default", "overlap")  # = tokenspeed_jax.kernels.sm90.mla_decode.SCHEDULES (no cutlass import here)
+SCHEDULES = ("auto", "seesaw", "lockstep", "overlap")  # module docstring (no cutlass import here)
 _MIN_PAGE = 8
 
 
@@ -51,7 +57,7 @@ class DecodeKernelKey:
     num_splits: int
     tokens_per_split: int
     block_n: int
-    schedule: str = "default"
+    schedule: str = "seesaw"
 
 
 def supports(problem: DecodeProblem) -> str | None:
@@ -76,10 +82,10 @@ def supports(problem: DecodeProblem) -> str | None:
 
 
 def resolve_schedule(schedule: str | None = None) -> str:
-    """``schedule`` if given, else ``$TOKENSPEED_SM90_DECODE_SCHEDULE``, else ``"default"``; validated."""
+    """``schedule`` if given, else ``$TOKENSPEED_SM90_DECODE_SCHEDULE``, else ``"auto"``; validated."""
     source = "schedule"
     if schedule is None:
-        schedule, source = os.environ.get(SCHEDULE_ENV, "") or "default", SCHEDULE_ENV
+        schedule, source = os.environ.get(SCHEDULE_ENV, "") or "auto", SCHEDULE_ENV
     if schedule not in SCHEDULES:
         raise ValueError(f"{source}: expected one of {SCHEDULES}, got {schedule!r}")
     return schedule
@@ -90,10 +96,11 @@ def decode(problem: DecodeProblem, q, kv_cache, block_table, seq_lens, softmax_s
     """Run the kernel; returns ``(out [B,S,H,512], lse [B,S,H] | None)``.
 
     ``kv_step`` (32 or 64) overrides the planner's kernel KV step (benchmarks compare the two).
-    ``schedule`` ("default" | "overlap"; None: ``$TOKENSPEED_SM90_DECODE_SCHEDULE`` or "default") selects
-    the main-loop schedule (module docstring); "overlap" needs the 64-token KV step."""
+    ``schedule`` (one of :data:`SCHEDULES`; None: ``$TOKENSPEED_SM90_DECODE_SCHEDULE`` or "auto") selects
+    the main loop (module docstring); "seesaw" and "overlap" need the 64-token KV step."""
     from tokenspeed_jax import ffi
     from tokenspeed_jax.kernels.sm90.mla_decode import launch_mla_decode
+    from tokenspeed_jax.kernels.sm90.mla_decode_seesaw import launch_mla_decode_seesaw
 
     why = supports(problem)
     if why:
@@ -104,15 +111,21 @@ def decode(problem: DecodeProblem, q, kv_cache, block_table, seq_lens, softmax_s
     if block_n not in (32, 64):
         raise ValueError(f"kv_step: expected 32 or 64, got {kv_step!r}")
     schedule = resolve_schedule(schedule)
-    if schedule == "overlap" and block_n != 64:
-        raise ValueError(f"schedule: 'overlap' needs kv_step 64, got kv_step {block_n}")
-    key = DecodeKernelKey("mla_decode_sm90.v2", problem.dtype, H, S, problem.page_size, problem.causal,
+    if schedule == "auto":
+        schedule = "seesaw" if block_n == 64 else "lockstep"
+    seesaw = schedule == "seesaw"
+    if seesaw and problem.dtype == "float8_e4m3fn":
+        schedule, seesaw = "lockstep", False  # seesaw is 16-bit only (module docstring)
+    if (seesaw or schedule == "overlap") and block_n != 64:
+        raise ValueError(f"schedule: {schedule!r} needs kv_step 64, got kv_step {block_n}")
+    launch = launch_mla_decode_seesaw if seesaw else launch_mla_decode
+    key = DecodeKernelKey("mla_decode_sm90.v3", problem.dtype, H, S, problem.page_size, problem.causal,
                           plan.num_splits, plan.tokens_per_split, block_n, schedule)
     outputs = [jax.ShapeDtypeStruct((B, S, H, problem.kv_lora_rank), jnp.dtype(problem.out_dtype)),
                jax.ShapeDtypeStruct((B, S, H), jnp.float32)]
     outputs += [jax.ShapeDtypeStruct(w.shape, jnp.dtype(w.dtype)) for w in plan.workspace]
     call = ffi.custom_call(
-        TARGET, launch_mla_decode, outputs=outputs, compile_key=key,
+        TARGET, launch, outputs=outputs, compile_key=key,
         dtype=problem.dtype, num_heads=H, q_len=S, page_size=problem.page_size, causal=problem.causal,
         num_splits=plan.num_splits, tokens_per_split=plan.tokens_per_split, block_n=block_n, schedule=schedule,
     )

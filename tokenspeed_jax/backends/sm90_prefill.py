@@ -12,6 +12,19 @@ two device-method overrides, see that module). Decisions:
   cu_seqlens (``cu_q + [Tq]``, ``cu_k + [cu_k[-1]]``; a tiny fused XLA op): the kernel itself writes 0
   and LSE -inf there, so no memset or masking pass over the output is needed. cu_seqlens are clipped to
   ``[0, Tq]`` / ``[0, Tk]`` in the same op (clamp, not trap: garbage lengths stay in bounds).
+* **K/V rows past ``cu_seqlens_k[-1]`` (contract in :mod:`tokenspeed_jax.prefill`): up to
+  ``KV_TAIL_ROWS`` = 127 are read and must be finite.** FA4 loads whole ``tile_n``-row K/V tiles
+  (``tile_n`` <= 128 for every head-dim pair here) by TMA; inside the buffer the rows past a request's
+  end belong to the next request (finite, probability exactly 0), but past ``cu_seqlens_k[-1]`` they are
+  the caller's padding, and ``0 * NaN`` in the P@V tensor-core product turns NaN/Inf there into NaN
+  outputs. (K rows are harmless: masked scores are replaced by -inf before the softmax.) We keep this a
+  documented precondition, as the ``sm100`` backend does, instead of fixing it, because every fix
+  costs: zeroing the tail in XLA copies all of V when V is not donated (an extra pass, about 4% at
+  S=8192); bounding the TMA descriptor at ``cu_seqlens_k[-1]`` needs that device value on the host (a
+  sync, no CUDA graphs); zeroing the tail in shared memory means re-implementing FA4's consumer loop
+  (both math warpgroups read each V stage) for the one partial tile. Callers pass exactly-sized k/v or
+  zero the padding where they produce it (the DeepSeek model does: its gathered context rows past the
+  last request are zeroed inside the gather, its padded new tokens are projections of real embeddings).
 * **Rows with no visible key** (``Lk = 0``, or causal rows ``i < Lq - Lk``) are set to 0 / -inf in the
   kernel's epilogue (registers), because FA4 does not guarantee it for fully masked tiles.
 * **LSE** is written by FA4 straight into our ``[Tq, Hq]`` layout through a transposed view; it is
@@ -46,6 +59,8 @@ from tokenspeed_jax.problems import FP8_DTYPE, PrefillProblem
 
 TARGET = "mla_prefill_sm90"
 INSTALL_HINT = "pip install 'tokenspeed-jax[hopper]'"
+# Rows past cu_seqlens_k[-1] that FA4 may read (tile_n - 1, tile_n <= 128); they must be finite.
+KV_TAIL_ROWS = 127
 # (Dqk, Dv) pairs compiled in CI (tests/test_compile_sm90_prefill.py) and checked on the H200.
 HEAD_DIMS = ((192, 128), (128, 128), (64, 64), (256, 256))
 _DTYPES = ("bfloat16", "float16", FP8_DTYPE)

@@ -16,6 +16,10 @@ We depend on ``flash-attn-4`` (BSD) for the kernel and change two things through
   registers, every row whose query index ``i`` has no visible key (``Lk == 0`` or, causal,
   ``i < Lq - Lk``) with output 0 and LSE -inf before FA4's epilogue stores the tile.
 
+Not changed: V rows past a request's end inside its last K/V tile are loaded and multiplied by P = 0, so
+up to ``tile_n - 1`` (<= 127) rows past ``cu_seqlens_k[-1]`` must be finite (the caller's contract, see
+:mod:`tokenspeed_jax.backends.sm90_prefill` for why this is not patched here).
+
 Layouts: q ``[Tq, Hq, Dqk]``, k ``[Tk, Hk, Dqk]``, v ``[Tk, Hk, Dv]``, out ``[Tq, Hq, Dv]`` row-major as
 FA4 expects; our LSE ``[Tq, Hq]`` is handed to FA4 as the ``(Hq, Tq)`` view it writes into (strides
 ``(1, Hq)``), so no transpose pass is needed. FA4's LSE is already the natural log. Tile sizes come

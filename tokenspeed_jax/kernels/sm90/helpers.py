@@ -19,6 +19,11 @@ class Barrier(enum.IntEnum):
     P_READY = 3  # both warpgroups' halves of P are in smem
     ROW_SUM = 4  # per-warpgroup row sums published in smem (epilogue)
     CONVERTED = 5  # FP8: the staged tile is upcast into the bf16 compute tile
+    # schedule "seesaw" (producer arrives, consumer syncs; 256 threads)
+    SCALE0 = 6  # WG0 folded its tile into the shared row max (sM, scale0 published)
+    SCALE1 = 7  # WG1 folded its tile (scale1 published)
+    P0_READY = 8  # WG0's P in smem
+    P1_READY = 9  # WG1's P in smem (and its cross PV issued)
 
 
 @cute.jit

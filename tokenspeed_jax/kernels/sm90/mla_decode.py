@@ -29,13 +29,13 @@ Structure (phase 1 of ``shared/design/sm90_mla_decode.md``, correctness first):
   writes normalised fp32 partials ``o_accum[B, splits, R, 512]`` and natural-log ``lse_accum[B, splits, R]``
   (-inf for an empty split) and :meth:`combine_kernel` merges them in fixed split order (deterministic).
 * ``softmax_scale`` and ``output_scale`` are read at run time from float32 device arrays of shape (1,).
-* ``schedule`` (compile-time): ``"default"`` is the loop above (its code is unchanged by the option: same
+* ``schedule`` (compile-time): ``"lockstep"`` is the loop above (its code is unchanged by the option: same
   PTX).  ``"overlap"`` (opt-in, ``block_n`` 64) computes bitwise the same result with a shorter per-tile
   chain: for 16-bit inputs :meth:`MlaDecodeSm90.mainloop_overlap` issues PV(i-1) before waiting for tile i,
   so TILE_READY and the QK(i) issue run under PV(i-1) and QK(i) queues behind it on the tensor cores; each
   warpgroup refills its own V half (+ half the rope columns) of the free slot as soon as its PV(i-1) retired
   (``wait_group(1)``), from block-table entries loaded one tile ahead; O's rescale is skipped when no row
-  max of the warp moved.  FP8 keeps the default loop (its upcast overwrites the bf16 tile PV reads) with
+  max of the warp moved.  FP8 keeps the lockstep loop (its upcast overwrites the bf16 tile PV reads) with
   only the rescale skip.
 """
 
@@ -49,7 +49,7 @@ from cutlass.tensor_utils import LayoutEnum
 
 from tokenspeed_jax.kernels.sm90.helpers import LN_2, LOG2_E, Barrier, clamp, quad_max, quad_sum, row_ptr
 
-SCHEDULES = ("default", "overlap")
+SCHEDULES = ("lockstep", "overlap")  # this class; "seesaw" is mla_decode_seesaw.MlaDecodeSeesawSm90
 _DTYPES = {"bfloat16": cutlass.BFloat16, "float16": cutlass.Float16, "float8_e4m3fn": cutlass.Float8E4M3FN}
 
 
@@ -66,7 +66,7 @@ class MlaDecodeSm90:
 
     def __init__(self, *, dtype: str, num_heads: int, q_len: int, page_size: int, causal: bool,
                  num_splits: int, tokens_per_split: int, block_n: int = 64, head_dim: int = 576,
-                 kv_lora_rank: int = 512, schedule: str = "default"):
+                 kv_lora_rank: int = 512, schedule: str = "lockstep"):
         why = self.can_implement(dtype=dtype, num_heads=num_heads, q_len=q_len, page_size=page_size,
                                  tokens_per_split=tokens_per_split, head_dim=head_dim,
                                  kv_lora_rank=kv_lora_rank)
@@ -400,7 +400,7 @@ class MlaDecodeSm90:
         5. wait_group(0): S(i) ready; mask, row max exchange (ROW_MAX), O *= alpha (skipped when no row
            max moved), P(i) -> smem (sP is free: both warpgroups retired PV(i-1) before ROW_MAX(i)), P_READY.
         No wgmma group is pending across the loop back-edge (ptxas serializes every wgmma otherwise); the
-        last PV is issued after the loop.  Barriers per tile: TILE_READY, ROW_MAX, P_READY (as default).
+        last PV is issued after the loop.  Barriers per tile: TILE_READY, ROW_MAX, P_READY (as lockstep).
         """
         bn, P = self.block_n, self.stages
         qk_thr = qk_mma.get_slice(wtid)
@@ -421,7 +421,7 @@ class MlaDecodeSm90:
             cute.arch.cp_async_commit_group()
             self.page_ids(pgs, mBT, b, tile_start + 2 * bn, split_end, wtid)
             warpgroup.wait_group(0)  # QK(i) retired
-            # ---- softmax step: as the default schedule
+            # ---- softmax step: as the lockstep schedule
             tile_max = self.mask_scale_max(acc_s, tScS, lim, tile_start, scale_log2, wg)
             alpha, ref = self.update_row_max(tile_max, sMax, row_in, row_m, row_l, wg, wtid)
             self.rescale_o(acc_o, alpha)  # PV(i-1) retired, PV(i) not issued yet
@@ -646,7 +646,7 @@ def launch_mla_decode(stream, q: cute.Tensor, kv: cute.Tensor, block_table: cute
                       dtype: cutlass.Constexpr, num_heads: cutlass.Constexpr, q_len: cutlass.Constexpr,
                       page_size: cutlass.Constexpr, causal: cutlass.Constexpr, num_splits: cutlass.Constexpr,
                       tokens_per_split: cutlass.Constexpr, block_n: cutlass.Constexpr = 64,
-                      schedule: cutlass.Constexpr = "default"):
+                      schedule: cutlass.Constexpr = "lockstep"):
     """FFI launch function (``tokenspeed_jax.ffi`` ABI): inputs, outputs, then the split-KV workspace."""
     MlaDecodeSm90(dtype=dtype, num_heads=num_heads, q_len=q_len, page_size=page_size, causal=causal,
                   num_splits=num_splits, tokens_per_split=tokens_per_split, block_n=block_n,

@@ -1,0 +1,56 @@
+"""Run our sm90 decode kernel and FlashMLA once each on a few shapes, for ``ncu`` to profile.
+
+    ncu --kernel-name regex:'MlaDecode|flash|mla' --launch-skip 2 --launch-count 6 --set full \\
+        python -m benchmarks.profile_decode --cases 64,16384,64,32,4 64,16384,64,16,1
+
+Each contender runs three times per shape (the first run compiles), so ``--launch-skip`` /
+``--launch-count`` pick steady-state launches.  Prints nothing but timing-free progress: numbers come
+from ncu.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--cases", nargs="+", default=["64,16384,64,32,4"], help="B,K,page,H,S")
+    ap.add_argument("--schedule", default=None)
+    ap.add_argument("--no-flashmla", action="store_true")
+    args = ap.parse_args(argv)
+    os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
+    import jax
+    import jax.numpy as jnp
+
+    from benchmarks.decode import bench_case, decode_fn
+
+    for spec in args.cases:
+        B, K, page, H, S = (int(x) for x in spec.split(","))
+        c = bench_case(B, K, page, H, S)
+        kv = jax.random.normal(jax.random.PRNGKey(0), (c.num_pages, page, 576), jnp.bfloat16)
+        q = jax.random.normal(jax.random.PRNGKey(1), (B, S, H, 576), jnp.bfloat16)
+        bt = jnp.arange(B * c.max_pages, dtype=jnp.int32).reshape(B, c.max_pages)
+        sl = jnp.full((B,), K, jnp.int32)
+        scale = jnp.float32(576 ** -0.5)
+        f = decode_fn(c, "sm90", args.schedule)
+        for _ in range(3):
+            jax.block_until_ready(f(q, kv, bt, sl, scale))
+        print(f"{c.name}: ours done", flush=True)
+        if args.no_flashmla:
+            continue
+        import flash_mla as fm
+        import torch
+
+        tq, tk = torch.from_dlpack(q), torch.from_dlpack(kv).view(c.num_pages, page, 1, 576)
+        tbt, tsl = torch.from_dlpack(bt), torch.from_dlpack(sl)
+        for _ in range(3):
+            sched, _ = fm.get_mla_metadata()
+            fm.flash_mla_with_kvcache(tq, tk, tbt, tsl, 512, sched, None, softmax_scale=576 ** -0.5, causal=True)
+        torch.cuda.synchronize()
+        print(f"{c.name}: FlashMLA done", flush=True)
+
+
+if __name__ == "__main__":
+    main()

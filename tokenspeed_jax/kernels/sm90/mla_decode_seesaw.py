@@ -1,0 +1,474 @@
+"""Absorbed-MLA paged decode for Hopper, schedule ``"seesaw"``: the two math warpgroups work out of phase.
+
+Same contract, grid, split-KV partials, epilogue and combine kernel as :class:`MlaDecodeSm90` (this class
+subclasses it and replaces only the main loop); 16-bit inputs only (FP8 runs the ``"lockstep"`` loop of the base class).
+
+The ``"lockstep"`` schedule splits every 64-token KV tile between the two warpgroups (each computes QK^T for 32
+tokens) and keeps them in lock step (three CTA-wide barriers per tile): the tensor cores idle during
+every softmax, and each 64x32 QK wgmma re-reads Q from shared memory for half the tokens (profiled on the
+H200: tensor pipe ~49% busy, 42% of warp time at barriers).  This schedule follows the structure of
+FlashMLA's Hopper kernel (its "seesaw"; design read from its source, code our own):
+
+* Two KV slots of 64 tokens.  Per iteration (a pair of tiles) warpgroup 0 owns tile ``2j`` in slot 0 and
+  warpgroup 1 tile ``2j+1`` in slot 1 for ``S = Q K^T`` (64x64x576 wgmma, so Q is read from smem once per
+  64 tokens).  O stays split by columns: WG0 holds ``O[:, :256]``, WG1 ``O[:, 256:]``, so every tile's
+  ``P V`` is done by both warpgroups: each uses its own P from registers (RS wgmma) on its own tile and the
+  other's P from shared memory (SS wgmma) on the other tile.
+* One running row max shared through smem, updated in sequence: WG0 folds in tile 2j (``scale0``), then WG1
+  folds in tile 2j+1 (``scale1``), and WG0 later rescales its P and O by ``scale1``.  So WG0's softmax runs
+  under WG1's QK and WG1's softmax under WG0's PV: one warpgroup's CUDA-core work overlaps the other's
+  tensor-core work.  Four named barriers (producer ``arrive``, consumer ``sync``) order the handoffs.
+* P of a tile goes to smem in the 8 KB rope columns (512..575) of its own slot: only QK reads them and QK of
+  that slot has retired.  No extra smem (Q 72 KB + 2 slots x 72 KB).
+* KV refills are cp.async gathers through the block table (every page size, per-token clamping as in the
+  lockstep schedule), issued per column group as soon as its last reader retired, each group completing an
+  mbarrier (``cp.async.mbarrier.arrive.noinc``, 128 arrivals):
+    slot 0: A0 = cols 0..255 (WG0, after its own PV), B0 = cols 256..575 (WG1, after its cross PV, which
+    also read P0 in the rope columns); slot 1: A1 = cols 0..255 + 512..575 (WG0, after its cross PV, which
+    read P1), B1 = cols 256..511 (WG1, after its own PV).
+  The next QK of a slot starts on the group its own warpgroup refilled first.  The block-table entries of
+  a refill are loaded at the top of the iteration (:meth:`page_ids`), so the cp.async issue never waits on
+  them.  (An L2 prefetch of the rows two pairs ahead was measured 5-25% slower on the H200 and removed.)
+* A missing second tile (odd tile count) is computed as a fully masked tile on clamped, finite rows.
+"""
+
+from __future__ import annotations
+
+import cutlass
+import cutlass.utils.hopper_helpers as sm90_utils
+from cutlass import Float32, Int32, Int64, cute
+from cutlass.cute.nvgpu import cpasync, warpgroup
+from cutlass.tensor_utils import LayoutEnum
+
+from tokenspeed_jax.kernels.sm90.helpers import LOG2_E, Barrier, clamp, quad_max, row_ptr
+from tokenspeed_jax.kernels.sm90.mla_decode import MlaDecodeSm90
+
+_K16 = 16  # wgmma K of 16-bit operands
+_CHUNK = 64  # columns per 128-byte swizzle atom row (16-bit)
+
+
+def acc_to_a_layout(acc_layout: cute.Layout) -> cute.Layout:
+    """Layout of a 16-bit wgmma accumulator fragment ``((2, 2, N/8), M, N)`` viewed as the register A
+    operand of a following wgmma: ``((2, 2, 2), M, (N/16, N))`` (pairs of 8-column groups form one K=16
+    step; the value order within a thread is the same)."""
+    d = cute.logical_divide(acc_layout, ((None, None, 2), None, None))
+    return cute.make_layout(
+        ((d.shape[0][0], d.shape[0][1], d.shape[0][2][0]), d.shape[1], (d.shape[0][2][1], d.shape[2])),
+        stride=((d.stride[0][0], d.stride[0][1], d.stride[0][2][0]), d.stride[1],
+                (d.stride[0][2][1], d.stride[2])),
+    )
+
+
+class MlaDecodeSeesawSm90(MlaDecodeSm90):
+    """Schedule "seesaw" of the sm90 decode kernel (module docstring).  Same arguments as the base class;
+    16-bit dtypes, ``block_n`` 64."""
+
+    def __init__(self, **kw):
+        kw["schedule"] = "lockstep"
+        super().__init__(**kw)
+        if self.fp8 or self.block_n != 64:
+            raise ValueError(f"schedule 'seesaw' needs a 16-bit dtype and block_n 64, got {self.dtype_name}, "
+                             f"{self.block_n}")
+        self.schedule = "seesaw"
+
+    # ------------------------------------------------------------------------------------------ host
+    def _seesaw_layouts(self):
+        dt = self.mma_dtype
+        tile_qk = (self.block_m, self.block_n, self.D)
+        q_layout = sm90_utils.make_smem_layout_a(LayoutEnum.ROW_MAJOR, tile_qk, dt, 1)
+        k_layout = sm90_utils.make_smem_layout_b(LayoutEnum.ROW_MAJOR, tile_qk, dt, 2)
+        v_layout = sm90_utils.make_smem_layout_b(LayoutEnum.COL_MAJOR, (self.block_m, self.DV, self.block_n), dt, 1)
+        p_layout = sm90_utils.make_smem_layout_a(LayoutEnum.ROW_MAJOR, (self.block_m, self.DV // 2, self.block_n),
+                                                 dt, 1)
+        return q_layout, k_layout, v_layout, p_layout
+
+    @cute.jit
+    def __call__(self, stream, q: cute.Tensor, kv: cute.Tensor, block_table: cute.Tensor, seq_lens: cute.Tensor,
+                 softmax_scale: cute.Tensor, output_scale: cute.Tensor, out: cute.Tensor, lse: cute.Tensor,
+                 o_accum: cute.Tensor = None, lse_accum: cute.Tensor = None):
+        dt = self.mma_dtype
+        q_layout, k_layout, v_layout, p_layout = self._seesaw_layouts()
+        K, MN = warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.MN
+        qk_mma = sm90_utils.make_trivial_tiled_mma(dt, dt, K, K, Float32, (1, 1, 1), (self.block_m, self.block_n))
+        pv_ss = sm90_utils.make_trivial_tiled_mma(dt, dt, K, MN, Float32, (1, 1, 1), (self.block_m, self.DV // 2))
+        pv_rs = sm90_utils.make_trivial_tiled_mma(dt, dt, K, MN, Float32, (1, 1, 1), (self.block_m, self.DV // 2),
+                                                  a_source=warpgroup.OperandSource.RMEM)
+
+        @cute.struct
+        class Storage:
+            mbar: cute.struct.MemRange[Int64, 4]  # A0, B0, A1, B1 (module docstring)
+            row_max: cute.struct.MemRange[Float32, 64]
+            scale0: cute.struct.MemRange[Float32, 64]
+            scale1: cute.struct.MemRange[Float32, 64]
+            row_sum: cute.struct.MemRange[Float32, 2 * 64]
+            sQ: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(q_layout)], 1024]
+            sK: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(k_layout)], 1024]
+
+        self.seesaw_kernel(qk_mma, pv_ss, pv_rs, q, kv, block_table, seq_lens, softmax_scale, output_scale, out,
+                           lse, o_accum, lse_accum, q_layout, k_layout, v_layout, p_layout, Storage).launch(
+            grid=(self.num_m_blocks, self.num_splits, q.shape[0]), block=(self.num_threads, 1, 1),
+            smem=Storage.size_in_bytes(), stream=stream, min_blocks_per_mp=1)
+        if cutlass.const_expr(self.num_splits > 1):
+            self.combine_kernel(o_accum, lse_accum, output_scale, out, lse).launch(
+                grid=(self.R, q.shape[0], 1), block=(128, 1, 1), stream=stream)
+
+    # ---------------------------------------------------------------------------------------- device
+    @cute.jit
+    def page_ids(self, mBT: cute.Tensor, b: Int32, tile_start: Int32, split_end: Int32, wtid: Int32):
+        """Raw block-table entries of the rows this thread copies in :meth:`load_cols` (tokens
+        ``tile_start + wtid//8 + 16m``, m < 4, clamped into the split), loaded ahead of the refill so the
+        cp.async issue never waits on them.  Caller guarantees a non-empty split."""
+        pgs = cute.make_rmem_tensor((4,), Int32)
+        for m in cutlass.range_constexpr(4):
+            tok = cutlass.min(tile_start + wtid // 8 + 16 * m, split_end - 1)
+            pgs[m] = mBT[b, tok // self.page_size]
+        return pgs
+
+    @cute.jit
+    def load_cols(self, sKs: cute.Tensor, mKV: cute.Tensor, pgs: cute.Tensor, tile_start: Int32,
+                  split_end: Int32, num_pages: Int32, wtid: Int32, chunks: cutlass.Constexpr):
+        """cp.async (no commit) of the 64-column chunks ``chunks`` (a tuple of chunk indices) of all 64 token
+        rows of one tile into slot ``sKs``, by the 128 threads of one warpgroup: thread ``wtid`` copies rows
+        ``wtid//8 + 16m`` (m < 4), 16-byte pieces ``wtid%8`` of every chunk.  Tokens at or past
+        ``split_end`` are redirected to the last one (finite, masked); page ids (``pgs`` from
+        :meth:`page_ids`) are clamped to ``[0, num_pages)``."""
+        rows = cute.make_rmem_tensor((4,), Int64)
+        for m in cutlass.range_constexpr(4):
+            tok = cutlass.min(tile_start + wtid // 8 + 16 * m, split_end - 1)
+            rows[m] = Int64(clamp(pgs[m], 0, num_pages - 1)) * self.page_size + tok % self.page_size
+        atom = cute.make_copy_atom(cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL), self.mma_dtype,
+                                   num_bits_per_copy=128)
+        tiled = cute.make_tiled_copy_tv(atom, cute.make_ordered_layout((16, 8), order=(1, 0)),
+                                        cute.make_layout((1, 8)))
+        thr = tiled.get_slice(wtid)
+        for c in cutlass.range_constexpr(len(chunks)):
+            sX = cute.local_tile(sKs, (self.block_n, _CHUNK), (0, chunks[c]))
+            tX = thr.partition_D(sX)  # (CPY, 4, 1)
+            for m in cutlass.range_constexpr(4):
+                dst = tX[None, m, 0]
+                src = cute.make_tensor(row_ptr(mKV, rows[m], chunks[c] * _CHUNK + (wtid % 8) * 8, self.D, 16),
+                                       dst.layout)
+                cute.copy(atom, src, dst)
+
+    @cute.jit
+    def fill(self, sKs, mbar_ptr, mKV, pgs, tile_start, split_end, num_pages, wtid, chunks: cutlass.Constexpr):
+        """Refill a column group of one slot and arrive on its mbarrier when this thread's copies land."""
+        self.load_cols(sKs, mKV, pgs, tile_start, split_end, num_pages, wtid, chunks)
+        cute.arch.cp_async_mbarrier_arrive_noinc(mbar_ptr)
+
+    @cute.jit
+    def qk_chunks(self, qk_mma: cute.TiledMma, acc_s: cute.Tensor, tSrQ: cute.Tensor, tSrK: cute.Tensor,
+                  chunks: cutlass.Constexpr, first: cutlass.Constexpr):
+        """Issue ``S (+)= Q[:, chunks] K[:, chunks]^T`` (no commit); ``first``: S starts from zero.  (The MMA
+        always accumulates: its ACCUMULATE field is set once at kernel scope, because a field set inside one
+        warpgroup's branch would not dominate the other branch's uses.)"""
+        if cutlass.const_expr(first):
+            acc_s.fill(0.0)
+        warpgroup.fence()
+        for c in cutlass.range_constexpr(len(chunks)):
+            for kk in cutlass.range_constexpr(_CHUNK // _K16):
+                k = chunks[c] * (_CHUNK // _K16) + kk
+                cute.gemm(qk_mma, acc_s, tSrQ[None, None, k], tSrK[None, None, k], acc_s)
+
+    @cute.jit
+    def pv(self, mma: cute.TiledMma, acc_o: cute.Tensor, tA: cute.Tensor, tB: cute.Tensor):
+        """Issue ``O += P V_half`` (no commit)."""
+        warpgroup.fence()
+        for k in cutlass.range_constexpr(self.block_n // _K16):
+            cute.gemm(mma, acc_o, tA[None, None, k], tB[None, None, k], acc_o)
+
+    @cute.jit
+    def scaled_tile_max(self, acc_s: cute.Tensor, tScS: cute.Tensor, lim: cute.Tensor, tile_start: Int32,
+                        scale_log2: Float32):
+        """S -> exp2 domain in place, -inf for keys at or past the row's ``lim``; the quad-reduced row maxima."""
+        mx = cute.make_rmem_tensor((2,), Float32)
+        mx[0] = -Float32.inf
+        mx[1] = -Float32.inf
+        for e in cutlass.range_constexpr(cute.size(acc_s)):
+            h = (e // 2) % 2
+            v = acc_s[e] * scale_log2
+            if tile_start + tScS[e][1] >= lim[h]:
+                v = -Float32.inf
+            acc_s[e] = v
+            mx[h] = cute.arch.fmax(mx[h], v)
+        for h in cutlass.range_constexpr(2):
+            mx[h] = quad_max(mx[h])
+        return mx
+
+    @cute.jit
+    def exp_rows(self, acc_s: cute.Tensor, ref: cute.Tensor, row_l: cute.Tensor):
+        """``P = exp2(S - ref)`` in place, added to the thread's partial row sums."""
+        for e in cutlass.range_constexpr(cute.size(acc_s)):
+            h = (e // 2) % 2
+            p = cute.arch.exp2(acc_s[e] - ref[h])
+            acc_s[e] = p
+            row_l[h] = row_l[h] + p
+
+    @cute.jit
+    def scale_o(self, acc_o: cute.Tensor, s: cute.Tensor):
+        for e in cutlass.range_constexpr(cute.size(acc_o)):
+            acc_o[e] = acc_o[e] * s[(e // 2) % 2]
+
+    @cute.kernel
+    def seesaw_kernel(self, qk_mma: cute.TiledMma, pv_ss: cute.TiledMma, pv_rs: cute.TiledMma, mQ: cute.Tensor,
+                      mKV: cute.Tensor, mBT: cute.Tensor, mSeq: cute.Tensor, mSS: cute.Tensor, mOS: cute.Tensor,
+                      mOut: cute.Tensor, mLse: cute.Tensor, mOacc: cute.Tensor, mLacc: cute.Tensor,
+                      q_layout: cute.ComposedLayout, k_layout: cute.ComposedLayout, v_layout: cute.ComposedLayout,
+                      p_layout: cute.ComposedLayout, Storage: cutlass.Constexpr):
+        tid, _, _ = cute.arch.thread_idx()
+        mblk, split, b = cute.arch.block_idx()
+        wg = cute.arch.make_warp_uniform(tid // 128)
+        wtid = tid % 128
+        bn = self.block_n
+        smem = cutlass.utils.SmemAllocator()
+        st = smem.allocate(Storage)
+        sQ = st.sQ.get_tensor(q_layout.outer, swizzle=q_layout.inner)
+        sK = st.sK.get_tensor(k_layout.outer, swizzle=k_layout.inner)
+        sM = st.row_max.get_tensor(cute.make_layout(64))
+        sSc0 = st.scale0.get_tensor(cute.make_layout(64))
+        sSc1 = st.scale1.get_tensor(cute.make_layout(64))
+        sSum = st.row_sum.get_tensor(cute.make_layout(128))
+        mbar = st.mbar.data_ptr()  # + 0: A0, 1: B0, 2: A1, 3: B1
+
+        scale_log2 = mSS[0] * LOG2_E
+        out_scale = mOS[0]
+        max_pages = mBT.shape[1]
+        num_pages = mKV.shape[0]
+        seq = clamp(mSeq[b], 0, max_pages * self.page_size)
+        split_start = split * self.tokens_per_split
+        split_end = cutlass.min(split_start + self.tokens_per_split, seq)
+        n_pairs = Int32(0)
+        if split_end > split_start:
+            n_pairs = (split_end - split_start + 2 * bn - 1) // (2 * bn)
+
+        if tid == 0:
+            for i in cutlass.range_constexpr(4):
+                cute.arch.mbarrier_init(mbar + i, 128)
+        if tid < 64:
+            sM[tid] = -Float32.inf
+        cute.arch.mbarrier_init_fence()
+        # ---- Q tile (rows past R: clamped copy of row R-1, never stored), one cp.async group
+        qrows = cute.make_rmem_tensor((2,), Int64)
+        for m in cutlass.range_constexpr(2):
+            r = cutlass.min(mblk * self.block_m + tid // 8 + 32 * m, self.R - 1)
+            qrows[m] = Int64(b) * self.R + r
+        self.load_rows(sQ[None, None, 0], mQ, qrows, tid)
+        cute.arch.cp_async_commit_group()
+        cute.arch.barrier()  # mbarriers initialised before any arrive
+        # ---- prologue: pair 0 into both slots (completion 0 of every mbarrier)
+        sK0 = sK[None, None, 0]
+        sK1 = sK[None, None, 1]
+        if n_pairs > 0:
+            pg0 = self.page_ids(mBT, b, split_start, split_end, wtid)
+            pg1 = self.page_ids(mBT, b, split_start + bn, split_end, wtid)
+            if wg == 0:
+                self.fill(sK0, mbar + 0, mKV, pg0, split_start, split_end, num_pages, wtid, (0, 1, 2, 3))
+                self.fill(sK1, mbar + 2, mKV, pg1, split_start + bn, split_end, num_pages, wtid, (0, 1, 2, 3, 8))
+            else:
+                self.fill(sK0, mbar + 1, mKV, pg0, split_start, split_end, num_pages, wtid, (4, 5, 6, 7, 8))
+                self.fill(sK1, mbar + 3, mKV, pg1, split_start + bn, split_end, num_pages, wtid, (4, 5, 6, 7))
+        cute.arch.cp_async_wait_group(0)  # Q (the KV copies are tracked by the mbarriers)
+        cute.arch.fence_view_async_shared()
+        cute.arch.barrier()
+
+        # ---- MMA partitions (identical for both warpgroups; slot / column half picked by wg)
+        qk_thr = qk_mma.get_slice(wtid)
+        ss_thr = pv_ss.get_slice(wtid)
+        rs_thr = pv_rs.get_slice(wtid)
+        tSrQ = qk_thr.make_fragment_A(qk_thr.partition_A(sQ[None, None, 0]))
+        tSrK0 = qk_thr.make_fragment_B(qk_thr.partition_B(sK0))
+        tSrK1 = qk_thr.make_fragment_B(qk_thr.partition_B(sK1))
+        acc_s = qk_thr.make_fragment_C(qk_thr.partition_shape_C((self.block_m, bn)))
+        acc_o = ss_thr.make_fragment_C(ss_thr.partition_shape_C((self.block_m, self.DV // 2)))
+        acc_o.fill(0.0)
+        tScS = qk_thr.partition_C(cute.make_identity_tensor((self.block_m, bn)))
+        # P of slot g lives in its rope columns (chunk 8: 64 rows x 64 cols, same swizzled atom layout as P)
+        sP0 = cute.make_tensor(cute.recast_ptr(sK0.iterator + self.DV * bn, p_layout.inner), p_layout.outer)
+        sP1 = cute.make_tensor(cute.recast_ptr(sK1.iterator + self.DV * bn, p_layout.inner), p_layout.outer)
+        tSsP0 = qk_thr.partition_C(sP0[None, None, 0])
+        tSsP1 = qk_thr.partition_C(sP1[None, None, 0])
+        tOsP0 = ss_thr.make_fragment_A(ss_thr.partition_A(sP0[None, None, 0]))
+        tOsP1 = ss_thr.make_fragment_A(ss_thr.partition_A(sP1[None, None, 0]))
+        sV0 = cute.make_tensor(cute.recast_ptr(sK0.iterator, v_layout.inner), v_layout.outer)
+        sV1 = cute.make_tensor(cute.recast_ptr(sK1.iterator, v_layout.inner), v_layout.outer)
+        tOrV0 = ss_thr.make_fragment_B(ss_thr.partition_B(
+            cute.local_tile(sV0[None, None, 0], (self.DV // 2, bn), (wg, 0))))
+        tOrV1 = ss_thr.make_fragment_B(ss_thr.partition_B(
+            cute.local_tile(sV1[None, None, 0], (self.DV // 2, bn), (wg, 0))))
+        rP = cute.make_rmem_tensor_like(acc_s, self.mma_dtype)  # own P, the RS operand
+        tOrP = cute.make_tensor(rP.iterator, acc_to_a_layout(rP.layout))
+        qk_mma.set(warpgroup.Field.ACCUMULATE, True)
+        pv_ss.set(warpgroup.Field.ACCUMULATE, True)
+        pv_rs.set(warpgroup.Field.ACCUMULATE, True)
+
+        row_in = cute.make_rmem_tensor((2,), Int32)
+        row_in[0] = tScS[0][0]
+        row_in[1] = tScS[2][0]
+        lim = cute.make_rmem_tensor((2,), Int32)
+        for h in cutlass.range_constexpr(2):
+            s_tok = (mblk * self.block_m + row_in[h]) // self.H
+            lim_h = seq
+            if cutlass.const_expr(self.causal):
+                lim_h = seq - self.S + 1 + s_tok
+            lim[h] = cutlass.min(lim_h, split_end)
+        row_l = cute.make_rmem_tensor((2,), Float32)
+        row_l[0] = 0.0
+        row_l[1] = 0.0
+        ref = cute.make_rmem_tensor((2,), Float32)
+        sc = cute.make_rmem_tensor((2,), Float32)
+
+        # ---- first QK of each warpgroup (pair 0)
+        if n_pairs > 0:
+            if wg == 0:
+                cute.arch.mbarrier_wait(mbar + 0, 0)
+                cute.arch.mbarrier_wait(mbar + 1, 0)
+                cute.arch.fence_view_async_shared()
+                self.qk_chunks(qk_mma, acc_s, tSrQ, tSrK0, (0, 1, 2, 3, 4, 5, 6, 7, 8), True)
+            else:
+                cute.arch.mbarrier_wait(mbar + 2, 0)
+                cute.arch.mbarrier_wait(mbar + 3, 0)
+                cute.arch.fence_view_async_shared()
+                self.qk_chunks(qk_mma, acc_s, tSrQ, tSrK1, (0, 1, 2, 3, 4, 5, 6, 7, 8), True)
+            warpgroup.commit_group()
+            warpgroup.wait_group(0)
+
+        if wg == 0:
+            for j in cutlass.range(n_pairs, unroll=1):
+                t0 = split_start + 2 * j * bn  # first token of this pair's tile in slot 0
+                more = j + 1 < n_pairs
+                ph = (j + 1) % 2  # parity of the refill completion the next QK waits for
+                pgA0 = self.page_ids(mBT, b, t0 + 2 * bn, split_end, wtid)  # in flight during the softmax
+                pgA1 = self.page_ids(mBT, b, t0 + 3 * bn, split_end, wtid)
+                # 1. fold tile 2j into the shared max; P0; O_L *= scale0; publish
+                mx = self.scaled_tile_max(acc_s, tScS, lim, t0, scale_log2)
+                for h in cutlass.range_constexpr(2):
+                    m_old = sM[row_in[h]]
+                    m_new = cute.arch.fmax(m_old, mx[h])
+                    ref[h] = m_new
+                    if m_new == -Float32.inf:
+                        ref[h] = 0.0
+                    sc[h] = cute.arch.exp2(m_old - ref[h])
+                    row_l[h] = row_l[h] * sc[h]
+                    if wtid % 4 == 0:
+                        sM[row_in[h]] = m_new
+                        sSc0[row_in[h]] = sc[h]
+                self.exp_rows(acc_s, ref, row_l)
+                self.scale_o(acc_o, sc)
+                cute.arch.barrier_arrive(barrier_id=int(Barrier.SCALE0), number_of_threads=self.num_threads)
+                # 2. O_L += P0 V0_L (RS), then refill slot 0 cols 0..255 (only this warpgroup read them)
+                rP.store(acc_s.load().to(self.mma_dtype))
+                self.pv(pv_rs, acc_o, tOrP, tOrV0)
+                warpgroup.commit_group()
+                warpgroup.wait_group(0)
+                if more:
+                    self.fill(sK0, mbar + 0, mKV, pgA0, t0 + 2 * bn, split_end, num_pages, wtid, (0, 1, 2, 3))
+                # 3. WG1 folded tile 2j+1: rescale P0 (-> smem for WG1), l, O_L by scale1
+                cute.arch.barrier(barrier_id=int(Barrier.SCALE1), number_of_threads=self.num_threads)
+                for h in cutlass.range_constexpr(2):
+                    sc[h] = sSc1[row_in[h]]
+                    row_l[h] = row_l[h] * sc[h]
+                for e in cutlass.range_constexpr(cute.size(acc_s)):
+                    acc_s[e] = acc_s[e] * sc[(e // 2) % 2]
+                rP.store(acc_s.load().to(self.mma_dtype))
+                cute.autovec_copy(rP, tSsP0)
+                cute.arch.fence_view_async_shared()
+                cute.arch.barrier_arrive(barrier_id=int(Barrier.P0_READY), number_of_threads=self.num_threads)
+                self.scale_o(acc_o, sc)
+                # 4. O_L += P1 V1_L (SS; P1 from WG1's smem)
+                cute.arch.barrier(barrier_id=int(Barrier.P1_READY), number_of_threads=self.num_threads)
+                self.pv(pv_ss, acc_o, tOsP1, tOrV1)
+                warpgroup.commit_group()
+                # 5. next QK on slot 0: own refill first, then (after the cross PV retired, refilling slot 1's
+                #    cols 0..255 + 512..575) WG1's refill of cols 256..575
+                if more:
+                    cute.arch.mbarrier_wait(mbar + 0, ph)
+                    cute.arch.fence_view_async_shared()
+                    self.qk_chunks(qk_mma, acc_s, tSrQ, tSrK0, (0, 1, 2, 3), True)
+                    warpgroup.commit_group()
+                    warpgroup.wait_group(1)
+                    self.fill(sK1, mbar + 2, mKV, pgA1, t0 + 3 * bn, split_end, num_pages, wtid, (0, 1, 2, 3, 8))
+                    cute.arch.mbarrier_wait(mbar + 1, ph)
+                    cute.arch.fence_view_async_shared()
+                    self.qk_chunks(qk_mma, acc_s, tSrQ, tSrK0, (4, 5, 6, 7, 8), False)
+                    warpgroup.commit_group()
+                warpgroup.wait_group(0)
+        else:
+            for j in cutlass.range(n_pairs, unroll=1):
+                t1 = split_start + (2 * j + 1) * bn  # first token of this pair's tile in slot 1
+                more = j + 1 < n_pairs
+                ph = (j + 1) % 2
+                pgB1 = self.page_ids(mBT, b, t1 + 2 * bn, split_end, wtid)  # in flight during the waits
+                pgB0 = self.page_ids(mBT, b, t1 + bn, split_end, wtid)
+                # 1. after WG0: fold tile 2j+1 into the shared max; P1; O_R *= scale0*scale1; publish
+                cute.arch.barrier(barrier_id=int(Barrier.SCALE0), number_of_threads=self.num_threads)
+                mx = self.scaled_tile_max(acc_s, tScS, lim, t1, scale_log2)
+                for h in cutlass.range_constexpr(2):
+                    m_p = sM[row_in[h]]
+                    m_new = cute.arch.fmax(m_p, mx[h])
+                    ref[h] = m_new
+                    if m_new == -Float32.inf:
+                        ref[h] = 0.0
+                    s1 = cute.arch.exp2(m_p - ref[h])
+                    sc[h] = sSc0[row_in[h]] * s1
+                    row_l[h] = row_l[h] * sc[h]
+                    if wtid % 4 == 0:
+                        sM[row_in[h]] = m_new
+                        sSc1[row_in[h]] = s1
+                cute.arch.barrier_arrive(barrier_id=int(Barrier.SCALE1), number_of_threads=self.num_threads)
+                self.exp_rows(acc_s, ref, row_l)
+                self.scale_o(acc_o, sc)
+                # 2. P1 -> smem (for WG0), O_R += P1 V1_R (RS)
+                rP.store(acc_s.load().to(self.mma_dtype))
+                cute.autovec_copy(rP, tSsP1)
+                self.pv(pv_rs, acc_o, tOrP, tOrV1)
+                warpgroup.commit_group()
+                cute.arch.fence_view_async_shared()
+                # 3. O_R += P0 V0_R (SS; P0 from WG0's smem), then release P1 to WG0
+                cute.arch.barrier(barrier_id=int(Barrier.P0_READY), number_of_threads=self.num_threads)
+                self.pv(pv_ss, acc_o, tOsP0, tOrV0)
+                warpgroup.commit_group()
+                cute.arch.barrier_arrive(barrier_id=int(Barrier.P1_READY), number_of_threads=self.num_threads)
+                # 4. refills as the PVs retire: slot 1 cols 256..511 (own PV), slot 0 cols 256..575 (cross PV,
+                #    which also read P0 in slot 0's rope columns)
+                warpgroup.wait_group(1)
+                if more:
+                    self.fill(sK1, mbar + 3, mKV, pgB1, t1 + 2 * bn, split_end, num_pages, wtid, (4, 5, 6, 7))
+                warpgroup.wait_group(0)
+                if more:
+                    self.fill(sK0, mbar + 1, mKV, pgB0, t1 + bn, split_end, num_pages, wtid, (4, 5, 6, 7, 8))
+                    # 5. next QK on slot 1: own columns first, then WG0's refill (cols 0..255 + rope)
+                    cute.arch.mbarrier_wait(mbar + 3, ph)
+                    cute.arch.fence_view_async_shared()
+                    self.qk_chunks(qk_mma, acc_s, tSrQ, tSrK1, (4, 5, 6, 7), True)
+                    cute.arch.mbarrier_wait(mbar + 2, ph)
+                    cute.arch.fence_view_async_shared()
+                    self.qk_chunks(qk_mma, acc_s, tSrQ, tSrK1, (0, 1, 2, 3, 8), False)
+                    warpgroup.commit_group()
+                warpgroup.wait_group(0)
+
+        # ---- epilogue (base class): both warpgroups' O and l are relative to the final shared max
+        cute.arch.barrier()
+        row_m = cute.make_rmem_tensor((2,), Float32)
+        for h in cutlass.range_constexpr(2):
+            row_m[h] = sM[row_in[h]]
+        self.epilogue(ss_thr, acc_o, row_m, row_l, row_in, sSum, mOut, mLse, mOacc, mLacc, out_scale, mblk,
+                      split, b, wg, wtid)
+
+
+
+
+
+@cute.jit
+def launch_mla_decode_seesaw(stream, q: cute.Tensor, kv: cute.Tensor, block_table: cute.Tensor,
+                             seq_lens: cute.Tensor, softmax_scale: cute.Tensor, output_scale: cute.Tensor,
+                             out: cute.Tensor, lse: cute.Tensor, o_accum: cute.Tensor = None,
+                             lse_accum: cute.Tensor = None, *, dtype: cutlass.Constexpr,
+                             num_heads: cutlass.Constexpr, q_len: cutlass.Constexpr, page_size: cutlass.Constexpr,
+                             causal: cutlass.Constexpr, num_splits: cutlass.Constexpr,
+                             tokens_per_split: cutlass.Constexpr, block_n: cutlass.Constexpr = 64,
+                             schedule: cutlass.Constexpr = "seesaw"):
+    """FFI launch function of schedule "seesaw" (same ABI as ``launch_mla_decode``)."""
+    MlaDecodeSeesawSm90(dtype=dtype, num_heads=num_heads, q_len=q_len, page_size=page_size, causal=causal,
+                        num_splits=num_splits, tokens_per_split=tokens_per_split, block_n=block_n)(
+        stream, q, kv, block_table, seq_lens, softmax_scale, output_scale, out, lse, o_accum, lse_accum)
+__all__ = ["MlaDecodeSeesawSm90", "acc_to_a_layout", "launch_mla_decode_seesaw"]
