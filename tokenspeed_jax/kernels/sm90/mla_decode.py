@@ -184,6 +184,42 @@ class MlaDecodeSm90:
                 cute.copy(atom, src, dst)
 
     @cute.jit
+    def split_range(self, mBT: cute.Tensor, mSeq: cute.Tensor, b: Int32, split: Int32):
+        """``(seq, split_start, split_end)`` of request ``b``'s KV split: seq_len clamped to
+        ``[0, max_pages * page_size]``; the split covers ``[split_start, split_end)`` (empty if
+        ``split_end <= split_start``)."""
+        seq = clamp(mSeq[b], 0, mBT.shape[1] * self.page_size)
+        split_start = split * self.tokens_per_split
+        split_end = cutlass.min(split_start + self.tokens_per_split, seq)
+        return seq, split_start, split_end
+
+    @cute.jit
+    def q_rows(self, mblk: Int32, b: Int32, tid: Int32):
+        """Global q rows ``[B*R]`` of the two tile rows ``tid//8 + 32m`` this thread loads; rows past R are
+        a clamped copy of row R-1 (finite, never stored)."""
+        qrows = cute.make_rmem_tensor((2,), Int64)
+        for m in cutlass.range_constexpr(2):
+            r = cutlass.min(mblk * self.block_m + tid // 8 + 32 * m, self.R - 1)
+            qrows[m] = Int64(b) * self.R + r
+        return qrows
+
+    @cute.jit
+    def row_limits(self, tScS: cute.Tensor, mblk: Int32, seq: Int32, split_end: Int32):
+        """``(row_in, lim)``: the tile rows of this thread's two accumulator rows and the first masked key
+        of each (bottom-right causal: ``seq - S + 1 + s``; else ``seq``; at most ``split_end``)."""
+        row_in = cute.make_rmem_tensor((2,), Int32)
+        row_in[0] = tScS[0][0]
+        row_in[1] = tScS[2][0]
+        lim = cute.make_rmem_tensor((2,), Int32)
+        for h in cutlass.range_constexpr(2):
+            s_tok = (mblk * self.block_m + row_in[h]) // self.H
+            lim_h = seq
+            if cutlass.const_expr(self.causal):
+                lim_h = seq - self.S + 1 + s_tok
+            lim[h] = cutlass.min(lim_h, split_end)
+        return row_in, lim
+
+    @cute.jit
     def load_q_fp8(self, sQ: cute.Tensor, mQ: cute.Tensor, rows: cute.Tensor, tid: Int32):
         """e4m3 q rows -> bf16 smem (exact upcast), synchronous 8-byte global loads."""
         _, tiled = self._row_copy(self.mma_dtype, 128, 8)
@@ -455,20 +491,14 @@ class MlaDecodeSm90:
 
         scale_log2 = mSS[0] * LOG2_E
         out_scale = mOS[0]
-        max_pages = mBT.shape[1]
         num_pages = mKV.shape[0]
-        seq = clamp(mSeq[b], 0, max_pages * self.page_size)
-        split_start = split * self.tokens_per_split
-        split_end = cutlass.min(split_start + self.tokens_per_split, seq)
+        seq, split_start, split_end = self.split_range(mBT, mSeq, b, split)
         n_tiles = Int32(0)
         if split_end > split_start:
             n_tiles = (split_end - split_start + bn - 1) // bn
 
         # ---- Q tile: rows past R are a clamped copy of row R-1 (finite, never stored).
-        qrows = cute.make_rmem_tensor((2,), Int64)
-        for m in cutlass.range_constexpr(2):
-            r = cutlass.min(mblk * self.block_m + tid // 8 + 32 * m, self.R - 1)
-            qrows[m] = Int64(b) * self.R + r
+        qrows = self.q_rows(mblk, b, tid)
         if cutlass.const_expr(self.fp8):
             self.load_q_fp8(sQ[None, None, 0], mQ, qrows, tid)
         else:
@@ -499,16 +529,7 @@ class MlaDecodeSm90:
         sPw = cute.local_tile(sP[None, None, 0], (self.block_m, bn // 2), (0, wg))
         tSsP = qk_thr.partition_C(sPw)
         tOrP = pv_thr.make_fragment_A(pv_thr.partition_A(sP[None, None, 0]))
-        row_in = cute.make_rmem_tensor((2,), Int32)  # tile rows of this thread's two accumulator rows
-        row_in[0] = tScS[0][0]
-        row_in[1] = tScS[2][0]
-        lim = cute.make_rmem_tensor((2,), Int32)  # first masked key of each row
-        for h in cutlass.range_constexpr(2):
-            s_tok = (mblk * self.block_m + row_in[h]) // self.H
-            lim_h = seq
-            if cutlass.const_expr(self.causal):
-                lim_h = seq - self.S + 1 + s_tok
-            lim[h] = cutlass.min(lim_h, split_end)
+        row_in, lim = self.row_limits(tScS, mblk, seq, split_end)
         row_m = cute.make_rmem_tensor((2,), Float32)
         row_l = cute.make_rmem_tensor((2,), Float32)
         for h in cutlass.range_constexpr(2):

@@ -232,11 +232,8 @@ class MlaDecodeSeesawSm90(MlaDecodeSm90):
 
         scale_log2 = mSS[0] * LOG2_E
         out_scale = mOS[0]
-        max_pages = mBT.shape[1]
         num_pages = mKV.shape[0]
-        seq = clamp(mSeq[b], 0, max_pages * self.page_size)
-        split_start = split * self.tokens_per_split
-        split_end = cutlass.min(split_start + self.tokens_per_split, seq)
+        seq, split_start, split_end = self.split_range(mBT, mSeq, b, split)
         n_pairs = Int32(0)
         if split_end > split_start:
             n_pairs = (split_end - split_start + 2 * bn - 1) // (2 * bn)
@@ -248,11 +245,7 @@ class MlaDecodeSeesawSm90(MlaDecodeSm90):
             sM[tid] = -Float32.inf
         cute.arch.mbarrier_init_fence()
         # ---- Q tile (rows past R: clamped copy of row R-1, never stored), one cp.async group
-        qrows = cute.make_rmem_tensor((2,), Int64)
-        for m in cutlass.range_constexpr(2):
-            r = cutlass.min(mblk * self.block_m + tid // 8 + 32 * m, self.R - 1)
-            qrows[m] = Int64(b) * self.R + r
-        self.load_rows(sQ[None, None, 0], mQ, qrows, tid)
+        self.load_rows(sQ[None, None, 0], mQ, self.q_rows(mblk, b, tid), tid)
         cute.arch.cp_async_commit_group()
         cute.arch.barrier()  # mbarriers initialised before any arrive
         # ---- prologue: pair 0 into both slots (completion 0 of every mbarrier)
@@ -301,16 +294,7 @@ class MlaDecodeSeesawSm90(MlaDecodeSm90):
         pv_ss.set(warpgroup.Field.ACCUMULATE, True)
         pv_rs.set(warpgroup.Field.ACCUMULATE, True)
 
-        row_in = cute.make_rmem_tensor((2,), Int32)
-        row_in[0] = tScS[0][0]
-        row_in[1] = tScS[2][0]
-        lim = cute.make_rmem_tensor((2,), Int32)
-        for h in cutlass.range_constexpr(2):
-            s_tok = (mblk * self.block_m + row_in[h]) // self.H
-            lim_h = seq
-            if cutlass.const_expr(self.causal):
-                lim_h = seq - self.S + 1 + s_tok
-            lim[h] = cutlass.min(lim_h, split_end)
+        row_in, lim = self.row_limits(tScS, mblk, seq, split_end)
         row_l = cute.make_rmem_tensor((2,), Float32)
         row_l[0] = 0.0
         row_l[1] = 0.0
