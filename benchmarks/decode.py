@@ -258,6 +258,20 @@ def bench(cases, report, with_xla=True, with_flashmla=True, step32=False, schedu
         print(report.table().splitlines()[-1], flush=True)
 
 
+def bench_inputs(c: Case):
+    """Timing inputs of a benchmark case: bf16 q and cache (random), identity block table, every request
+    at full length; ``(q, kv, block_table, seq_lens, softmax_scale)``."""
+    import jax
+    import jax.numpy as jnp
+
+    B, S, H = c.B, c.S, c.H
+    kv = jax.random.normal(jax.random.PRNGKey(B * 1000 + H * 10 + S), (c.num_pages, c.page, 576), jnp.bfloat16)
+    q = jax.random.normal(jax.random.PRNGKey(1), (B, S, H, 576), jnp.bfloat16)
+    bt = jnp.arange(B * c.max_pages, dtype=jnp.int32).reshape(B, c.max_pages)
+    sl = jnp.full((B,), c.max_pages * c.page, jnp.int32)
+    return q, kv, bt, sl, jnp.float32(576 ** -0.5)
+
+
 def _bench_one(report, fm, c: Case, with_xla: bool, step32: bool = False, schedule: str | None = None) -> None:
     import jax
     import jax.numpy as jnp
@@ -266,12 +280,7 @@ def _bench_one(report, fm, c: Case, with_xla: bool, step32: bool = False, schedu
     from benchmarks.harness import decode_cost
 
     B, K, page, H, S = c.B, c.max_pages * c.page, c.page, c.H, c.S
-    key = jax.random.PRNGKey(B * 1000 + H * 10 + S)
-    kv = jax.random.normal(key, (c.num_pages, page, 576), jnp.bfloat16)
-    q = jax.random.normal(jax.random.PRNGKey(1), (B, S, H, 576), jnp.bfloat16)
-    bt = jnp.arange(B * c.max_pages, dtype=jnp.int32).reshape(B, c.max_pages)
-    sl = jnp.full((B,), K, jnp.int32)
-    scale = jnp.float32(576 ** -0.5)
+    q, kv, bt, sl, scale = bench_inputs(c)
     nbytes, flops = decode_cost(B, S, H, K)
     ours = decode_fn(c, "sm90")
     report.add(c.name, "ours bf16", timeit(lambda: ours(q, kv, bt, sl, scale)), nbytes=nbytes, flops=flops)

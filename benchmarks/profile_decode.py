@@ -22,18 +22,13 @@ def main(argv=None):
     args = ap.parse_args(argv)
     os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
     import jax
-    import jax.numpy as jnp
 
-    from benchmarks.decode import bench_case, decode_fn
+    from benchmarks.decode import bench_case, bench_inputs, decode_fn
 
     for spec in args.cases:
         B, K, page, H, S = (int(x) for x in spec.split(","))
         c = bench_case(B, K, page, H, S)
-        kv = jax.random.normal(jax.random.PRNGKey(0), (c.num_pages, page, 576), jnp.bfloat16)
-        q = jax.random.normal(jax.random.PRNGKey(1), (B, S, H, 576), jnp.bfloat16)
-        bt = jnp.arange(B * c.max_pages, dtype=jnp.int32).reshape(B, c.max_pages)
-        sl = jnp.full((B,), K, jnp.int32)
-        scale = jnp.float32(576 ** -0.5)
+        q, kv, bt, sl, scale = bench_inputs(c)
         f = decode_fn(c, "sm90", args.schedule)
         for _ in range(3):
             jax.block_until_ready(f(q, kv, bt, sl, scale))

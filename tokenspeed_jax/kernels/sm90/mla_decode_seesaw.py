@@ -196,6 +196,17 @@ class MlaDecodeSeesawSm90(MlaDecodeSm90):
         return mx
 
     @cute.jit
+    def fold_max(self, m_prev: Float32, mx: Float32):
+        """Fold a tile's row max ``mx`` into the shared running max ``m_prev``: returns ``(m_new, ref,
+        scale)``, where ``ref`` is what P is computed against (0 while the max is still -inf, so exp2 gives
+        exact zeros) and ``scale = exp2(m_prev - ref)`` rescales state relative to ``m_prev``."""
+        m_new = cute.arch.fmax(m_prev, mx)
+        ref = m_new
+        if m_new == -Float32.inf:
+            ref = Float32(0.0)
+        return m_new, ref, cute.arch.exp2(m_prev - ref)
+
+    @cute.jit
     def exp_rows(self, acc_s: cute.Tensor, ref: cute.Tensor, row_l: cute.Tensor):
         """``P = exp2(S - ref)`` in place, added to the thread's partial row sums."""
         for e in cutlass.range_constexpr(cute.size(acc_s)):
@@ -267,7 +278,6 @@ class MlaDecodeSeesawSm90(MlaDecodeSm90):
         # ---- MMA partitions (identical for both warpgroups; slot / column half picked by wg)
         qk_thr = qk_mma.get_slice(wtid)
         ss_thr = pv_ss.get_slice(wtid)
-        rs_thr = pv_rs.get_slice(wtid)
         tSrQ = qk_thr.make_fragment_A(qk_thr.partition_A(sQ[None, None, 0]))
         tSrK0 = qk_thr.make_fragment_B(qk_thr.partition_B(sK0))
         tSrK1 = qk_thr.make_fragment_B(qk_thr.partition_B(sK1))
@@ -326,12 +336,7 @@ class MlaDecodeSeesawSm90(MlaDecodeSm90):
                 # 1. fold tile 2j into the shared max; P0; O_L *= scale0; publish
                 mx = self.scaled_tile_max(acc_s, tScS, lim, t0, scale_log2)
                 for h in cutlass.range_constexpr(2):
-                    m_old = sM[row_in[h]]
-                    m_new = cute.arch.fmax(m_old, mx[h])
-                    ref[h] = m_new
-                    if m_new == -Float32.inf:
-                        ref[h] = 0.0
-                    sc[h] = cute.arch.exp2(m_old - ref[h])
+                    m_new, ref[h], sc[h] = self.fold_max(sM[row_in[h]], mx[h])
                     row_l[h] = row_l[h] * sc[h]
                     if wtid % 4 == 0:
                         sM[row_in[h]] = m_new
@@ -387,12 +392,7 @@ class MlaDecodeSeesawSm90(MlaDecodeSm90):
                 cute.arch.barrier(barrier_id=int(Barrier.SCALE0), number_of_threads=self.num_threads)
                 mx = self.scaled_tile_max(acc_s, tScS, lim, t1, scale_log2)
                 for h in cutlass.range_constexpr(2):
-                    m_p = sM[row_in[h]]
-                    m_new = cute.arch.fmax(m_p, mx[h])
-                    ref[h] = m_new
-                    if m_new == -Float32.inf:
-                        ref[h] = 0.0
-                    s1 = cute.arch.exp2(m_p - ref[h])
+                    m_new, ref[h], s1 = self.fold_max(sM[row_in[h]], mx[h])
                     sc[h] = sSc0[row_in[h]] * s1
                     row_l[h] = row_l[h] * sc[h]
                     if wtid % 4 == 0:
