@@ -306,7 +306,7 @@ def _bench_one(report, fm, c: Case, with_xla: bool, step32: bool = False, schedu
     nb8j, _ = decode_cost(B, S, H, K, elt_bytes=1)
     report.add(c.name, "ours fp8", timeit(lambda: ours8(q8j, kv8j, bt, sl, scale)), nbytes=nb8j, flops=flops,
                fp8=True)
-    if schedule is not None and schedule != "seesaw":  # seesaw: 16-bit only (FP8 runs lockstep)
+    if schedule is not None and not schedule.startswith("seesaw"):  # seesaw: 16-bit only (FP8 runs lockstep)
         ours8_s = decode_fn(c8, "sm90", schedule)
         report.add(c.name, f"ours fp8 {schedule}", timeit(lambda: ours8_s(q8j, kv8j, bt, sl, scale)), nbytes=nb8j,
                    flops=flops, fp8=True)
@@ -353,7 +353,7 @@ def main(argv=None):
     ap.add_argument("--cases", default="", help="comma-separated CHECK case names (default: all)")
     ap.add_argument("--quick", action="store_true", help="bench 4 representative shapes only")
     ap.add_argument("--step32", action="store_true", help="also time the kernel's 32-token ring (R <= 64)")
-    ap.add_argument("--schedule", default=None, choices=("lockstep", "overlap", "seesaw"),
+    ap.add_argument("--schedule", default=None, choices=("lockstep", "overlap", "seesaw", "seesaw-cpasync"),
                     help="check this sm90 kernel schedule and time it next to the default (sm90_decode.SCHEDULES)")
     ap.add_argument("--seed", type=int, default=int(time.time()) % 100000)
     ap.add_argument("--out", default="/tmp/decode.json")

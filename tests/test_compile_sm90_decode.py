@@ -29,7 +29,8 @@ _SCRIPT = textwrap.dedent(
     from tokenspeed_jax.kernels.sm90.mla_decode_seesaw import MlaDecodeSeesawSm90
     cfgs = [("bfloat16", 16, 1, 64, 1, 4096, 64, "lockstep"), ("float16", 32, 4, 32, 3, 256, 64, "lockstep"),
             ("float8_e4m3fn", 128, 2, 128, 2, 512, 64, "lockstep"), ("bfloat16", 32, 2, 32, 3, 256, 64, "overlap"),
-            ("float16", 32, 4, 16, 3, 320, 64, "seesaw")]
+            ("float16", 32, 4, 16, 3, 320, 64, "seesaw"), ("bfloat16", 128, 1, 64, 1, 1536, 64, "seesaw"),
+            ("bfloat16", 16, 2, 8, 2, 256, 64, "seesaw")]
     for (dtype, H, S, page, splits, tps, bn, sched) in cfgs:
         before = set(glob.glob(d + "/*"))
         if sched == "seesaw":
@@ -57,20 +58,24 @@ _SCRIPT = textwrap.dedent(
             res["ov_sass_hgmma"] = len(re.findall(r"HGMMA\\.64x(?:32|256)x16", osass))
             res["ov_sass_depbar"] = len(re.findall(r"WARPGROUP\\.DEPBAR", osass))
             res["ov_sass_spill"] = len(re.findall(r"\\b(STL|LDL)\\b", osass))
-        if sched == "seesaw":
+        if sched == "seesaw":  # page 16: TMA, 4 boxes per chunk; page 64: TMA, 1 box; page 8: cp.async
             new = sorted(set(glob.glob(d + "/*")) - before)
             sptx = "".join(open(p).read() for p in new if p.endswith(".ptx"))
             ssass = "".join(open(p).read() for p in new if p.endswith(".sass"))
-            res["ss_ptx_qk"] = len(re.findall(r"wgmma.mma_async.sync.aligned.m64n64k16", sptx))
-            res["ss_ptx_pv"] = len(re.findall(r"wgmma.mma_async.sync.aligned.m64n256k16", sptx))
-            res["ss_ptx_mbar_cp"] = len(re.findall(r"cp.async.mbarrier.arrive.noinc", sptx))
-            res["ss_sass"] = bool(ssass)
-            res["ss_sass_rs"] = len(re.findall(r"HGMMA\\.64x256x16\\.F32\\.F16 R\\d+, R\\d+", ssass))
-            res["ss_sass_spill"] = len(re.findall(r"\\b(STL|LDL)\\b", ssass))
+            res.setdefault("ss", {})[page] = dict(
+                use_tma=k.use_tma,
+                qk=len(re.findall(r"wgmma.mma_async.sync.aligned.m64n64k16", sptx)),
+                pv=len(re.findall(r"wgmma.mma_async.sync.aligned.m64n256k16", sptx)),
+                mbar_cp=len(re.findall(r"cp.async.mbarrier.arrive.noinc", sptx)),
+                tma=len(re.findall(r"cp\\.async\\.bulk\\.tensor\\.3d\\.shared::\\w+\\.global\\.tile\\.mbarrier", sptx)),
+                sass=bool(ssass),
+                rs=len(re.findall(r"HGMMA\\.64x256x16\\.F32\\.(?:F16|BF16) R\\d+, R\\d+", ssass)),
+                spill=len(re.findall(r"\\b(STL|LDL)\\b", ssass)))
     ptx = "".join(open(p).read() for p in glob.glob(d + "/*.ptx"))
     sass = "".join(open(p).read() for p in glob.glob(d + "/*.sass"))
     res["ptx_wgmma"] = len(re.findall(r"wgmma.mma_async", ptx))
     res["ptx_local"] = len(re.findall(r"\\.local", ptx))
+    res["entries"] = sorted(set(re.findall(r"\\.entry\\s+(\\w+)", ptx)))
     res["sass"] = bool(sass)
     res["sass_hgmma"] = len(re.findall(r"HGMMA", sass))
     res["sass_spill"] = len(re.findall(r"\\b(STL|LDL)\\b", sass))
@@ -112,6 +117,8 @@ def test_sm90_decode_compiles_for_sm90a(tmp_path):
     r = json.loads(line[0][7:])
     assert r["ptx_wgmma"] >= 3 * 40, r  # 36 QK (64x32x16) + 4 PV (64x256x16) per kernel
     assert r["ptx_local"] == 0, r
+    # the compute-sanitizer run of tests/gpu/test_sm90_decode.py filters kernels by this name substring
+    assert len(r["entries"]) >= 5 and all("MlaDecode" in e for e in r["entries"]), r["entries"]
     if r["sass"]:
         assert r["sass_hgmma"] >= 3 * 40, r
         assert r["sass_spill"] == 0, r
@@ -123,10 +130,19 @@ def test_sm90_decode_compiles_for_sm90a(tmp_path):
         assert r["ov_sass_hgmma"] >= 44 and r["ov_sass_depbar"] <= 4 and r["ov_sass_spill"] == 0, r
     assert "tokenspeed_mla_decode_sm90" in r["ov_targets"], r
     # schedule "seesaw": 2 x 36 QK (prologue) + 36 per warpgroup loop, 4 PVs of 4 k-steps (2 with P from
-    # registers), 4 column-group refills in the prologue + 2 per warpgroup loop completing mbarriers
-    assert r["ss_ptx_qk"] == 4 * 36 and r["ss_ptx_pv"] == 16 and r["ss_ptx_mbar_cp"] >= 8, r
-    if r["ss_sass"]:
-        assert r["ss_sass_rs"] == 8 and r["ss_sass_spill"] == 0, r
+    # registers); 4 column-group refills in the prologue + 2 per warpgroup loop completing mbarriers, by TMA
+    # (18 + 18 chunks, times the boxes per chunk) for pages >= 16, else by cp.async
+    ss = r["ss"]
+    for page, boxes in (("16", 4), ("64", 1), ("8", 0)):
+        x = ss[page]
+        assert x["qk"] == 4 * 36 and x["pv"] == 16, (page, x)
+        assert x["use_tma"] == (boxes > 0), (page, x)
+        if boxes:
+            assert x["tma"] == 36 * boxes and x["mbar_cp"] == 0, (page, x)
+        else:
+            assert x["tma"] == 0 and x["mbar_cp"] >= 8, (page, x)
+        if x["sass"]:
+            assert x["rs"] == 8 and x["spill"] == 0, (page, x)
 
 
 def test_schedule_switch(monkeypatch):

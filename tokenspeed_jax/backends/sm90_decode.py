@@ -40,7 +40,7 @@ from tokenspeed_jax.problems import KERNEL_DTYPES, DecodeProblem
 
 TARGET = "mla_decode_sm90"
 SCHEDULE_ENV = "TOKENSPEED_SM90_DECODE_SCHEDULE"
-SCHEDULES = ("auto", "seesaw", "lockstep", "overlap")  # module docstring (no cutlass import here)
+SCHEDULES = ("auto", "seesaw", "seesaw-cpasync", "lockstep", "overlap")  # module docstring (no cutlass import here)
 _MIN_PAGE = 8
 
 
@@ -113,13 +113,13 @@ def decode(problem: DecodeProblem, q, kv_cache, block_table, seq_lens, softmax_s
     schedule = resolve_schedule(schedule)
     if schedule == "auto":
         schedule = "seesaw" if block_n == 64 else "lockstep"
-    seesaw = schedule == "seesaw"
+    seesaw = schedule in ("seesaw", "seesaw-cpasync")
     if seesaw and problem.dtype == "float8_e4m3fn":
         schedule, seesaw = "lockstep", False  # seesaw is 16-bit only (module docstring)
     if (seesaw or schedule == "overlap") and block_n != 64:
         raise ValueError(f"schedule: {schedule!r} needs kv_step 64, got kv_step {block_n}")
     launch = launch_mla_decode_seesaw if seesaw else launch_mla_decode
-    key = DecodeKernelKey("mla_decode_sm90.v3", problem.dtype, H, S, problem.page_size, problem.causal,
+    key = DecodeKernelKey("mla_decode_sm90.v4", problem.dtype, H, S, problem.page_size, problem.causal,
                           plan.num_splits, plan.tokens_per_split, block_n, schedule)
     outputs = [jax.ShapeDtypeStruct((B, S, H, problem.kv_lora_rank), jnp.dtype(problem.out_dtype)),
                jax.ShapeDtypeStruct((B, S, H), jnp.float32)]

@@ -24,6 +24,14 @@ class Barrier(enum.IntEnum):
     SCALE1 = 7  # WG1 folded its tile (scale1 published)
     P0_READY = 8  # WG0's P in smem
     P1_READY = 9  # WG1's P in smem (and its cross PV issued)
+    # schedule "seesaw" with TMA refills (128 threads of one warpgroup; warps 1-3 arrive, warp 0 syncs and
+    # issues): one id per refill site, so no warp can reach a site's next phase before its warp 0 left the
+    # last one (a 256-thread barrier separates consecutive uses)
+    REFILL_A0 = 10
+    REFILL_A1 = 11
+    REFILL_B1 = 12
+    REFILL_B0 = 13
+    TAIL = 14  # + warpgroup index: V rows past the split zeroed (all 128 threads sync)
 
 
 @cute.jit

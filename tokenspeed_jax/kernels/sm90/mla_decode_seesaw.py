@@ -45,6 +45,7 @@ from tokenspeed_jax.kernels.sm90.mla_decode import MlaDecodeSm90
 
 _K16 = 16  # wgmma K of 16-bit operands
 _CHUNK = 64  # columns per 128-byte swizzle atom row (16-bit)
+_MIN_TMA_PAGE = 16  # smaller pages load with cp.async (TMA would need > 4 boxes per chunk)
 
 
 def acc_to_a_layout(acc_layout: cute.Layout) -> cute.Layout:
@@ -63,12 +64,20 @@ class MlaDecodeSeesawSm90(MlaDecodeSm90):
     """Schedule "seesaw" of the sm90 decode kernel (module docstring).  Same arguments as the base class;
     16-bit dtypes, ``block_n`` 64."""
 
-    def __init__(self, **kw):
+    def __init__(self, *, kv_load: str = "auto", **kw):
         kw["schedule"] = "lockstep"
         super().__init__(**kw)
         if self.fp8 or self.block_n != 64:
             raise ValueError(f"schedule 'seesaw' needs a 16-bit dtype and block_n 64, got {self.dtype_name}, "
                              f"{self.block_n}")
+        if kv_load not in ("auto", "tma", "cp.async"):
+            raise ValueError(f"kv_load: expected 'auto', 'tma' or 'cp.async', got {kv_load!r}")
+        tma_ok = self.page_size >= _MIN_TMA_PAGE  # power of two: divides 64 or is a multiple of it
+        if kv_load == "tma" and not tma_ok:
+            raise ValueError(f"kv_load 'tma' needs page_size >= {_MIN_TMA_PAGE}, got {self.page_size}")
+        self.use_tma = tma_ok and kv_load != "cp.async"
+        self.box_rows = min(self.page_size, self.block_n)  # rows of one TMA box (one page or one tile)
+        self.subs = self.block_n // self.box_rows  # boxes per 64-token tile and 64-column chunk
         self.schedule = "seesaw"
 
     # ------------------------------------------------------------------------------------------ host
@@ -94,6 +103,17 @@ class MlaDecodeSeesawSm90(MlaDecodeSm90):
         pv_rs = sm90_utils.make_trivial_tiled_mma(dt, dt, K, MN, Float32, (1, 1, 1), (self.block_m, self.DV // 2),
                                                   a_source=warpgroup.OperandSource.RMEM)
 
+        tma_atom, tma_kv = None, None
+        if cutlass.const_expr(self.use_tma):
+            # (page_size, 576, num_pages) view of the cache; one box = box_rows x 64 columns, SW128 like a
+            # 64-column chunk of a KV slot
+            kv_t = cute.make_tensor(kv.iterator, cute.select(kv.layout, mode=[1, 2, 0]))
+            box = cute.select(sm90_utils.make_smem_layout_b(LayoutEnum.ROW_MAJOR,
+                                                            (self.block_m, self.box_rows, _CHUNK), dt, 1),
+                              mode=[0, 1])
+            tma_atom, tma_kv = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), kv_t, box,
+                                                           (self.box_rows, _CHUNK))
+
         @cute.struct
         class Storage:
             mbar: cute.struct.MemRange[Int64, 4]  # A0, B0, A1, B1 (module docstring)
@@ -105,7 +125,8 @@ class MlaDecodeSeesawSm90(MlaDecodeSm90):
             sK: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(k_layout)], 1024]
 
         self.seesaw_kernel(qk_mma, pv_ss, pv_rs, q, kv, block_table, seq_lens, softmax_scale, output_scale, out,
-                           lse, o_accum, lse_accum, q_layout, k_layout, v_layout, p_layout, Storage).launch(
+                           lse, o_accum, lse_accum, q_layout, k_layout, v_layout, p_layout, tma_atom, tma_kv,
+                           Storage).launch(
             grid=(self.num_m_blocks, self.num_splits, q.shape[0]), block=(self.num_threads, 1, 1),
             smem=Storage.size_in_bytes(), stream=stream, min_blocks_per_mp=1)
         if cutlass.const_expr(self.num_splits > 1):
@@ -155,6 +176,79 @@ class MlaDecodeSeesawSm90(MlaDecodeSm90):
         """Refill a column group of one slot and arrive on its mbarrier when this thread's copies land."""
         self.load_cols(sKs, mKV, pgs, tile_start, split_end, num_pages, wtid, chunks)
         cute.arch.cp_async_mbarrier_arrive_noinc(mbar_ptr)
+
+    @cute.jit
+    def tma_coords(self, mBT: cute.Tensor, b: Int32, tile_start: Int32, split_end: Int32, num_pages: Int32):
+        """TMA coordinates of a tile's ``subs`` boxes, loaded ahead of the refill: ``(page, row block)`` of
+        token ``tile_start + s * box_rows`` clamped into the split (boxes past ``split_end`` load finite
+        rows of an in-range page; they are masked in S and zeroed in V by :meth:`zero_tail`), page ids
+        clamped to ``[0, num_pages)``.  Caller guarantees a non-empty split."""
+        crd = cute.make_rmem_tensor((self.subs, 2), Int32)
+        for s in cutlass.range_constexpr(self.subs):
+            tok = cutlass.min(tile_start + s * self.box_rows, split_end - 1)
+            crd[s, 0] = clamp(mBT[b, tok // self.page_size], 0, num_pages - 1)
+            crd[s, 1] = (tok % self.page_size) // self.box_rows
+        return crd
+
+    @cute.jit
+    def refill(self, sKs, tAs, tAg, tma_atom, mbar_ptr, mKV, pgs, tile_start, split_end, num_pages, wg, wtid,
+               chunks: cutlass.Constexpr, bar: cutlass.Constexpr):
+        """Refill the 64-column chunks ``chunks`` of one slot, completing the mbarrier ``mbar_ptr``.
+
+        TMA: the first warp of the warpgroup issues ``subs`` boxes per chunk (one elected lane) after an
+        arrive-and-expect-tx of the group's bytes by its lane 0; with a barrier id ``bar`` (every refill
+        after the columns' last wgmma) the other warps first arrive on it, i.e. their share of that wgmma
+        has retired.  cp.async: :meth:`fill`."""
+        if cutlass.const_expr(self.use_tma):
+            if cutlass.const_expr(bar is not None):
+                if wtid < 32:
+                    cute.arch.barrier(barrier_id=int(bar), number_of_threads=128)
+                else:
+                    cute.arch.barrier_arrive(barrier_id=int(bar), number_of_threads=128)
+            if wtid < 32:  # the whole warp: the TMA copy elects its issuing lane (elect.sync)
+                if wtid == 0:
+                    cute.arch.mbarrier_arrive_and_expect_tx(mbar_ptr, len(chunks) * self.block_n * _CHUNK
+                                                            * (self.mma_dtype.width // 8))
+                for c in cutlass.range_constexpr(len(chunks)):
+                    for sb in cutlass.range_constexpr(self.subs):
+                        cute.copy(tma_atom, tAg[None, pgs[sb, 1], chunks[c], pgs[sb, 0]], tAs[None, sb, chunks[c]],
+                                  tma_bar_ptr=mbar_ptr)
+        else:
+            self.fill(sKs, mbar_ptr, mKV, pgs, tile_start, split_end, num_pages, wtid, chunks)
+
+    @cute.jit
+    def coords(self, mBT, b, tile_start, split_end, num_pages, wtid):
+        """Load-ahead operands of :meth:`refill` for one tile (TMA box coordinates or cp.async page ids)."""
+        if cutlass.const_expr(self.use_tma):
+            return self.tma_coords(mBT, b, tile_start, split_end, num_pages)
+        else:
+            return self.page_ids(mBT, b, tile_start, split_end, wtid)
+
+    @cute.jit
+    def zero_tail(self, sKs: cute.Tensor, tile_start: Int32, split_end: Int32, wg: Int32, wtid: Int32):
+        """TMA only: zero the V columns (0..511) of a slot's rows at or past ``split_end``, so P = 0 there
+        never meets a NaN (a page's rows past seq_len, or an unowned page, may hold anything).  Run by the
+        slot's owner after its QK retired and the slot's refills landed; the warpgroup barrier publishes the
+        zeros to its own PV, the P_READY barriers (after a proxy fence) to the other warpgroup's."""
+        if tile_start + self.block_n > split_end:
+            first = cutlass.max(split_end - tile_start, 0)
+            for i in cutlass.range_constexpr(self.block_n * self.DV // 8 // 128):
+                idx = wtid + 128 * i
+                r = idx // (self.DV // 8)
+                c0 = (idx % (self.DV // 8)) * 8
+                if r >= first:
+                    for e in cutlass.range_constexpr(8):
+                        sKs[r, c0 + e] = self.mma_dtype(0.0)
+            cute.arch.fence_view_async_shared()
+            cute.arch.barrier(barrier_id=int(Barrier.TAIL) + wg, number_of_threads=128)
+
+    @cute.jit
+    def landed(self, mbar_ptr, phase):
+        """Wait for a column group's refill (completion ``phase`` of its mbarrier); cp.async writes are
+        generic-proxy, so they also need a proxy fence before wgmma reads them (TMA writes do not)."""
+        cute.arch.mbarrier_wait(mbar_ptr, phase)
+        if cutlass.const_expr(not self.use_tma):
+            cute.arch.fence_view_async_shared()
 
     @cute.jit
     def qk_chunks(self, qk_mma: cute.TiledMma, acc_s: cute.Tensor, tSrQ: cute.Tensor, tSrK: cute.Tensor,
@@ -225,7 +319,8 @@ class MlaDecodeSeesawSm90(MlaDecodeSm90):
                       mKV: cute.Tensor, mBT: cute.Tensor, mSeq: cute.Tensor, mSS: cute.Tensor, mOS: cute.Tensor,
                       mOut: cute.Tensor, mLse: cute.Tensor, mOacc: cute.Tensor, mLacc: cute.Tensor,
                       q_layout: cute.ComposedLayout, k_layout: cute.ComposedLayout, v_layout: cute.ComposedLayout,
-                      p_layout: cute.ComposedLayout, Storage: cutlass.Constexpr):
+                      p_layout: cute.ComposedLayout, tma_atom: cute.CopyAtom, tma_kv: cute.Tensor,
+                      Storage: cutlass.Constexpr):
         tid, _, _ = cute.arch.thread_idx()
         mblk, split, b = cute.arch.block_idx()
         wg = cute.arch.make_warp_uniform(tid // 128)
@@ -251,7 +346,9 @@ class MlaDecodeSeesawSm90(MlaDecodeSm90):
 
         if tid == 0:
             for i in cutlass.range_constexpr(4):
-                cute.arch.mbarrier_init(mbar + i, 128)
+                cute.arch.mbarrier_init(mbar + i, 1 if cutlass.const_expr(self.use_tma) else 128)
+            if cutlass.const_expr(self.use_tma):
+                cpasync.prefetch_descriptor(tma_atom)
         if tid < 64:
             sM[tid] = -Float32.inf
         cute.arch.mbarrier_init_fence()
@@ -262,15 +359,26 @@ class MlaDecodeSeesawSm90(MlaDecodeSm90):
         # ---- prologue: pair 0 into both slots (completion 0 of every mbarrier)
         sK0 = sK[None, None, 0]
         sK1 = sK[None, None, 1]
+        tAs0, tAs1, tAg = None, None, None
+        if cutlass.const_expr(self.use_tma):  # boxes: (page row block, chunk, page) -> slot (sub-box, chunk)
+            gKV = cute.group_modes(cute.local_tile(tma_kv, (self.box_rows, _CHUNK), (None, None, None)), 0, 2)
+            tAs0, tAg = cpasync.tma_partition(tma_atom, 0, cute.make_layout(1), cute.group_modes(
+                cute.local_tile(sK0, (self.box_rows, _CHUNK), (None, None)), 0, 2), gKV)
+            tAs1, _ = cpasync.tma_partition(tma_atom, 0, cute.make_layout(1), cute.group_modes(
+                cute.local_tile(sK1, (self.box_rows, _CHUNK), (None, None)), 0, 2), gKV)
         if n_pairs > 0:
-            pg0 = self.page_ids(mBT, b, split_start, split_end, wtid)
-            pg1 = self.page_ids(mBT, b, split_start + bn, split_end, wtid)
+            pg0 = self.coords(mBT, b, split_start, split_end, num_pages, wtid)
+            pg1 = self.coords(mBT, b, split_start + bn, split_end, num_pages, wtid)
             if wg == 0:
-                self.fill(sK0, mbar + 0, mKV, pg0, split_start, split_end, num_pages, wtid, (0, 1, 2, 3))
-                self.fill(sK1, mbar + 2, mKV, pg1, split_start + bn, split_end, num_pages, wtid, (0, 1, 2, 3, 8))
+                self.refill(sK0, tAs0, tAg, tma_atom, mbar + 0, mKV, pg0, split_start, split_end, num_pages, wg,
+                            wtid, (0, 1, 2, 3), None)
+                self.refill(sK1, tAs1, tAg, tma_atom, mbar + 2, mKV, pg1, split_start + bn, split_end, num_pages,
+                            wg, wtid, (0, 1, 2, 3, 8), None)
             else:
-                self.fill(sK0, mbar + 1, mKV, pg0, split_start, split_end, num_pages, wtid, (4, 5, 6, 7, 8))
-                self.fill(sK1, mbar + 3, mKV, pg1, split_start + bn, split_end, num_pages, wtid, (4, 5, 6, 7))
+                self.refill(sK0, tAs0, tAg, tma_atom, mbar + 1, mKV, pg0, split_start, split_end, num_pages, wg,
+                            wtid, (4, 5, 6, 7, 8), None)
+                self.refill(sK1, tAs1, tAg, tma_atom, mbar + 3, mKV, pg1, split_start + bn, split_end, num_pages,
+                            wg, wtid, (4, 5, 6, 7), None)
         cute.arch.cp_async_wait_group(0)  # Q (the KV copies are tracked by the mbarriers)
         cute.arch.fence_view_async_shared()
         cute.arch.barrier()
@@ -314,14 +422,12 @@ class MlaDecodeSeesawSm90(MlaDecodeSm90):
         # ---- first QK of each warpgroup (pair 0)
         if n_pairs > 0:
             if wg == 0:
-                cute.arch.mbarrier_wait(mbar + 0, 0)
-                cute.arch.mbarrier_wait(mbar + 1, 0)
-                cute.arch.fence_view_async_shared()
+                self.landed(mbar + 0, 0)
+                self.landed(mbar + 1, 0)
                 self.qk_chunks(qk_mma, acc_s, tSrQ, tSrK0, (0, 1, 2, 3, 4, 5, 6, 7, 8), True)
             else:
-                cute.arch.mbarrier_wait(mbar + 2, 0)
-                cute.arch.mbarrier_wait(mbar + 3, 0)
-                cute.arch.fence_view_async_shared()
+                self.landed(mbar + 2, 0)
+                self.landed(mbar + 3, 0)
                 self.qk_chunks(qk_mma, acc_s, tSrQ, tSrK1, (0, 1, 2, 3, 4, 5, 6, 7, 8), True)
             warpgroup.commit_group()
             warpgroup.wait_group(0)
@@ -331,8 +437,10 @@ class MlaDecodeSeesawSm90(MlaDecodeSm90):
                 t0 = split_start + 2 * j * bn  # first token of this pair's tile in slot 0
                 more = j + 1 < n_pairs
                 ph = (j + 1) % 2  # parity of the refill completion the next QK waits for
-                pgA0 = self.page_ids(mBT, b, t0 + 2 * bn, split_end, wtid)  # in flight during the softmax
-                pgA1 = self.page_ids(mBT, b, t0 + 3 * bn, split_end, wtid)
+                pgA0 = self.coords(mBT, b, t0 + 2 * bn, split_end, num_pages, wtid)  # in flight during softmax
+                pgA1 = self.coords(mBT, b, t0 + 3 * bn, split_end, num_pages, wtid)
+                if cutlass.const_expr(self.use_tma):
+                    self.zero_tail(sK0, t0, split_end, wg, wtid)
                 # 1. fold tile 2j into the shared max; P0; O_L *= scale0; publish
                 mx = self.scaled_tile_max(acc_s, tScS, lim, t0, scale_log2)
                 for h in cutlass.range_constexpr(2):
@@ -350,7 +458,8 @@ class MlaDecodeSeesawSm90(MlaDecodeSm90):
                 warpgroup.commit_group()
                 warpgroup.wait_group(0)
                 if more:
-                    self.fill(sK0, mbar + 0, mKV, pgA0, t0 + 2 * bn, split_end, num_pages, wtid, (0, 1, 2, 3))
+                    self.refill(sK0, tAs0, tAg, tma_atom, mbar + 0, mKV, pgA0, t0 + 2 * bn, split_end, num_pages, wg,
+                                wtid, (0, 1, 2, 3), Barrier.REFILL_A0)
                 # 3. WG1 folded tile 2j+1: rescale P0 (-> smem for WG1), l, O_L by scale1
                 cute.arch.barrier(barrier_id=int(Barrier.SCALE1), number_of_threads=self.num_threads)
                 for h in cutlass.range_constexpr(2):
@@ -370,14 +479,13 @@ class MlaDecodeSeesawSm90(MlaDecodeSm90):
                 # 5. next QK on slot 0: own refill first, then (after the cross PV retired, refilling slot 1's
                 #    cols 0..255 + 512..575) WG1's refill of cols 256..575
                 if more:
-                    cute.arch.mbarrier_wait(mbar + 0, ph)
-                    cute.arch.fence_view_async_shared()
+                    self.landed(mbar + 0, ph)
                     self.qk_chunks(qk_mma, acc_s, tSrQ, tSrK0, (0, 1, 2, 3), True)
                     warpgroup.commit_group()
                     warpgroup.wait_group(1)
-                    self.fill(sK1, mbar + 2, mKV, pgA1, t0 + 3 * bn, split_end, num_pages, wtid, (0, 1, 2, 3, 8))
-                    cute.arch.mbarrier_wait(mbar + 1, ph)
-                    cute.arch.fence_view_async_shared()
+                    self.refill(sK1, tAs1, tAg, tma_atom, mbar + 2, mKV, pgA1, t0 + 3 * bn, split_end, num_pages, wg,
+                                wtid, (0, 1, 2, 3, 8), Barrier.REFILL_A1)
+                    self.landed(mbar + 1, ph)
                     self.qk_chunks(qk_mma, acc_s, tSrQ, tSrK0, (4, 5, 6, 7, 8), False)
                     warpgroup.commit_group()
                 warpgroup.wait_group(0)
@@ -386,8 +494,10 @@ class MlaDecodeSeesawSm90(MlaDecodeSm90):
                 t1 = split_start + (2 * j + 1) * bn  # first token of this pair's tile in slot 1
                 more = j + 1 < n_pairs
                 ph = (j + 1) % 2
-                pgB1 = self.page_ids(mBT, b, t1 + 2 * bn, split_end, wtid)  # in flight during the waits
-                pgB0 = self.page_ids(mBT, b, t1 + bn, split_end, wtid)
+                pgB1 = self.coords(mBT, b, t1 + 2 * bn, split_end, num_pages, wtid)  # in flight during the waits
+                pgB0 = self.coords(mBT, b, t1 + bn, split_end, num_pages, wtid)
+                if cutlass.const_expr(self.use_tma):
+                    self.zero_tail(sK1, t1, split_end, wg, wtid)
                 # 1. after WG0: fold tile 2j+1 into the shared max; P1; O_R *= scale0*scale1; publish
                 cute.arch.barrier(barrier_id=int(Barrier.SCALE0), number_of_threads=self.num_threads)
                 mx = self.scaled_tile_max(acc_s, tScS, lim, t1, scale_log2)
@@ -416,16 +526,16 @@ class MlaDecodeSeesawSm90(MlaDecodeSm90):
                 #    which also read P0 in slot 0's rope columns)
                 warpgroup.wait_group(1)
                 if more:
-                    self.fill(sK1, mbar + 3, mKV, pgB1, t1 + 2 * bn, split_end, num_pages, wtid, (4, 5, 6, 7))
+                    self.refill(sK1, tAs1, tAg, tma_atom, mbar + 3, mKV, pgB1, t1 + 2 * bn, split_end, num_pages, wg,
+                                wtid, (4, 5, 6, 7), Barrier.REFILL_B1)
                 warpgroup.wait_group(0)
                 if more:
-                    self.fill(sK0, mbar + 1, mKV, pgB0, t1 + bn, split_end, num_pages, wtid, (4, 5, 6, 7, 8))
+                    self.refill(sK0, tAs0, tAg, tma_atom, mbar + 1, mKV, pgB0, t1 + bn, split_end, num_pages, wg,
+                                wtid, (4, 5, 6, 7, 8), Barrier.REFILL_B0)
                     # 5. next QK on slot 1: own columns first, then WG0's refill (cols 0..255 + rope)
-                    cute.arch.mbarrier_wait(mbar + 3, ph)
-                    cute.arch.fence_view_async_shared()
+                    self.landed(mbar + 3, ph)
                     self.qk_chunks(qk_mma, acc_s, tSrQ, tSrK1, (4, 5, 6, 7), True)
-                    cute.arch.mbarrier_wait(mbar + 2, ph)
-                    cute.arch.fence_view_async_shared()
+                    self.landed(mbar + 2, ph)
                     self.qk_chunks(qk_mma, acc_s, tSrQ, tSrK1, (0, 1, 2, 3, 8), False)
                     warpgroup.commit_group()
                 warpgroup.wait_group(0)
@@ -451,8 +561,10 @@ def launch_mla_decode_seesaw(stream, q: cute.Tensor, kv: cute.Tensor, block_tabl
                              causal: cutlass.Constexpr, num_splits: cutlass.Constexpr,
                              tokens_per_split: cutlass.Constexpr, block_n: cutlass.Constexpr = 64,
                              schedule: cutlass.Constexpr = "seesaw"):
-    """FFI launch function of schedule "seesaw" (same ABI as ``launch_mla_decode``)."""
+    """FFI launch function of schedule "seesaw" (same ABI as ``launch_mla_decode``); ``"seesaw-cpasync"``
+    forces the cp.async refills where TMA would be used."""
     MlaDecodeSeesawSm90(dtype=dtype, num_heads=num_heads, q_len=q_len, page_size=page_size, causal=causal,
-                        num_splits=num_splits, tokens_per_split=tokens_per_split, block_n=block_n)(
+                        num_splits=num_splits, tokens_per_split=tokens_per_split, block_n=block_n,
+                        kv_load="cp.async" if schedule == "seesaw-cpasync" else "auto")(
         stream, q, kv, block_table, seq_lens, softmax_scale, output_scale, out, lse, o_accum, lse_accum)
 __all__ = ["MlaDecodeSeesawSm90", "acc_to_a_layout", "launch_mla_decode_seesaw"]
