@@ -71,6 +71,13 @@ _SCRIPT = textwrap.dedent(
                 sass=bool(ssass),
                 rs=len(re.findall(r"HGMMA\\.64x256x16\\.F32\\.(?:F16|BF16) R\\d+, R\\d+", ssass)),
                 spill=len(re.findall(r"\\b(STL|LDL)\\b", ssass)))
+    kw = dict(dtype="bfloat16", num_heads=16, q_len=1, causal=True, num_splits=1, tokens_per_split=64, block_n=64)
+    try:
+        MlaDecodeSeesawSm90(page_size=8, kv_load="tma", **kw)
+        res["tma_page8"] = "accepted"
+    except ValueError as e:
+        res["tma_page8"] = str(e)
+    res["forced_cp_uses_tma"] = MlaDecodeSeesawSm90(page_size=64, kv_load="cp.async", **kw).use_tma
     ptx = "".join(open(p).read() for p in glob.glob(d + "/*.ptx"))
     sass = "".join(open(p).read() for p in glob.glob(d + "/*.sass"))
     res["ptx_wgmma"] = len(re.findall(r"wgmma.mma_async", ptx))
@@ -143,6 +150,7 @@ def test_sm90_decode_compiles_for_sm90a(tmp_path):
             assert x["tma"] == 0 and x["mbar_cp"] >= 8, (page, x)
         if x["sass"]:
             assert x["rs"] == 8 and x["spill"] == 0, (page, x)
+    assert "page_size" in r["tma_page8"] and r["forced_cp_uses_tma"] is False, r
 
 
 def test_schedule_switch(monkeypatch):
@@ -155,6 +163,7 @@ def test_schedule_switch(monkeypatch):
     assert m.resolve_schedule() == "overlap"
     assert m.resolve_schedule("lockstep") == "lockstep"  # the argument wins
     assert m.resolve_schedule("seesaw") == "seesaw"
+    assert m.resolve_schedule("seesaw-cpasync") == "seesaw-cpasync"
     monkeypatch.setenv(m.SCHEDULE_ENV, "fast")
     with pytest.raises(ValueError, match=m.SCHEDULE_ENV):
         m.resolve_schedule()

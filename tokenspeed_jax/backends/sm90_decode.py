@@ -16,7 +16,9 @@ Schedules (compile-time main loops; details in the kernel modules and ``docs/sm9
 
 * ``"seesaw"`` (:mod:`tokenspeed_jax.kernels.sm90.mla_decode_seesaw`, the default for 16-bit inputs): the
   two warpgroups own alternate 64-token tiles for QK^T and work out of phase, so one warpgroup's softmax
-  runs under the other's matmuls; KV refills per column group through mbarriers.
+  runs under the other's matmuls; KV refills per column group through mbarriers, by TMA for page sizes
+  >= 16 (cp.async for page 8).  ``"seesaw-cpasync"`` is the same loop with cp.async refills for every
+  page size (opt-in, for comparison: bitwise equal results, 0.5-7% slower on the H200).
 * ``"lockstep"`` (:class:`~tokenspeed_jax.kernels.sm90.mla_decode.MlaDecodeSm90`, the default and only loop
   for FP8): both warpgroups on the same tile, three CTA-wide barriers per tile.
 * ``"overlap"``: lockstep with PV(i-1) issued ahead of QK(i) (opt-in, measured no faster).

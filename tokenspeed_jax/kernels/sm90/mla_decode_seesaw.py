@@ -20,15 +20,27 @@ FlashMLA's Hopper kernel (its "seesaw"; design read from its source, code our ow
   tensor-core work.  Four named barriers (producer ``arrive``, consumer ``sync``) order the handoffs.
 * P of a tile goes to smem in the 8 KB rope columns (512..575) of its own slot: only QK reads them and QK of
   that slot has retired.  No extra smem (Q 72 KB + 2 slots x 72 KB).
-* KV refills are cp.async gathers through the block table (every page size, per-token clamping as in the
-  lockstep schedule), issued per column group as soon as its last reader retired, each group completing an
-  mbarrier (``cp.async.mbarrier.arrive.noinc``, 128 arrivals):
+* KV refills are issued per column group as soon as the group's last reader retired, each group completing
+  an mbarrier.  Two load paths, chosen at compile time (``kv_load``):
+  - TMA (page sizes >= 16, the default): one 3-D descriptor over the cache ``(page_size, 576, num_pages)``,
+    boxes of ``min(page_size, 64)`` rows x 64 columns (SW128, the layout of a 64-column chunk of a slot),
+    ``64 / box rows`` boxes per chunk, issued by the first warp of the refilling warpgroup (the other warps
+    arrive on a per-site named barrier first: their share of the freeing wgmma retired), lane 0 arriving
+    with expect-tx on the group's mbarrier.  Page ids are clamped to ``[0, num_pages)`` and tokens into the
+    split, so no box is ever out of bounds; rows of a partial last tile past the split may hold anything
+    (page tails, unowned NaN pages): masked in S, and their V columns zeroed in smem by the slot's owner
+    (:meth:`zero_tail`) before any PV reads them.  Measured 0.5-7% faster than cp.async on the H200.
+  - cp.async gathers through the block table (page size 8, or ``kv_load="cp.async"``; per-token clamping as
+    in the lockstep schedule; ``cp.async.mbarrier.arrive.noinc``, 128 arrivals).
+  The groups:
     slot 0: A0 = cols 0..255 (WG0, after its own PV), B0 = cols 256..575 (WG1, after its cross PV, which
     also read P0 in the rope columns); slot 1: A1 = cols 0..255 + 512..575 (WG0, after its cross PV, which
     read P1), B1 = cols 256..511 (WG1, after its own PV).
   The next QK of a slot starts on the group its own warpgroup refilled first.  The block-table entries of
-  a refill are loaded at the top of the iteration (:meth:`page_ids`), so the cp.async issue never waits on
-  them.  (An L2 prefetch of the rows two pairs ahead was measured 5-25% slower on the H200 and removed.)
+  a refill are loaded at the top of the iteration (:meth:`coords`), so the issue never waits on them.
+  Measured on the H200 and removed: an L2 prefetch of the rows two pairs ahead (5-25% slower), and one
+  TMA mbarrier per 64-column chunk so QK starts on the first chunk to land (faster on some memory-bound
+  shapes, slower on compute-bound ones: 0.90x vs 0.92x FlashMLA geomean).
 * A missing second tile (odd tile count) is computed as a fully masked tile on clamped, finite rows.
 """
 
