@@ -126,7 +126,11 @@ def test_fp8_kv_cache_close_to_fp32(model, prompts, sequences):
     np.testing.assert_array_equal(res[0][0], res[1][0])  # prefill attends the unquantised new tokens
     d32, d8 = res[0][1], res[1][1]
     assert np.all(np.isfinite(d8))
-    assert np.linalg.norm(d8 - d32) < 0.1 * np.linalg.norm(d32)
+    # e4m3 keeps 3 mantissa bits; through this random model that is a relative logit error of 0.04-0.10
+    # (7 model seeds measured on 2026-11-30; the bound was 0.1 and failed CI once at 0.1002). A wrongly
+    # applied scale or a dropped cache part gives errors of order 1.
+    ratio = float(np.linalg.norm(d8 - d32) / np.linalg.norm(d32))
+    assert ratio < 0.2, ratio
 
 
 def test_generate_argument_errors(model, prompts):
