@@ -161,15 +161,29 @@ class MlaDecodeSm90:
                 grid=(self.R, q.shape[0], 1), block=(128, 1, 1), stream=stream)
 
     # ---------------------------------------------------------------------------------------- device
-    def _row_copy(self, dtype, bits: int, vals: int):
-        """Tiled copy of 256 threads: 32 rows x 8 threads, ``vals`` contiguous elements each."""
+    def _row_copy(self, dtype, bits: int, vals: int, threads=(32, 8)):
+        """Tiled copy over ``threads`` = (rows, threads per row) threads (default 256: 32 x 8), ``vals``
+        contiguous elements each; cp.async for 16-byte copies of 16-bit data."""
         if bits == 128 and dtype.width == 16:
             op = cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL)
         else:
             op = cute.nvgpu.CopyUniversalOp()
         atom = cute.make_copy_atom(op, dtype, num_bits_per_copy=bits)
-        return atom, cute.make_tiled_copy_tv(atom, cute.make_ordered_layout((32, 8), order=(1, 0)),
+        return atom, cute.make_tiled_copy_tv(atom, cute.make_ordered_layout(threads, order=(1, 0)),
                                              cute.make_layout((1, vals)))
+
+    @cute.jit
+    def gather_rows(self, pgs: cute.Tensor, tile_start: Int32, split_end: Int32, num_pages: Int32, wtid: Int32,
+                    threads_per_row: cutlass.Constexpr[int]):
+        """Global cache rows of the tile rows thread ``wtid`` of a warpgroup copies when each row is split
+        over ``threads_per_row`` threads: tokens ``tile_start + wtid // threads_per_row + (128 //
+        threads_per_row) * m`` (m < size of ``pgs``, their raw block-table entries, clamped here to
+        ``[0, num_pages)``), redirected to the split's last token at or past ``split_end`` (finite, masked)."""
+        rows = cute.make_rmem_tensor((cute.size(pgs),), Int64)
+        for m in cutlass.range_constexpr(cute.size(pgs)):
+            tok = cutlass.min(tile_start + wtid // threads_per_row + (128 // threads_per_row) * m, split_end - 1)
+            rows[m] = Int64(clamp(pgs[m], 0, num_pages - 1)) * self.page_size + tok % self.page_size
+        return rows
 
     @cute.jit
     def load_rows(self, sX: cute.Tensor, base: cute.Tensor, rows: cute.Tensor, tid: Int32):
@@ -298,14 +312,8 @@ class MlaDecodeSm90:
         ``[256wg, 256wg+256)``, plus rope columns ``[512+32wg, 512+32wg+32)`` (read only by QK), of all 64 rows
         of one tile (cp.async, no commit).  Thread ``wtid`` copies rows ``wtid//4 + 32m`` (m < 2), 16-byte
         chunks ``wtid%4 + 4k``; page ids come from :meth:`page_ids` (clamped to ``[0, num_pages)`` here)."""
-        rows = cute.make_rmem_tensor((2,), Int64)
-        for m in cutlass.range_constexpr(2):
-            tok = cutlass.min(tile_start + wtid // 4 + 32 * m, split_end - 1)
-            rows[m] = Int64(clamp(pgs[m], 0, num_pages - 1)) * self.page_size + tok % self.page_size
-        atom = cute.make_copy_atom(cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL), self.mma_dtype,
-                                   num_bits_per_copy=128)
-        tiled = cute.make_tiled_copy_tv(atom, cute.make_ordered_layout((32, 4), order=(1, 0)),
-                                        cute.make_layout((1, 8)))
+        rows = self.gather_rows(pgs, tile_start, split_end, num_pages, wtid, 4)
+        atom, tiled = self._row_copy(self.mma_dtype, 128, 8, threads=(32, 4))
         thr = tiled.get_slice(wtid)
         half = self.DV // 2
         rope_w = (self.D - self.DV) // 2

@@ -165,14 +165,8 @@ class MlaDecodeSeesawSm90(MlaDecodeSm90):
         ``wtid//8 + 16m`` (m < 4), 16-byte pieces ``wtid%8`` of every chunk.  Tokens at or past
         ``split_end`` are redirected to the last one (finite, masked); page ids (``pgs`` from
         :meth:`page_ids`) are clamped to ``[0, num_pages)``."""
-        rows = cute.make_rmem_tensor((4,), Int64)
-        for m in cutlass.range_constexpr(4):
-            tok = cutlass.min(tile_start + wtid // 8 + 16 * m, split_end - 1)
-            rows[m] = Int64(clamp(pgs[m], 0, num_pages - 1)) * self.page_size + tok % self.page_size
-        atom = cute.make_copy_atom(cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL), self.mma_dtype,
-                                   num_bits_per_copy=128)
-        tiled = cute.make_tiled_copy_tv(atom, cute.make_ordered_layout((16, 8), order=(1, 0)),
-                                        cute.make_layout((1, 8)))
+        rows = self.gather_rows(pgs, tile_start, split_end, num_pages, wtid, 8)
+        atom, tiled = self._row_copy(self.mma_dtype, 128, 8, threads=(16, 8))
         thr = tiled.get_slice(wtid)
         for c in cutlass.range_constexpr(len(chunks)):
             sX = cute.local_tile(sKs, (self.block_n, _CHUNK), (0, chunks[c]))
