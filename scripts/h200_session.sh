@@ -11,8 +11,8 @@
 #      FlashMLA BF16 / FP8, plain XLA unless BENCH_ARGS=--no-xla, rooflines).  SCHED=<schedule> checks
 #      that schedule instead (recording whether it is bitwise equal to the default) and times it next to
 #      the default, e.g. SCHED=seesaw-cpasync for the TMA vs cp.async comparison.
-#   2. (TEST_S, 150 s) the GPU pytest module's no-recompile test and the compute-sanitizer memcheck
-#      (TOKENSPEED_SANITIZER=1, ~45 s); FULL_TESTS=1 runs the whole module (its 16 cases repeat step 1's
+#   2. (TEST_S, 160 s) the GPU pytest module's no-recompile and CUDA-graph tests and the compute-sanitizer
+#      memcheck (TOKENSPEED_SANITIZER=1, ~60 s); FULL_TESTS=1 runs the whole module (its 16 cases repeat step 1's
 #      matrix with fresh seeds and take ~20 s each: give it TEST_S=420 and a call of its own).
 set -uo pipefail
 export CUTE_DSL_ARCH=sm_90a TOKENSPEED_JAX_CACHE_DIR=/tmp/tsj_cache PYTHONUNBUFFERED=1
@@ -26,7 +26,7 @@ timeout "${DECODE_S:-330}" python -m benchmarks.decode --prewarm 16 --check --be
   --out "$OUT/decode.json" --png "$OUT/decode.png" > "$OUT/decode.log" 2>&1
 echo "decode rc=$?"; grep -E "^check:|bitwise|FlashMLA\|" "$OUT/decode.log" | cut -c1-200 | tail -n 8
 grep -v "^prewarm\|^{\|max |ours" "$OUT/decode.log" | tail -n 70
-K=(-k "memcheck or recompile"); [ "${FULL_TESTS:-0}" = 1 ] && K=()
-timeout "${TEST_S:-150}" env TOKENSPEED_SANITIZER=1 python -m pytest -q -s -rfEx -p no:cacheprovider --durations=5 \
+K=(-k "memcheck or recompile or graph"); [ "${FULL_TESTS:-0}" = 1 ] && K=()
+timeout "${TEST_S:-160}" env TOKENSPEED_SANITIZER=1 python -m pytest -q -s -rfEx -p no:cacheprovider --durations=5 \
   tests/gpu/test_sm90_decode.py "${K[@]}" > "$OUT/decode_tests.log" 2>&1; echo "decode tests rc=$?"
 grep -E "ERROR SUMMARY|passed|failed" "$OUT/decode_tests.log" | tail -n 5

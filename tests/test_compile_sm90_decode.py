@@ -30,7 +30,7 @@ _SCRIPT = textwrap.dedent(
     cfgs = [("bfloat16", 16, 1, 64, 1, 4096, 64, "lockstep"), ("float16", 32, 4, 32, 3, 256, 64, "lockstep"),
             ("float8_e4m3fn", 128, 2, 128, 2, 512, 64, "lockstep"), ("bfloat16", 32, 2, 32, 3, 256, 64, "overlap"),
             ("float16", 32, 4, 16, 3, 320, 64, "seesaw"), ("bfloat16", 128, 1, 64, 1, 1536, 64, "seesaw"),
-            ("bfloat16", 16, 2, 8, 2, 256, 64, "seesaw")]
+            ("bfloat16", 16, 2, 8, 2, 256, 64, "seesaw"), ("bfloat16", 16, 1, 32, 16, 64, 64, "lockstep")]
     for (dtype, H, S, page, splits, tps, bn, sched) in cfgs:
         before = set(glob.glob(d + "/*"))
         if sched == "seesaw":
@@ -48,6 +48,13 @@ _SCRIPT = textwrap.dedent(
         if splits > 1:
             args += [f(cutlass.Float32, (B, splits, R, 512), assumed_align=16), f(cutlass.Float32, (B, splits, R))]
         cute.compile(k, *args)
+        if splits == 16:  # combine kernel with 8 column chunks x 8 split groups, PDL after the main kernel
+            new = sorted(set(glob.glob(d + "/*")) - before)
+            cptx = "".join(open(p).read() for p in new if p.endswith(".ptx"))
+            comb = cptx[cptx.index(".entry kernel_cutlass_combine"):]
+            res["comb"] = dict(v4=len(re.findall(r"ld\\.global\\.v4\\.[bf]32", comb)),
+                               wait=len(re.findall(r"griddepcontrol\\.wait", comb)),
+                               trigger=len(re.findall(r"griddepcontrol\\.launch_dependents", cptx)))
         if sched == "overlap":  # this compile's own dump files
             new = sorted(set(glob.glob(d + "/*")) - before)
             optx = "".join(open(p).read() for p in new if p.endswith(".ptx"))
@@ -130,6 +137,8 @@ def test_sm90_decode_compiles_for_sm90a(tmp_path):
         assert r["sass_hgmma"] >= 3 * 40, r
         assert r["sass_spill"] == 0, r
     assert "tokenspeed_mla_decode_sm90" in r["targets"], r
+    # combine over 16 splits: each of a thread's 2 splits (16 / 8 groups) is one 16-byte load; PDL
+    assert r["comb"] == {"v4": 2, "wait": 1, "trigger": 1}, r["comb"]
     # schedule "overlap": 36 QK + 4 PV in the loop + 4 PV after it; PV(i-1) retired by wait_group(1) while
     # QK(i) stays async; ptxas must not serialize the wgmmas (that shows as a WARPGROUP.DEPBAR per HGMMA)
     assert r["ov_ptx_wgmma"] >= 44 and r["ov_ptx_wait1"] >= 1, r

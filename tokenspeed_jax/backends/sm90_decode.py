@@ -42,6 +42,9 @@ from tokenspeed_jax.problems import KERNEL_DTYPES, DecodeProblem
 
 TARGET = "mla_decode_sm90"
 SCHEDULE_ENV = "TOKENSPEED_SM90_DECODE_SCHEDULE"
+# "0" launches the split-KV combine kernel without programmatic dependent launch (PDL; default "1"), for
+# A/B timing (scripts/pdl_ab.py; docs/sm90_decode.md). Read at trace time; part of the compile key.
+PDL_ENV = "TOKENSPEED_SM90_DECODE_PDL"
 SCHEDULES = ("auto", "seesaw", "seesaw-cpasync", "lockstep", "overlap")  # module docstring (no cutlass import here)
 _MIN_PAGE = 8
 
@@ -60,6 +63,7 @@ class DecodeKernelKey:
     tokens_per_split: int
     block_n: int
     schedule: str = "seesaw"
+    pdl: bool = True  # combine kernel launched with programmatic dependent launch ($TOKENSPEED_SM90_DECODE_PDL)
 
 
 def supports(problem: DecodeProblem) -> str | None:
@@ -121,8 +125,9 @@ def decode(problem: DecodeProblem, q, kv_cache, block_table, seq_lens, softmax_s
     if (seesaw or schedule == "overlap") and block_n != 64:
         raise ValueError(f"schedule: {schedule!r} needs kv_step 64, got kv_step {block_n}")
     launch = launch_mla_decode_seesaw if seesaw else launch_mla_decode
-    key = DecodeKernelKey("mla_decode_sm90.v4", problem.dtype, H, S, problem.page_size, problem.causal,
-                          plan.num_splits, plan.tokens_per_split, block_n, schedule)
+    pdl = os.environ.get(PDL_ENV, "1") != "0"
+    key = DecodeKernelKey("mla_decode_sm90.v5", problem.dtype, H, S, problem.page_size, problem.causal,
+                          plan.num_splits, plan.tokens_per_split, block_n, schedule, pdl)
     outputs = [jax.ShapeDtypeStruct((B, S, H, problem.kv_lora_rank), jnp.dtype(problem.out_dtype)),
                jax.ShapeDtypeStruct((B, S, H), jnp.float32)]
     outputs += [jax.ShapeDtypeStruct(w.shape, jnp.dtype(w.dtype)) for w in plan.workspace]
@@ -130,6 +135,7 @@ def decode(problem: DecodeProblem, q, kv_cache, block_table, seq_lens, softmax_s
         TARGET, launch, outputs=outputs, compile_key=key,
         dtype=problem.dtype, num_heads=H, q_len=S, page_size=problem.page_size, causal=problem.causal,
         num_splits=plan.num_splits, tokens_per_split=plan.tokens_per_split, block_n=block_n, schedule=schedule,
+        pdl=pdl,
     )
     res = call(q, kv_cache, block_table.astype(jnp.int32), seq_lens.astype(jnp.int32),
                ffi.scalar_operand(softmax_scale), ffi.scalar_operand(output_scale))

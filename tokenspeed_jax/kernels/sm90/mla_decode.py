@@ -66,7 +66,7 @@ class MlaDecodeSm90:
 
     def __init__(self, *, dtype: str, num_heads: int, q_len: int, page_size: int, causal: bool,
                  num_splits: int, tokens_per_split: int, block_n: int = 64, head_dim: int = 576,
-                 kv_lora_rank: int = 512, schedule: str = "lockstep"):
+                 kv_lora_rank: int = 512, schedule: str = "lockstep", pdl: bool = True):
         why = self.can_implement(dtype=dtype, num_heads=num_heads, q_len=q_len, page_size=page_size,
                                  tokens_per_split=tokens_per_split, head_dim=head_dim,
                                  kv_lora_rank=kv_lora_rank)
@@ -99,6 +99,8 @@ class MlaDecodeSm90:
         self.schedule = schedule
         self.overlap = schedule == "overlap"
         self.defer_pv = self.overlap and not self.fp8
+        # split-KV: launch the combine kernel with programmatic dependent launch (see combine_kernel)
+        self.pdl = bool(pdl)
 
     @staticmethod
     def can_implement(*, dtype, num_heads, q_len, page_size, tokens_per_split, head_dim, kv_lora_rank):
@@ -157,8 +159,7 @@ class MlaDecodeSm90:
             grid=(self.num_m_blocks, self.num_splits, q.shape[0]), block=(self.num_threads, 1, 1),
             smem=Storage.size_in_bytes(), stream=stream, min_blocks_per_mp=1)
         if cutlass.const_expr(self.num_splits > 1):
-            self.combine_kernel(o_accum, lse_accum, output_scale, out, lse).launch(
-                grid=(self.R, q.shape[0], 1), block=(128, 1, 1), stream=stream)
+            self.launch_combine(stream, o_accum, lse_accum, output_scale, out, lse, q.shape[0])
 
     # ---------------------------------------------------------------------------------------- device
     def _row_copy(self, dtype, bits: int, vals: int, threads=(32, 8)):
@@ -483,6 +484,8 @@ class MlaDecodeSm90:
                st_layout: cute.Layout, Storage: cutlass.Constexpr):
         tid, _, _ = cute.arch.thread_idx()
         mblk, split, b = cute.arch.block_idx()
+        if cutlass.const_expr(self.num_splits > 1 and self.pdl):
+            cute.arch.griddepcontrol_launch_dependents()  # the combine grid may launch (PDL; it waits)
         wg = cute.arch.make_warp_uniform(tid // 128)
         wtid = tid % 128
         bn, P = self.block_n, self.stages
@@ -631,41 +634,118 @@ class MlaDecodeSm90:
                         if cutlass.const_expr((e // 2) % 2 == h):
                             gO[wg * (self.DV // 2) + tOcO[e][1]] = acc_o[e] * inv[h]
 
+    def combine_shape(self):
+        """``(C, G)`` of the combine kernel: each CTA merges ``DV / C`` columns of one row; its 128
+        threads form ``G`` split groups of ``128 / G`` column threads (4 columns each). Up to 8 splits one
+        thread merges all of them (C = G = 1, the loads unrolled); beyond, 8 x 8 keeps enough loads in
+        flight when one request is split over the whole GPU (B=1: 128 splits x 16 rows)."""
+        return (1, 1) if self.num_splits <= 8 else (8, 8)
+
+    @cute.jit
+    def launch_combine(self, stream, o_accum: cute.Tensor, lse_accum: cute.Tensor, output_scale: cute.Tensor,
+                       out: cute.Tensor, lse: cute.Tensor, batch):
+        C, _G = self.combine_shape()
+        nw = -(-self.num_splits // 128) * 128
+
+        @cute.struct
+        class CombineStorage:
+            red: cute.struct.MemRange[Float32, 8]
+            w: cute.struct.Align[cute.struct.MemRange[Float32, nw], 16]
+            acc: cute.struct.Align[cute.struct.MemRange[Float32, 512], 16]
+
+        self.combine_kernel(o_accum, lse_accum, output_scale, out, lse, CombineStorage).launch(
+            grid=(self.R, batch, C), block=(128, 1, 1), smem=CombineStorage.size_in_bytes(), stream=stream,
+            use_pdl=self.pdl)
+
     @cute.kernel
     def combine_kernel(self, mOacc: cute.Tensor, mLacc: cute.Tensor, mOS: cute.Tensor, mOut: cute.Tensor,
-                       mLse: cute.Tensor):
-        """One CTA per (row, request): fixed-order LSE-weighted sum of the split partials."""
+                       mLse: cute.Tensor, Storage: cutlass.Constexpr):
+        """One CTA per (row, request, column chunk): LSE-weighted sum of the split partials in a fixed order
+        (deterministic, no atomics). The split LSEs are read by all 128 threads at once and reduced in the
+        block; the weights go through smem; each split group sums its splits in order, then group 0 adds
+        the groups in order.
+
+        Launched with programmatic dependent launch (PDL): the main kernel signals
+        ``griddepcontrol.launch_dependents`` at its start, so this grid is launched while the main grid
+        runs and its CTAs take SMs as main CTAs retire; ``griddepcontrol.wait`` holds every thread until
+        the main grid has completed and its writes are visible."""
+        if cutlass.const_expr(self.pdl):
+            cute.arch.griddepcontrol_wait()
         tid, _, _ = cute.arch.thread_idx()
-        r, b, _ = cute.arch.block_idx()
+        r, b, chunk = cute.arch.block_idx()
         ns = self.num_splits
+        C, G = self.combine_shape()
+        T = 128 // G
+        NL = -(-ns // 128)
+        NI = -(-ns // G)
+        st = cutlass.utils.SmemAllocator().allocate(Storage)
+        sRed = st.red.get_tensor(cute.make_layout(8))
+        sW = st.w.get_tensor(cute.make_layout(NL * 128))
+        sAcc = st.acc.get_tensor(cute.make_layout(512))
+        warp, lane = tid // 32, tid % 32
         lbase = Int64(b) * ns * self.R + r
         gL = cute.make_tensor(mLacc.iterator + lbase, cute.make_layout(ns, stride=self.R))
+        lv = cute.make_rmem_tensor((NL,), Float32)
         m = -Float32.inf
-        for s in cutlass.range(ns, unroll=1):
-            m = cute.arch.fmax(m, gL[s])
-        total = Float32(0.0)
+        for j in cutlass.range_constexpr(NL):
+            lv[j] = -Float32.inf
+            if tid + 128 * j < ns:
+                lv[j] = gL[tid + 128 * j]
+            m = cute.arch.fmax(m, lv[j])
+        for k in cutlass.range_constexpr(5):
+            m = cute.arch.fmax(m, cute.arch.shuffle_sync_bfly(m, offset=16 >> k))
+        if lane == 0:
+            sRed[warp] = m
+        cute.arch.barrier()
+        m = cute.arch.fmax(cute.arch.fmax(sRed[0], sRed[1]), cute.arch.fmax(sRed[2], sRed[3]))
+        part = Float32(0.0)
+        for j in cutlass.range_constexpr(NL):
+            w = Float32(0.0)
+            if m != -Float32.inf:
+                w = cute.arch.exp2((lv[j] - m) * LOG2_E)
+            sW[tid + 128 * j] = w
+            part = part + w
+        for k in cutlass.range_constexpr(5):
+            part = part + cute.arch.shuffle_sync_bfly(part, offset=16 >> k)
+        if lane == 0:
+            sRed[4 + warp] = part
+        cute.arch.barrier()
+        total = ((sRed[4] + sRed[5]) + sRed[6]) + sRed[7]
+        g, c = tid // T, tid % T
+        col = chunk * (self.DV // C) + c * 4
         acc = cute.make_rmem_tensor((4,), Float32)
         acc.fill(0.0)
-        if m != -Float32.inf:
-            for s in cutlass.range(ns, unroll=1):
-                w = cute.arch.exp2((gL[s] - m) * LOG2_E)
-                total = total + w
-                gO = cute.make_tensor(mOacc.iterator + (lbase + Int64(s) * self.R) * self.DV + tid * 4,
-                                      cute.make_layout(4))
+        for i in cutlass.range_constexpr(NI):
+            if g + G * i < ns:
+                s = g + G * i
+                gO = cute.make_tensor(row_ptr(mOacc, lbase + Int64(s) * self.R, col, self.DV, 16), cute.make_layout(4))
+                v = gO.load()
+                w = sW[s]
                 for j in cutlass.range_constexpr(4):
-                    acc[j] = acc[j] + w * gO[j]
-        inv = Float32(0.0)
-        lse = -Float32.inf
-        if total > 0.0:
-            inv = mOS[0] / total
-            lse = m + cute.math.log(total, fastmath=False)
-        obase = Int64(b) * self.R + r
-        gOut = cute.make_tensor(mOut.iterator + obase * self.DV + tid * 4, cute.make_layout(4))
-        for j in cutlass.range_constexpr(4):
-            gOut[j] = (acc[j] * inv).to(self.out_dtype)
-        if tid == 0:
-            gLse = cute.make_tensor(mLse.iterator + obase, cute.make_layout(1))
-            gLse[0] = lse
+                    acc[j] = acc[j] + w * v[j]
+        if cutlass.const_expr(G > 1):
+            for j in cutlass.range_constexpr(4):
+                sAcc[tid * 4 + j] = acc[j]
+            cute.arch.barrier()
+        if g == 0:
+            if cutlass.const_expr(G > 1):
+                for k in cutlass.range_constexpr(1, G):
+                    for j in cutlass.range_constexpr(4):
+                        acc[j] = acc[j] + sAcc[(k * T + c) * 4 + j]
+            inv = Float32(0.0)
+            lse = -Float32.inf
+            if total > 0.0:
+                inv = mOS[0] / total
+                lse = m + cute.math.log(total, fastmath=False)
+            obase = Int64(b) * self.R + r
+            res = cute.make_rmem_tensor((4,), self.out_dtype)
+            for j in cutlass.range_constexpr(4):
+                res[j] = (acc[j] * inv).to(self.out_dtype)
+            gOut = cute.make_tensor(row_ptr(mOut, obase, col, self.DV, 8), cute.make_layout(4))
+            gOut.store(res.load())
+            if tid == 0 and chunk == 0:
+                gLse = cute.make_tensor(mLse.iterator + obase, cute.make_layout(1))
+                gLse[0] = lse
 
 
 @cute.jit
@@ -675,11 +755,11 @@ def launch_mla_decode(stream, q: cute.Tensor, kv: cute.Tensor, block_table: cute
                       dtype: cutlass.Constexpr, num_heads: cutlass.Constexpr, q_len: cutlass.Constexpr,
                       page_size: cutlass.Constexpr, causal: cutlass.Constexpr, num_splits: cutlass.Constexpr,
                       tokens_per_split: cutlass.Constexpr, block_n: cutlass.Constexpr = 64,
-                      schedule: cutlass.Constexpr = "lockstep"):
+                      schedule: cutlass.Constexpr = "lockstep", pdl: cutlass.Constexpr = True):
     """FFI launch function (``tokenspeed_jax.ffi`` ABI): inputs, outputs, then the split-KV workspace."""
     MlaDecodeSm90(dtype=dtype, num_heads=num_heads, q_len=q_len, page_size=page_size, causal=causal,
                   num_splits=num_splits, tokens_per_split=tokens_per_split, block_n=block_n,
-                  schedule=schedule)(
+                  schedule=schedule, pdl=pdl)(
         stream, q, kv, block_table, seq_lens, softmax_scale, output_scale, out, lse, o_accum, lse_accum)
 
 

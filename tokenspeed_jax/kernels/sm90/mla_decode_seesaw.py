@@ -142,8 +142,7 @@ class MlaDecodeSeesawSm90(MlaDecodeSm90):
             grid=(self.num_m_blocks, self.num_splits, q.shape[0]), block=(self.num_threads, 1, 1),
             smem=Storage.size_in_bytes(), stream=stream, min_blocks_per_mp=1)
         if cutlass.const_expr(self.num_splits > 1):
-            self.combine_kernel(o_accum, lse_accum, output_scale, out, lse).launch(
-                grid=(self.R, q.shape[0], 1), block=(128, 1, 1), stream=stream)
+            self.launch_combine(stream, o_accum, lse_accum, output_scale, out, lse, q.shape[0])
 
     # ---------------------------------------------------------------------------------------- device
     @cute.jit
@@ -329,6 +328,8 @@ class MlaDecodeSeesawSm90(MlaDecodeSm90):
                       Storage: cutlass.Constexpr):
         tid, _, _ = cute.arch.thread_idx()
         mblk, split, b = cute.arch.block_idx()
+        if cutlass.const_expr(self.num_splits > 1 and self.pdl):
+            cute.arch.griddepcontrol_launch_dependents()  # the combine grid may launch (PDL; it waits)
         wg = cute.arch.make_warp_uniform(tid // 128)
         wtid = tid % 128
         bn = self.block_n
@@ -566,11 +567,13 @@ def launch_mla_decode_seesaw(stream, q: cute.Tensor, kv: cute.Tensor, block_tabl
                              num_heads: cutlass.Constexpr, q_len: cutlass.Constexpr, page_size: cutlass.Constexpr,
                              causal: cutlass.Constexpr, num_splits: cutlass.Constexpr,
                              tokens_per_split: cutlass.Constexpr, block_n: cutlass.Constexpr = 64,
-                             schedule: cutlass.Constexpr = "seesaw"):
+                             schedule: cutlass.Constexpr = "seesaw", pdl: cutlass.Constexpr = True):
     """FFI launch function of schedule "seesaw" (same ABI as ``launch_mla_decode``); ``"seesaw-cpasync"``
     forces the cp.async refills where TMA would be used."""
     MlaDecodeSeesawSm90(dtype=dtype, num_heads=num_heads, q_len=q_len, page_size=page_size, causal=causal,
                         num_splits=num_splits, tokens_per_split=tokens_per_split, block_n=block_n,
-                        kv_load="cp.async" if schedule == "seesaw-cpasync" else "auto")(
+                        kv_load="cp.async" if schedule == "seesaw-cpasync" else "auto", pdl=pdl)(
         stream, q, kv, block_table, seq_lens, softmax_scale, output_scale, out, lse, o_accum, lse_accum)
+
+
 __all__ = ["MlaDecodeSeesawSm90", "acc_to_a_layout", "launch_mla_decode_seesaw"]
