@@ -43,7 +43,7 @@ from tokenspeed_jax.problems import KERNEL_DTYPES, DecodeProblem
 TARGET = "mla_decode_sm90"
 SCHEDULE_ENV = "TOKENSPEED_SM90_DECODE_SCHEDULE"
 # "0" launches the split-KV combine kernel without programmatic dependent launch (PDL; default "1"), for
-# A/B timing (scripts/pdl_ab.py; docs/sm90_decode.md). Read at trace time; part of the compile key.
+# A/B timing (scripts/decode_ab.py; docs/sm90_decode.md). Read at trace time; part of the compile key.
 PDL_ENV = "TOKENSPEED_SM90_DECODE_PDL"
 SCHEDULES = ("auto", "seesaw", "seesaw-cpasync", "lockstep", "overlap")  # module docstring (no cutlass import here)
 _MIN_PAGE = 8
