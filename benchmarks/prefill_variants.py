@@ -118,36 +118,37 @@ def variant_fn(variant: str, T: int, H: int, causal: bool, scale: float):
     """A jitted ``f(q, k, v, cu_q, cu_k, scale[1]) -> (out, lse)`` running ``variant`` (bf16, 192/128)."""
     import jax
     import jax.numpy as jnp
-    from cutlass.jax import TensorSpec
 
     from tokenspeed_jax import ffi, mla_prefill
+    from tokenspeed_jax.backends.sm90_prefill import _specs
+    from tokenspeed_jax.prefill import _prefill_problem
 
     if variant == "ours":
         return jax.jit(lambda q, k, v, cq, ck, s: mla_prefill(
             q, k, v, cq, ck, softmax_scale=s[0], causal=causal, return_lse=True, max_seqlen_q=T, max_seqlen_k=T,
             backend="sm90"))
-    def spec(*div):  # = sm90_prefill._specs
-        return TensorSpec(divisibility=div, ptr_assumed_align=16)
 
-    common = {
-        "outputs": [jax.ShapeDtypeStruct((T, H, 128), jnp.bfloat16), jax.ShapeDtypeStruct((T, H), jnp.float32)],
-        "input_specs": (spec(1, H, 192), spec(1, H, 192), spec(1, H, 128), spec(1), spec(1), spec(1)),
-        "output_specs": (spec(1, H, 128), spec(1, H)), "dynamic_shapes": True,
-        "library_versions": ("flash-attn-4", "quack-kernels"), "head_dim": 192, "head_dim_v": 128,
-        "causal": causal,
-    }
-    if variant == "ours_nopad":  # the shipped kernel instance, cu_seqlens passed as given (no extra request)
-        from tokenspeed_jax.kernels.sm90.fa4_prefill import fa4_prefill_launch
+    def f(q, k, v, cq, ck, s):
+        input_specs, output_specs = _specs(_prefill_problem(q, k, v, cq, ck, causal, True, None, None))
+        common = {"outputs": [jax.ShapeDtypeStruct((T, H, 128), jnp.bfloat16),
+                              jax.ShapeDtypeStruct((T, H), jnp.float32)],
+                  "input_specs": input_specs, "output_specs": output_specs, "dynamic_shapes": True,
+                  "library_versions": ("flash-attn-4", "quack-kernels"), "head_dim": 192, "head_dim_v": 128,
+                  "causal": causal}
+        if variant == "ours_nopad":  # the shipped kernel instance, cu_seqlens passed as given (no extra request)
+            from tokenspeed_jax.kernels.sm90.fa4_prefill import fa4_prefill_launch
 
-        call = ffi.custom_call("prefill_variant_ours", fa4_prefill_launch,
-                               compile_key=VariantKey(variant, causal, 0.0), dtype="bfloat16", qhead_per_kvhead=1,
-                               **common)
-    else:
-        host = variant in ("plain", "epi_only")
-        call = ffi.custom_call("prefill_variant", _launch(), compile_key=VariantKey(variant, causal,
-                                                                                    scale if host else 0.0),
-                               variant=variant, host_scale=scale if host else 1.0, **common)
-    return jax.jit(lambda q, k, v, cq, ck, s: tuple(call(q, k, v, cq, ck, s)))
+            call = ffi.custom_call("prefill_variant_ours", fa4_prefill_launch,
+                                   compile_key=VariantKey(variant, causal, 0.0), dtype="bfloat16",
+                                   qhead_per_kvhead=1, **common)
+        else:
+            host = variant in ("plain", "epi_only")
+            call = ffi.custom_call("prefill_variant", _launch(),
+                                   compile_key=VariantKey(variant, causal, scale if host else 0.0),
+                                   variant=variant, host_scale=scale if host else 1.0, **common)
+        return tuple(call(q, k, v, cq, ck, s))
+
+    return jax.jit(f)
 
 
 def main(argv=None):

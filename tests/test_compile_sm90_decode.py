@@ -26,6 +26,8 @@ _SCRIPT = textwrap.dedent(
     from tokenspeed_jax.kernels.sm90.mla_decode import MlaDecodeSm90
     res = {}
     d = os.environ["CUTE_DSL_DUMP_DIR"]
+    own = lambda before, ext: "".join(  # text of the dump files a compile added since ``before``
+        open(p).read() for p in sorted(set(glob.glob(d + "/*")) - before) if p.endswith(ext))
     from tokenspeed_jax.kernels.sm90.mla_decode_seesaw import MlaDecodeSeesawSm90
     cfgs = [("bfloat16", 16, 1, 64, 1, 4096, 64, "lockstep"), ("float16", 32, 4, 32, 3, 256, 64, "lockstep"),
             ("float8_e4m3fn", 128, 2, 128, 2, 512, 64, "lockstep"), ("bfloat16", 32, 2, 32, 3, 256, 64, "overlap"),
@@ -49,16 +51,13 @@ _SCRIPT = textwrap.dedent(
             args += [f(cutlass.Float32, (B, splits, R, 512), assumed_align=16), f(cutlass.Float32, (B, splits, R))]
         cute.compile(k, *args)
         if splits == 16:  # combine kernel with 8 column chunks x 8 split groups, PDL after the main kernel
-            new = sorted(set(glob.glob(d + "/*")) - before)
-            cptx = "".join(open(p).read() for p in new if p.endswith(".ptx"))
+            cptx = own(before, ".ptx")
             comb = cptx[cptx.index(".entry kernel_cutlass_combine"):]
             res["comb"] = dict(v4=len(re.findall(r"ld\\.global\\.v4\\.[bf]32", comb)),
                                wait=len(re.findall(r"griddepcontrol\\.wait", comb)),
                                trigger=len(re.findall(r"griddepcontrol\\.launch_dependents", cptx)))
         if sched == "overlap":  # this compile's own dump files
-            new = sorted(set(glob.glob(d + "/*")) - before)
-            optx = "".join(open(p).read() for p in new if p.endswith(".ptx"))
-            osass = "".join(open(p).read() for p in new if p.endswith(".sass"))
+            optx, osass = own(before, ".ptx"), own(before, ".sass")
             res["ov_ptx_wgmma"] = len(re.findall(r"wgmma.mma_async", optx))
             res["ov_ptx_wait1"] = len(re.findall(r"wgmma.wait_group.sync.aligned\\s+1;", optx))
             res["ov_sass"] = bool(osass)
@@ -66,9 +65,7 @@ _SCRIPT = textwrap.dedent(
             res["ov_sass_depbar"] = len(re.findall(r"WARPGROUP\\.DEPBAR", osass))
             res["ov_sass_spill"] = len(re.findall(r"\\b(STL|LDL)\\b", osass))
         if sched == "seesaw":  # page 16: TMA, 4 boxes per chunk; page 64: TMA, 1 box; page 8: cp.async
-            new = sorted(set(glob.glob(d + "/*")) - before)
-            sptx = "".join(open(p).read() for p in new if p.endswith(".ptx"))
-            ssass = "".join(open(p).read() for p in new if p.endswith(".sass"))
+            sptx, ssass = own(before, ".ptx"), own(before, ".sass")
             res.setdefault("ss", {})[page] = dict(
                 use_tma=k.use_tma,
                 qk=len(re.findall(r"wgmma.mma_async.sync.aligned.m64n64k16", sptx)),

@@ -33,6 +33,13 @@ def _arch():
     os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
 
 
+def _env_with_xla_flag(flag: str) -> dict:
+    """This process's environment with ``flag`` appended to ``XLA_FLAGS`` (for a subprocess)."""
+    env = dict(os.environ)
+    env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " " + flag).strip()
+    return env
+
+
 def _cases():
     from benchmarks.decode import CHECK
 
@@ -84,8 +91,7 @@ def test_memcheck_small_shapes():
             "sys.exit(0 if r and all(x['ok'] for x in r) else 3)")
     # XLA's GEMM autotuning (the fp32 reference's dots) under the sanitizer made this test time out and the
     # sanitizer segfault on the H200 (2026-11-30, "Very slow compile" of gemm fusions); it is irrelevant here
-    env = dict(os.environ)
-    env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " --xla_gpu_autotune_level=0").strip()
+    env = _env_with_xla_flag("--xla_gpu_autotune_level=0")
     p = subprocess.run([exe, "--tool", "memcheck", "--error-exitcode", "9", "--kernel-name", "kns=MlaDecode",
                         sys.executable, "-c", code], capture_output=True, text=True, timeout=1800, check=False,
                        env=env)
@@ -125,8 +131,7 @@ def test_inside_cuda_graph():
     import sys
     from pathlib import Path
 
-    env = dict(os.environ)
-    env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " --xla_gpu_graph_min_graph_size=1").strip()
+    env = _env_with_xla_flag("--xla_gpu_graph_min_graph_size=1")
     p = subprocess.run([sys.executable, "-c", _GRAPH_SCRIPT], env=env, cwd=Path(__file__).resolve().parents[2],
                        capture_output=True, text=True, timeout=300, check=False)
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-4000:]

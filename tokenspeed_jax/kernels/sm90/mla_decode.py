@@ -484,8 +484,7 @@ class MlaDecodeSm90:
                st_layout: cute.Layout, Storage: cutlass.Constexpr):
         tid, _, _ = cute.arch.thread_idx()
         mblk, split, b = cute.arch.block_idx()
-        if cutlass.const_expr(self.num_splits > 1 and self.pdl):
-            cute.arch.griddepcontrol_launch_dependents()  # the combine grid may launch (PDL; it waits)
+        self.allow_combine_launch()
         wg = cute.arch.make_warp_uniform(tid // 128)
         wtid = tid % 128
         bn, P = self.block_n, self.stages
@@ -634,6 +633,13 @@ class MlaDecodeSm90:
                         if cutlass.const_expr((e // 2) % 2 == h):
                             gO[wg * (self.DV // 2) + tOcO[e][1]] = acc_o[e] * inv[h]
 
+    @cute.jit
+    def allow_combine_launch(self):
+        """Main kernels, first thing: with PDL the combine grid may be launched now (it waits for this grid
+        to complete before reading; :meth:`combine_kernel`)."""
+        if cutlass.const_expr(self.num_splits > 1 and self.pdl):
+            cute.arch.griddepcontrol_launch_dependents()
+
     def combine_shape(self):
         """``(C, G)`` of the combine kernel: each CTA merges ``DV / C`` columns of one row; its 128
         threads form ``G`` split groups of ``128 / G`` column threads (4 columns each). Up to 8 splits one
@@ -641,11 +647,15 @@ class MlaDecodeSm90:
         flight when one request is split over the whole GPU (B=1: 128 splits x 16 rows)."""
         return (1, 1) if self.num_splits <= 8 else (8, 8)
 
+    def combine_lse_slots(self) -> int:
+        """Split LSEs each of the combine's 128 threads reads (``ceil(splits / 128)``)."""
+        return -(-self.num_splits // 128)
+
     @cute.jit
     def launch_combine(self, stream, o_accum: cute.Tensor, lse_accum: cute.Tensor, output_scale: cute.Tensor,
                        out: cute.Tensor, lse: cute.Tensor, batch):
         C, _G = self.combine_shape()
-        nw = -(-self.num_splits // 128) * 128
+        nw = self.combine_lse_slots() * 128
 
         @cute.struct
         class CombineStorage:
@@ -656,6 +666,22 @@ class MlaDecodeSm90:
         self.combine_kernel(o_accum, lse_accum, output_scale, out, lse, CombineStorage).launch(
             grid=(self.R, batch, C), block=(128, 1, 1), smem=CombineStorage.size_in_bytes(), stream=stream,
             use_pdl=self.pdl)
+
+    @cute.jit
+    def block_allreduce(self, x: Float32, sRed: cute.Tensor, slot: cutlass.Constexpr[int],
+                        is_max: cutlass.Constexpr[bool], tid: Int32) -> Float32:
+        """Max (``is_max``) or sum of ``x`` over the 128 threads, returned to all of them: butterfly over each
+        warp, the 4 warp results through ``sRed[slot:slot + 4]``, folded in warp order (deterministic)."""
+        for k in cutlass.range_constexpr(5):
+            y = cute.arch.shuffle_sync_bfly(x, offset=16 >> k)
+            x = cute.arch.fmax(x, y) if is_max else x + y
+        if tid % 32 == 0:
+            sRed[slot + tid // 32] = x
+        cute.arch.barrier()
+        r = sRed[slot]
+        for w in cutlass.range_constexpr(1, 4):
+            r = cute.arch.fmax(r, sRed[slot + w]) if is_max else r + sRed[slot + w]
+        return r
 
     @cute.kernel
     def combine_kernel(self, mOacc: cute.Tensor, mLacc: cute.Tensor, mOS: cute.Tensor, mOut: cute.Tensor,
@@ -676,13 +702,12 @@ class MlaDecodeSm90:
         ns = self.num_splits
         C, G = self.combine_shape()
         T = 128 // G
-        NL = -(-ns // 128)
+        NL = self.combine_lse_slots()
         NI = -(-ns // G)
         st = cutlass.utils.SmemAllocator().allocate(Storage)
         sRed = st.red.get_tensor(cute.make_layout(8))
         sW = st.w.get_tensor(cute.make_layout(NL * 128))
         sAcc = st.acc.get_tensor(cute.make_layout(512))
-        warp, lane = tid // 32, tid % 32
         lbase = Int64(b) * ns * self.R + r
         gL = cute.make_tensor(mLacc.iterator + lbase, cute.make_layout(ns, stride=self.R))
         lv = cute.make_rmem_tensor((NL,), Float32)
@@ -692,12 +717,7 @@ class MlaDecodeSm90:
             if tid + 128 * j < ns:
                 lv[j] = gL[tid + 128 * j]
             m = cute.arch.fmax(m, lv[j])
-        for k in cutlass.range_constexpr(5):
-            m = cute.arch.fmax(m, cute.arch.shuffle_sync_bfly(m, offset=16 >> k))
-        if lane == 0:
-            sRed[warp] = m
-        cute.arch.barrier()
-        m = cute.arch.fmax(cute.arch.fmax(sRed[0], sRed[1]), cute.arch.fmax(sRed[2], sRed[3]))
+        m = self.block_allreduce(m, sRed, 0, True, tid)
         part = Float32(0.0)
         for j in cutlass.range_constexpr(NL):
             w = Float32(0.0)
@@ -705,12 +725,7 @@ class MlaDecodeSm90:
                 w = cute.arch.exp2((lv[j] - m) * LOG2_E)
             sW[tid + 128 * j] = w
             part = part + w
-        for k in cutlass.range_constexpr(5):
-            part = part + cute.arch.shuffle_sync_bfly(part, offset=16 >> k)
-        if lane == 0:
-            sRed[4 + warp] = part
-        cute.arch.barrier()
-        total = ((sRed[4] + sRed[5]) + sRed[6]) + sRed[7]
+        total = self.block_allreduce(part, sRed, 4, False, tid)
         g, c = tid // T, tid % T
         col = chunk * (self.DV // C) + c * 4
         acc = cute.make_rmem_tensor((4,), Float32)

@@ -328,8 +328,7 @@ class MlaDecodeSeesawSm90(MlaDecodeSm90):
                       Storage: cutlass.Constexpr):
         tid, _, _ = cute.arch.thread_idx()
         mblk, split, b = cute.arch.block_idx()
-        if cutlass.const_expr(self.num_splits > 1 and self.pdl):
-            cute.arch.griddepcontrol_launch_dependents()  # the combine grid may launch (PDL; it waits)
+        self.allow_combine_launch()
         wg = cute.arch.make_warp_uniform(tid // 128)
         wtid = tid % 128
         bn = self.block_n
