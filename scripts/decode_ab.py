@@ -4,7 +4,10 @@ rounds in one process on the same inputs; also says whether the outputs are bitw
     source .device/bootstrap.sh && python scripts/decode_ab.py TOKENSPEED_SM90_DECODE_PDL 1 0
     python scripts/decode_ab.py TOKENSPEED_SM90_DECODE_PDL 1 0 --cases 1,81920,64,16,1 64,81920,64,16,1
 
-Cases are ``B,K,page,H,S`` (bf16, every request at full length; default: 4 shapes with split-KV or not).
+Cases are ``B,K,page,H,S`` (bf16, every request at full length; default: 4 shapes with split-KV or not;
+``--cases matrix``: the 13 shapes of ``benchmarks.decode.BENCH``).  ``--prewarm N`` first compiles every
+(case, value) configuration in N CPU worker processes (``benchmarks.decode.prewarm``; each value's workers
+see the switch in their environment), so the timed process only loads cached objects.
 Writes ``$OUT/decode_ab.json`` (2026-11-30, PDL: ``benchmarks/results/decode_sm90_pdl_ab_20261130.json``).
 """
 import argparse
@@ -14,35 +17,48 @@ import os
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks.decode import bench_case, bench_inputs, decode_fn
+from benchmarks.decode import BENCH, bench_case, bench_inputs, decode_fn, prewarm
 from benchmarks.harness import bench as timeit
 
-ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-ap.add_argument("var")
-ap.add_argument("values", nargs="+")
-ap.add_argument("--cases", nargs="+", default=["1,81920,64,16,1", "8,16384,64,128,2", "64,81920,64,16,1",
-                                               "128,4096,64,16,1"])
-ap.add_argument("--rounds", type=int, default=3)
-a = ap.parse_args()
-res = []
-for spec in a.cases:
-    c = bench_case(*(int(x) for x in spec.split(",")))
-    q, kv, bt, sl, scale = bench_inputs(c)
-    fns, outs = {}, {}
-    for v in a.values:
-        os.environ[a.var] = v
-        f = decode_fn(c, "sm90")
-        outs[v] = np.asarray(f(q, kv, bt, sl, scale)[0].astype(jnp.float32))  # traced here, with the switch
-        fns[v] = f
-    os.environ.pop(a.var, None)
-    t = {v: [] for v in fns}
-    for _ in range(a.rounds):
-        for v, f in fns.items():
-            t[v].append(timeit(lambda f=f, args=(q, kv, bt, sl, scale): f(*args))["median_us"])
-    first = a.values[0]
-    r = {"case": c.name, "var": a.var, **{f"us_{v}": float(np.median(t[v])) for v in fns},
-         "bitwise_equal": all(np.array_equal(outs[v], outs[first]) for v in fns)}
-    print(json.dumps(r), flush=True)
-    res.append(r)
-with open(os.path.join(os.environ.get("OUT", "/tmp"), "decode_ab.json"), "w") as fh:
-    json.dump(res, fh, indent=1)
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("var")
+    ap.add_argument("values", nargs="+")
+    ap.add_argument("--cases", nargs="+", default=["1,81920,64,16,1", "8,16384,64,128,2", "64,81920,64,16,1",
+                                                   "128,4096,64,16,1"])
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--prewarm", type=int, default=0, help="CPU worker processes compiling every config first")
+    a = ap.parse_args()
+    specs = [tuple(int(x) for x in s.split(",")) for s in a.cases] if a.cases != ["matrix"] else BENCH
+    cases = [bench_case(*s) for s in specs]
+    if a.prewarm:
+        for v in a.values:
+            os.environ[a.var] = v
+            prewarm(cases, a.prewarm)
+        os.environ.pop(a.var, None)
+    res = []
+    for c in cases:
+        q, kv, bt, sl, scale = bench_inputs(c)
+        fns, outs = {}, {}
+        for v in a.values:
+            os.environ[a.var] = v
+            f = decode_fn(c, "sm90")
+            outs[v] = np.asarray(f(q, kv, bt, sl, scale)[0].astype(jnp.float32))  # traced here, with the switch
+            fns[v] = f
+        os.environ.pop(a.var, None)
+        t = {v: [] for v in fns}
+        for _ in range(a.rounds):
+            for v, f in fns.items():
+                t[v].append(timeit(lambda f=f, args=(q, kv, bt, sl, scale): f(*args))["median_us"])
+        first = a.values[0]
+        r = {"case": c.name, "var": a.var, **{f"us_{v}": float(np.median(t[v])) for v in fns},
+             "bitwise_equal": all(np.array_equal(outs[v], outs[first]) for v in fns)}
+        print(json.dumps(r), flush=True)
+        res.append(r)
+    with open(os.path.join(os.environ.get("OUT", "/tmp"), "decode_ab.json"), "w") as fh:
+        json.dump(res, fh, indent=1)
+
+
+if __name__ == "__main__":  # (the prewarm workers are spawned: they re-import this file)
+    main()

@@ -11,19 +11,22 @@
 #      FlashMLA BF16 / FP8, plain XLA unless BENCH_ARGS=--no-xla, rooflines).  SCHED=<schedule> checks
 #      that schedule instead (recording whether it is bitwise equal to the default) and times it next to
 #      the default, e.g. SCHED=seesaw-cpasync for the TMA vs cp.async comparison.
+#      NO_BENCH=1 runs the matrix only.  TOKENSPEED_JAX_CACHE_DIR (default /tmp/tsj_cache) keeps the compile
+#      caches of different checkouts apart on one warm machine.
 #   2. (TEST_S, 160 s) the GPU pytest module's no-recompile and CUDA-graph tests and the compute-sanitizer
 #      memcheck (TOKENSPEED_SANITIZER=1, ~60 s); FULL_TESTS=1 runs the whole module (its 16 cases repeat step 1's
 #      matrix with fresh seeds and take ~20 s each: give it TEST_S=420 and a call of its own).
 set -uo pipefail
-export CUTE_DSL_ARCH=sm_90a TOKENSPEED_JAX_CACHE_DIR=/tmp/tsj_cache PYTHONUNBUFFERED=1
+export CUTE_DSL_ARCH=sm_90a TOKENSPEED_JAX_CACHE_DIR=${TOKENSPEED_JAX_CACHE_DIR:-/tmp/tsj_cache} PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu --format=csv,noheader
 timeout "${SMOKE_S:-100}" python -m benchmarks.decode --prewarm 16 --check --cases s1h16p64,s4h32p32,s16h1p16 \
   --out "$OUT/smoke.json" > "$OUT/smoke.log" 2>&1
 echo "smoke rc=$?"; grep -v "^prewarm " "$OUT/smoke.log" | cut -c1-160 | tail -n 4
 grep -q "check: 3/3" "$OUT/smoke.log" || { echo "smoke failed: stopping"; exit 1; }
-timeout "${DECODE_S:-330}" python -m benchmarks.decode --prewarm 16 --check --bench ${SCHED:+--schedule $SCHED} ${BENCH_ARGS:-} \
-  --out "$OUT/decode.json" --png "$OUT/decode.png" > "$OUT/decode.log" 2>&1
+BENCH=(--bench --png "$OUT/decode.png"); [ "${NO_BENCH:-0}" = 1 ] && BENCH=()
+timeout "${DECODE_S:-330}" python -m benchmarks.decode --prewarm 16 --check "${BENCH[@]}" ${SCHED:+--schedule $SCHED} ${BENCH_ARGS:-} \
+  --out "$OUT/decode.json" > "$OUT/decode.log" 2>&1
 echo "decode rc=$?"; grep -E "^check:|bitwise|FlashMLA\|" "$OUT/decode.log" | cut -c1-200 | tail -n 8
 grep -v "^prewarm\|^{\|max |ours" "$OUT/decode.log" | tail -n 70
 K=(-k "memcheck or recompile or graph"); [ "${FULL_TESTS:-0}" = 1 ] && K=()
