@@ -23,7 +23,7 @@ nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu --format=csv,no
 timeout "${SMOKE_S:-100}" python -m benchmarks.decode --prewarm 16 --check --cases s1h16p64,s4h32p32,s16h1p16 \
   --out "$OUT/smoke.json" > "$OUT/smoke.log" 2>&1
 echo "smoke rc=$?"; grep -v "^prewarm " "$OUT/smoke.log" | cut -c1-160 | tail -n 4
-grep -q "check: 3/3" "$OUT/smoke.log" || { echo "smoke failed: stopping"; exit 1; }
+grep -qE "check: ([0-9]+)/\1 cases" "$OUT/smoke.log" || { echo "smoke failed: stopping"; exit 1; }
 BENCH=(--bench --png "$OUT/decode.png"); [ "${NO_BENCH:-0}" = 1 ] && BENCH=()
 timeout "${DECODE_S:-330}" python -m benchmarks.decode --prewarm 16 --check "${BENCH[@]}" ${SCHED:+--schedule $SCHED} ${BENCH_ARGS:-} \
   --out "$OUT/decode.json" > "$OUT/decode.log" 2>&1
