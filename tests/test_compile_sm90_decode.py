@@ -32,7 +32,8 @@ _SCRIPT = textwrap.dedent(
     cfgs = [("bfloat16", 16, 1, 64, 1, 4096, 64, "lockstep"), ("float16", 32, 4, 32, 3, 256, 64, "lockstep"),
             ("float8_e4m3fn", 128, 2, 128, 2, 512, 64, "lockstep"), ("bfloat16", 32, 2, 32, 3, 256, 64, "overlap"),
             ("float16", 32, 4, 16, 3, 320, 64, "seesaw"), ("bfloat16", 128, 1, 64, 1, 1536, 64, "seesaw"),
-            ("bfloat16", 16, 2, 8, 2, 256, 64, "seesaw"), ("bfloat16", 16, 1, 32, 16, 64, 64, "lockstep")]
+            ("bfloat16", 16, 2, 8, 2, 256, 64, "seesaw"), ("bfloat16", 16, 1, 32, 16, 64, 64, "lockstep"),
+            ("float8_e4m3fn", 32, 2, 32, 2, 256, 64, "seesaw")]
     for (dtype, H, S, page, splits, tps, bn, sched) in cfgs:
         before = set(glob.glob(d + "/*"))
         if sched == "seesaw":
@@ -74,6 +75,7 @@ _SCRIPT = textwrap.dedent(
                 tma=len(re.findall(r"cp\\.async\\.bulk\\.tensor\\.3d\\.shared::\\w+\\.global\\.tile\\.mbarrier", sptx)),
                 sass=bool(ssass),
                 rs=len(re.findall(r"HGMMA\\.64x256x16\\.F32\\.(?:F16|BF16) R\\d+, R\\d+", ssass)),
+                cvt=len(re.findall(r"cvt\\.rn\\.f16x2\\.e4m3x2", sptx)),
                 spill=len(re.findall(r"\\b(STL|LDL)\\b", ssass)))
     kw = dict(dtype="bfloat16", num_heads=16, q_len=1, causal=True, num_splits=1, tokens_per_split=64, block_n=64)
     try:
@@ -82,6 +84,11 @@ _SCRIPT = textwrap.dedent(
     except ValueError as e:
         res["tma_page8"] = str(e)
     res["forced_cp_uses_tma"] = MlaDecodeSeesawSm90(page_size=64, kv_load="cp.async", **kw).use_tma
+    try:
+        MlaDecodeSeesawSm90(page_size=8, **dict(kw, dtype="float8_e4m3fn"))
+        res["fp8_cp"] = "accepted"
+    except ValueError as e:
+        res["fp8_cp"] = str(e)
     ptx = "".join(open(p).read() for p in glob.glob(d + "/*.ptx"))
     sass = "".join(open(p).read() for p in glob.glob(d + "/*.sass"))
     res["ptx_wgmma"] = len(re.findall(r"wgmma.mma_async", ptx))
@@ -156,7 +163,15 @@ def test_sm90_decode_compiles_for_sm90a(tmp_path):
             assert x["tma"] == 0 and x["mbar_cp"] >= 8, (page, x)
         if x["sass"]:
             assert x["rs"] == 8 and x["spill"] == 0, (page, x)
+    # FP8 seesaw (page 32: 2 boxes per chunk): e4m3 boxes, upcast in place to fp16 chunk by chunk: 16
+    # cvt.e4m3x2 per thread and chunk, 36 chunks (2 x 9 prologue + 9 + 9 loop) + q (2 rows x 9 x 4)
+    x = ss["32"]
+    assert x["use_tma"] and x["qk"] == 4 * 36 and x["pv"] == 16 and x["tma"] == 72 and x["mbar_cp"] == 0, x
+    assert x["cvt"] == 36 * 16 + 72, x
+    if x["sass"]:
+        assert x["spill"] == 0, x
     assert "page_size" in r["tma_page8"] and r["forced_cp_uses_tma"] is False, r
+    assert "TMA" in r["fp8_cp"], r
 
 
 def test_schedule_switch(monkeypatch):

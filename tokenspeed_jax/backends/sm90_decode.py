@@ -6,7 +6,8 @@ docstring; contract in :mod:`tokenspeed_jax.decode`).  Planning: ``_plan_sm90`` 
 the split-KV partials are XLA-owned extra outputs of the custom call, sized exactly by the plan.
 
 FP8 (``float8_e4m3fn`` q and cache, scales folded into ``softmax_scale`` / ``output_scale`` as the decode
-contract says) runs the same kernel with an exact in-smem upcast to bf16 and returns bf16.
+contract says) reads half the bytes and upcasts exactly in shared memory: to fp16 in the seesaw loop
+(page sizes >= 16), to bf16 in the lockstep loop (page 8); bf16 output.
 
 Custom calls: ``tokenspeed_mla_decode_sm90`` (main kernel, plus the combine kernel launched from the same
 launch function when the plan splits KV).  ``softmax_scale`` / ``output_scale`` are (1,)-shaped float32
@@ -19,12 +20,11 @@ Schedules (compile-time main loops; details in the kernel modules and ``docs/sm9
   runs under the other's matmuls; KV refills per column group through mbarriers, by TMA for page sizes
   >= 16 (cp.async for page 8).  ``"seesaw-cpasync"`` is the same loop with cp.async refills for every
   page size (opt-in, for comparison: bitwise equal results, 0.5-7% slower on the H200).
-* ``"lockstep"`` (:class:`~tokenspeed_jax.kernels.sm90.mla_decode.MlaDecodeSm90`, the default and only loop
-  for FP8): both warpgroups on the same tile, three CTA-wide barriers per tile.
+* ``"lockstep"`` (:class:`~tokenspeed_jax.kernels.sm90.mla_decode.MlaDecodeSm90`, FP8 with 8-token pages):
+  both warpgroups on the same tile, three CTA-wide barriers per tile.
 * ``"overlap"``: lockstep with PV(i-1) issued ahead of QK(i) (opt-in, measured no faster).
 
-``"auto"`` picks seesaw for bf16/fp16 and lockstep for FP8; an explicit ``"seesaw"`` with FP8 inputs also
-runs lockstep.  Chosen by ``decode(..., schedule=...)`` or, when that is None, by the environment variable
+``"auto"`` picks seesaw; FP8 with 8-token pages (no TMA refills) or ``"seesaw-cpasync"`` runs lockstep.  Chosen by ``decode(..., schedule=...)`` or, when that is None, by the environment variable
 ``TOKENSPEED_SM90_DECODE_SCHEDULE`` (read when the call is traced; a jitted function keeps the schedule it
 was traced with).
 """
@@ -120,8 +120,8 @@ def decode(problem: DecodeProblem, q, kv_cache, block_table, seq_lens, softmax_s
     if schedule == "auto":
         schedule = "seesaw" if block_n == 64 else "lockstep"
     seesaw = schedule in ("seesaw", "seesaw-cpasync")
-    if seesaw and problem.dtype == "float8_e4m3fn":
-        schedule, seesaw = "lockstep", False  # seesaw is 16-bit only (module docstring)
+    if seesaw and problem.dtype == "float8_e4m3fn" and (schedule == "seesaw-cpasync" or problem.page_size < 16):
+        schedule, seesaw = "lockstep", False  # FP8 seesaw: TMA refills only (module docstring)
     if (seesaw or schedule == "overlap") and block_n != 64:
         raise ValueError(f"schedule: {schedule!r} needs kv_step 64, got kv_step {block_n}")
     launch = launch_mla_decode_seesaw if seesaw else launch_mla_decode

@@ -1,7 +1,7 @@
 """Absorbed-MLA paged decode for Hopper, schedule ``"seesaw"``: the two math warpgroups work out of phase.
 
 Same contract, grid, split-KV partials, epilogue and combine kernel as :class:`MlaDecodeSm90` (this class
-subclasses it and replaces only the main loop); 16-bit inputs only (FP8 runs the ``"lockstep"`` loop of the base class).
+subclasses it and replaces only the main loop); bf16/fp16 inputs, and FP8 (e4m3) with TMA refills (below).
 
 The ``"lockstep"`` schedule splits every 64-token KV tile between the two warpgroups (each computes QK^T for 32
 tokens) and keeps them in lock step (three CTA-wide barriers per tile): the tensor cores idle during
@@ -42,6 +42,13 @@ FlashMLA's Hopper kernel (its "seesaw"; design read from its source, code our ow
   TMA mbarrier per 64-column chunk so QK starts on the first chunk to land (faster on some memory-bound
   shapes, slower on compute-bound ones: 0.90x vs 0.92x FlashMLA geomean).
 * A missing second tile (odd tile count) is computed as a fully masked tile on clamped, finite rows.
+* FP8 (e4m3 q and cache; page sizes >= 16): the same loop on fp16 operands.  q is upcast to fp16 while it
+  is loaded.  A cache refill lands raw: TMA boxes of dense 64-byte e4m3 rows, chunk ``c`` in the upper half
+  of the slot's fp16 chunk ``c`` (:meth:`staging`).  The warpgroup whose QK reads a column group upcasts it
+  in place right after it lands (:meth:`expand`: all reads of a chunk, a warpgroup barrier, then the
+  writes), so HBM traffic halves and the smem budget is the 16-bit one.  e4m3 -> fp16 is exact; products
+  accumulate in fp32; P is rounded to fp16 (3 more bits than the bf16 of the 16-bit paths); bf16 output.
+  The FP8 scales are folded into ``softmax_scale`` / ``output_scale`` by the caller (decode contract).
 """
 
 from __future__ import annotations
@@ -79,15 +86,21 @@ class MlaDecodeSeesawSm90(MlaDecodeSm90):
     def __init__(self, *, kv_load: str = "auto", **kw):
         kw["schedule"] = "lockstep"
         super().__init__(**kw)
-        if self.fp8 or self.block_n != 64:
-            raise ValueError(f"schedule 'seesaw' needs a 16-bit dtype and block_n 64, got {self.dtype_name}, "
-                             f"{self.block_n}")
+        if self.block_n != 64:
+            raise ValueError(f"schedule 'seesaw' needs block_n 64, got {self.block_n}")
         if kv_load not in ("auto", "tma", "cp.async"):
             raise ValueError(f"kv_load: expected 'auto', 'tma' or 'cp.async', got {kv_load!r}")
         tma_ok = self.page_size >= _MIN_TMA_PAGE  # power of two: divides 64 or is a multiple of it
         if kv_load == "tma" and not tma_ok:
             raise ValueError(f"kv_load 'tma' needs page_size >= {_MIN_TMA_PAGE}, got {self.page_size}")
+        if self.fp8 and (not tma_ok or kv_load == "cp.async"):
+            raise ValueError(f"schedule 'seesaw' with FP8 needs the TMA refills (page_size >= {_MIN_TMA_PAGE}), "
+                             f"got page_size {self.page_size}, kv_load {kv_load!r}")
         self.use_tma = tma_ok and kv_load != "cp.async"
+        if self.fp8:
+            # e4m3 -> fp16 is exact and one cvt per 2 values (-> bf16 takes 3); fp16 also keeps 3 more bits of P
+            # than bf16.  fp32 accumulation and softmax statistics; bf16 output (module docstring).
+            self.mma_dtype = cutlass.Float16
         self.box_rows = min(self.page_size, self.block_n)  # rows of one TMA box (one page or one tile)
         self.subs = self.block_n // self.box_rows  # boxes per 64-token tile and 64-column chunk
         self.schedule = "seesaw"
@@ -120,9 +133,12 @@ class MlaDecodeSeesawSm90(MlaDecodeSm90):
             # (page_size, 576, num_pages) view of the cache; one box = box_rows x 64 columns, SW128 like a
             # 64-column chunk of a KV slot
             kv_t = cute.make_tensor(kv.iterator, cute.select(kv.layout, mode=[1, 2, 0]))
-            box = cute.select(sm90_utils.make_smem_layout_b(LayoutEnum.ROW_MAJOR,
-                                                            (self.block_m, self.box_rows, _CHUNK), dt, 1),
-                              mode=[0, 1])
+            if cutlass.const_expr(self.fp8):  # raw e4m3 rows, dense (64 bytes), staged for the upcast
+                box = cute.make_layout((self.box_rows, _CHUNK), stride=(_CHUNK, 1))
+            else:
+                box = cute.select(sm90_utils.make_smem_layout_b(LayoutEnum.ROW_MAJOR,
+                                                                (self.block_m, self.box_rows, _CHUNK), dt, 1),
+                                  mode=[0, 1])
             tma_atom, tma_kv = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), kv_t, box,
                                                            (self.box_rows, _CHUNK))
 
@@ -213,7 +229,7 @@ class MlaDecodeSeesawSm90(MlaDecodeSm90):
             if wtid < 32:  # the whole warp: the TMA copy elects its issuing lane (elect.sync)
                 if wtid == 0:
                     cute.arch.mbarrier_arrive_and_expect_tx(mbar_ptr, len(chunks) * self.block_n * _CHUNK
-                                                            * (self.mma_dtype.width // 8))
+                                                            * (self.dtype.width // 8))
                 for c in cutlass.range_constexpr(len(chunks)):
                     for sb in cutlass.range_constexpr(self.subs):
                         cute.copy(tma_atom, tAg[None, pgs[sb, 1], chunks[c], pgs[sb, 0]], tAs[None, sb, chunks[c]],
@@ -228,6 +244,46 @@ class MlaDecodeSeesawSm90(MlaDecodeSm90):
             return self.tma_coords(mBT, b, tile_start, split_end, num_pages)
         else:
             return self.page_ids(mBT, b, tile_start, split_end, wtid)
+
+    def staging(self, slots_ptr):
+        """FP8: e4m3 views ``(64 tokens, 576)`` of the two slots' staging areas.  The raw row-major e4m3 chunk
+        ``c`` (64 rows x 64 bytes = 4 KB) lands in the upper half of the slot's bf16 chunk ``c`` (bytes
+        ``8192 c + 4096 ..``), where :meth:`expand` turns it into the bf16 chunk in place."""
+        raw = cute.recast_ptr(slots_ptr, dtype=cutlass.Float8E4M3FN)
+        chunk_bytes = self.block_n * _CHUNK * (self.mma_dtype.width // 8)
+        slot_bytes = chunk_bytes * (self.D // _CHUNK)
+        layout = cute.make_layout((self.block_n, (_CHUNK, self.D // _CHUNK)), stride=(_CHUNK, (1, chunk_bytes)))
+        return tuple(cute.make_tensor(raw + (g * slot_bytes + chunk_bytes // 2), layout) for g in range(2))
+
+    @cute.jit
+    def expand(self, sKs: cute.Tensor, sSt: cute.Tensor, wg: Int32, wtid: Int32, chunks: cutlass.Constexpr):
+        """FP8 only (no-op otherwise): upcast the landed e4m3 chunks ``chunks`` of a slot into its bf16
+        chunks (exact), by the 128 threads of the slot's QK warpgroup, before that QK reads them.
+
+        Each chunk is expanded in place: every thread first reads its 4 x 8 bytes of the e4m3 chunk, a
+        warpgroup barrier orders all reads before any write (the bf16 chunk covers the e4m3 bytes), then
+        it writes its 4 x 16 bytes (thread ``wtid``: rows ``wtid//8 + 16m``, columns ``8 (wtid%8)..``).  A
+        proxy fence and a barrier publish the chunks to the wgmmas (async proxy).  The barrier id is the
+        warpgroup's :attr:`Barrier.TAIL` id (:meth:`zero_tail` uses it at other points of the same
+        128-thread sequence)."""
+        if cutlass.const_expr(self.fp8):
+            _, tiled16 = self._row_copy(self.mma_dtype, 128, 8, threads=(16, 8))
+            _, tiled8 = self._row_copy(cutlass.Float8E4M3FN, 64, 8, threads=(16, 8))
+            thr16 = tiled16.get_slice(wtid)
+            thr8 = tiled8.get_slice(wtid)
+            for c in cutlass.range_constexpr(len(chunks)):
+                src = thr8.partition_S(cute.local_tile(sSt, (self.block_n, _CHUNK), (0, chunks[c])))
+                dst = thr16.partition_D(cute.local_tile(sKs, (self.block_n, _CHUNK), (0, chunks[c])))
+                f8 = [cute.make_rmem_tensor((8,), cutlass.Float8E4M3FN) for _ in range(4)]
+                for m in cutlass.range_constexpr(4):
+                    cute.autovec_copy(src[None, m, 0], f8[m])
+                cute.arch.barrier(barrier_id=int(Barrier.TAIL) + wg, number_of_threads=128)
+                for m in cutlass.range_constexpr(4):
+                    b16 = cute.make_rmem_tensor((8,), self.mma_dtype)
+                    b16.store(f8[m].load().to(self.mma_dtype))
+                    cute.autovec_copy(b16, dst[None, m, 0])
+            cute.arch.fence_view_async_shared()
+            cute.arch.barrier(barrier_id=int(Barrier.TAIL) + wg, number_of_threads=128)
 
     @cute.jit
     def zero_tail(self, sKs: cute.Tensor, tile_start: Int32, split_end: Int32, wg: Int32, wtid: Int32):
@@ -358,20 +414,28 @@ class MlaDecodeSeesawSm90(MlaDecodeSm90):
         if tid < 64:
             sM[tid] = -Float32.inf
         cute.arch.mbarrier_init_fence()
-        # ---- Q tile (rows past R: clamped copy of row R-1, never stored), one cp.async group
-        self.load_rows(sQ[None, None, 0], mQ, self.q_rows(mblk, b, tid), tid)
+        # ---- Q tile (rows past R: clamped copy of row R-1, never stored), one cp.async group (FP8: upcast
+        #      through registers)
+        if cutlass.const_expr(self.fp8):
+            self.load_q_fp8(sQ[None, None, 0], mQ, self.q_rows(mblk, b, tid), tid)
+        else:
+            self.load_rows(sQ[None, None, 0], mQ, self.q_rows(mblk, b, tid), tid)
         cute.arch.cp_async_commit_group()
         cute.arch.barrier()  # mbarriers initialised before any arrive
         # ---- prologue: pair 0 into both slots (completion 0 of every mbarrier)
         sK0 = sK[None, None, 0]
         sK1 = sK[None, None, 1]
         tAs0, tAs1, tAg = None, None, None
+        sSt0, sSt1 = None, None  # FP8: the e4m3 staging view of each slot (see :meth:`expand`)
+        if cutlass.const_expr(self.fp8):
+            sSt0, sSt1 = self.staging(st.sK.data_ptr())
         if cutlass.const_expr(self.use_tma):  # boxes: (page row block, chunk, page) -> slot (sub-box, chunk)
             gKV = cute.group_modes(cute.local_tile(tma_kv, (self.box_rows, _CHUNK), (None, None, None)), 0, 2)
+            dst0, dst1 = (sSt0, sSt1) if cutlass.const_expr(self.fp8) else (sK0, sK1)
             tAs0, tAg = cpasync.tma_partition(tma_atom, 0, cute.make_layout(1), cute.group_modes(
-                cute.local_tile(sK0, (self.box_rows, _CHUNK), (None, None)), 0, 2), gKV)
+                cute.local_tile(dst0, (self.box_rows, _CHUNK), (None, None)), 0, 2), gKV)
             tAs1, _ = cpasync.tma_partition(tma_atom, 0, cute.make_layout(1), cute.group_modes(
-                cute.local_tile(sK1, (self.box_rows, _CHUNK), (None, None)), 0, 2), gKV)
+                cute.local_tile(dst1, (self.box_rows, _CHUNK), (None, None)), 0, 2), gKV)
         if n_pairs > 0:
             pg0 = self.coords(mBT, b, split_start, split_end, num_pages, wtid)
             pg1 = self.coords(mBT, b, split_start + bn, split_end, num_pages, wtid)
@@ -430,10 +494,12 @@ class MlaDecodeSeesawSm90(MlaDecodeSm90):
             if wg == 0:
                 self.landed(mbar + 0, 0)
                 self.landed(mbar + 1, 0)
+                self.expand(sK0, sSt0, wg, wtid, (0, 1, 2, 3, 4, 5, 6, 7, 8))
                 self.qk_chunks(qk_mma, acc_s, tSrQ, tSrK0, (0, 1, 2, 3, 4, 5, 6, 7, 8), True)
             else:
                 self.landed(mbar + 2, 0)
                 self.landed(mbar + 3, 0)
+                self.expand(sK1, sSt1, wg, wtid, (0, 1, 2, 3, 4, 5, 6, 7, 8))
                 self.qk_chunks(qk_mma, acc_s, tSrQ, tSrK1, (0, 1, 2, 3, 4, 5, 6, 7, 8), True)
             warpgroup.commit_group()
             warpgroup.wait_group(0)
@@ -486,12 +552,14 @@ class MlaDecodeSeesawSm90(MlaDecodeSm90):
                 #    cols 0..255 + 512..575) WG1's refill of cols 256..575
                 if more:
                     self.landed(mbar + 0, ph)
+                    self.expand(sK0, sSt0, wg, wtid, (0, 1, 2, 3))
                     self.qk_chunks(qk_mma, acc_s, tSrQ, tSrK0, (0, 1, 2, 3), True)
                     warpgroup.commit_group()
                     warpgroup.wait_group(1)
                     self.refill(sK1, tAs1, tAg, tma_atom, mbar + 2, mKV, pgA1, t0 + 3 * bn, split_end, num_pages, wg,
                                 wtid, (0, 1, 2, 3, 8), Barrier.REFILL_A1)
                     self.landed(mbar + 1, ph)
+                    self.expand(sK0, sSt0, wg, wtid, (4, 5, 6, 7, 8))
                     self.qk_chunks(qk_mma, acc_s, tSrQ, tSrK0, (4, 5, 6, 7, 8), False)
                     warpgroup.commit_group()
                 warpgroup.wait_group(0)
@@ -540,8 +608,10 @@ class MlaDecodeSeesawSm90(MlaDecodeSm90):
                                 wtid, (4, 5, 6, 7, 8), Barrier.REFILL_B0)
                     # 5. next QK on slot 1: own columns first, then WG0's refill (cols 0..255 + rope)
                     self.landed(mbar + 3, ph)
+                    self.expand(sK1, sSt1, wg, wtid, (4, 5, 6, 7))
                     self.qk_chunks(qk_mma, acc_s, tSrQ, tSrK1, (4, 5, 6, 7), True)
                     self.landed(mbar + 2, ph)
+                    self.expand(sK1, sSt1, wg, wtid, (0, 1, 2, 3, 8))
                     self.qk_chunks(qk_mma, acc_s, tSrQ, tSrK1, (0, 1, 2, 3, 8), False)
                     warpgroup.commit_group()
                 warpgroup.wait_group(0)
