@@ -8,7 +8,8 @@ Cases are ``B,K,page,H,S`` (bf16, every request at full length; default: 4 shape
 ``--cases matrix``: the 13 shapes of ``benchmarks.decode.BENCH``).  ``--prewarm N`` first compiles every
 (case, value) configuration in N CPU worker processes (``benchmarks.decode.prewarm``; each value's workers
 see the switch in their environment), so the timed process only loads cached objects.
-Writes ``$OUT/decode_ab.json`` (2026-11-30, PDL: ``benchmarks/results/decode_sm90_pdl_ab_20261130.json``).
+Writes ``$OUT/decode_ab.json``.  ``lowering_equal: true`` means the switch did not reach the kernel (the A/B
+compared a kernel with itself: docs/sm90_decode.md, the withdrawn PDL A/B of 2026-11-30).
 """
 import argparse
 import json
@@ -40,11 +41,12 @@ def main() -> None:
     res = []
     for c in cases:
         q, kv, bt, sl, scale = bench_inputs(c)
-        fns, outs = {}, {}
+        fns, outs, hlo = {}, {}, {}
         for v in a.values:
             os.environ[a.var] = v
             f = decode_fn(c, "sm90")
             outs[v] = np.asarray(f(q, kv, bt, sl, scale)[0].astype(jnp.float32))  # traced here, with the switch
+            hlo[v] = f.lower(q, kv, bt, sl, scale).as_text()
             fns[v] = f
         os.environ.pop(a.var, None)
         t = {v: [] for v in fns}
@@ -53,7 +55,9 @@ def main() -> None:
                 t[v].append(timeit(lambda f=f, args=(q, kv, bt, sl, scale): f(*args))["median_us"])
         first = a.values[0]
         r = {"case": c.name, "var": a.var, **{f"us_{v}": float(np.median(t[v])) for v in fns},
-             "bitwise_equal": all(np.array_equal(outs[v], outs[first]) for v in fns)}
+             "bitwise_equal": all(np.array_equal(outs[v], outs[first]) for v in fns),
+             # the switch reached the kernel: its compile key (hence the custom call's config) differs
+             "lowering_equal": all(hlo[v] == hlo[first] for v in fns)}
         print(json.dumps(r), flush=True)
         res.append(r)
     with open(os.path.join(os.environ.get("OUT", "/tmp"), "decode_ab.json"), "w") as fh:

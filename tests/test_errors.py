@@ -6,6 +6,8 @@ lengths / page ids while the unchecked path stays memory-safe."""
 
 from __future__ import annotations
 
+import os
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -356,3 +358,38 @@ def test_prefill_validate_reports_bad_offsets(rng, name, cq, ck, pattern):
 def test_prefill_validate_type():
     with pytest.raises(TypeError, match=r"^validate: expected a Python bool, got 'yes'"):
         P(validate="yes")()
+
+
+def test_trace_env_switch_takes_effect_in_one_process(monkeypatch):
+    """A backend's trace-time environment switches (``Backend.trace_env``) are part of mla_decode's trace
+    cache key: changing one between two traces of the same problem reaches the backend (scripts/decode_ab.py
+    relies on it).  jax >= 0.11 caches the trace of a custom_vmap function by its identity
+    (``pe.trace_to_jaxpr`` is a weakref LRU cache), so without the switches in ``_vmappable_decode``'s key the
+    second trace reused the first and an A/B compared a kernel with itself (H200, 2026-11-30); jax 0.10
+    retraces every time, where this test checks only that the switch reaches the backend."""
+    seen = []
+
+    class Probe:
+        name, priority, trace_env = "env_probe", -100, ("TOKENSPEED_TEST_SWITCH",)
+
+        def supports_decode(self, problem):
+            return None
+
+        def supports_prefill(self, problem):
+            return "decode only"
+
+        def decode(self, problem, q, kv_cache, block_table, seq_lens, softmax_scale, output_scale):
+            seen.append(os.environ.get("TOKENSPEED_TEST_SWITCH"))
+            B, S, H, _ = q.shape
+            return (jnp.zeros((B, S, H, problem.kv_lora_rank), q.dtype), jnp.zeros((B, S, H), jnp.float32))
+
+    monkeypatch.setitem(B._REGISTRY, "env_probe", Probe())
+    q = jnp.zeros((1, 1, 1, 32), jnp.float32)
+    kv = jnp.zeros((2, 16, 32), jnp.float32)
+    args = (q, kv, jnp.zeros((1, 2), jnp.int32), jnp.ones((1,), jnp.int32))
+    run = lambda: jax.jit(lambda *a: tj.mla_decode(*a, softmax_scale=1.0, kv_lora_rank=16,  # noqa: E731
+                                                   backend="env_probe"))(*args)
+    for v in ("a", "b", "a"):
+        monkeypatch.setenv("TOKENSPEED_TEST_SWITCH", v)
+        run()
+    assert seen[:2] == ["a", "b"] and set(seen) == {"a", "b"}, seen

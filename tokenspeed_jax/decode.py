@@ -32,6 +32,7 @@ Runtime data safety (clamp, documented decision)
 from __future__ import annotations
 
 import functools
+import os
 
 import jax
 import jax.numpy as jnp
@@ -93,7 +94,8 @@ def mla_decode(
         if validate:
             check_decode_inputs(block_table, seq_lens, num_pages=problem.num_pages,
                                 page_size=problem.page_size)
-        out, lse = _vmappable_decode(impl.name, problem)(q, kv_cache, block_table, seq_lens, ss, os_)
+        switches = tuple((k, os.environ.get(k)) for k in getattr(impl, "trace_env", ()))
+        out, lse = _vmappable_decode(impl.name, problem, switches)(q, kv_cache, block_table, seq_lens, ss, os_)
     return (out, lse) if return_lse else out
 
 
@@ -159,8 +161,11 @@ def check_decode_inputs(block_table, seq_lens, *, num_pages: int, page_size: int
 
 
 @functools.lru_cache(maxsize=None)
-def _vmappable_decode(backend_name: str, problem: DecodeProblem):
+def _vmappable_decode(backend_name: str, problem: DecodeProblem, switches: tuple = ()):
     """The backend call wrapped in a ``custom_vmap`` that folds a vmapped axis into the batch.
+
+    Cached per (backend, problem, ``switches``): JAX caches the trace of the returned function, so the
+    values of the backend's trace-time environment switches (``Backend.trace_env``) are part of the key.
 
     A vmapped axis of size V over q / block_table / seq_lens becomes V*B requests.  A vmapped kv_cache
     ``[V, num_pages, ...]`` is folded into ``V*num_pages`` pages with block-table entries offset by

@@ -29,6 +29,10 @@ from tokenspeed_jax.problems import DecodeProblem, PrefillProblem
 
 
 class Backend(Protocol):
+    """A backend.  Optional attribute ``trace_env: tuple[str, ...]``: names of environment variables its
+    ``decode`` reads at trace time (kernel switches for A/B timing); ``mla_decode`` keys its per-problem
+    trace cache on their values, so changing one between two traces takes effect in the same process."""
+
     name: str
     priority: int
 

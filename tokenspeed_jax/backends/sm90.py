@@ -32,6 +32,11 @@ class Sm90Backend:
     def _prefill_mod():
         return _half("tokenspeed_jax.backends.sm90_prefill")
 
+    @property
+    def trace_env(self) -> tuple[str, ...]:
+        m = self._decode_mod()
+        return () if m is None else m.TRACE_ENV
+
     def supports_decode(self, problem) -> str | None:
         m = self._decode_mod()
         return "sm90 decode is not part of this build" if m is None else m.supports(problem)

@@ -45,6 +45,9 @@ SCHEDULE_ENV = "TOKENSPEED_SM90_DECODE_SCHEDULE"
 # "0" launches the split-KV combine kernel without programmatic dependent launch (PDL; default "1"), for
 # A/B timing (scripts/decode_ab.py; docs/sm90_decode.md). Read at trace time; part of the compile key.
 PDL_ENV = "TOKENSPEED_SM90_DECODE_PDL"
+# The environment switches this module reads at trace time: ``mla_decode`` keys its per-problem trace cache
+# on their values (``Backend.trace_env``), so a switch changed between two traces takes effect.
+TRACE_ENV = (SCHEDULE_ENV, PDL_ENV)
 SCHEDULES = ("auto", "seesaw", "seesaw-cpasync", "lockstep", "overlap")  # module docstring (no cutlass import here)
 _MIN_PAGE = 8
 
