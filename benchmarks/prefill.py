@@ -218,8 +218,10 @@ def interleaved(fns: dict, est_us: float, *, rounds: int = 7, warmup: int = 1) -
 
     Each contender is warmed up (``warmup`` calls), then one more call sizes its round (``iters``
     back-to-back launches, at least 20 ms, 50 ms for cases estimated above ``LARGE_US``, at most 1000).
-    Then ``rounds`` rounds run; in each, every contender in ``fns``' order launches its ``iters`` calls and
-    waits for the device (A-B-A-B...). Returns name -> {median_us, min_us, max_us, iters, samples_us}.
+    Then ``rounds`` rounds run; in each, every contender launches its ``iters`` calls and waits for the
+    device (A-B-A-B...), the order rotated by one contender per round so that no contender always runs
+    first or after the same neighbour (round-to-round spread on the H200 was up to 15%, 2026-11-29).
+    Returns name -> {median_us, min_us, max_us, iters, samples_us}.
     """
     from tokenspeed_jax.timing import _sync
 
@@ -233,9 +235,10 @@ def interleaved(fns: dict, est_us: float, *, rounds: int = 7, warmup: int = 1) -
         dt = time.perf_counter() - t0
         iters[name] = max(1, min(1000, math.ceil(min_round_s / max(dt, 1e-6))))
     samples: dict = {name: [] for name in fns}
-    for _ in range(rounds):
-        for name, fn in fns.items():
-            n = iters[name]
+    names = list(fns)
+    for r in range(rounds):
+        for name in names[r % len(names):] + names[: r % len(names)]:
+            fn, n = fns[name], iters[name]
             t0 = time.perf_counter()
             out = None
             for _ in range(n):

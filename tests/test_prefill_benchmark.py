@@ -65,10 +65,10 @@ def test_interleaved_times_every_contender_in_rounds():
     assert set(res) == {"a", "b"}
     for r in res.values():
         assert len(r["samples_us"]) == 3 and r["min_us"] <= r["median_us"] <= r["max_us"] and r["iters"] >= 1
-    # after warm-up and sizing (a a b b), rounds alternate: a x iters, b x iters, a ..., b ...
+    # after warm-up and sizing (a a b b), rounds alternate, the order rotating: a b, b a, a b
     timed = calls[4:]
-    ia, ib = res["a"]["iters"], res["b"]["iters"]
-    assert timed == (["a"] * ia + ["b"] * ib) * 3
+    A, B_ = ["a"] * res["a"]["iters"], ["b"] * res["b"]["iters"]
+    assert timed == A + B_ + B_ + A + A + B_
 
 
 def test_speedups_and_verdicts():
