@@ -8,7 +8,7 @@ Cases are ``B,K,page,H,S`` (bf16, every request at full length; default: 4 shape
 ``--cases matrix``: the 13 shapes of ``benchmarks.decode.BENCH``).  ``--prewarm N`` first compiles every
 (case, value) configuration in N CPU worker processes (``benchmarks.decode.prewarm``; each value's workers
 see the switch in their environment), so the timed process only loads cached objects.
-Writes ``$OUT/decode_ab.json``.  ``lowering_equal: true`` means the switch did not reach the kernel (the A/B
+Writes ``--out`` (default ``$OUT/decode_ab.json``).  ``lowering_equal: true`` means the switch did not reach the kernel (the A/B
 compared a kernel with itself: docs/sm90_decode.md, the withdrawn PDL A/B of 2026-11-30).
 """
 import argparse
@@ -30,6 +30,7 @@ def main() -> None:
                                                    "128,4096,64,16,1"])
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--prewarm", type=int, default=0, help="CPU worker processes compiling every config first")
+    ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "/tmp"), "decode_ab.json"))
     a = ap.parse_args()
     specs = [tuple(int(x) for x in s.split(",")) for s in a.cases] if a.cases != ["matrix"] else BENCH
     cases = [bench_case(*s) for s in specs]
@@ -60,7 +61,7 @@ def main() -> None:
              "lowering_equal": all(hlo[v] == hlo[first] for v in fns)}
         print(json.dumps(r), flush=True)
         res.append(r)
-    with open(os.path.join(os.environ.get("OUT", "/tmp"), "decode_ab.json"), "w") as fh:
+    with open(a.out, "w") as fh:
         json.dump(res, fh, indent=1)
 
 
