@@ -48,7 +48,9 @@ class VariantKey:
 
 
 def _classes():
-    """The kernel classes of the variants (imports flash_attn / torch on first use)."""
+    """The kernel classes of the variants (imports flash_attn / torch on first use).  Their names end in
+    ``Sm90`` so that ncu's ``--kernel-name regex:'(?i)sm90'`` (module docstring) matches their kernels too
+    (the first ncu run, 2026-11-30, missed them)."""
     import cutlass
     from cutlass import Float32, const_expr, cute
     from flash_attn.cute.flash_fwd_sm90 import FlashAttentionForwardSm90
@@ -56,13 +58,13 @@ def _classes():
 
     from tokenspeed_jax.kernels.sm90.fa4_prefill import FA4PrefillSm90
 
-    class ScaleOnly(FA4PrefillSm90):
+    class ScaleOnlySm90(FA4PrefillSm90):
         epilogue = FlashAttentionForwardSm90.epilogue
 
-    class EpiOnly(FA4PrefillSm90):
+    class EpiOnlySm90(FA4PrefillSm90):
         mma = FlashAttentionForwardSm90.mma
 
-    class EpiUniform(FA4PrefillSm90):
+    class EpiUniformSm90(FA4PrefillSm90):
         @cute.jit
         def epilogue(self, acc_O, lse, mO, mLSE, sO, seqlen, gmem_tiled_copy_O, tma_atom_O, tiled_mma, tidx,
                      m_block, head_idx, batch_idx):
@@ -79,7 +81,7 @@ def _classes():
                 FlashAttentionForwardSm90.epilogue(self, acc_O, lse, mO, mLSE, sO, seqlen, gmem_tiled_copy_O,
                                                    tma_atom_O, tiled_mma, tidx, m_block, head_idx, batch_idx)
 
-    return {"ours": FA4PrefillSm90, "scale_only": ScaleOnly, "epi_only": EpiOnly, "epi_uniform": EpiUniform,
+    return {"ours": FA4PrefillSm90, "scale_only": ScaleOnlySm90, "epi_only": EpiOnlySm90, "epi_uniform": EpiUniformSm90,
             "plain": None}
 
 
