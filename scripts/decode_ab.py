@@ -4,14 +4,16 @@ rounds in one process on the same inputs; also says whether the outputs are bitw
     source .device/bootstrap.sh && python scripts/decode_ab.py TOKENSPEED_SM90_DECODE_PDL 1 0
     python scripts/decode_ab.py TOKENSPEED_SM90_DECODE_PDL 1 0 --cases 1,81920,64,16,1 64,81920,64,16,1
 
-Cases are ``B,K,page,H,S`` (bf16, every request at full length; default: 4 shapes with split-KV or not;
-``--cases matrix``: the 13 shapes of ``benchmarks.decode.BENCH``).  ``--prewarm N`` first compiles every
-(case, value) configuration in N CPU worker processes (``benchmarks.decode.prewarm``; each value's workers
-see the switch in their environment), so the timed process only loads cached objects.
-Writes ``--out`` (default ``$OUT/decode_ab.json``).  ``lowering_equal: true`` means the switch did not reach the kernel (the A/B
-compared a kernel with itself: docs/sm90_decode.md, the withdrawn PDL A/B of 2026-11-30).
+Cases are ``B,K,page,H,S`` (``--dtype``, default bfloat16, every request at full length; default: 4 shapes
+with split-KV or not; ``--cases matrix``: the 13 shapes of ``benchmarks.decode.BENCH``).  ``--prewarm N``
+first compiles every (case, value) configuration in N CPU worker processes (``benchmarks.decode.prewarm``;
+each value's workers see the switch in their environment), so the timed process only loads cached objects.
+Writes ``--out`` (default ``$OUT/decode_ab.json``).  ``lowering_equal: true`` means the switch did not reach
+the kernel (the A/B compared a kernel with itself: docs/sm90_decode.md, the withdrawn PDL A/B of
+2026-11-30).
 """
 import argparse
+import dataclasses
 import json
 import os
 
@@ -29,11 +31,12 @@ def main() -> None:
     ap.add_argument("--cases", nargs="+", default=["1,81920,64,16,1", "8,16384,64,128,2", "64,81920,64,16,1",
                                                    "128,4096,64,16,1"])
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float8_e4m3fn"))
     ap.add_argument("--prewarm", type=int, default=0, help="CPU worker processes compiling every config first")
     ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "/tmp"), "decode_ab.json"))
     a = ap.parse_args()
     specs = [tuple(int(x) for x in s.split(",")) for s in a.cases] if a.cases != ["matrix"] else BENCH
-    cases = [bench_case(*s) for s in specs]
+    cases = [dataclasses.replace(bench_case(*s), dtype=a.dtype) for s in specs]
     if a.prewarm:
         for v in a.values:
             os.environ[a.var] = v
@@ -42,6 +45,7 @@ def main() -> None:
     res = []
     for c in cases:
         q, kv, bt, sl, scale = bench_inputs(c)
+        q, kv = q.astype(a.dtype), kv.astype(a.dtype)
         fns, outs, hlo = {}, {}, {}
         for v in a.values:
             os.environ[a.var] = v
@@ -55,7 +59,8 @@ def main() -> None:
             for v, f in fns.items():
                 t[v].append(timeit(lambda f=f, args=(q, kv, bt, sl, scale): f(*args))["median_us"])
         first = a.values[0]
-        r = {"case": c.name, "var": a.var, **{f"us_{v}": float(np.median(t[v])) for v in fns},
+        r = {"case": c.name, "dtype": a.dtype, "var": a.var,
+             **{f"us_{v}": float(np.median(t[v])) for v in fns},
              "bitwise_equal": all(np.array_equal(outs[v], outs[first]) for v in fns),
              # the switch reached the kernel: its compile key (hence the custom call's config) differs
              "lowering_equal": all(hlo[v] == hlo[first] for v in fns)}
