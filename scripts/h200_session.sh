@@ -4,8 +4,9 @@
 #   source .device/bootstrap.sh && bash scripts/h200_session.sh
 # (the prefill backend has its own call: scripts/h200_prefill.sh).  Steps, each under its own time limit:
 #   0. smoke (SMOKE_S, 100 s): compile in parallel, then 4 correctness cases on the default loop (pages 64,
-#      32, 16: 1, 2 and 4 TMA boxes per chunk; and FP8 on the seesaw loop, page 64).  A hang (e.g. a lost mbarrier arrival) or a wrong result
-#      stops the call here instead of eating the whole budget (a first TMA build hung on 2026-11-29).
+#      32, 16: 1, 2 and 4 TMA boxes per chunk; and FP8 on the seesaw loop, page 64).  A hang (e.g. a lost
+#      mbarrier arrival) or a wrong result stops the call here instead of eating the whole budget (a first
+#      TMA build hung on 2026-11-29).
 #   1. (DECODE_S, 330 s) the correctness matrix of benchmarks.decode.CHECK on the default ("auto": seesaw;
 #      lockstep for FP8 with 8-token pages), then the full benchmark matrix of the issue (ours BF16 / FP8,
 #      FlashMLA BF16 / FP8, plain XLA unless BENCH_ARGS=--no-xla, rooflines).  SCHED=<schedule> checks
@@ -20,13 +21,13 @@ set -uo pipefail
 export CUTE_DSL_ARCH=sm_90a TOKENSPEED_JAX_CACHE_DIR=${TOKENSPEED_JAX_CACHE_DIR:-/tmp/tsj_cache} PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu --format=csv,noheader
-timeout "${SMOKE_S:-100}" python -m benchmarks.decode --prewarm 16 --check --cases s1h16p64,s4h32p32,s16h1p16,fp8_s1h16p64 \
-  --out "$OUT/smoke.json" > "$OUT/smoke.log" 2>&1
+timeout "${SMOKE_S:-100}" python -m benchmarks.decode --prewarm 16 --check \
+  --cases s1h16p64,s4h32p32,s16h1p16,fp8_s1h16p64 --out "$OUT/smoke.json" > "$OUT/smoke.log" 2>&1
 echo "smoke rc=$?"; grep -v "^prewarm " "$OUT/smoke.log" | cut -c1-160 | tail -n 4
 grep -qE "check: ([0-9]+)/\1 cases" "$OUT/smoke.log" || { echo "smoke failed: stopping"; exit 1; }
 BENCH=(--bench --png "$OUT/decode.png"); [ "${NO_BENCH:-0}" = 1 ] && BENCH=()
-timeout "${DECODE_S:-330}" python -m benchmarks.decode --prewarm 16 --check "${BENCH[@]}" ${SCHED:+--schedule $SCHED} ${BENCH_ARGS:-} \
-  --out "$OUT/decode.json" > "$OUT/decode.log" 2>&1
+timeout "${DECODE_S:-330}" python -m benchmarks.decode --prewarm 16 --check "${BENCH[@]}" \
+  ${SCHED:+--schedule $SCHED} ${BENCH_ARGS:-} --out "$OUT/decode.json" > "$OUT/decode.log" 2>&1
 echo "decode rc=$?"; grep -E "^check:|bitwise|FlashMLA\|" "$OUT/decode.log" | cut -c1-200 | tail -n 8
 grep -v "^prewarm\|^{\|max |ours" "$OUT/decode.log" | tail -n 70
 K=(-k "memcheck or recompile or graph"); [ "${FULL_TESTS:-0}" = 1 ] && K=()
