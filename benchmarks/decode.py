@@ -9,7 +9,9 @@ objects.  ``--check`` runs the correctness matrix against the exact fp32 referen
 fp32-cast inputs) and the bf16 xla backend: NaN in every page a request does not own, permuted block
 tables, garbage past the used table entries, ragged lengths (0, 1, S-1, page-1, page+1, long), poisoned
 device memory before each call, LSE, -inf rows, and bitwise run-to-run determinism.  ``--bench`` times
-ours vs FlashMLA (BF16 and the FP8 fork, from the GPU kit) vs plain XLA on the issue's matrix.
+ours vs FlashMLA (BF16 and the FP8 fork, from the GPU kit) vs plain XLA on the issue's matrix, each shape's
+contenders interleaved (``benchmarks.harness.interleaved``: 5 alternating rounds, the order rotating, the
+median of each contender; since 2026-11-30, before which each contender was timed on its own in turn).
 
 ``--schedule overlap`` (an opt-in kernel schedule, ``tokenspeed_jax.backends.sm90_decode``): ``--check``
 runs the matrix on that schedule (and records whether it is bitwise equal to the default schedule, which it
@@ -254,8 +256,9 @@ def bench(cases, report, with_xla=True, with_flashmla=True, step32=False, schedu
         except Exception as e:  # noqa: BLE001
             print("flash_mla unavailable:", e)
     for (B, K, page, H, S) in cases:
+        n = len(report.rows)
         _bench_one(report, fm, bench_case(B, K, page, H, S), with_xla, step32, schedule)
-        print(report.table().splitlines()[-1], flush=True)
+        print("\n".join(report.table().splitlines()[1 + n:]), flush=True)
 
 
 def bench_inputs(c: Case):
@@ -272,22 +275,25 @@ def bench_inputs(c: Case):
     return q, kv, bt, sl, jnp.float32(576 ** -0.5)
 
 
-def _bench_one(report, fm, c: Case, with_xla: bool, step32: bool = False, schedule: str | None = None) -> None:
+def _bench_one(report, fm, c: Case, with_xla: bool, step32: bool = False, schedule: str | None = None,
+               rounds: int = 5) -> None:
+    """Time every contender of one shape on the same inputs, interleaved (``benchmarks.harness.interleaved``:
+    alternating rounds, the order rotating, each contender's median), then add their rows in a fixed order."""
     import jax
     import jax.numpy as jnp
 
-    from benchmarks.harness import bench as timeit
-    from benchmarks.harness import decode_cost
+    from benchmarks.harness import decode_cost, interleaved
 
     B, K, page, H, S = c.B, c.max_pages * c.page, c.page, c.H, c.S
     q, kv, bt, sl, scale = bench_inputs(c)
     nbytes, flops = decode_cost(B, S, H, K)
+    nb8, _ = decode_cost(B, S, H, K, elt_bytes=1)
+    fns: dict = {}  # contender -> (zero-argument callable, bytes, fp8)
     ours = decode_fn(c, "sm90")
-    report.add(c.name, "ours bf16", timeit(lambda: ours(q, kv, bt, sl, scale)), nbytes=nbytes, flops=flops)
+    fns["ours bf16"] = (lambda: ours(q, kv, bt, sl, scale), nbytes, False)
     if schedule is not None:
         ours_s = decode_fn(c, "sm90", schedule)
-        report.add(c.name, f"ours bf16 {schedule}", timeit(lambda: ours_s(q, kv, bt, sl, scale)), nbytes=nbytes,
-                   flops=flops)
+        fns[f"ours bf16 {schedule}"] = (lambda: ours_s(q, kv, bt, sl, scale), nbytes, False)
         same = bool(np.array_equal(np.asarray(ours_s(q, kv, bt, sl, scale)[0].astype(jnp.float32)),
                                    np.asarray(ours(q, kv, bt, sl, scale)[0].astype(jnp.float32))))
         print(f"{c.name}: bf16 {schedule} bitwise equal to default: {same}", flush=True)
@@ -298,18 +304,15 @@ def _bench_one(report, fm, c: Case, with_xla: bool, step32: bool = False, schedu
         prob = _decode_problem(q, kv, bt, sl, True, 512, False)
         s32 = jax.jit(lambda q, kv, bt, sl, s: sm90_decode.decode(prob, q, kv, bt, sl, s, jnp.float32(1.0),
                                                                   kv_step=32)[0])
-        report.add(c.name, "ours bf16 step32", timeit(lambda: s32(q, kv, bt, sl, scale)), nbytes=nbytes,
-                   flops=flops)
+        fns["ours bf16 step32"] = (lambda: s32(q, kv, bt, sl, scale), nbytes, False)
     c8 = dataclasses.replace(c, dtype="float8_e4m3fn")
     q8j, kv8j = q.astype(jnp.float8_e4m3fn), kv.astype(jnp.float8_e4m3fn)
     ours8 = decode_fn(c8, "sm90")
-    nb8j, _ = decode_cost(B, S, H, K, elt_bytes=1)
-    report.add(c.name, "ours fp8", timeit(lambda: ours8(q8j, kv8j, bt, sl, scale)), nbytes=nb8j, flops=flops,
-               fp8=True)
-    if schedule is not None and not schedule.startswith("seesaw"):  # seesaw: 16-bit only (FP8 runs lockstep)
+    fns["ours fp8"] = (lambda: ours8(q8j, kv8j, bt, sl, scale), nb8, True)
+    if schedule is not None and not schedule.startswith("seesaw"):  # (FP8 already runs the seesaw by default)
         ours8_s = decode_fn(c8, "sm90", schedule)
-        report.add(c.name, f"ours fp8 {schedule}", timeit(lambda: ours8_s(q8j, kv8j, bt, sl, scale)), nbytes=nb8j,
-                   flops=flops, fp8=True)
+        fns[f"ours fp8 {schedule}"] = (lambda: ours8_s(q8j, kv8j, bt, sl, scale), nb8, True)
+    failed: dict = {}
     if fm is not None:
         import torch
 
@@ -324,7 +327,7 @@ def _bench_one(report, fm, c: Case, with_xla: bool, step32: bool = False, schedu
                                              causal=True)
 
         ref_out = run()[0]
-        report.add(c.name, "FlashMLA bf16", timeit(run), nbytes=nbytes, flops=flops)
+        fns["FlashMLA bf16"] = (run, nbytes, False)
         o = np.asarray(ours(q, kv, bt, sl, scale)[0].astype(jnp.float32))
         r = np.asarray(jax.dlpack.from_dlpack(ref_out).astype(jnp.float32))
         print(f"{c.name}: max |ours - FlashMLA| = {np.max(np.abs(o - r)):.3e}", flush=True)
@@ -334,14 +337,21 @@ def _bench_one(report, fm, c: Case, with_xla: bool, step32: bool = False, schedu
         def run8():
             return fm.flash_mla_fp8_dense(q8, k8, tbt, tsl, 576 ** -0.5, True, one, one)
 
-        nb8, _ = decode_cost(B, S, H, K, elt_bytes=1)
         try:
-            report.add(c.name, "FlashMLA fp8", timeit(run8), nbytes=nb8, flops=flops, fp8=True)
+            run8()
+            fns["FlashMLA fp8"] = (run8, nb8, True)
         except Exception as e:  # noqa: BLE001
-            report.add(c.name, "FlashMLA fp8", None, nbytes=nb8, flops=flops, note=str(e)[:80])
+            failed["FlashMLA fp8"] = (str(e)[:80], nb8)
     if with_xla and H == 32 and B == 64:
         xf = decode_fn(c, "xla")
-        report.add(c.name, "plain XLA", timeit(lambda: xf(q, kv, bt, sl, scale)), nbytes=nbytes, flops=flops)
+        fns["plain XLA"] = (lambda: xf(q, kv, bt, sl, scale), nbytes, False)
+    est_us = max(nbytes / 4e12, flops / 6e14) * 1e6  # rough, only to size the timing rounds
+    res = interleaved({n: f for n, (f, _, _) in fns.items()}, est_us, rounds=rounds)
+    for n, (_, nb, fp8) in fns.items():
+        report.add(c.name, n, res[n], nbytes=nb, flops=flops, fp8=fp8,
+                   note=f"interleaved median of {rounds} rounds", samples_us=res[n]["samples_us"])
+    for n, (why, nb) in failed.items():
+        report.add(c.name, n, None, nbytes=nb, flops=flops, note=why)
 
 
 def main(argv=None):

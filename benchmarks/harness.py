@@ -2,6 +2,8 @@
 
 Timing: :func:`tokenspeed_jax.timing.bench` (re-exported here): median over rounds of back-to-back
 asynchronous launches, JAX and torch contenders alike, every kernel of a call inside the timed region.
+:func:`interleaved` times several contenders against each other in alternating rounds (the decode and
+prefill benchmarks use it).
 
 Ceilings: :func:`measure_ceilings` measures the copy bandwidth (read + write of a large device-to-device
 copy) and the bf16 (and fp8 where supported) matmul rate on random data, once per process.  A result's
@@ -19,7 +21,9 @@ import json
 import math
 import os
 import shlex
+import statistics
 import sys
+import time
 from typing import Any
 
 import jax
@@ -27,6 +31,52 @@ import jax.numpy as jnp
 import numpy as np
 
 from tokenspeed_jax.timing import bench  # noqa: F401  (re-exported for the benchmark scripts)
+
+LARGE_US = 5000.0  # cases estimated above this many us per call are timed with fewer, longer rounds
+
+
+def interleaved(fns: dict, est_us: float, *, rounds: int = 7, warmup: int = 1) -> dict:
+    """Time the zero-argument callables ``fns`` (name -> fn) against each other, interleaved.
+
+    Each contender is warmed up (``warmup`` calls), then one more call sizes its round (``iters``
+    back-to-back launches, at least 20 ms, 50 ms for cases estimated above ``LARGE_US``, at most 1000).
+    Then ``rounds`` rounds run; in each, every contender launches its ``iters`` calls and waits for the
+    device (A-B-A-B...), the order rotated by one contender per round so that no contender always runs
+    first or after the same neighbour (round-to-round spread on the H200 was up to 15%, 2026-11-29).
+    Returns name -> {median_us, min_us, max_us, iters, samples_us}.
+    """
+    from tokenspeed_jax.timing import _sync
+
+    min_round_s = 0.05 if est_us > LARGE_US else 0.02
+    iters = {}
+    for name, fn in fns.items():
+        for _ in range(warmup):
+            _sync(fn())
+        t0 = time.perf_counter()
+        _sync(fn())
+        dt = time.perf_counter() - t0
+        iters[name] = max(1, min(1000, math.ceil(min_round_s / max(dt, 1e-6))))
+    samples: dict = {name: [] for name in fns}
+    names = list(fns)
+    for r in range(rounds):
+        for name in names[r % len(names):] + names[: r % len(names)]:
+            fn, n = fns[name], iters[name]
+            t0 = time.perf_counter()
+            out = None
+            for _ in range(n):
+                out = fn()
+            _sync(out)
+            samples[name].append((time.perf_counter() - t0) / n * 1e6)
+    return {
+        name: {
+            "median_us": statistics.median(s),
+            "min_us": min(s),
+            "max_us": max(s),
+            "iters": iters[name],
+            "samples_us": [round(x, 1) for x in s],
+        }
+        for name, s in samples.items()
+    }
 
 
 @dataclasses.dataclass

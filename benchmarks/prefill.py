@@ -19,7 +19,7 @@ Contenders (a column is absent, with the reason printed, when its package does n
   cuDNN (jax)      ``jax._src.cudnn.fused_attention_stablehlo.dot_product_attention`` (dense cases only)
   XLA              ``mla_prefill(backend="xla")`` (small cases only)
 
-Timing is interleaved (:func:`interleaved`): after warm-up, every round times each contender once
+Timing is interleaved (:func:`benchmarks.harness.interleaved`): after warm-up, every round times each contender once
 (ours, FA4, FA3, cuDNN, then again ours, FA4, ...) and a contender's time is the median of its rounds,
 so GPU clock / power drift during a long case hits every contender alike instead of whichever ran last.
 Each row's ``speedup`` (and the note and the PNG's lower panel) is the other contender's time over
@@ -37,7 +37,6 @@ import dataclasses
 import functools
 import math
 import os
-import statistics
 import sys
 import time
 
@@ -49,7 +48,6 @@ XLA = "XLA"
 SHORT = {FA4: "FA4", FA3: "FA3", CUDNN: "cuDNN", XLA: "XLA"}
 # Issue 7's targets: ours' speed over the contender's (contender time / our time) at least this much.
 TARGETS = {"FA4": 0.97, "FA3": 1.0, "cuDNN": 1.2}
-LARGE_US = 5000.0  # cases estimated above this many us per call are timed with fewer, longer rounds
 
 
 @dataclasses.dataclass(frozen=True)
@@ -213,50 +211,6 @@ def prewarm(all_cases, jobs: int, *, fa4: bool, test_configs: bool = False) -> N
     print(f"prewarm {len(jobs_list)} compiles in {time.time() - t:.0f}s", flush=True)
 
 
-def interleaved(fns: dict, est_us: float, *, rounds: int = 7, warmup: int = 1) -> dict:
-    """Time the zero-argument callables ``fns`` (name -> fn) against each other, interleaved.
-
-    Each contender is warmed up (``warmup`` calls), then one more call sizes its round (``iters``
-    back-to-back launches, at least 20 ms, 50 ms for cases estimated above ``LARGE_US``, at most 1000).
-    Then ``rounds`` rounds run; in each, every contender launches its ``iters`` calls and waits for the
-    device (A-B-A-B...), the order rotated by one contender per round so that no contender always runs
-    first or after the same neighbour (round-to-round spread on the H200 was up to 15%, 2026-11-29).
-    Returns name -> {median_us, min_us, max_us, iters, samples_us}.
-    """
-    from tokenspeed_jax.timing import _sync
-
-    min_round_s = 0.05 if est_us > LARGE_US else 0.02
-    iters = {}
-    for name, fn in fns.items():
-        for _ in range(warmup):
-            _sync(fn())
-        t0 = time.perf_counter()
-        _sync(fn())
-        dt = time.perf_counter() - t0
-        iters[name] = max(1, min(1000, math.ceil(min_round_s / max(dt, 1e-6))))
-    samples: dict = {name: [] for name in fns}
-    names = list(fns)
-    for r in range(rounds):
-        for name in names[r % len(names):] + names[: r % len(names)]:
-            fn, n = fns[name], iters[name]
-            t0 = time.perf_counter()
-            out = None
-            for _ in range(n):
-                out = fn()
-            _sync(out)
-            samples[name].append((time.perf_counter() - t0) / n * 1e6)
-    return {
-        name: {
-            "median_us": statistics.median(s),
-            "min_us": min(s),
-            "max_us": max(s),
-            "iters": iters[name],
-            "samples_us": [round(x, 1) for x in s],
-        }
-        for name, s in samples.items()
-    }
-
-
 def speedups(times: dict) -> dict:
     """Ours' speed relative to each other contender: ``{short name: their us / our us}`` (>1: ours faster)."""
     ours = times.get(OURS)
@@ -279,7 +233,7 @@ def verdicts(speed: dict) -> str:
 
 def timed(fn, est_us: float) -> dict:
     """bench() with round sizes that keep long cases (hundreds of ms per call) affordable."""
-    from benchmarks.harness import bench
+    from benchmarks.harness import LARGE_US, bench
 
     if est_us > LARGE_US:
         return bench(fn, warmup=1, iters=max(1, int(60000 / est_us)), repeats=5)
@@ -350,7 +304,7 @@ def main(argv=None) -> None:
     import jax.numpy as jnp
     import numpy as np
 
-    from benchmarks.harness import Report, measure_ceilings, prefill_cost
+    from benchmarks.harness import Report, interleaved, measure_ceilings, prefill_cost
     from tokenspeed_jax import mla_prefill
 
     ceilings = measure_ceilings()
