@@ -275,6 +275,14 @@ def bench_inputs(c: Case):
     return q, kv, bt, sl, jnp.float32(576 ** -0.5)
 
 
+def est_us(c: Case) -> float:
+    """Rough µs per call of a benchmark case (H200-ish rates), only to size timing rounds."""
+    from benchmarks.harness import decode_cost
+
+    nbytes, flops = decode_cost(c.B, c.S, c.H, c.max_pages * c.page)
+    return max(nbytes / 4e12, flops / 6e14) * 1e6
+
+
 def _bench_one(report, fm, c: Case, with_xla: bool, step32: bool = False, schedule: str | None = None,
                rounds: int = 5) -> None:
     """Time every contender of one shape on the same inputs, interleaved (``benchmarks.harness.interleaved``:
@@ -345,8 +353,7 @@ def _bench_one(report, fm, c: Case, with_xla: bool, step32: bool = False, schedu
     if with_xla and H == 32 and B == 64:
         xf = decode_fn(c, "xla")
         fns["plain XLA"] = (lambda: xf(q, kv, bt, sl, scale), nbytes, False)
-    est_us = max(nbytes / 4e12, flops / 6e14) * 1e6  # rough, only to size the timing rounds
-    res = interleaved({n: f for n, (f, _, _) in fns.items()}, est_us, rounds=rounds)
+    res = interleaved({n: f for n, (f, _, _) in fns.items()}, est_us(c), rounds=rounds)
     for n, (_, nb, fp8) in fns.items():
         report.add(c.name, n, res[n], nbytes=nb, flops=flops, fp8=fp8,
                    note=f"interleaved median of {rounds} rounds", samples_us=res[n]["samples_us"])

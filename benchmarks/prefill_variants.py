@@ -168,8 +168,7 @@ def main(argv=None):
     import jax.numpy as jnp
     import numpy as np
 
-    from benchmarks.harness import bench as timeit
-    from benchmarks.harness import device_name
+    from benchmarks.harness import device_name, interleaved, prefill_cost
     from tokenspeed_jax.timing import _sync as sync
 
     T, H = a.seqlen, a.heads
@@ -211,13 +210,12 @@ def main(argv=None):
                 for _ in range(3):
                     sync(fn())
             continue
-        times = {n: [] for n in fns}
-        for _ in range(a.rounds):
-            for name, fn in fns.items():
-                times[name].append(timeit(fn)["median_us"])
-        for name, ts in times.items():
-            rows.append({"mode": mode, "variant": name, "us": float(np.median(ts)), "rounds": ts})
-            print(f"{mode:6s} {name:12s} {np.median(ts):9.1f} us  rounds {[f'{t:.0f}' for t in ts]}", flush=True)
+        _, flops = prefill_cost([T], [T], H, H, causal=causal)
+        res = interleaved(fns, flops / 650e12 * 1e6, rounds=a.rounds)
+        for name, r in res.items():
+            ts = r["samples_us"]
+            rows.append({"mode": mode, "variant": name, "us": r["median_us"], "rounds": ts})
+            print(f"{mode:6s} {name:12s} {r['median_us']:9.1f} us  rounds {[f'{t:.0f}' for t in ts]}", flush=True)
     if not a.ncu:
         doc = {"name": "sm90 prefill variants", "device": device_name(), "T": T, "H": H, "rows": rows,
                "command": "python -m benchmarks.prefill_variants " + " ".join(sys.argv[1:] if argv is None else argv)}

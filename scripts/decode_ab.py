@@ -1,5 +1,6 @@
 """A/B of an sm90 decode switch read at trace time (e.g. ``TOKENSPEED_SM90_DECODE_PDL``), interleaved over 3
-rounds in one process on the same inputs; also says whether the outputs are bitwise equal.
+rounds in one process on the same inputs (``benchmarks.harness.interleaved``); also says whether the outputs
+are bitwise equal.
 
     source .device/bootstrap.sh && python scripts/decode_ab.py TOKENSPEED_SM90_DECODE_PDL 1 0
     python scripts/decode_ab.py TOKENSPEED_SM90_DECODE_PDL 1 0 --cases 1,81920,64,16,1 64,81920,64,16,1
@@ -20,8 +21,8 @@ import os
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks.decode import BENCH, bench_case, bench_inputs, decode_fn, prewarm
-from benchmarks.harness import bench as timeit
+from benchmarks.decode import BENCH, bench_case, bench_inputs, decode_fn, est_us, prewarm
+from benchmarks.harness import interleaved
 
 
 def main() -> None:
@@ -54,13 +55,11 @@ def main() -> None:
             hlo[v] = f.lower(q, kv, bt, sl, scale).as_text()
             fns[v] = f
         os.environ.pop(a.var, None)
-        t = {v: [] for v in fns}
-        for _ in range(a.rounds):
-            for v, f in fns.items():
-                t[v].append(timeit(lambda f=f, args=(q, kv, bt, sl, scale): f(*args))["median_us"])
+        t = interleaved({v: (lambda f=f: f(q, kv, bt, sl, scale)) for v, f in fns.items()}, est_us(c),
+                        rounds=a.rounds)
         first = a.values[0]
         r = {"case": c.name, "dtype": a.dtype, "var": a.var,
-             **{f"us_{v}": float(np.median(t[v])) for v in fns},
+             **{f"us_{v}": t[v]["median_us"] for v in fns},
              "bitwise_equal": all(np.array_equal(outs[v], outs[first]) for v in fns),
              # the switch reached the kernel: its compile key (hence the custom call's config) differs
              "lowering_equal": all(hlo[v] == hlo[first] for v in fns)}

@@ -50,6 +50,7 @@ PDL_ENV = "TOKENSPEED_SM90_DECODE_PDL"
 TRACE_ENV = (SCHEDULE_ENV, PDL_ENV)
 SCHEDULES = ("auto", "seesaw", "seesaw-cpasync", "lockstep", "overlap")  # module docstring (no cutlass import here)
 _MIN_PAGE = 8
+_MIN_FP8_SEESAW_PAGE = 16  # the FP8 seesaw needs TMA refills (the kernel's _MIN_TMA_PAGE; no cutlass import here)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -123,7 +124,8 @@ def decode(problem: DecodeProblem, q, kv_cache, block_table, seq_lens, softmax_s
     if schedule == "auto":
         schedule = "seesaw" if block_n == 64 else "lockstep"
     seesaw = schedule in ("seesaw", "seesaw-cpasync")
-    if seesaw and problem.dtype == "float8_e4m3fn" and (schedule == "seesaw-cpasync" or problem.page_size < 16):
+    no_tma = schedule == "seesaw-cpasync" or problem.page_size < _MIN_FP8_SEESAW_PAGE
+    if seesaw and problem.dtype == "float8_e4m3fn" and no_tma:
         schedule, seesaw = "lockstep", False  # FP8 seesaw: TMA refills only (module docstring)
     if (seesaw or schedule == "overlap") and block_n != 64:
         raise ValueError(f"schedule: {schedule!r} needs kv_step 64, got kv_step {block_n}")

@@ -247,8 +247,8 @@ class MlaDecodeSeesawSm90(MlaDecodeSm90):
 
     def staging(self, slots_ptr):
         """FP8: e4m3 views ``(64 tokens, 576)`` of the two slots' staging areas.  The raw row-major e4m3 chunk
-        ``c`` (64 rows x 64 bytes = 4 KB) lands in the upper half of the slot's bf16 chunk ``c`` (bytes
-        ``8192 c + 4096 ..``), where :meth:`expand` turns it into the bf16 chunk in place."""
+        ``c`` (64 rows x 64 bytes = 4 KB) lands in the upper half of the slot's fp16 chunk ``c`` (bytes
+        ``8192 c + 4096 ..``), where :meth:`expand` turns it into the fp16 chunk in place."""
         raw = cute.recast_ptr(slots_ptr, dtype=cutlass.Float8E4M3FN)
         chunk_bytes = self.block_n * _CHUNK * (self.mma_dtype.width // 8)
         slot_bytes = chunk_bytes * (self.D // _CHUNK)
@@ -257,11 +257,11 @@ class MlaDecodeSeesawSm90(MlaDecodeSm90):
 
     @cute.jit
     def expand(self, sKs: cute.Tensor, sSt: cute.Tensor, wg: Int32, wtid: Int32, chunks: cutlass.Constexpr):
-        """FP8 only (no-op otherwise): upcast the landed e4m3 chunks ``chunks`` of a slot into its bf16
+        """FP8 only (no-op otherwise): upcast the landed e4m3 chunks ``chunks`` of a slot into its fp16
         chunks (exact), by the 128 threads of the slot's QK warpgroup, before that QK reads them.
 
         Each chunk is expanded in place: every thread first reads its 4 x 8 bytes of the e4m3 chunk, a
-        warpgroup barrier orders all reads before any write (the bf16 chunk covers the e4m3 bytes), then
+        warpgroup barrier orders all reads before any write (the fp16 chunk covers the e4m3 bytes), then
         it writes its 4 x 16 bytes (thread ``wtid``: rows ``wtid//8 + 16m``, columns ``8 (wtid%8)..``).  A
         proxy fence and a barrier publish the chunks to the wgmmas (async proxy).  The barrier id is the
         warpgroup's :attr:`Barrier.TAIL` id (:meth:`zero_tail` uses it at other points of the same
