@@ -33,12 +33,13 @@ _SCRIPT = textwrap.dedent(
             ("float8_e4m3fn", 128, 2, 128, 2, 512, 64, "lockstep"), ("bfloat16", 32, 2, 32, 3, 256, 64, "overlap"),
             ("float16", 32, 4, 16, 3, 320, 64, "seesaw"), ("bfloat16", 128, 1, 64, 1, 1536, 64, "seesaw"),
             ("bfloat16", 16, 2, 8, 2, 256, 64, "seesaw"), ("bfloat16", 16, 1, 32, 16, 64, 64, "lockstep"),
-            ("float8_e4m3fn", 32, 2, 32, 2, 256, 64, "seesaw")]
+            ("float8_e4m3fn", 32, 2, 32, 2, 256, 64, "seesaw"), ("float8_e4m3fn", 16, 1, 64, 2, 256, 64, "seesaw16")]
     for (dtype, H, S, page, splits, tps, bn, sched) in cfgs:
         before = set(glob.glob(d + "/*"))
-        if sched == "seesaw":
+        if sched in ("seesaw", "seesaw16"):  # seesaw16: an FP8 QK on fp16 operands (qk_fp8=False)
             k = MlaDecodeSeesawSm90(dtype=dtype, num_heads=H, q_len=S, page_size=page, causal=True,
-                                    num_splits=splits, tokens_per_split=tps, block_n=bn)
+                                    num_splits=splits, tokens_per_split=tps, block_n=bn,
+                                    qk_fp8=sched == "seesaw")
         else:
             k = MlaDecodeSm90(dtype=dtype, num_heads=H, q_len=S, page_size=page, causal=True, num_splits=splits,
                               tokens_per_split=tps, block_n=bn, schedule=sched)
@@ -65,11 +66,13 @@ _SCRIPT = textwrap.dedent(
             res["ov_sass_hgmma"] = len(re.findall(r"HGMMA\\.64x(?:32|256)x16", osass))
             res["ov_sass_depbar"] = len(re.findall(r"WARPGROUP\\.DEPBAR", osass))
             res["ov_sass_spill"] = len(re.findall(r"\\b(STL|LDL)\\b", osass))
-        if sched == "seesaw":  # page 16: TMA, 4 boxes per chunk; page 64: TMA, 1 box; page 8: cp.async
+        if sched in ("seesaw", "seesaw16"):  # page 16: TMA, 4 boxes per chunk; 64: TMA, 1 box; 8: cp.async
             sptx, ssass = own(before, ".ptx"), own(before, ".sass")
-            res.setdefault("ss", {})[page] = dict(
+            res.setdefault("ss", {})[str(page) + ("_16" if sched == "seesaw16" else "")] = dict(
                 use_tma=k.use_tma,
                 qk=len(re.findall(r"wgmma.mma_async.sync.aligned.m64n64k16", sptx)),
+                qk8=len(re.findall(r"wgmma.mma_async.sync.aligned.m64n64k32.f32.e4m3.e4m3", sptx)),
+                qgmma=len(re.findall(r"QGMMA\\.64x64x32\\.F32\\.E4M3\\.E4M3", ssass)),
                 pv=len(re.findall(r"wgmma.mma_async.sync.aligned.m64n256k16", sptx)),
                 mbar_cp=len(re.findall(r"cp.async.mbarrier.arrive.noinc", sptx)),
                 tma=len(re.findall(r"cp\\.async\\.bulk\\.tensor\\.3d\\.shared::\\w+\\.global\\.tile\\.mbarrier", sptx)),
@@ -163,11 +166,18 @@ def test_sm90_decode_compiles_for_sm90a(tmp_path):
             assert x["tma"] == 0 and x["mbar_cp"] >= 8, (page, x)
         if x["sass"]:
             assert x["rs"] == 8 and x["spill"] == 0, (page, x)
-    # FP8 seesaw (page 32: 2 boxes per chunk): e4m3 boxes, upcast in place to fp16 chunk by chunk: 16
-    # cvt.e4m3x2 per thread and chunk, 36 chunks (2 x 9 prologue + 9 + 9 loop) + q (2 rows x 9 x 4)
+    # FP8 seesaw (page 32: 2 boxes per chunk): QK on FP8 tensor cores straight from the e4m3 q tile and
+    # the landed e4m3 boxes (4 QKs x 9 chunks x 2 k32 steps), only V upcast in place to fp16 after the QK:
+    # 16 cvt.e4m3x2 per thread and chunk, 4 x 8 chunks; no q upcast
     x = ss["32"]
-    assert x["use_tma"] and x["qk"] == 4 * 36 and x["pv"] == 16 and x["tma"] == 72 and x["mbar_cp"] == 0, x
-    assert x["cvt"] == 36 * 16 + 72, x
+    assert x["use_tma"] and x["qk"] == 0 and x["qk8"] == 4 * 18 and x["pv"] == 16 and x["tma"] == 72, x
+    assert x["mbar_cp"] == 0 and x["cvt"] == 32 * 16, x
+    if x["sass"]:
+        assert x["qgmma"] == 4 * 18 and x["spill"] == 0, x
+    # the same with qk_fp8=False (page 64): the whole slot upcast before a 16-bit QK: 36 chunks + q (2 rows x
+    # 9 x 4)
+    x = ss["64_16"]
+    assert x["use_tma"] and x["qk"] == 4 * 36 and x["qk8"] == 0 and x["tma"] == 36 and x["cvt"] == 36 * 16 + 72, x
     if x["sass"]:
         assert x["spill"] == 0, x
     assert "page_size" in r["tma_page8"] and r["forced_cp_uses_tma"] is False, r

@@ -47,7 +47,10 @@ SCHEDULE_ENV = "TOKENSPEED_SM90_DECODE_SCHEDULE"
 PDL_ENV = "TOKENSPEED_SM90_DECODE_PDL"
 # The environment switches this module reads at trace time: ``mla_decode`` keys its per-problem trace cache
 # on their values (``Backend.trace_env``), so a switch changed between two traces takes effect.
-TRACE_ENV = (SCHEDULE_ENV, PDL_ENV)
+# "0" runs the FP8 seesaw QK on fp16 operands (the whole KV slot upcast before the QK) instead of FP8
+# tensor cores (default "1"; docs/sm90_decode.md), for A/B timing.  Read at trace time; part of the compile key.
+FP8_QK_ENV = "TOKENSPEED_SM90_DECODE_FP8_QK"
+TRACE_ENV = (SCHEDULE_ENV, PDL_ENV, FP8_QK_ENV)
 SCHEDULES = ("auto", "seesaw", "seesaw-cpasync", "lockstep", "overlap")  # module docstring (no cutlass import here)
 _MIN_PAGE = 8
 _MIN_FP8_SEESAW_PAGE = 16  # the FP8 seesaw needs TMA refills (the kernel's _MIN_TMA_PAGE; no cutlass import here)
@@ -68,6 +71,7 @@ class DecodeKernelKey:
     block_n: int
     schedule: str = "seesaw"
     pdl: bool = True  # combine kernel launched with programmatic dependent launch ($TOKENSPEED_SM90_DECODE_PDL)
+    qk_fp8: bool = True  # FP8 seesaw: QK on FP8 tensor cores ($TOKENSPEED_SM90_DECODE_FP8_QK)
 
 
 def supports(problem: DecodeProblem) -> str | None:
@@ -131,8 +135,9 @@ def decode(problem: DecodeProblem, q, kv_cache, block_table, seq_lens, softmax_s
         raise ValueError(f"schedule: {schedule!r} needs kv_step 64, got kv_step {block_n}")
     launch = launch_mla_decode_seesaw if seesaw else launch_mla_decode
     pdl = os.environ.get(PDL_ENV, "1") != "0"
-    key = DecodeKernelKey("mla_decode_sm90.v5", problem.dtype, H, S, problem.page_size, problem.causal,
-                          plan.num_splits, plan.tokens_per_split, block_n, schedule, pdl)
+    qk_fp8 = seesaw and problem.dtype == "float8_e4m3fn" and os.environ.get(FP8_QK_ENV, "1") != "0"
+    key = DecodeKernelKey("mla_decode_sm90.v6", problem.dtype, H, S, problem.page_size, problem.causal,
+                          plan.num_splits, plan.tokens_per_split, block_n, schedule, pdl, qk_fp8)
     outputs = [jax.ShapeDtypeStruct((B, S, H, problem.kv_lora_rank), jnp.dtype(problem.out_dtype)),
                jax.ShapeDtypeStruct((B, S, H), jnp.float32)]
     outputs += [jax.ShapeDtypeStruct(w.shape, jnp.dtype(w.dtype)) for w in plan.workspace]
@@ -140,7 +145,7 @@ def decode(problem: DecodeProblem, q, kv_cache, block_table, seq_lens, softmax_s
         TARGET, launch, outputs=outputs, compile_key=key,
         dtype=problem.dtype, num_heads=H, q_len=S, page_size=problem.page_size, causal=problem.causal,
         num_splits=plan.num_splits, tokens_per_split=plan.tokens_per_split, block_n=block_n, schedule=schedule,
-        pdl=pdl,
+        pdl=pdl, **({"qk_fp8": False} if seesaw and problem.dtype == "float8_e4m3fn" and not qk_fp8 else {}),
     )
     res = call(q, kv_cache, block_table.astype(jnp.int32), seq_lens.astype(jnp.int32),
                ffi.scalar_operand(softmax_scale), ffi.scalar_operand(output_scale))

@@ -42,13 +42,17 @@ FlashMLA's Hopper kernel (its "seesaw"; design read from its source, code our ow
   TMA mbarrier per 64-column chunk so QK starts on the first chunk to land (faster on some memory-bound
   shapes, slower on compute-bound ones: 0.90x vs 0.92x FlashMLA geomean).
 * A missing second tile (odd tile count) is computed as a fully masked tile on clamped, finite rows.
-* FP8 (e4m3 q and cache; page sizes >= 16): the same loop on fp16 operands.  q is upcast to fp16 while it
-  is loaded.  A cache refill lands raw: TMA boxes of dense 64-byte e4m3 rows, chunk ``c`` in the upper half
-  of the slot's fp16 chunk ``c`` (:meth:`staging`).  The warpgroup whose QK reads a column group upcasts it
-  in place right after it lands (:meth:`expand`: all reads of a chunk, a warpgroup barrier, then the
-  writes), so HBM traffic halves and the smem budget is the 16-bit one.  e4m3 -> fp16 is exact; products
-  accumulate in fp32; P is rounded to fp16 (3 more bits than the bf16 of the 16-bit paths); bf16 output.
-  The FP8 scales are folded into ``softmax_scale`` / ``output_scale`` by the caller (decode contract).
+* FP8 (e4m3 q and cache; page sizes >= 16): the same loop, with QK^T on FP8 tensor cores (QGMMA
+  m64n64k32, e4m3 x e4m3 -> fp32) and P V on fp16 operands.  The q tile stays e4m3 in smem (36 KB, 64-byte
+  swizzle).  A cache refill lands raw: TMA boxes of 64-byte e4m3 rows in the QGMMA B layout, chunk ``c``
+  in the upper half of the slot's fp16 chunk ``c`` (:meth:`staging`), which the QK reads directly.  After
+  its QK retired, the slot's owner upcasts the V chunks 0..7 in place (:meth:`expand_v`: all reads of a
+  chunk, a warpgroup barrier, then the writes; exact); the rope chunk stays e4m3 until P overwrites it.
+  HBM traffic halves and the smem budget is the 16-bit one.  Products are exact in both matmuls
+  (e4m3 x e4m3 and fp16 x fp16 into fp32); P is rounded to fp16 (3 more bits than the bf16 of the 16-bit
+  paths); bf16 output.  ``qk_fp8=False`` upcasts the whole slot before a 16-bit QK instead (the first
+  FP8 seesaw, for A/B).  The FP8 scales are folded into ``softmax_scale`` / ``output_scale`` by the
+  caller (decode contract).
 """
 
 from __future__ import annotations
@@ -63,6 +67,8 @@ from tokenspeed_jax.kernels.sm90.helpers import LOG2_E, Barrier, clamp, quad_max
 from tokenspeed_jax.kernels.sm90.mla_decode import MlaDecodeSm90
 
 _K16 = 16  # wgmma K of 16-bit operands
+_K32 = 32  # wgmma K of 8-bit operands
+_F8 = cutlass.Float8E4M3FN
 _CHUNK = 64  # columns per 128-byte swizzle atom row (16-bit)
 _MIN_TMA_PAGE = 16  # smaller pages load with cp.async (TMA would need > 4 boxes per chunk)
 
@@ -83,9 +89,13 @@ class MlaDecodeSeesawSm90(MlaDecodeSm90):
     """Schedule "seesaw" of the sm90 decode kernel (module docstring).  Same arguments as the base class;
     16-bit dtypes, ``block_n`` 64."""
 
-    def __init__(self, *, kv_load: str = "auto", **kw):
+    def __init__(self, *, kv_load: str = "auto", qk_fp8: bool = True, **kw):
         kw["schedule"] = "lockstep"
         super().__init__(**kw)
+        # FP8: QK^T on FP8 tensor cores (e4m3 x e4m3 -> fp32, QGMMA k32) straight from the raw q tile and the
+        # landed e4m3 staging; only V (cols 0..511) is upcast, after the QK (module docstring).  False: the
+        # whole slot is upcast and QK runs on fp16 operands.
+        self.qk8 = bool(self.fp8 and qk_fp8)
         if self.block_n != 64:
             raise ValueError(f"schedule 'seesaw' needs block_n 64, got {self.block_n}")
         if kv_load not in ("auto", "tma", "cp.async"):
@@ -109,7 +119,7 @@ class MlaDecodeSeesawSm90(MlaDecodeSm90):
     def _seesaw_layouts(self):
         dt = self.mma_dtype
         tile_qk = (self.block_m, self.block_n, self.D)
-        q_layout = sm90_utils.make_smem_layout_a(LayoutEnum.ROW_MAJOR, tile_qk, dt, 1)
+        q_layout = sm90_utils.make_smem_layout_a(LayoutEnum.ROW_MAJOR, tile_qk, _F8 if self.qk8 else dt, 1)
         k_layout = sm90_utils.make_smem_layout_b(LayoutEnum.ROW_MAJOR, tile_qk, dt, 2)
         v_layout = sm90_utils.make_smem_layout_b(LayoutEnum.COL_MAJOR, (self.block_m, self.DV, self.block_n), dt, 1)
         p_layout = sm90_utils.make_smem_layout_a(LayoutEnum.ROW_MAJOR, (self.block_m, self.DV // 2, self.block_n),
@@ -123,7 +133,9 @@ class MlaDecodeSeesawSm90(MlaDecodeSm90):
         dt = self.mma_dtype
         q_layout, k_layout, v_layout, p_layout = self._seesaw_layouts()
         K, MN = warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.MN
-        qk_mma = sm90_utils.make_trivial_tiled_mma(dt, dt, K, K, Float32, (1, 1, 1), (self.block_m, self.block_n))
+        qk_dt = _F8 if cutlass.const_expr(self.qk8) else dt
+        qk_mma = sm90_utils.make_trivial_tiled_mma(qk_dt, qk_dt, K, K, Float32, (1, 1, 1),
+                                                   (self.block_m, self.block_n))
         pv_ss = sm90_utils.make_trivial_tiled_mma(dt, dt, K, MN, Float32, (1, 1, 1), (self.block_m, self.DV // 2))
         pv_rs = sm90_utils.make_trivial_tiled_mma(dt, dt, K, MN, Float32, (1, 1, 1), (self.block_m, self.DV // 2),
                                                   a_source=warpgroup.OperandSource.RMEM)
@@ -133,7 +145,11 @@ class MlaDecodeSeesawSm90(MlaDecodeSm90):
             # (page_size, 576, num_pages) view of the cache; one box = box_rows x 64 columns, SW128 like a
             # 64-column chunk of a KV slot
             kv_t = cute.make_tensor(kv.iterator, cute.select(kv.layout, mode=[1, 2, 0]))
-            if cutlass.const_expr(self.fp8):  # raw e4m3 rows, dense (64 bytes), staged for the upcast
+            if cutlass.const_expr(self.qk8):  # raw e4m3 rows in the QGMMA B layout (64-byte swizzle)
+                box = cute.select(sm90_utils.make_smem_layout_b(LayoutEnum.ROW_MAJOR,
+                                                                (self.block_m, self.box_rows, _CHUNK), _F8, 1),
+                                  mode=[0, 1])
+            elif cutlass.const_expr(self.fp8):  # raw e4m3 rows, dense (64 bytes), staged for the upcast
                 box = cute.make_layout((self.box_rows, _CHUNK), stride=(_CHUNK, 1))
             else:
                 box = cute.select(sm90_utils.make_smem_layout_b(LayoutEnum.ROW_MAJOR,
@@ -149,7 +165,7 @@ class MlaDecodeSeesawSm90(MlaDecodeSm90):
             scale0: cute.struct.MemRange[Float32, 64]
             scale1: cute.struct.MemRange[Float32, 64]
             row_sum: cute.struct.MemRange[Float32, 2 * 64]
-            sQ: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(q_layout)], 1024]
+            sQ: cute.struct.Align[cute.struct.MemRange[qk_dt, cute.cosize(q_layout)], 1024]
             sK: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(k_layout)], 1024]
 
         self.seesaw_kernel(qk_mma, pv_ss, pv_rs, q, kv, block_table, seq_lens, softmax_scale, output_scale, out,
@@ -245,6 +261,20 @@ class MlaDecodeSeesawSm90(MlaDecodeSm90):
         else:
             return self.page_ids(mBT, b, tile_start, split_end, wtid)
 
+    @cute.jit
+    def load_q_raw8(self, sQ: cute.Tensor, mQ: cute.Tensor, rows: cute.Tensor, tid: Int32):
+        """e4m3 q rows -> e4m3 smem in the QGMMA A layout, unconverted: synchronous 8-byte loads and stores
+        (thread t: rows ``t//8 + 32m``, bytes ``8 (t%8) + 64k``), published by the prologue's proxy fence
+        and barrier."""
+        _, tiled = self._row_copy(_F8, 64, 8)
+        tXsQ = tiled.get_slice(tid).partition_D(sQ)
+        for m in cutlass.range_constexpr(cute.size(tXsQ, mode=[1])):
+            for k in cutlass.range_constexpr(cute.size(tXsQ, mode=[2])):
+                src = cute.make_tensor(row_ptr(mQ, rows[m], (tid % 8) * 8 + 64 * k, self.D, 8), cute.make_layout(8))
+                f8 = cute.make_rmem_tensor((8,), _F8)
+                cute.autovec_copy(src, f8)
+                cute.autovec_copy(f8, tXsQ[None, m, k])
+
     def staging(self, slots_ptr):
         """FP8: e4m3 views ``(64 tokens, 576)`` of the two slots' staging areas.  The raw row-major e4m3 chunk
         ``c`` (64 rows x 64 bytes = 4 KB) lands in the upper half of the slot's fp16 chunk ``c`` (bytes
@@ -253,12 +283,35 @@ class MlaDecodeSeesawSm90(MlaDecodeSm90):
         chunk_bytes = self.block_n * _CHUNK * (self.mma_dtype.width // 8)
         slot_bytes = chunk_bytes * (self.D // _CHUNK)
         layout = cute.make_layout((self.block_n, (_CHUNK, self.D // _CHUNK)), stride=(_CHUNK, (1, chunk_bytes)))
+        if self.qk8:  # the QGMMA B operand layout: rows of 64 bytes, 64-byte swizzle (the TMA box's)
+            sw = sm90_utils.make_smem_layout_b(LayoutEnum.ROW_MAJOR, (self.block_m, self.block_n, _CHUNK), _F8,
+                                               1).inner
+            return tuple(cute.make_tensor(cute.recast_ptr(raw + (g * slot_bytes + chunk_bytes // 2), sw), layout)
+                         for g in range(2))
         return tuple(cute.make_tensor(raw + (g * slot_bytes + chunk_bytes // 2), layout) for g in range(2))
 
     @cute.jit
     def expand(self, sKs: cute.Tensor, sSt: cute.Tensor, wg: Int32, wtid: Int32, chunks: cutlass.Constexpr):
-        """FP8 only (no-op otherwise): upcast the landed e4m3 chunks ``chunks`` of a slot into its fp16
-        chunks (exact), by the 128 threads of the slot's QK warpgroup, before that QK reads them.
+        """FP8 with a 16-bit QK (no-op otherwise): :meth:`expand_chunks` of the landed chunks ``chunks``
+        before the slot's QK reads them."""
+        if cutlass.const_expr(self.fp8 and not self.qk8):
+            self.expand_chunks(sKs, sSt, wg, wtid, chunks)
+
+    @cute.jit
+    def expand_v(self, sKs: cute.Tensor, sSt: cute.Tensor, wg: Int32, wtid: Int32):
+        """FP8 with the QGMMA QK (no-op otherwise): :meth:`expand_chunks` of the V columns (chunks 0..7)
+        after the slot's QK retired (it read the e4m3 staging that the upcast overwrites).  The rope chunk
+        stays e4m3: only the QK reads it, and P later takes its place.  Both warpgroups' PVs on the slot
+        come after: the owner's in program order (the warpgroup barrier at the end), the other
+        warpgroup's behind the P_READY barrier its owner arrives at later (after the proxy fence)."""
+        if cutlass.const_expr(self.qk8):
+            self.expand_chunks(sKs, sSt, wg, wtid, (0, 1, 2, 3, 4, 5, 6, 7))
+
+    @cute.jit
+    def expand_chunks(self, sKs: cute.Tensor, sSt: cute.Tensor, wg: Int32, wtid: Int32,
+                      chunks: cutlass.Constexpr):
+        """FP8: upcast the e4m3 chunks ``chunks`` of a slot's staging into its 16-bit chunks (exact), by the
+        128 threads of the slot's QK warpgroup.
 
         Each chunk is expanded in place: every thread first reads its 4 x 8 bytes of the e4m3 chunk, a
         warpgroup barrier orders all reads before any write (the fp16 chunk covers the e4m3 bytes), then
@@ -266,7 +319,7 @@ class MlaDecodeSeesawSm90(MlaDecodeSm90):
         proxy fence and a barrier publish the chunks to the wgmmas (async proxy).  The barrier id is the
         warpgroup's :attr:`Barrier.TAIL` id (:meth:`zero_tail` uses it at other points of the same
         128-thread sequence)."""
-        if cutlass.const_expr(self.fp8):
+        if cutlass.const_expr(self.fp8):  # (also traced, unused, for 16-bit dtypes)
             _, tiled16 = self._row_copy(self.mma_dtype, 128, 8, threads=(16, 8))
             _, tiled8 = self._row_copy(cutlass.Float8E4M3FN, 64, 8, threads=(16, 8))
             thr16 = tiled16.get_slice(wtid)
@@ -320,9 +373,10 @@ class MlaDecodeSeesawSm90(MlaDecodeSm90):
         if cutlass.const_expr(first):
             acc_s.fill(0.0)
         warpgroup.fence()
+        kpc = _CHUNK // (_K32 if cutlass.const_expr(self.qk8) else _K16)  # wgmma k-steps per 64-column chunk
         for c in cutlass.range_constexpr(len(chunks)):
-            for kk in cutlass.range_constexpr(_CHUNK // _K16):
-                k = chunks[c] * (_CHUNK // _K16) + kk
+            for kk in cutlass.range_constexpr(kpc):
+                k = chunks[c] * kpc + kk
                 cute.gemm(qk_mma, acc_s, tSrQ[None, None, k], tSrK[None, None, k], acc_s)
 
     @cute.jit
@@ -416,7 +470,9 @@ class MlaDecodeSeesawSm90(MlaDecodeSm90):
         cute.arch.mbarrier_init_fence()
         # ---- Q tile (rows past R: clamped copy of row R-1, never stored), one cp.async group (FP8: upcast
         #      through registers)
-        if cutlass.const_expr(self.fp8):
+        if cutlass.const_expr(self.qk8):
+            self.load_q_raw8(sQ[None, None, 0], mQ, self.q_rows(mblk, b, tid), tid)
+        elif cutlass.const_expr(self.fp8):
             self.load_q_fp8(sQ[None, None, 0], mQ, self.q_rows(mblk, b, tid), tid)
         else:
             self.load_rows(sQ[None, None, 0], mQ, self.q_rows(mblk, b, tid), tid)
@@ -457,8 +513,9 @@ class MlaDecodeSeesawSm90(MlaDecodeSm90):
         qk_thr = qk_mma.get_slice(wtid)
         ss_thr = pv_ss.get_slice(wtid)
         tSrQ = qk_thr.make_fragment_A(qk_thr.partition_A(sQ[None, None, 0]))
-        tSrK0 = qk_thr.make_fragment_B(qk_thr.partition_B(sK0))
-        tSrK1 = qk_thr.make_fragment_B(qk_thr.partition_B(sK1))
+        kq0, kq1 = (sSt0, sSt1) if cutlass.const_expr(self.qk8) else (sK0, sK1)  # the QK's B operand
+        tSrK0 = qk_thr.make_fragment_B(qk_thr.partition_B(kq0))
+        tSrK1 = qk_thr.make_fragment_B(qk_thr.partition_B(kq1))
         acc_s = qk_thr.make_fragment_C(qk_thr.partition_shape_C((self.block_m, bn)))
         acc_o = ss_thr.make_fragment_C(ss_thr.partition_shape_C((self.block_m, self.DV // 2)))
         acc_o.fill(0.0)
@@ -503,6 +560,10 @@ class MlaDecodeSeesawSm90(MlaDecodeSm90):
                 self.qk_chunks(qk_mma, acc_s, tSrQ, tSrK1, (0, 1, 2, 3, 4, 5, 6, 7, 8), True)
             warpgroup.commit_group()
             warpgroup.wait_group(0)
+            if wg == 0:
+                self.expand_v(sK0, sSt0, wg, wtid)
+            else:
+                self.expand_v(sK1, sSt1, wg, wtid)
 
         if wg == 0:
             for j in cutlass.range(n_pairs, unroll=1):
@@ -563,6 +624,8 @@ class MlaDecodeSeesawSm90(MlaDecodeSm90):
                     self.qk_chunks(qk_mma, acc_s, tSrQ, tSrK0, (4, 5, 6, 7, 8), False)
                     warpgroup.commit_group()
                 warpgroup.wait_group(0)
+                if more:
+                    self.expand_v(sK0, sSt0, wg, wtid)
         else:
             for j in cutlass.range(n_pairs, unroll=1):
                 t1 = split_start + (2 * j + 1) * bn  # first token of this pair's tile in slot 1
@@ -615,6 +678,8 @@ class MlaDecodeSeesawSm90(MlaDecodeSm90):
                     self.qk_chunks(qk_mma, acc_s, tSrQ, tSrK1, (0, 1, 2, 3, 8), False)
                     warpgroup.commit_group()
                 warpgroup.wait_group(0)
+                if more:
+                    self.expand_v(sK1, sSt1, wg, wtid)
 
         # ---- epilogue (base class): both warpgroups' O and l are relative to the final shared max
         cute.arch.barrier()
@@ -636,12 +701,13 @@ def launch_mla_decode_seesaw(stream, q: cute.Tensor, kv: cute.Tensor, block_tabl
                              num_heads: cutlass.Constexpr, q_len: cutlass.Constexpr, page_size: cutlass.Constexpr,
                              causal: cutlass.Constexpr, num_splits: cutlass.Constexpr,
                              tokens_per_split: cutlass.Constexpr, block_n: cutlass.Constexpr = 64,
-                             schedule: cutlass.Constexpr = "seesaw", pdl: cutlass.Constexpr = True):
+                             schedule: cutlass.Constexpr = "seesaw", pdl: cutlass.Constexpr = True,
+                             qk_fp8: cutlass.Constexpr = True):
     """FFI launch function of schedule "seesaw" (same ABI as ``launch_mla_decode``); ``"seesaw-cpasync"``
-    forces the cp.async refills where TMA would be used."""
+    forces the cp.async refills where TMA would be used; ``qk_fp8=False`` runs an FP8 QK on fp16 operands."""
     MlaDecodeSeesawSm90(dtype=dtype, num_heads=num_heads, q_len=q_len, page_size=page_size, causal=causal,
                         num_splits=num_splits, tokens_per_split=tokens_per_split, block_n=block_n,
-                        kv_load="cp.async" if schedule == "seesaw-cpasync" else "auto", pdl=pdl)(
+                        kv_load="cp.async" if schedule == "seesaw-cpasync" else "auto", pdl=pdl, qk_fp8=qk_fp8)(
         stream, q, kv, block_table, seq_lens, softmax_scale, output_scale, out, lse, o_accum, lse_accum)
 
 
