@@ -89,13 +89,15 @@ class MlaDecodeSeesawSm90(MlaDecodeSm90):
     """Schedule "seesaw" of the sm90 decode kernel (module docstring).  Same arguments as the base class;
     16-bit dtypes, ``block_n`` 64."""
 
-    def __init__(self, *, kv_load: str = "auto", qk_fp8: bool = True, **kw):
+    def __init__(self, *, kv_load: str = "auto", qk_fp8: bool = True, expand_group: int = 4, **kw):
         kw["schedule"] = "lockstep"
         super().__init__(**kw)
         # FP8: QK^T on FP8 tensor cores (e4m3 x e4m3 -> fp32, QGMMA k32) straight from the raw q tile and the
         # landed e4m3 staging; only V (cols 0..511) is upcast, after the QK (module docstring).  False: the
         # whole slot is upcast and QK runs on fp16 operands.
         self.qk8 = bool(self.fp8 and qk_fp8)
+        # chunks upcast per warpgroup barrier (:meth:`expand_chunks`): all their reads, one barrier, all writes
+        self.expand_group = expand_group
         if self.block_n != 64:
             raise ValueError(f"schedule 'seesaw' needs block_n 64, got {self.block_n}")
         if kv_load not in ("auto", "tma", "cp.async"):
@@ -313,9 +315,9 @@ class MlaDecodeSeesawSm90(MlaDecodeSm90):
         """FP8: upcast the e4m3 chunks ``chunks`` of a slot's staging into its 16-bit chunks (exact), by the
         128 threads of the slot's QK warpgroup.
 
-        Each chunk is expanded in place: every thread first reads its 4 x 8 bytes of the e4m3 chunk, a
-        warpgroup barrier orders all reads before any write (the fp16 chunk covers the e4m3 bytes), then
-        it writes its 4 x 16 bytes (thread ``wtid``: rows ``wtid//8 + 16m``, columns ``8 (wtid%8)..``).  A
+        Each group of ``expand_group`` chunks is expanded in place: every thread first reads its 4 x 8 bytes of
+        each e4m3 chunk, a warpgroup barrier orders all reads before any write (the 16-bit chunk covers the
+        e4m3 bytes), then it writes its 4 x 16 bytes per chunk (thread ``wtid``: rows ``wtid//8 + 16m``, columns ``8 (wtid%8)..``).  A
         proxy fence and a barrier publish the chunks to the wgmmas (async proxy).  The barrier id is the
         warpgroup's :attr:`Barrier.TAIL` id (:meth:`zero_tail` uses it at other points of the same
         128-thread sequence)."""
@@ -324,17 +326,21 @@ class MlaDecodeSeesawSm90(MlaDecodeSm90):
             _, tiled8 = self._row_copy(cutlass.Float8E4M3FN, 64, 8, threads=(16, 8))
             thr16 = tiled16.get_slice(wtid)
             thr8 = tiled8.get_slice(wtid)
-            for c in cutlass.range_constexpr(len(chunks)):
-                src = thr8.partition_S(cute.local_tile(sSt, (self.block_n, _CHUNK), (0, chunks[c])))
-                dst = thr16.partition_D(cute.local_tile(sKs, (self.block_n, _CHUNK), (0, chunks[c])))
-                f8 = [cute.make_rmem_tensor((8,), cutlass.Float8E4M3FN) for _ in range(4)]
-                for m in cutlass.range_constexpr(4):
-                    cute.autovec_copy(src[None, m, 0], f8[m])
+            g = self.expand_group
+            for c0 in cutlass.range_constexpr(0, len(chunks), g):
+                grp = chunks[c0:c0 + g]
+                f8 = [cute.make_rmem_tensor((8,), cutlass.Float8E4M3FN) for _ in range(4 * len(grp))]
+                for c in cutlass.range_constexpr(len(grp)):
+                    src = thr8.partition_S(cute.local_tile(sSt, (self.block_n, _CHUNK), (0, grp[c])))
+                    for m in cutlass.range_constexpr(4):
+                        cute.autovec_copy(src[None, m, 0], f8[4 * c + m])
                 cute.arch.barrier(barrier_id=int(Barrier.TAIL) + wg, number_of_threads=128)
-                for m in cutlass.range_constexpr(4):
-                    b16 = cute.make_rmem_tensor((8,), self.mma_dtype)
-                    b16.store(f8[m].load().to(self.mma_dtype))
-                    cute.autovec_copy(b16, dst[None, m, 0])
+                for c in cutlass.range_constexpr(len(grp)):
+                    dst = thr16.partition_D(cute.local_tile(sKs, (self.block_n, _CHUNK), (0, grp[c])))
+                    for m in cutlass.range_constexpr(4):
+                        b16 = cute.make_rmem_tensor((8,), self.mma_dtype)
+                        b16.store(f8[4 * c + m].load().to(self.mma_dtype))
+                        cute.autovec_copy(b16, dst[None, m, 0])
             cute.arch.fence_view_async_shared()
             cute.arch.barrier(barrier_id=int(Barrier.TAIL) + wg, number_of_threads=128)
 
