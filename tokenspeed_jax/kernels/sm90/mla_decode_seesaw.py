@@ -315,12 +315,12 @@ class MlaDecodeSeesawSm90(MlaDecodeSm90):
         """FP8: upcast the e4m3 chunks ``chunks`` of a slot's staging into its 16-bit chunks (exact), by the
         128 threads of the slot's QK warpgroup.
 
-        Each group of ``expand_group`` chunks is expanded in place: every thread first reads its 4 x 8 bytes of
-        each e4m3 chunk, a warpgroup barrier orders all reads before any write (the 16-bit chunk covers the
-        e4m3 bytes), then it writes its 4 x 16 bytes per chunk (thread ``wtid``: rows ``wtid//8 + 16m``, columns ``8 (wtid%8)..``).  A
-        proxy fence and a barrier publish the chunks to the wgmmas (async proxy).  The barrier id is the
-        warpgroup's :attr:`Barrier.TAIL` id (:meth:`zero_tail` uses it at other points of the same
-        128-thread sequence)."""
+        Each group of ``expand_group`` chunks is expanded in place: every thread first reads its 4 x 8 bytes
+        of each e4m3 chunk, a warpgroup barrier orders all reads before any write (the 16-bit chunk covers
+        the e4m3 bytes), then it writes its 4 x 16 bytes per chunk (thread ``wtid``: rows ``wtid//8 + 16m``,
+        columns ``8 (wtid%8)..``).  A proxy fence and a barrier publish the chunks to the wgmmas (async
+        proxy).  The barrier id is the warpgroup's :attr:`Barrier.TAIL` id (:meth:`zero_tail` uses it at
+        other points of the same 128-thread sequence)."""
         if cutlass.const_expr(self.fp8):  # (also traced, unused, for 16-bit dtypes)
             _, tiled16 = self._row_copy(self.mma_dtype, 128, 8, threads=(16, 8))
             _, tiled8 = self._row_copy(cutlass.Float8E4M3FN, 64, 8, threads=(16, 8))
