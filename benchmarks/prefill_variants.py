@@ -13,6 +13,8 @@ our LSE layout):
     scale_only     only the device-scale override (FA4's epilogue)
     epi_only       only the empty-row epilogue override (host-constant scale)
     epi_uniform    the device scale + a non-causal epilogue with one CTA-uniform ``seqlen_k <= 0`` branch
+    ours_xla_rows  ``mla_prefill`` with ``TOKENSPEED_SM90_PREFILL_EMPTY_ROWS=xla``: the scale_only kernel, no
+                   padding request, rows without keys fixed by a conditional XLA pass (skipped here)
     fa4            ``flash_attn.cute.interface.flash_attn_varlen_func`` from torch
 
 Diagnostic only: the variants other than ``ours`` and ``fa4`` drop part of our contract (runtime scale,
@@ -35,7 +37,7 @@ import math
 import os
 import sys
 
-VARIANTS = ("ours", "ours_nopad", "plain", "scale_only", "epi_only", "epi_uniform")
+VARIANTS = ("ours", "ours_nopad", "plain", "scale_only", "epi_only", "epi_uniform", "ours_xla_rows")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -125,10 +127,22 @@ def variant_fn(variant: str, T: int, H: int, causal: bool, scale: float):
     from tokenspeed_jax.backends.sm90_prefill import _specs
     from tokenspeed_jax.prefill import _prefill_problem
 
-    if variant == "ours":
-        return jax.jit(lambda q, k, v, cq, ck, s: mla_prefill(
-            q, k, v, cq, ck, softmax_scale=s[0], causal=causal, return_lse=True, max_seqlen_q=T, max_seqlen_k=T,
-            backend="sm90"))
+    if variant in ("ours", "ours_xla_rows"):
+        from tokenspeed_jax.backends.sm90_prefill import EMPTY_ROWS_ENV
+
+        def g(q, k, v, cq, ck, s):  # the switch is read when this traces (first call)
+            saved = os.environ.get(EMPTY_ROWS_ENV)
+            os.environ[EMPTY_ROWS_ENV] = "xla" if variant == "ours_xla_rows" else "kernel"
+            try:
+                return mla_prefill(q, k, v, cq, ck, softmax_scale=s[0], causal=causal, return_lse=True,
+                                   max_seqlen_q=T, max_seqlen_k=T, backend="sm90")
+            finally:
+                if saved is None:
+                    os.environ.pop(EMPTY_ROWS_ENV, None)
+                else:
+                    os.environ[EMPTY_ROWS_ENV] = saved
+
+        return jax.jit(g)
 
     def f(q, k, v, cq, ck, s):
         input_specs, output_specs = _specs(_prefill_problem(q, k, v, cq, ck, causal, True, None, None))

@@ -96,7 +96,16 @@ _SCRIPT = textwrap.dedent(
     f = lambda q, k, v, cq, ck, s: mla_prefill(q, k, v, cq, ck, softmax_scale=s, return_lse=True, backend="sm90")
     with target_override("sm_90a"):
         jax.jit(f).trace(q, k, v, cq, ck, jnp.float32(0.1)).lower(lowering_platforms=("cuda",))
-    print(json.dumps({"configs": res, "stats": ffi.cache_stats()}))
+    # rows without keys fixed by XLA instead of the kernel's epilogue: a kernel of its own (FA4's epilogue),
+    # no padding request, and a conditional pass after the call
+    import os
+    os.environ["TOKENSPEED_SM90_PREFILL_EMPTY_ROWS"] = "xla"
+    f = lambda q, k, v, cq, ck, s: mla_prefill(q, k, v, cq, ck, softmax_scale=s, return_lse=True, backend="sm90")
+    with target_override("sm_90a"):  # (a new function: jax.jit caches the previous one's trace)
+        txt = jax.jit(f).trace(q, k, v, cq, ck, jnp.float32(0.1)).lower(lowering_platforms=("cuda",)).as_text()
+    xla_rows = {"calls": txt.count("stablehlo.custom_call @tokenspeed_mla_prefill_sm90("),
+                "cond": ("stablehlo.if" in txt) or ("stablehlo.case" in txt)}
+    print(json.dumps({"configs": res, "stats": ffi.cache_stats(), "xla_rows": xla_rows}))
     """
 )
 
@@ -124,7 +133,8 @@ def test_compile_and_lower_for_sm90(tmp_path):
         assert c["found"] == 1, c
     # out + lse results for return_lse, out only otherwise
     assert [c["results"] for c in doc["configs"]] == [2, 1, 2]
-    assert doc["stats"]["disk_writes"] == 3 and doc["stats"]["shape_reuses"] == 1, doc["stats"]
+    assert doc["stats"]["disk_writes"] == 4 and doc["stats"]["shape_reuses"] == 1, doc["stats"]
+    assert doc["xla_rows"] == {"calls": 1, "cond": True}, doc["xla_rows"]
 
 
 def test_kernel_config_is_a_stable_key():

@@ -27,6 +27,7 @@ Contract (normative)
 from __future__ import annotations
 
 import functools
+import os
 
 import jax
 import jax.numpy as jnp
@@ -88,7 +89,9 @@ def mla_prefill(
         if impl.name == "xla":  # pure JAX: vmap batches it natively
             out, lse = impl.prefill(problem, q, k, v, cu_seqlens_q, cu_seqlens_k, ss)
         else:
-            out, lse = _sequential_under_vmap(impl.name, problem)(q, k, v, cu_seqlens_q, cu_seqlens_k, ss)
+            switches = tuple((k_, os.environ.get(k_)) for k_ in getattr(impl, "trace_env", ()))
+            out, lse = _sequential_under_vmap(impl.name, problem, switches)(q, k, v, cu_seqlens_q, cu_seqlens_k,
+                                                                            ss)
     return (out, lse) if return_lse else out
 
 
@@ -103,10 +106,12 @@ def check_prefill_inputs(cu_seqlens_q, cu_seqlens_k, *, num_q_tokens: int, num_k
 
 
 @functools.lru_cache(maxsize=None)
-def _sequential_under_vmap(backend_name: str, problem: PrefillProblem):
+def _sequential_under_vmap(backend_name: str, problem: PrefillProblem, switches: tuple = ()):
     """Kernel backends take one ragged batch per call; under ``jax.vmap`` the mapped calls run one after
     another (``lax.map``).  Folding would need re-offsetting cu_seqlens into one larger ragged batch;
-    a caller who wants that concatenates the requests itself, which is what ragged layouts are for."""
+    a caller who wants that concatenates the requests itself, which is what ragged layouts are for.
+    Cached per (backend, problem, ``switches``): the backend's trace-time switches (``Backend.trace_env``),
+    as in ``tokenspeed_jax.decode._vmappable_decode``."""
     from tokenspeed_jax.backends import get_backend
 
     impl = get_backend(backend_name)

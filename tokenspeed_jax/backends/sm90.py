@@ -34,8 +34,8 @@ class Sm90Backend:
 
     @property
     def trace_env(self) -> tuple[str, ...]:
-        m = self._decode_mod()
-        return () if m is None else m.TRACE_ENV
+        d, p = self._decode_mod(), self._prefill_mod()
+        return (() if d is None else d.TRACE_ENV) + (() if p is None else p.TRACE_ENV)
 
     def supports_decode(self, problem) -> str | None:
         m = self._decode_mod()

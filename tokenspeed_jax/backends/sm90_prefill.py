@@ -51,6 +51,7 @@ import dataclasses
 import functools
 import importlib.metadata
 import importlib.util
+import os
 
 import jax
 import jax.numpy as jnp
@@ -58,6 +59,12 @@ import jax.numpy as jnp
 from tokenspeed_jax.problems import FP8_DTYPE, PrefillProblem
 
 TARGET = "mla_prefill_sm90"
+# Where rows with no visible key get 0 / LSE -inf (module docstring): "kernel" (default: the kernel's
+# epilogue override, plus one key-less padding request for the rows past cu_seqlens_q[-1]) or "xla" (FA4's
+# own epilogue, the kernel otherwise FA4's with the scale read from device memory; a conditional XLA pass
+# fixes those rows, and runs only when a batch has any).  Read at trace time; part of the compile key.
+EMPTY_ROWS_ENV = "TOKENSPEED_SM90_PREFILL_EMPTY_ROWS"
+TRACE_ENV = (EMPTY_ROWS_ENV,)
 INSTALL_HINT = "pip install 'tokenspeed-jax[hopper]'"
 # Rows past cu_seqlens_k[-1] that FA4 may read (tile_n - 1, tile_n <= 128); they must be finite.
 KV_TAIL_ROWS = 127
@@ -78,6 +85,7 @@ class PrefillKernelConfig:
     num_kv_heads: int
     causal: bool
     return_lse: bool
+    exact_empty_rows: bool = True  # the kernel writes 0 / -inf for rows with no visible key (EMPTY_ROWS_ENV)
 
 
 @functools.cache
@@ -151,14 +159,19 @@ def prefill(problem: PrefillProblem, q, k, v, cu_seqlens_q, cu_seqlens_k, softma
     if problem.dtype == FP8_DTYPE:  # exact upcast (e4m3 is a subset of bf16)
         q, k, v = (x.astype(jnp.bfloat16) for x in (q, k, v))
 
-    # One extra key-less request covers q rows past cu_seqlens_q[-1] (written as 0 / -inf by the kernel).
+    mode = os.environ.get(EMPTY_ROWS_ENV, "") or "kernel"
+    if mode not in ("kernel", "xla"):
+        raise ValueError(f"{EMPTY_ROWS_ENV}: expected 'kernel' or 'xla', got {mode!r}")
+    exact = mode == "kernel"
     cu_q = jnp.clip(cu_seqlens_q.astype(jnp.int32), 0, Tq)
     cu_k = jnp.clip(cu_seqlens_k.astype(jnp.int32), 0, Tk)
-    cu_q = jnp.concatenate([cu_q, jnp.full((1,), Tq, jnp.int32)])
-    cu_k = jnp.concatenate([cu_k, cu_k[-1:]])
+    cu_q_kernel, cu_k_kernel = cu_q, cu_k
+    if exact:  # one extra key-less request covers q rows past cu_seqlens_q[-1] (written as 0 / -inf)
+        cu_q_kernel = jnp.concatenate([cu_q, jnp.full((1,), Tq, jnp.int32)])
+        cu_k_kernel = jnp.concatenate([cu_k, cu_k[-1:]])
     scale = jnp.asarray(softmax_scale, jnp.float32).reshape((1,))
 
-    cfg = PrefillKernelConfig("fa4_sm90", kdtype, Dqk, Dv, Hq, Hk, problem.causal, problem.return_lse)
+    cfg = PrefillKernelConfig("fa4_sm90", kdtype, Dqk, Dv, Hq, Hk, problem.causal, problem.return_lse, exact)
     outputs = [jax.ShapeDtypeStruct((Tq, Hq, Dv), out_dtype)]
     if problem.return_lse:
         outputs.append(jax.ShapeDtypeStruct((Tq, Hq), jnp.float32))
@@ -177,9 +190,38 @@ def prefill(problem: PrefillProblem, q, k, v, cu_seqlens_q, cu_seqlens_k, softma
         head_dim_v=Dv,
         qhead_per_kvhead=Hq // Hk,
         causal=problem.causal,
+        **({} if exact else {"exact_empty_rows": False}),
     )
-    res = call(q, k, v, cu_q, cu_k, scale)
-    return res[0], (res[1] if problem.return_lse else None)
+    res = call(q, k, v, cu_q_kernel, cu_k_kernel, scale)
+    out, lse = res[0], (res[1] if problem.return_lse else None)
+    if not exact:
+        out, lse = _rows_without_keys(out, lse, cu_q, cu_k, problem.causal)
+    return out, lse
+
+
+def _rows_without_keys(out, lse, cu_q, cu_k, causal: bool):
+    """0 / LSE -inf for the q rows that see no key (EMPTY_ROWS_ENV="xla"): rows past ``cu_q[-1]``,
+    requests with ``Lk <= 0``, and (bottom-right causal) rows ``i < Lq - Lk``.  The kernel leaves them
+    unwritten or writes what FA4 computes for them.  One fused pass over ``out`` under ``lax.cond``, taken
+    only when the batch has such a row (decided from the ``B + 1`` offsets on the device, no sync)."""
+    Tq, B = out.shape[0], cu_q.shape[0] - 1
+    lq, lk = cu_q[1:] - cu_q[:-1], cu_k[1:] - cu_k[:-1]
+    some = (cu_q[-1] < Tq) | jnp.any((lq > 0) & ((lk <= 0) | ((lq > lk) if causal else False)))
+
+    def fix(ops):
+        o, l_ = ops
+        t = jnp.arange(Tq, dtype=jnp.int32)
+        b = jnp.searchsorted(cu_q[1:], t, side="right").astype(jnp.int32)  # request of row t (B: past the end)
+        bc = jnp.minimum(b, B - 1)
+        vis = (b < B) & (lk[bc] > 0)
+        if causal:
+            vis = vis & (t - cu_q[bc] >= lq[bc] - lk[bc])
+        o = jnp.where(vis[:, None, None], o, jnp.zeros((), o.dtype))
+        if l_ is not None:
+            l_ = jnp.where(vis[:, None], l_, -jnp.inf)
+        return o, l_
+
+    return jax.lax.cond(some, fix, lambda ops: ops, (out, lse))
 
 
 def _launch():

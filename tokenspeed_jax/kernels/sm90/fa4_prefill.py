@@ -59,10 +59,14 @@ class FA4PrefillSm90(FlashAttentionForwardSm90):
     ``qhead_per_kvhead`` (Hq / Hk; GQA rows are packed as FA4 does), ``causal`` (bottom-right).
     """
 
-    def __init__(self, dtype: str, head_dim: int, head_dim_v: int, qhead_per_kvhead: int, *, causal: bool):
+    def __init__(self, dtype: str, head_dim: int, head_dim_v: int, qhead_per_kvhead: int, *, causal: bool,
+                 exact_empty_rows: bool = True):
         reason = self.can_implement_problem(dtype, head_dim, head_dim_v, qhead_per_kvhead)
         if reason is not None:
             raise ValueError(reason)
+        # False: FA4's own epilogue (rows with no visible key are then fixed by the caller, see
+        # tokenspeed_jax.backends.sm90_prefill.EMPTY_ROWS_ENV)
+        self.exact_empty_rows = exact_empty_rows
         tile_m, tile_n, mma_pv_is_rs, intra_wg_overlap = _fa4_sm90_tiles(head_dim, head_dim_v, causal)
         super().__init__(
             _DTYPES[dtype],
@@ -173,24 +177,25 @@ class FA4PrefillSm90(FlashAttentionForwardSm90):
         head_idx: Int32,
         batch_idx: Int32,
     ):
-        # First query index of this request that sees a key (bottom-right causal: i + Lk - Lq >= 0).
-        first_visible = Int32(0)
-        if const_expr(self.is_causal):
-            first_visible = seqlen.seqlen_q - seqlen.seqlen_k
-        no_keys = seqlen.seqlen_k <= 0
-        cO = cute.make_identity_tensor((self.tile_m, self.tile_hdimv))
-        thr_mma = tiled_mma.get_slice(tidx)
-        tOcO = layout_utils.reshape_acc_to_mn(thr_mma.partition_C(cO))
-        acc_O_mn = layout_utils.reshape_acc_to_mn(acc_O)
-        for m in cutlass.range(cute.size(acc_O_mn, mode=[0]), unroll_full=True):
-            row = m_block * self.tile_m + tOcO[m, 0][0]
-            q_idx = row
-            if const_expr(self.pack_gqa):
-                q_idx = row // self.qhead_per_kvhead
-            if no_keys or q_idx < first_visible:
-                lse[m] = -Float32.inf
-                for n in cutlass.range(cute.size(acc_O_mn, mode=[1]), unroll_full=True):
-                    acc_O_mn[m, n] = Float32(0.0)
+        if const_expr(self.exact_empty_rows):
+            # First query index of this request that sees a key (bottom-right causal: i + Lk - Lq >= 0).
+            first_visible = Int32(0)
+            if const_expr(self.is_causal):
+                first_visible = seqlen.seqlen_q - seqlen.seqlen_k
+            no_keys = seqlen.seqlen_k <= 0
+            cO = cute.make_identity_tensor((self.tile_m, self.tile_hdimv))
+            thr_mma = tiled_mma.get_slice(tidx)
+            tOcO = layout_utils.reshape_acc_to_mn(thr_mma.partition_C(cO))
+            acc_O_mn = layout_utils.reshape_acc_to_mn(acc_O)
+            for m in cutlass.range(cute.size(acc_O_mn, mode=[0]), unroll_full=True):
+                row = m_block * self.tile_m + tOcO[m, 0][0]
+                q_idx = row
+                if const_expr(self.pack_gqa):
+                    q_idx = row // self.qhead_per_kvhead
+                if no_keys or q_idx < first_visible:
+                    lse[m] = -Float32.inf
+                    for n in cutlass.range(cute.size(acc_O_mn, mode=[1]), unroll_full=True):
+                        acc_O_mn[m, n] = Float32(0.0)
         FlashAttentionForwardSm90.epilogue(
             self,
             acc_O,
@@ -226,6 +231,7 @@ def fa4_prefill_launch(
     head_dim_v: cutlass.Constexpr,
     qhead_per_kvhead: cutlass.Constexpr,
     causal: cutlass.Constexpr,
+    exact_empty_rows: cutlass.Constexpr = True,
 ):
     """Launch :class:`FA4PrefillSm90` (static configuration from the constexprs) on one ragged batch.
 
@@ -233,7 +239,8 @@ def fa4_prefill_launch(
     (float32 ``(1,)``), then outputs out and, when requested, lse ``[Tq, Hq]`` float32. The constexprs
     are plain values (not a kernel object) so the compile key has a stable text for the disk cache.
     """
-    kernel = FA4PrefillSm90(dtype, head_dim, head_dim_v, qhead_per_kvhead, causal=causal)
+    kernel = FA4PrefillSm90(dtype, head_dim, head_dim_v, qhead_per_kvhead, causal=causal,
+                            exact_empty_rows=exact_empty_rows)
     lse_view = None
     if const_expr(lse is not None):
         lse_view = cute.make_tensor(lse.iterator, cute.select(lse.layout, mode=[1, 0]))
