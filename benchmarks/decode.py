@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import os
 import sys
 import time
@@ -196,6 +197,22 @@ def poison():
     del x
 
 
+# FP8 QK^T runs on FP8 tensor cores (QGMMA), whose fp32 accumulator keeps about 14 bits per addition (DeepSeek-V3
+# report, sec. 3.3.2; measured here: LSE errors up to 2.2e-3 where the 16-bit QK gave 1e-6). Per score the
+# error of 18 k32 steps, each truncating at 2^-14 of at most |q| |k|, is taken as random (sqrt(18)) with a 2x
+# margin: 2^-13 sqrt(18) scale |q| max|k|. The LSE moves by at most the largest score error of its row.
+FP8_QK_ACC_EPS = 2.0 ** -13 * math.sqrt(18)
+
+
+def fp8_qk_lse_slack(c: Case, q, kv, scale):
+    """Extra LSE tolerance per row (shape of the LSE) for FP8 inputs, 0.0 otherwise (see FP8_QK_ACC_EPS)."""
+    if c.dtype != "float8_e4m3fn":
+        return 0.0
+    qn = np.linalg.norm(np.asarray(q).astype(np.float32), axis=-1)
+    kn = np.linalg.norm(np.asarray(kv).astype(np.float32).reshape(-1, kv.shape[-1]), axis=-1)
+    return FP8_QK_ACC_EPS * float(scale) * qn * float(np.max(kn[np.isfinite(kn)], initial=0.0))
+
+
 def check(cases, seed: int, schedule: str | None = None) -> list[dict]:
     import jax.numpy as jnp
 
@@ -228,7 +245,8 @@ def check(cases, seed: int, schedule: str | None = None) -> list[dict]:
         inf_ok = bool(np.array_equal(np.isneginf(lse), np.isneginf(rl)))
         fin = np.isfinite(rl)
         lerr = float(np.max(np.abs(lse[fin] - rl[fin]))) if fin.any() else 0.0
-        ok_l = inf_ok and lerr <= 1e-3 + 1e-4 * float(np.max(np.abs(rl[fin]), initial=0))
+        ltol = 1e-3 + 1e-4 * float(np.max(np.abs(rl[fin]), initial=0)) + fp8_qk_lse_slack(c, q, kv, scale)
+        ok_l = inf_ok and bool(np.all(np.abs(lse[fin] - rl[fin]) <= (ltol[fin] if np.ndim(ltol) else ltol)))
         zero_rows = bool(np.all(out[np.isneginf(rl)] == 0))
         finite = bool(np.all(np.isfinite(out)))
         extra = {}
@@ -240,7 +258,8 @@ def check(cases, seed: int, schedule: str | None = None) -> list[dict]:
         r = {"case": c.name, **extra, "ok": ok_o and ok_l and det and zero_rows and finite,
              "max_err": float(np.max(err)),
              "xla_native_err": err_x, "err_ratio": float(np.max(err)) / max(err_x, 1e-12), "lse_err": lerr,
-             "lse_inf_match": inf_ok, "deterministic": det, "empty_rows_zero": zero_rows, "all_finite": finite,
+             "lse_tol": float(np.min(ltol)), "lse_inf_match": inf_ok, "deterministic": det,
+             "empty_rows_zero": zero_rows, "all_finite": finite,
              "secs": round(time.time() - t0, 1)}
         print(json.dumps(r), flush=True)
         results.append(r)

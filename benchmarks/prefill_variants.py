@@ -7,17 +7,18 @@ differently, and that the plain class through our FFI path has FA4's loop instru
 variants separate those causes from the launch-side ones (the extra key-less request that grows the grid,
 our LSE layout):
 
-    ours           the shipped path: ``mla_prefill(backend="sm90")`` (both overrides, padding request)
-    ours_nopad     the same kernel instance, cu_seqlens without the padding request (grid 1024, not 1040)
+    ours           the shipped path: ``mla_prefill(backend="sm90")`` (default ``fixup`` mode: the device-scale
+                   override only, then our small kernel for rows without keys; no padding request)
+    ours_epilogue  ``mla_prefill`` with ``TOKENSPEED_SM90_PREFILL_EMPTY_ROWS=kernel``: both overrides (device
+                   scale, empty-row epilogue) and the padding request (the path shipped until 2026-11-30)
+    ours_nopad     the ``ours_epilogue`` kernel instance, cu_seqlens without the padding request
     plain          FA4's class unchanged, softmax scale a host constant (baked into this compile)
     scale_only     only the device-scale override (FA4's epilogue)
     epi_only       only the empty-row epilogue override (host-constant scale)
     epi_uniform    the device scale + a non-causal epilogue with one CTA-uniform ``seqlen_k <= 0`` branch
-    ours_xla_rows  ``mla_prefill`` with ``TOKENSPEED_SM90_PREFILL_EMPTY_ROWS=xla``: the scale_only kernel, no
-                   padding request, rows without keys fixed by a conditional XLA pass (skipped here)
     fa4            ``flash_attn.cute.interface.flash_attn_varlen_func`` from torch
 
-Diagnostic only: the variants other than ``ours`` and ``fa4`` drop part of our contract (runtime scale,
+Diagnostic only: the variants other than ``ours``, ``ours_epilogue`` and ``fa4`` drop part of our contract (runtime scale,
 exact empty rows) and are never used by the package. Run on the H200 (carry [".device"]):
 
     source .device/bootstrap.sh && python -m benchmarks.prefill_variants --out $OUT/variants.json
@@ -37,7 +38,7 @@ import math
 import os
 import sys
 
-VARIANTS = ("ours", "ours_nopad", "plain", "scale_only", "epi_only", "epi_uniform", "ours_xla_rows")
+VARIANTS = ("ours", "ours_epilogue", "ours_nopad", "plain", "scale_only", "epi_only", "epi_uniform")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -127,12 +128,12 @@ def variant_fn(variant: str, T: int, H: int, causal: bool, scale: float):
     from tokenspeed_jax.backends.sm90_prefill import _specs
     from tokenspeed_jax.prefill import _prefill_problem
 
-    if variant in ("ours", "ours_xla_rows"):
+    if variant in ("ours", "ours_epilogue"):
         from tokenspeed_jax.backends.sm90_prefill import EMPTY_ROWS_ENV
 
         def g(q, k, v, cq, ck, s):  # the switch is read when this traces (first call)
             saved = os.environ.get(EMPTY_ROWS_ENV)
-            os.environ[EMPTY_ROWS_ENV] = "xla" if variant == "ours_xla_rows" else "kernel"
+            os.environ[EMPTY_ROWS_ENV] = "kernel" if variant == "ours_epilogue" else "fixup"
             try:
                 return mla_prefill(q, k, v, cq, ck, softmax_scale=s[0], causal=causal, return_lse=True,
                                    max_seqlen_q=T, max_seqlen_k=T, backend="sm90")
@@ -151,7 +152,7 @@ def variant_fn(variant: str, T: int, H: int, causal: bool, scale: float):
                   "input_specs": input_specs, "output_specs": output_specs, "dynamic_shapes": True,
                   "library_versions": ("flash-attn-4", "quack-kernels"), "head_dim": 192, "head_dim_v": 128,
                   "causal": causal}
-        if variant == "ours_nopad":  # the shipped kernel instance, cu_seqlens passed as given (no extra request)
+        if variant == "ours_nopad":  # the epilogue-mode kernel instance, cu_seqlens as given (no extra request)
             from tokenspeed_jax.kernels.sm90.fa4_prefill import fa4_prefill_launch
 
             call = ffi.custom_call("prefill_variant_ours", fa4_prefill_launch,

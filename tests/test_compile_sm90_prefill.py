@@ -96,16 +96,19 @@ _SCRIPT = textwrap.dedent(
     f = lambda q, k, v, cq, ck, s: mla_prefill(q, k, v, cq, ck, softmax_scale=s, return_lse=True, backend="sm90")
     with target_override("sm_90a"):
         jax.jit(f).trace(q, k, v, cq, ck, jnp.float32(0.1)).lower(lowering_platforms=("cuda",))
-    # rows without keys fixed by XLA instead of the kernel's epilogue: a kernel of its own (FA4's epilogue),
-    # no padding request, and a conditional pass after the call
+    # rows without keys: the default "fixup" mode launches FA4's epilogue unchanged plus our rows_without_keys
+    # kernel, cu_seqlens as given; "kernel" mode overrides the epilogue and appends the padding request
     import os
-    os.environ["TOKENSPEED_SM90_PREFILL_EMPTY_ROWS"] = "xla"
-    f = lambda q, k, v, cq, ck, s: mla_prefill(q, k, v, cq, ck, softmax_scale=s, return_lse=True, backend="sm90")
-    with target_override("sm_90a"):  # (a new function: jax.jit caches the previous one's trace)
-        txt = jax.jit(f).trace(q, k, v, cq, ck, jnp.float32(0.1)).lower(lowering_platforms=("cuda",)).as_text()
-    xla_rows = {"calls": txt.count("stablehlo.custom_call @tokenspeed_mla_prefill_sm90("),
-                "cond": ("stablehlo.if" in txt) or ("stablehlo.case" in txt)}
-    print(json.dumps({"configs": res, "stats": ffi.cache_stats(), "xla_rows": xla_rows}))
+    modes = {}
+    for mode in ("fixup", "kernel"):
+        os.environ["TOKENSPEED_SM90_PREFILL_EMPTY_ROWS"] = mode
+        f = lambda q, k, v, cq, ck, s: mla_prefill(q, k, v, cq, ck, softmax_scale=s, return_lse=True,
+                                                    backend="sm90")
+        with target_override("sm_90a"):  # (a new function: jax.jit caches the previous one's trace)
+            txt = jax.jit(f).trace(q, k, v, cq, ck, jnp.float32(0.1)).lower(lowering_platforms=("cuda",)).as_text()
+        modes[mode] = {"calls": txt.count("stablehlo.custom_call @tokenspeed_mla_prefill_sm90("),
+                       "padding_request": "stablehlo.concatenate" in txt}
+    print(json.dumps({"configs": res, "stats": ffi.cache_stats(), "modes": modes}))
     """
 )
 
@@ -133,8 +136,12 @@ def test_compile_and_lower_for_sm90(tmp_path):
         assert c["found"] == 1, c
     # out + lse results for return_lse, out only otherwise
     assert [c["results"] for c in doc["configs"]] == [2, 1, 2]
-    assert doc["stats"]["disk_writes"] == 4 and doc["stats"]["shape_reuses"] == 1, doc["stats"]
-    assert doc["xla_rows"] == {"calls": 1, "cond": True}, doc["xla_rows"]
+    # 3 configurations + the "kernel" mode (the second shape reuses the first configuration's object; its
+    # "fixup" mode is that configuration again, no new compile)
+    assert doc["stats"]["disk_writes"] == 4 and doc["stats"]["misses"] == 4, doc["stats"]
+    assert doc["stats"]["shape_reuses"] >= 1, doc["stats"]
+    assert doc["modes"] == {"fixup": {"calls": 1, "padding_request": False},
+                          "kernel": {"calls": 1, "padding_request": True}}, doc["modes"]
 
 
 def test_kernel_config_is_a_stable_key():

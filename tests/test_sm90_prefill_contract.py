@@ -29,38 +29,3 @@ def test_kv_tail_bound_covers_fa4_tiles():
         for causal in (True, False):
             tile_n = _fa4_sm90_tiles(dqk, dv, causal)[1]
             assert 1 <= tile_n - 1 <= sm90_prefill.KV_TAIL_ROWS, (dqk, dv, causal, tile_n)
-
-
-@pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("case", [
-    ([0, 5, 5, 9], [0, 3, 3, 12], 12),    # an empty request (Lq = 0), padding rows past cu_q[-1]
-    ([0, 4, 8, 10], [0, 0, 6, 8], 10),    # a request with Lk = 0; causal Lq > Lk in the first
-    ([0, 6, 9], [0, 2, 9], 9),            # causal Lq > Lk: rows i < Lq - Lk see nothing
-    ([0, 3, 7], [0, 5, 11], 7),           # every row sees a key: the pass is skipped
-])
-def test_rows_without_keys(case, causal):
-    """EMPTY_ROWS_ENV="xla": the conditional XLA pass sets exactly the rows with no visible key to 0 /
-    -inf, against a per-row numpy reference; the other rows pass through bit for bit (NaN included)."""
-    import jax.numpy as jnp
-    import numpy as np
-
-    cq, ck, Tq = case
-    rng = np.random.default_rng(0)
-    out = rng.standard_normal((Tq, 2, 4)).astype(np.float32)
-    out[rng.random(Tq) < 0.3] = np.nan  # garbage the kernel may leave in any row
-    lse = rng.standard_normal((Tq, 2)).astype(np.float32)
-    o, lo = sm90_prefill._rows_without_keys(jnp.asarray(out), jnp.asarray(lse), jnp.asarray(cq, jnp.int32),
-                                            jnp.asarray(ck, jnp.int32), causal)
-    vis = np.zeros(Tq, bool)
-    for b in range(len(cq) - 1):
-        lq, lk = cq[b + 1] - cq[b], ck[b + 1] - ck[b]
-        for i in range(lq):
-            vis[cq[b] + i] = lk > 0 and (not causal or i >= lq - lk)
-    exp_o = np.where(vis[:, None, None], out, 0.0)
-    exp_l = np.where(vis[:, None], lse, -np.inf)
-    np.testing.assert_array_equal(np.asarray(o), exp_o)
-    np.testing.assert_array_equal(np.asarray(lo), exp_l)
-    o2, lo2 = sm90_prefill._rows_without_keys(jnp.asarray(out), None, jnp.asarray(cq, jnp.int32),
-                                              jnp.asarray(ck, jnp.int32), causal)
-    assert lo2 is None
-    np.testing.assert_array_equal(np.asarray(o2), exp_o)

@@ -8,10 +8,19 @@ two device-method overrides, see that module). Decisions:
 * **softmax_scale stays a runtime operand.** FA4 takes it as a host float; the kernel subclass reads it
   from the ``(1,)`` float32 operand instead (one load per thread), so a new value neither recompiles
   nor breaks CUDA-graph capture, and the arithmetic (``scale * log2(e)`` in fp32) is FA4's own.
-* **Rows past ``cu_seqlens_q[-1]``** are covered by one extra, key-less request appended to the
-  cu_seqlens (``cu_q + [Tq]``, ``cu_k + [cu_k[-1]]``; a tiny fused XLA op): the kernel itself writes 0
-  and LSE -inf there, so no memset or masking pass over the output is needed. cu_seqlens are clipped to
-  ``[0, Tq]`` / ``[0, Tk]`` in the same op (clamp, not trap: garbage lengths stay in bounds).
+* **Rows with no visible key** (rows past ``cu_seqlens_q[-1]``, requests with ``Lk = 0``, bottom-right
+  causal rows ``i < Lq - Lk``) give 0 and LSE -inf. FA4 leaves the first unwritten and, for a tile that
+  sees no key, still processes one out-of-range K/V block whose columns are not all masked, so it may
+  write a softmax over another request's keys there. Default (``EMPTY_ROWS_ENV`` = ``fixup``): the same
+  custom call launches, after FA4's kernel and on the same stream, a small kernel of ours that finds each
+  row's request by binary search over ``cu_seqlens_q`` and overwrites exactly those rows (a few
+  microseconds when there are none). The alternative ``kernel`` mode overrides FA4's epilogue to write
+  them in registers and appends one key-less request for the rows past ``cu_seqlens_q[-1]``; measured on
+  the H200 (2026-11-30) that override, together with the device-resident scale, makes ptxas reschedule
+  FA4's main loop and costs up to 8% on long non-causal cases, so it is kept only for A/B runs. (An XLA
+  pass under ``lax.cond`` was also tried: the host-side predicate of the conditional cost about 50 µs a
+  call.) cu_seqlens are clipped to ``[0, Tq]`` / ``[0, Tk]`` in one tiny fused XLA op (clamp, not trap:
+  garbage lengths stay in bounds).
 * **K/V rows past ``cu_seqlens_k[-1]`` (contract in :mod:`tokenspeed_jax.prefill`): up to
   ``KV_TAIL_ROWS`` = 127 are read and must be finite.** FA4 loads whole ``tile_n``-row K/V tiles
   (``tile_n`` <= 128 for every head-dim pair here) by TMA; inside the buffer the rows past a request's
@@ -25,8 +34,6 @@ two device-method overrides, see that module). Decisions:
   (both math warpgroups read each V stage) for the one partial tile. Callers pass exactly-sized k/v or
   zero the padding where they produce it (the DeepSeek model does: its gathered context rows past the
   last request are zeroed inside the gather, its padded new tokens are projections of real embeddings).
-* **Rows with no visible key** (``Lk = 0``, or causal rows ``i < Lq - Lk``) are set to 0 / -inf in the
-  kernel's epilogue (registers), because FA4 does not guarantee it for fully masked tiles.
 * **LSE** is written by FA4 straight into our ``[Tq, Hq]`` layout through a transposed view; it is
   already the natural log. Without ``return_lse`` no LSE is computed.
 * **FP8 e4m3 inputs** are upcast to bf16 before the call (exact: every e4m3 value is a bf16 value),
@@ -59,10 +66,10 @@ import jax.numpy as jnp
 from tokenspeed_jax.problems import FP8_DTYPE, PrefillProblem
 
 TARGET = "mla_prefill_sm90"
-# Where rows with no visible key get 0 / LSE -inf (module docstring): "kernel" (default: the kernel's
-# epilogue override, plus one key-less padding request for the rows past cu_seqlens_q[-1]) or "xla" (FA4's
-# own epilogue, the kernel otherwise FA4's with the scale read from device memory; a conditional XLA pass
-# fixes those rows, and runs only when a batch has any).  Read at trace time; part of the compile key.
+# Where rows with no visible key get 0 / LSE -inf (module docstring): "fixup" (default: FA4's own epilogue,
+# the kernel otherwise FA4's with the scale read from device memory, then a small kernel of ours on the same
+# stream writes those rows) or "kernel" (the FA4 kernel's epilogue overridden to write them, plus one
+# key-less padding request for the rows past cu_seqlens_q[-1]).  Read at trace time; part of the compile key.
 EMPTY_ROWS_ENV = "TOKENSPEED_SM90_PREFILL_EMPTY_ROWS"
 TRACE_ENV = (EMPTY_ROWS_ENV,)
 INSTALL_HINT = "pip install 'tokenspeed-jax[hopper]'"
@@ -85,7 +92,7 @@ class PrefillKernelConfig:
     num_kv_heads: int
     causal: bool
     return_lse: bool
-    exact_empty_rows: bool = True  # the kernel writes 0 / -inf for rows with no visible key (EMPTY_ROWS_ENV)
+    empty_rows: str = "fixup"  # who writes 0 / -inf for rows with no visible key (EMPTY_ROWS_ENV)
 
 
 @functools.cache
@@ -159,19 +166,17 @@ def prefill(problem: PrefillProblem, q, k, v, cu_seqlens_q, cu_seqlens_k, softma
     if problem.dtype == FP8_DTYPE:  # exact upcast (e4m3 is a subset of bf16)
         q, k, v = (x.astype(jnp.bfloat16) for x in (q, k, v))
 
-    mode = os.environ.get(EMPTY_ROWS_ENV, "") or "kernel"
-    if mode not in ("kernel", "xla"):
-        raise ValueError(f"{EMPTY_ROWS_ENV}: expected 'kernel' or 'xla', got {mode!r}")
-    exact = mode == "kernel"
+    mode = os.environ.get(EMPTY_ROWS_ENV, "") or "fixup"
+    if mode not in ("fixup", "kernel"):
+        raise ValueError(f"{EMPTY_ROWS_ENV}: expected 'fixup' or 'kernel', got {mode!r}")
     cu_q = jnp.clip(cu_seqlens_q.astype(jnp.int32), 0, Tq)
     cu_k = jnp.clip(cu_seqlens_k.astype(jnp.int32), 0, Tk)
-    cu_q_kernel, cu_k_kernel = cu_q, cu_k
-    if exact:  # one extra key-less request covers q rows past cu_seqlens_q[-1] (written as 0 / -inf)
-        cu_q_kernel = jnp.concatenate([cu_q, jnp.full((1,), Tq, jnp.int32)])
-        cu_k_kernel = jnp.concatenate([cu_k, cu_k[-1:]])
+    if mode == "kernel":  # one extra key-less request covers q rows past cu_seqlens_q[-1] (written as 0 / -inf)
+        cu_q = jnp.concatenate([cu_q, jnp.full((1,), Tq, jnp.int32)])
+        cu_k = jnp.concatenate([cu_k, cu_k[-1:]])
     scale = jnp.asarray(softmax_scale, jnp.float32).reshape((1,))
 
-    cfg = PrefillKernelConfig("fa4_sm90", kdtype, Dqk, Dv, Hq, Hk, problem.causal, problem.return_lse, exact)
+    cfg = PrefillKernelConfig("fa4_sm90", kdtype, Dqk, Dv, Hq, Hk, problem.causal, problem.return_lse, mode)
     outputs = [jax.ShapeDtypeStruct((Tq, Hq, Dv), out_dtype)]
     if problem.return_lse:
         outputs.append(jax.ShapeDtypeStruct((Tq, Hq), jnp.float32))
@@ -190,38 +195,10 @@ def prefill(problem: PrefillProblem, q, k, v, cu_seqlens_q, cu_seqlens_k, softma
         head_dim_v=Dv,
         qhead_per_kvhead=Hq // Hk,
         causal=problem.causal,
-        **({} if exact else {"exact_empty_rows": False}),
+        **({} if mode == "kernel" else {"exact_empty_rows": False, "fix_rows": True, "num_q_heads": Hq}),
     )
-    res = call(q, k, v, cu_q_kernel, cu_k_kernel, scale)
-    out, lse = res[0], (res[1] if problem.return_lse else None)
-    if not exact:
-        out, lse = _rows_without_keys(out, lse, cu_q, cu_k, problem.causal)
-    return out, lse
-
-
-def _rows_without_keys(out, lse, cu_q, cu_k, causal: bool):
-    """0 / LSE -inf for the q rows that see no key (EMPTY_ROWS_ENV="xla"): rows past ``cu_q[-1]``,
-    requests with ``Lk <= 0``, and (bottom-right causal) rows ``i < Lq - Lk``.  The kernel leaves them
-    unwritten or writes what FA4 computes for them.  One fused pass over ``out`` under ``lax.cond``, taken
-    only when the batch has such a row (decided from the ``B + 1`` offsets on the device, no sync)."""
-    Tq, B = out.shape[0], cu_q.shape[0] - 1
-    lq, lk = cu_q[1:] - cu_q[:-1], cu_k[1:] - cu_k[:-1]
-    some = (cu_q[-1] < Tq) | jnp.any((lq > 0) & ((lk <= 0) | ((lq > lk) if causal else False)))
-
-    def fix(ops):
-        o, l_ = ops
-        t = jnp.arange(Tq, dtype=jnp.int32)
-        b = jnp.searchsorted(cu_q[1:], t, side="right").astype(jnp.int32)  # request of row t (B: past the end)
-        bc = jnp.minimum(b, B - 1)
-        vis = (b < B) & (lk[bc] > 0)
-        if causal:
-            vis = vis & (t - cu_q[bc] >= lq[bc] - lk[bc])
-        o = jnp.where(vis[:, None, None], o, jnp.zeros((), o.dtype))
-        if l_ is not None:
-            l_ = jnp.where(vis[:, None], l_, -jnp.inf)
-        return o, l_
-
-    return jax.lax.cond(some, fix, lambda ops: ops, (out, lse))
+    res = call(q, k, v, cu_q, cu_k, scale)
+    return res[0], (res[1] if problem.return_lse else None)
 
 
 def _launch():

@@ -34,10 +34,12 @@ from __future__ import annotations
 import math
 
 import cutlass
-from cutlass import Float32, Int32, const_expr, cute
+from cutlass import Float32, Int32, Int64, const_expr, cute
 from flash_attn.cute.flash_fwd_sm90 import FlashAttentionForwardSm90
 from flash_attn.cute.utils import AuxData
 from quack import layout_utils
+
+from tokenspeed_jax.kernels.sm90.helpers import row_ptr
 
 LOG2_E = math.log2(math.e)
 
@@ -232,12 +234,18 @@ def fa4_prefill_launch(
     qhead_per_kvhead: cutlass.Constexpr,
     causal: cutlass.Constexpr,
     exact_empty_rows: cutlass.Constexpr = True,
+    fix_rows: cutlass.Constexpr = False,
+    num_q_heads: cutlass.Constexpr = 0,
 ):
     """Launch :class:`FA4PrefillSm90` (static configuration from the constexprs) on one ragged batch.
 
     Operands in FFI order: q, k, v, cu_seqlens_q, cu_seqlens_k (int32 ``[B + 1]``), softmax_scale
     (float32 ``(1,)``), then outputs out and, when requested, lse ``[Tq, Hq]`` float32. The constexprs
     are plain values (not a kernel object) so the compile key has a stable text for the disk cache.
+
+    ``fix_rows`` (with ``exact_empty_rows=False``): after FA4's kernel, :func:`rows_without_keys_kernel`
+    on the same stream gives every row with no visible key 0 / LSE -inf (``num_q_heads`` = Hq sizes its
+    rows).
     """
     kernel = FA4PrefillSm90(dtype, head_dim, head_dim_v, qhead_per_kvhead, causal=causal,
                             exact_empty_rows=exact_empty_rows)
@@ -265,3 +273,66 @@ def fa4_prefill_launch(
         None,  # cu_total_splits_m_blocks
         stream,
     )
+    if const_expr(fix_rows):
+        rows = cute.size(out, mode=[0])
+        grid = cutlass.min((rows + FIX_ROWS_PER_CTA - 1) // FIX_ROWS_PER_CTA, FIX_MAX_CTAS)
+        rows_without_keys_kernel(out, lse, cu_seqlens_q, cu_seqlens_k, num_q_heads * head_dim_v, num_q_heads,
+                                 causal).launch(grid=(cutlass.max(grid, 1), 1, 1), block=(FIX_THREADS, 1, 1),
+                                                stream=stream)
+
+
+# rows_without_keys_kernel: 4 warps per CTA, one row per warp at a time; at least 8 rows per warp, at most
+# 2 CTAs per SM of a 132-SM H200 (the rows beyond are grid-strided)
+FIX_THREADS = 128
+FIX_ROWS_PER_CTA = 32
+FIX_MAX_CTAS = 264
+
+
+@cute.kernel
+def rows_without_keys_kernel(out: cute.Tensor, lse: cute.Tensor | None, cu_q: cute.Tensor, cu_k: cute.Tensor,
+                             row_elems: cutlass.Constexpr[int], heads: cutlass.Constexpr[int],
+                             causal: cutlass.Constexpr[bool]):
+    """0 / LSE -inf for every q row that sees no key: rows past ``cu_q[B]``, rows of requests with
+    ``Lk <= 0`` and, bottom-right causal, rows ``i < Lq - Lk`` of a request (FA4 leaves the first unwritten
+    and may write a softmax over another request's keys into the others, see the module docstring).
+
+    One warp per row, grid-strided: the row's request is found by binary search over ``cu_q`` (the
+    first ``b`` with ``cu_q[b + 1] > row``; ``B`` past the end), the test is warp-uniform, and a row that
+    sees no key is zeroed with 16-byte stores by the 32 lanes. Every index stays inside ``out``, ``lse``
+    and the ``B + 1`` offsets for any offsets (the caller clips them to ``[0, Tq]`` / ``[0, Tk]``). Rows
+    that see a key are not touched: the cost is the launch and the searches, a few microseconds."""
+    tid, _, _ = cute.arch.thread_idx()
+    cta, _, _ = cute.arch.block_idx()
+    nctas, _, _ = cute.arch.grid_dim()
+    lane = tid % 32
+    warps = FIX_THREADS // 32
+    rows = cute.size(out, mode=[0])
+    nb = cute.size(cu_q) - 1  # B
+    zero = cute.make_rmem_tensor((8,), out.element_type)
+    zero.fill(0.0)
+    for row in cutlass.range(cta * warps + tid // 32, rows, nctas * warps, unroll=1):
+        lo = Int32(0)  # upper bound over cu_q[1..B]: b = #{j in 1..B : cu_q[j] <= row}
+        n = nb
+        while n > 0:
+            half = n // 2
+            if cu_q[lo + half + 1] <= row:
+                lo = lo + half + 1
+                n = n - half - 1
+            else:
+                n = half
+        b = lo
+        blank = Int32(1)
+        if b < nb:
+            lk = cu_k[b + 1] - cu_k[b]
+            if lk > 0:
+                blank = Int32(0)
+                if const_expr(causal):  # noqa: SIM102 (a static test and a dynamic one do not join with `and`)
+                    if row - cu_q[b] < cu_q[b + 1] - cu_q[b] - lk:
+                        blank = Int32(1)
+        if blank != 0:
+            for i in cutlass.range(lane, row_elems // 8, 32, unroll=1):
+                g = cute.make_tensor(row_ptr(out, Int64(row), i * 8, row_elems, 16), cute.make_layout(8))
+                g.store(zero.load())
+            if const_expr(lse is not None):
+                for h in cutlass.range(lane, heads, 32, unroll=1):
+                    lse[row, h] = -Float32.inf
