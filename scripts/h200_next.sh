@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Validation on the H200 of this branch's two changes, in one device call (carry [".device"]; for the FA3
+# The H200 validation of the FP8 QGMMA QK (decode) and the empty-row kernel (prefill) of 2026-11-30, in one device call (carry [".device"]; for the FA3
 # column first a call with carry [".device-fa3"] running `bash .device-fa3/unpack.sh`, then within 30 s):
 #   source .device/bootstrap.sh && bash scripts/h200_next.sh
 # - decode, in the background: the FP8 cases of the check matrix (QK on QGMMA, with the FP8 LSE tolerance of

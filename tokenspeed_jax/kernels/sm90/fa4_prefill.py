@@ -1,7 +1,7 @@
 """Hopper (SM90) ragged prefill forward: FlashAttention-4's CuTe DSL kernel, adapted to our contract.
 
-We depend on ``flash-attn-4`` (BSD) for the kernel and change two things through overrides of its
-``@cute.jit`` device methods, without copying its source:
+We depend on ``flash-attn-4`` (BSD) for the kernel and adapt it to our contract without copying its
+source, through overrides of its ``@cute.jit`` device methods and one small kernel of our own:
 
 * **softmax_scale is read from device memory.** FA4 takes the scale as a host ``Float32`` kernel
   argument, which would bake the value into the launch (and a new value could not be captured in a
@@ -10,11 +10,14 @@ We depend on ``flash-attn-4`` (BSD) for the kernel and change two things through
   :meth:`FA4PrefillSm90.mma` loads it once per consumer thread, forms ``scale * log2(e)`` exactly as
   FA4's host code would, and calls FA4's ``mma`` with ``learnable_sink=None``. The host ``softmax_scale``
   argument is a dummy constant. Cost: one cached 4-byte load per thread per CTA.
-* **Rows that see no key give 0 and LSE -inf.** For bottom-right causal masks with ``Lq > Lk`` and for
-  requests with ``Lk = 0``, FA4 still processes one (out-of-range) K/V block for tiles that see
-  nothing, which is not guaranteed to be fully masked. :meth:`FA4PrefillSm90.epilogue` overwrites, in
-  registers, every row whose query index ``i`` has no visible key (``Lk == 0`` or, causal,
-  ``i < Lq - Lk``) with output 0 and LSE -inf before FA4's epilogue stores the tile.
+* **Rows that see no key give 0 and LSE -inf.** FA4 does not write q rows past ``cu_seqlens_q[-1]``, and
+  for tiles that see no key (bottom-right causal with ``Lq > Lk``, requests with ``Lk = 0``) it still
+  processes one out-of-range K/V block whose (negative) columns the masks do not remove, so those rows
+  may get a softmax over another request's keys. By default (``fix_rows``) the launch runs
+  :func:`rows_without_keys_kernel` after FA4's kernel on the same stream and overwrites exactly those
+  rows. With ``exact_empty_rows`` (the "kernel" mode, kept for A/B runs) :meth:`FA4PrefillSm90.epilogue`
+  instead overwrites them in registers before FA4's epilogue stores the tile; together with the scale
+  override that made ptxas reschedule FA4's main loop (up to 8% slower on the H200, 2026-11-30).
 
 Not changed: V rows past a request's end inside its last K/V tile are loaded and multiplied by P = 0, so
 up to ``tile_n - 1`` (<= 127) rows past ``cu_seqlens_k[-1]`` must be finite (the caller's contract, see
@@ -55,7 +58,8 @@ def _fa4_sm90_tiles(head_dim: int, head_dim_v: int, causal: bool):
 
 
 class FA4PrefillSm90(FlashAttentionForwardSm90):
-    """FA4's SM90 forward with a device-resident softmax scale and exact empty-row semantics.
+    """FA4's SM90 forward with a device-resident softmax scale (and, with ``exact_empty_rows``, the empty-row
+    epilogue override).
 
     Static configuration: ``dtype`` ("bfloat16"/"float16"), ``head_dim``, ``head_dim_v``,
     ``qhead_per_kvhead`` (Hq / Hk; GQA rows are packed as FA4 does), ``causal`` (bottom-right).
