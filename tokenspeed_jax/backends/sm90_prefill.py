@@ -3,7 +3,7 @@
 
 Semantics are exactly :mod:`tokenspeed_jax.prefill`'s; the kernel is
 :class:`tokenspeed_jax.kernels.sm90.fa4_prefill.FA4PrefillSm90` (FA4's ``FlashAttentionForwardSm90`` with
-two device-method overrides, see that module). Decisions:
+its softmax scale read from device memory) followed by our ``rows_without_keys_kernel``, see that module. Decisions:
 
 * **softmax_scale stays a runtime operand.** FA4 takes it as a host float; the kernel subclass reads it
   from the ``(1,)`` float32 operand instead (one load per thread), so a new value neither recompiles
@@ -13,8 +13,8 @@ two device-method overrides, see that module). Decisions:
   sees no key, still processes one out-of-range K/V block whose columns are not all masked, so it may
   write a softmax over another request's keys there. Default (``EMPTY_ROWS_ENV`` = ``fixup``): the same
   custom call launches, after FA4's kernel and on the same stream, a small kernel of ours that finds each
-  row's request by binary search over ``cu_seqlens_q`` and overwrites exactly those rows (a few
-  microseconds when there are none). The alternative ``kernel`` mode overrides FA4's epilogue to write
+  row's request by binary search over ``cu_seqlens_q`` and overwrites exactly those rows (at S=8192
+  the clip below and this kernel together add about 20 µs a call, docs/sm90_prefill.md). The alternative ``kernel`` mode overrides FA4's epilogue to write
   them in registers and appends one key-less request for the rows past ``cu_seqlens_q[-1]``; measured on
   the H200 (2026-11-30) that override, together with the device-resident scale, makes ptxas reschedule
   FA4's main loop and costs up to 8% on long non-causal cases, so it is kept only for A/B runs. (An XLA
