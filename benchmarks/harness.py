@@ -126,6 +126,15 @@ def measure_ceilings(*, copy_mib: int = 2048, n: int = 8192) -> Ceilings:
     return _CEILINGS
 
 
+def provenance(command: str | None = None) -> dict:
+    """Where a result file comes from: the command line (this process's unless given), the UTC date, the
+    device and the jax version (every JSON the benchmarks and A/B scripts write starts with these)."""
+    if command is None:
+        command = " ".join(shlex.quote(a) for a in [os.path.basename(sys.executable), *sys.argv])
+    return {"command": command, "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
+            "device": device_name(), "jax": jax.__version__}
+
+
 def device_name() -> str:
     d = jax.devices()[0]
     return f"{d.platform}:{getattr(d, 'device_kind', '?')}"
@@ -138,8 +147,8 @@ class Report:
         self.name = name
         self.ceilings = ceilings
         self.rows: list[dict] = []
-        self.command = " ".join(shlex.quote(a) for a in [os.path.basename(sys.executable), *sys.argv])
-        self.date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+        p = provenance()
+        self.command, self.date = p["command"], p["date"]
 
     def add(self, case: str, contender: str, timing: dict | float | None, *, nbytes: float, flops: float,
             fp8: bool = False, note: str = "", **extra) -> dict:

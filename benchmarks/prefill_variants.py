@@ -183,7 +183,7 @@ def main(argv=None):
     import jax.numpy as jnp
     import numpy as np
 
-    from benchmarks.harness import device_name, interleaved, prefill_cost
+    from benchmarks.harness import interleaved, prefill_cost, provenance
     from tokenspeed_jax.timing import _sync as sync
 
     T, H = a.seqlen, a.heads
@@ -232,8 +232,8 @@ def main(argv=None):
             rows.append({"mode": mode, "variant": name, "us": r["median_us"], "rounds": ts})
             print(f"{mode:6s} {name:12s} {r['median_us']:9.1f} us  rounds {[f'{t:.0f}' for t in ts]}", flush=True)
     if not a.ncu:
-        doc = {"name": "sm90 prefill variants", "device": device_name(), "T": T, "H": H, "rows": rows,
-               "command": "python -m benchmarks.prefill_variants " + " ".join(sys.argv[1:] if argv is None else argv)}
+        cmd = "python -m benchmarks.prefill_variants " + " ".join(sys.argv[1:] if argv is None else argv)
+        doc = {"name": "sm90 prefill variants", **provenance(cmd), "T": T, "H": H, "rows": rows}
         with open(a.out, "w") as fh:
             json.dump(doc, fh, indent=1)
 

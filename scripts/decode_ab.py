@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from benchmarks.decode import BENCH, bench_case, bench_inputs, decode_fn, est_us, prewarm
-from benchmarks.harness import interleaved
+from benchmarks.harness import interleaved, provenance
 
 
 def main() -> None:
@@ -66,7 +66,7 @@ def main() -> None:
         print(json.dumps(r), flush=True)
         res.append(r)
     with open(a.out, "w") as fh:
-        json.dump(res, fh, indent=1)
+        json.dump({**provenance(), "var": a.var, "rows": res}, fh, indent=1)
 
 
 if __name__ == "__main__":  # (the prewarm workers are spawned: they re-import this file)
