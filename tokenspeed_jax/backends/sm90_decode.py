@@ -6,8 +6,10 @@ docstring; contract in :mod:`tokenspeed_jax.decode`).  Planning: ``_plan_sm90`` 
 the split-KV partials are XLA-owned extra outputs of the custom call, sized exactly by the plan.
 
 FP8 (``float8_e4m3fn`` q and cache, scales folded into ``softmax_scale`` / ``output_scale`` as the decode
-contract says) reads half the bytes and upcasts exactly in shared memory: to fp16 in the seesaw loop
-(page sizes >= 16), to bf16 in the lockstep loop (page 8); bf16 output.
+contract says) reads half the bytes.  In the seesaw loop (page sizes >= 16) QK^T runs on FP8 tensor cores
+(QGMMA) straight from the landed e4m3 tiles, and V is upcast exactly to fp16 in shared memory for the P V
+(``TOKENSPEED_SM90_DECODE_FP8_QK=0``: the whole tile upcast before a 16-bit QK); the lockstep loop (page 8)
+upcasts to bf16 in shared memory.  bf16 output.
 
 Custom calls: ``tokenspeed_mla_decode_sm90`` (main kernel, plus the combine kernel launched from the same
 launch function when the plan splits KV).  ``softmax_scale`` / ``output_scale`` are (1,)-shaped float32
