@@ -146,18 +146,13 @@ def prewarm(cases, workers: int, schedule: str | None = None) -> None:
 
     t = time.time()
     os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
+    from benchmarks.harness import scoped_env
+
     ctx = mp.get_context("spawn")
-    env_backup = os.environ.get("JAX_PLATFORMS")
-    os.environ["JAX_PLATFORMS"] = "cpu"  # inherited by the spawned workers
-    try:
-        with ctx.Pool(workers, initializer=_worker_init) as pool:
-            for msg in pool.imap_unordered(functools.partial(_prewarm_one, schedule=schedule), cases):  # (the step-32 variant compiles in-process)
-                print("prewarm", msg, flush=True)
-    finally:
-        if env_backup is None:
-            os.environ.pop("JAX_PLATFORMS", None)
-        else:
-            os.environ["JAX_PLATFORMS"] = env_backup
+    with scoped_env("JAX_PLATFORMS", "cpu"), ctx.Pool(workers, initializer=_worker_init) as pool:  # (inherited)
+        # (the step-32 variant compiles in-process)
+        for msg in pool.imap_unordered(functools.partial(_prewarm_one, schedule=schedule), cases):
+            print("prewarm", msg, flush=True)
     print(f"prewarm: {len(cases)} configs in {time.time() - t:.0f}s", flush=True)
 
 

@@ -15,6 +15,7 @@ ceilings) plus a PNG bar chart.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime
 import json
@@ -124,6 +125,21 @@ def measure_ceilings(*, copy_mib: int = 2048, n: int = 8192) -> Ceilings:
         fp8 = None
     _CEILINGS = Ceilings(copy_gbps, bf16, fp8)
     return _CEILINGS
+
+
+@contextlib.contextmanager
+def scoped_env(name: str, value: str):
+    """Set environment variable ``name`` to ``value`` inside the block, then restore its previous state (a
+    kernel switch read at trace time, or a setting inherited by spawned workers)."""
+    saved = os.environ.get(name)
+    os.environ[name] = value
+    try:
+        yield
+    finally:
+        if saved is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = saved
 
 
 def provenance(command: str | None = None) -> dict:

@@ -18,8 +18,8 @@ our LSE layout):
     epi_uniform    the device scale + a non-causal epilogue with one CTA-uniform ``seqlen_k <= 0`` branch
     fa4            ``flash_attn.cute.interface.flash_attn_varlen_func`` from torch
 
-Diagnostic only: the variants other than ``ours``, ``ours_epilogue`` and ``fa4`` drop part of our contract (runtime scale,
-exact empty rows) and are never used by the package. Run on the H200 (carry [".device"]):
+Diagnostic only: the variants other than ``ours``, ``ours_epilogue`` and ``fa4`` drop part of our contract
+(runtime scale, exact empty rows) and are never used by the package. Run on the H200 (carry [".device"]):
 
     source .device/bootstrap.sh && python -m benchmarks.prefill_variants --out $OUT/variants.json
 
@@ -129,19 +129,13 @@ def variant_fn(variant: str, T: int, H: int, causal: bool, scale: float):
     from tokenspeed_jax.prefill import _prefill_problem
 
     if variant in ("ours", "ours_epilogue"):
+        from benchmarks.harness import scoped_env
         from tokenspeed_jax.backends.sm90_prefill import EMPTY_ROWS_ENV
 
         def g(q, k, v, cq, ck, s):  # the switch is read when this traces (first call)
-            saved = os.environ.get(EMPTY_ROWS_ENV)
-            os.environ[EMPTY_ROWS_ENV] = "kernel" if variant == "ours_epilogue" else "fixup"
-            try:
+            with scoped_env(EMPTY_ROWS_ENV, "kernel" if variant == "ours_epilogue" else "fixup"):
                 return mla_prefill(q, k, v, cq, ck, softmax_scale=s[0], causal=causal, return_lse=True,
                                    max_seqlen_q=T, max_seqlen_k=T, backend="sm90")
-            finally:
-                if saved is None:
-                    os.environ.pop(EMPTY_ROWS_ENV, None)
-                else:
-                    os.environ[EMPTY_ROWS_ENV] = saved
 
         return jax.jit(g)
 

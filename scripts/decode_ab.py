@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from benchmarks.decode import BENCH, bench_case, bench_inputs, decode_fn, est_us, prewarm
-from benchmarks.harness import interleaved, provenance
+from benchmarks.harness import interleaved, provenance, scoped_env
 
 
 def main() -> None:
@@ -40,22 +40,21 @@ def main() -> None:
     cases = [dataclasses.replace(bench_case(*s), dtype=a.dtype) for s in specs]
     if a.prewarm:
         for v in a.values:
-            os.environ[a.var] = v
-            prewarm(cases, a.prewarm)
-        os.environ.pop(a.var, None)
+            with scoped_env(a.var, v):
+                prewarm(cases, a.prewarm)
     res = []
     for c in cases:
         q, kv, bt, sl, scale = bench_inputs(c)
         q, kv = q.astype(a.dtype), kv.astype(a.dtype)
         fns, outs, hlo = {}, {}, {}
         for v in a.values:
-            os.environ[a.var] = v
-            f = decode_fn(c, "sm90")
-            outs[v] = np.asarray(f(q, kv, bt, sl, scale)[0].astype(jnp.float32))  # traced here, with the switch
-            hlo[v] = f.lower(q, kv, bt, sl, scale).as_text()
+            with scoped_env(a.var, v):
+                f = decode_fn(c, "sm90")
+                outs[v] = np.asarray(f(q, kv, bt, sl, scale)[0].astype(jnp.float32))  # traced here, with the switch
+                hlo[v] = f.lower(q, kv, bt, sl, scale).as_text()
             fns[v] = f
-        os.environ.pop(a.var, None)
-        t = interleaved({v: (lambda f=f: f(q, kv, bt, sl, scale)) for v, f in fns.items()}, est_us(c),
+        args = (q, kv, bt, sl, scale)
+        t = interleaved({v: (lambda f=f, args=args: f(*args)) for v, f in fns.items()}, est_us(c),
                         rounds=a.rounds)
         first = a.values[0]
         r = {"case": c.name, "dtype": a.dtype, "var": a.var,

@@ -32,14 +32,13 @@ Runtime data safety (clamp, documented decision)
 from __future__ import annotations
 
 import functools
-import os
 
 import jax
 import jax.numpy as jnp
 from jax.experimental import checkify
 
 from tokenspeed_jax import _checks as C
-from tokenspeed_jax.backends import select_backend
+from tokenspeed_jax.backends import select_backend, trace_switches
 from tokenspeed_jax.problems import ALL_DTYPES, DecodeProblem
 from tokenspeed_jax.runtime import current_target
 
@@ -94,8 +93,8 @@ def mla_decode(
         if validate:
             check_decode_inputs(block_table, seq_lens, num_pages=problem.num_pages,
                                 page_size=problem.page_size)
-        switches = tuple((k, os.environ.get(k)) for k in getattr(impl, "trace_env", ()))
-        out, lse = _vmappable_decode(impl.name, problem, switches)(q, kv_cache, block_table, seq_lens, ss, os_)
+        out, lse = _vmappable_decode(impl.name, problem, trace_switches(impl))(
+            q, kv_cache, block_table, seq_lens, ss, os_)
     return (out, lse) if return_lse else out
 
 

@@ -27,14 +27,13 @@ Contract (normative)
 from __future__ import annotations
 
 import functools
-import os
 
 import jax
 import jax.numpy as jnp
 from jax.experimental import checkify
 
 from tokenspeed_jax import _checks as C
-from tokenspeed_jax.backends import select_backend
+from tokenspeed_jax.backends import select_backend, trace_switches
 from tokenspeed_jax.problems import ALL_DTYPES, PrefillProblem
 from tokenspeed_jax.runtime import current_target
 
@@ -89,9 +88,8 @@ def mla_prefill(
         if impl.name == "xla":  # pure JAX: vmap batches it natively
             out, lse = impl.prefill(problem, q, k, v, cu_seqlens_q, cu_seqlens_k, ss)
         else:
-            switches = tuple((k_, os.environ.get(k_)) for k_ in getattr(impl, "trace_env", ()))
-            out, lse = _sequential_under_vmap(impl.name, problem, switches)(q, k, v, cu_seqlens_q, cu_seqlens_k,
-                                                                            ss)
+            out, lse = _sequential_under_vmap(impl.name, problem, trace_switches(impl))(
+                q, k, v, cu_seqlens_q, cu_seqlens_k, ss)
     return (out, lse) if return_lse else out
 
 

@@ -23,6 +23,7 @@ when a backend is named.
 from __future__ import annotations
 
 import importlib
+import os
 from typing import Any, Protocol
 
 from tokenspeed_jax.problems import DecodeProblem, PrefillProblem
@@ -30,8 +31,9 @@ from tokenspeed_jax.problems import DecodeProblem, PrefillProblem
 
 class Backend(Protocol):
     """A backend.  Optional attribute ``trace_env: tuple[str, ...]``: names of environment variables its
-    ``decode`` reads at trace time (kernel switches for A/B timing); ``mla_decode`` keys its per-problem
-    trace cache on their values, so changing one between two traces takes effect in the same process."""
+    ``decode`` / ``prefill`` read at trace time (kernel switches for A/B timing); ``mla_decode`` and
+    ``mla_prefill`` key their per-problem trace caches on their values (:func:`trace_switches`), so changing
+    one between two traces takes effect in the same process."""
 
     name: str
     priority: int
@@ -53,6 +55,11 @@ _BUILTIN = {
     "sm100": "tokenspeed_jax.backends.sm100",
 }
 
+
+def trace_switches(impl) -> tuple:
+    """``(name, value)`` of each trace-time environment switch of backend ``impl`` (``Backend.trace_env``):
+    part of the op wrappers' trace-cache keys."""
+    return tuple((k, os.environ.get(k)) for k in getattr(impl, "trace_env", ()))
 
 def register_backend(backend: Backend, *, replace: bool = False) -> Backend:
     """Add a backend to the registry (``replace=True`` to override one of the same name)."""

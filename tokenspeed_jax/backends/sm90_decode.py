@@ -26,7 +26,8 @@ Schedules (compile-time main loops; details in the kernel modules and ``docs/sm9
   both warpgroups on the same tile, three CTA-wide barriers per tile.
 * ``"overlap"``: lockstep with PV(i-1) issued ahead of QK(i) (opt-in, measured no faster).
 
-``"auto"`` picks seesaw; FP8 with 8-token pages (no TMA refills) or ``"seesaw-cpasync"`` runs lockstep.  Chosen by ``decode(..., schedule=...)`` or, when that is None, by the environment variable
+``"auto"`` picks seesaw; FP8 with 8-token pages (no TMA refills) or ``"seesaw-cpasync"`` runs lockstep.
+Chosen by ``decode(..., schedule=...)`` or, when that is None, by the environment variable
 ``TOKENSPEED_SM90_DECODE_SCHEDULE`` (read when the call is traced; a jitted function keeps the schedule it
 was traced with).
 """
@@ -47,11 +48,11 @@ SCHEDULE_ENV = "TOKENSPEED_SM90_DECODE_SCHEDULE"
 # "0" launches the split-KV combine kernel without programmatic dependent launch (PDL; default "1"), for
 # A/B timing (scripts/decode_ab.py; docs/sm90_decode.md). Read at trace time; part of the compile key.
 PDL_ENV = "TOKENSPEED_SM90_DECODE_PDL"
-# The environment switches this module reads at trace time: ``mla_decode`` keys its per-problem trace cache
-# on their values (``Backend.trace_env``), so a switch changed between two traces takes effect.
 # "0" runs the FP8 seesaw QK on fp16 operands (the whole KV slot upcast before the QK) instead of FP8
 # tensor cores (default "1"; docs/sm90_decode.md), for A/B timing.  Read at trace time; part of the compile key.
 FP8_QK_ENV = "TOKENSPEED_SM90_DECODE_FP8_QK"
+# The environment switches this module reads at trace time: ``mla_decode`` keys its per-problem trace cache
+# on their values (``Backend.trace_env``), so a switch changed between two traces takes effect.
 TRACE_ENV = (SCHEDULE_ENV, PDL_ENV, FP8_QK_ENV)
 SCHEDULES = ("auto", "seesaw", "seesaw-cpasync", "lockstep", "overlap")  # module docstring (no cutlass import here)
 _MIN_PAGE = 8
@@ -137,7 +138,8 @@ def decode(problem: DecodeProblem, q, kv_cache, block_table, seq_lens, softmax_s
         raise ValueError(f"schedule: {schedule!r} needs kv_step 64, got kv_step {block_n}")
     launch = launch_mla_decode_seesaw if seesaw else launch_mla_decode
     pdl = os.environ.get(PDL_ENV, "1") != "0"
-    qk_fp8 = seesaw and problem.dtype == "float8_e4m3fn" and os.environ.get(FP8_QK_ENV, "1") != "0"
+    fp8_seesaw = seesaw and problem.dtype == "float8_e4m3fn"
+    qk_fp8 = fp8_seesaw and os.environ.get(FP8_QK_ENV, "1") != "0"
     key = DecodeKernelKey("mla_decode_sm90.v6", problem.dtype, H, S, problem.page_size, problem.causal,
                           plan.num_splits, plan.tokens_per_split, block_n, schedule, pdl, qk_fp8)
     outputs = [jax.ShapeDtypeStruct((B, S, H, problem.kv_lora_rank), jnp.dtype(problem.out_dtype)),
@@ -147,7 +149,7 @@ def decode(problem: DecodeProblem, q, kv_cache, block_table, seq_lens, softmax_s
         TARGET, launch, outputs=outputs, compile_key=key,
         dtype=problem.dtype, num_heads=H, q_len=S, page_size=problem.page_size, causal=problem.causal,
         num_splits=plan.num_splits, tokens_per_split=plan.tokens_per_split, block_n=block_n, schedule=schedule,
-        pdl=pdl, **({"qk_fp8": False} if seesaw and problem.dtype == "float8_e4m3fn" and not qk_fp8 else {}),
+        pdl=pdl, **({"qk_fp8": qk_fp8} if fp8_seesaw else {}),
     )
     res = call(q, kv_cache, block_table.astype(jnp.int32), seq_lens.astype(jnp.int32),
                ffi.scalar_operand(softmax_scale), ffi.scalar_operand(output_scale))

@@ -3,24 +3,25 @@
 
 Semantics are exactly :mod:`tokenspeed_jax.prefill`'s; the kernel is
 :class:`tokenspeed_jax.kernels.sm90.fa4_prefill.FA4PrefillSm90` (FA4's ``FlashAttentionForwardSm90`` with
-its softmax scale read from device memory) followed by our ``rows_without_keys_kernel``, see that module. Decisions:
+its softmax scale read from device memory) followed by our ``rows_without_keys_kernel``, see that module.
+Decisions:
 
 * **softmax_scale stays a runtime operand.** FA4 takes it as a host float; the kernel subclass reads it
   from the ``(1,)`` float32 operand instead (one load per thread), so a new value neither recompiles
   nor breaks CUDA-graph capture, and the arithmetic (``scale * log2(e)`` in fp32) is FA4's own.
-* **Rows with no visible key** (rows past ``cu_seqlens_q[-1]``, requests with ``Lk = 0``, bottom-right
-  causal rows ``i < Lq - Lk``) give 0 and LSE -inf. FA4 leaves the first unwritten and, for a tile that
-  sees no key, still processes one out-of-range K/V block whose columns are not all masked, so it may
-  write a softmax over another request's keys there. Default (``EMPTY_ROWS_ENV`` = ``fixup``): the same
-  custom call launches, after FA4's kernel and on the same stream, a small kernel of ours that finds each
-  row's request by binary search over ``cu_seqlens_q`` and overwrites exactly those rows (at S=8192
-  the clip below and this kernel together add about 20 µs a call, docs/sm90_prefill.md). The alternative ``kernel`` mode overrides FA4's epilogue to write
-  them in registers and appends one key-less request for the rows past ``cu_seqlens_q[-1]``; measured on
-  the H200 (2026-11-30) that override, together with the device-resident scale, makes ptxas reschedule
-  FA4's main loop and costs up to 8% on long non-causal cases, so it is kept only for A/B runs. (An XLA
-  pass under ``lax.cond`` was also tried: the host-side predicate of the conditional cost about 50 µs a
-  call.) cu_seqlens are clipped to ``[0, Tq]`` / ``[0, Tk]`` in one tiny fused XLA op (clamp, not trap:
-  garbage lengths stay in bounds).
+* **Rows with no visible key** (rows past ``cu_seqlens_q[-1]``, requests with ``Lk = 0``, bottom-right causal
+  rows ``i < Lq - Lk``) give 0 and LSE -inf. FA4 leaves the first unwritten and, for a tile that sees no key,
+  still processes one out-of-range K/V block whose columns are not all masked, so it may write a softmax over
+  another request's keys there. Default (``EMPTY_ROWS_ENV`` = ``fixup``): the same custom call launches, after
+  FA4's kernel and on the same stream, a small kernel of ours that finds each row's request by binary search
+  over ``cu_seqlens_q`` and overwrites exactly those rows (at S=8192 the clip below and this kernel together
+  add about 20 µs a call, docs/sm90_prefill.md). The alternative ``kernel`` mode overrides FA4's epilogue to
+  write them in registers and appends one key-less request for the rows past ``cu_seqlens_q[-1]``; measured on
+  the H200 (2026-11-30) that override, together with the device-resident scale, makes ptxas reschedule FA4's
+  main loop and costs up to 8% on long non-causal cases, so it is kept only for A/B runs. (An XLA pass under
+  ``lax.cond`` was also tried: the host-side predicate of the conditional cost about 50 µs a call.) cu_seqlens
+  are clipped to ``[0, Tq]`` / ``[0, Tk]`` in one tiny fused XLA op (clamp, not trap: garbage lengths stay in
+  bounds).
 * **K/V rows past ``cu_seqlens_k[-1]`` (contract in :mod:`tokenspeed_jax.prefill`): up to
   ``KV_TAIL_ROWS`` = 127 are read and must be finite.** FA4 loads whole ``tile_n``-row K/V tiles
   (``tile_n`` <= 128 for every head-dim pair here) by TMA; inside the buffer the rows past a request's
@@ -195,7 +196,7 @@ def prefill(problem: PrefillProblem, q, k, v, cu_seqlens_q, cu_seqlens_k, softma
         head_dim_v=Dv,
         qhead_per_kvhead=Hq // Hk,
         causal=problem.causal,
-        **({} if mode == "kernel" else {"exact_empty_rows": False, "fix_rows": True, "num_q_heads": Hq}),
+        **({} if mode == "kernel" else {"exact_empty_rows": False, "num_q_heads": Hq}),
     )
     res = call(q, k, v, cu_q, cu_k, scale)
     return res[0], (res[1] if problem.return_lse else None)

@@ -13,7 +13,7 @@ source, through overrides of its ``@cute.jit`` device methods and one small kern
 * **Rows that see no key give 0 and LSE -inf.** FA4 does not write q rows past ``cu_seqlens_q[-1]``, and
   for tiles that see no key (bottom-right causal with ``Lq > Lk``, requests with ``Lk = 0``) it still
   processes one out-of-range K/V block whose (negative) columns the masks do not remove, so those rows
-  may get a softmax over another request's keys. By default (``fix_rows``) the launch runs
+  may get a softmax over another request's keys. By default (``exact_empty_rows=False``) the launch runs
   :func:`rows_without_keys_kernel` after FA4's kernel on the same stream and overwrites exactly those
   rows. With ``exact_empty_rows`` (the "kernel" mode, kept for A/B runs) :meth:`FA4PrefillSm90.epilogue`
   instead overwrites them in registers before FA4's epilogue stores the tile; together with the scale
@@ -238,7 +238,6 @@ def fa4_prefill_launch(
     qhead_per_kvhead: cutlass.Constexpr,
     causal: cutlass.Constexpr,
     exact_empty_rows: cutlass.Constexpr = True,
-    fix_rows: cutlass.Constexpr = False,
     num_q_heads: cutlass.Constexpr = 0,
 ):
     """Launch :class:`FA4PrefillSm90` (static configuration from the constexprs) on one ragged batch.
@@ -247,7 +246,7 @@ def fa4_prefill_launch(
     (float32 ``(1,)``), then outputs out and, when requested, lse ``[Tq, Hq]`` float32. The constexprs
     are plain values (not a kernel object) so the compile key has a stable text for the disk cache.
 
-    ``fix_rows`` (with ``exact_empty_rows=False``): after FA4's kernel, :func:`rows_without_keys_kernel`
+    ``exact_empty_rows=False``: FA4's own epilogue, then :func:`rows_without_keys_kernel`
     on the same stream gives every row with no visible key 0 / LSE -inf (``num_q_heads`` = Hq sizes its
     rows).
     """
@@ -277,7 +276,7 @@ def fa4_prefill_launch(
         None,  # cu_total_splits_m_blocks
         stream,
     )
-    if const_expr(fix_rows):
+    if const_expr(not exact_empty_rows):
         rows = cute.size(out, mode=[0])
         grid = cutlass.min((rows + FIX_ROWS_PER_CTA - 1) // FIX_ROWS_PER_CTA, FIX_MAX_CTAS)
         rows_without_keys_kernel(out, lse, cu_seqlens_q, cu_seqlens_k, num_q_heads * head_dim_v, num_q_heads,

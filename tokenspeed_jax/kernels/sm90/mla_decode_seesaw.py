@@ -52,9 +52,9 @@ FlashMLA's Hopper kernel (its "seesaw"; design read from its source, code our ow
   (e4m3 x e4m3 and fp16 x fp16), but the QGMMA's fp32 accumulator keeps only about 14 bits per addition
   (measured on the H200: LSE errors up to 2.2e-3 against 1e-6 with the 16-bit QK; the check's FP8 LSE
   tolerance, ``benchmarks.decode.FP8_QK_ACC_EPS``, says why); P is rounded to fp16 (3 more bits than the
-  bf16 of the 16-bit paths); bf16 output.  ``qk_fp8=False`` upcasts the whole slot before a 16-bit QK instead (the first
-  FP8 seesaw, for A/B).  The FP8 scales are folded into ``softmax_scale`` / ``output_scale`` by the
-  caller (decode contract).
+  bf16 of the 16-bit paths); bf16 output.  ``qk_fp8=False`` upcasts the whole slot before a 16-bit QK
+  instead (the first FP8 seesaw, for A/B).  The FP8 scales are folded into ``softmax_scale`` /
+  ``output_scale`` by the caller (decode contract).
 """
 
 from __future__ import annotations
