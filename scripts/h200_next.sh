@@ -1,27 +1,53 @@
 #!/usr/bin/env bash
-# The H200 validation of the FP8 QGMMA QK (decode) and the empty-row kernel (prefill) of 2026-11-30, in one device call (carry [".device"]; for the FA3
-# column first a call with carry [".device-fa3"] running `bash .device-fa3/unpack.sh`, then within 30 s):
+# The H200 run behind the decode L2 prefetch default (2026-12-01 13:45-13:50 UTC device clock), one device call (carry [".device"]):
 #   source .device/bootstrap.sh && bash scripts/h200_next.sh
-# - decode, in the background: the FP8 cases of the check matrix (QK on QGMMA, with the FP8 LSE tolerance of
-#   benchmarks.decode.FP8_QK_ACC_EPS) and the memcheck test (its bf16 cases are checked first, which also
-#   compiles them);
-# - prefill, in the foreground: scripts/h200_prefill.sh (precompile, all GPU tests, the benchmark) with the
-#   default "fixup" mode for rows without keys; the benchmark waits for the background job.
-# 8 files come back: decode_fp8_check.json, decode_fp8.log, memcheck.log and h200_prefill.sh's 5.
+# - in the background: the compute-sanitizer memcheck test with the default (late) prefetch, while the A/B
+#   configurations compile on the CPU;
+# - the interleaved A/B of TOKENSPEED_SM90_DECODE_L2_PREFETCH off / late over the 13 shapes of the issue
+#   matrix, BF16 and FP8 (scripts/decode_ab.py; bitwise equality reported per shape);
+# - the decode benchmark with the defaults against FlashMLA BF16 / FP8 (python -m benchmarks.decode --bench).
+# 6 files come back: memcheck.log, ab.log, ab_bf16.json, ab_fp8.json, decode.json, decode.png
 set -uo pipefail
 export CUTE_DSL_ARCH=sm_90a TOKENSPEED_JAX_CACHE_DIR=${TOKENSPEED_JAX_CACHE_DIR:-/tmp/tsj_cache} PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+V=TOKENSPEED_SM90_DECODE_L2_PREFETCH
+t0=$(date +%s)
+stamp() { echo "[$(( $(date +%s) - t0 ))s] $*"; }
+nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu,power.draw --format=csv,noheader
 (
-  timeout 150 python -m benchmarks.decode --prewarm 8 --check --out "$OUT/decode_fp8.json" \
-    --cases fp8_s1h16p64,fp8_s4h128p64,fp8_s2h32p32_garbage,fp8_s8h16p128,s2h32p64_garbage,b1s1h16p64_short,s4h32p32 \
-    > "$OUT/decode_fp8.log" 2>&1
-  echo "decode check rc=$?" >> "$OUT/decode_fp8.log"
-  timeout 120 env TOKENSPEED_SANITIZER=1 python -m pytest -q -s -rfEx -p no:cacheprovider -k memcheck \
+  timeout 130 env TOKENSPEED_SANITIZER=1 python -m pytest -q -s -rfEx -p no:cacheprovider -k memcheck \
     tests/gpu/test_sm90_decode.py > "$OUT/memcheck.log" 2>&1
   echo "memcheck rc=$?" >> "$OUT/memcheck.log"
 ) &
-echo $! > /tmp/tsj_bg.pid
-PRE_S=${PRE_S:-90} TEST_S=${TEST_S:-220} BENCH_S=${BENCH_S:-170} bash scripts/h200_prefill.sh
-echo "--- decode (background)"
-grep -E "^check:|decode check rc" "$OUT/decode_fp8.log"; grep -o '"case": "[^"]*", "ok": [a-z]*' "$OUT/decode_fp8.log"
+BG=$!
+stamp "prewarm A/B configurations (CPU)"
+timeout 200 python -c "
+import dataclasses
+from benchmarks.decode import BENCH, bench_case, prewarm
+from benchmarks.harness import scoped_env
+cases = [dataclasses.replace(bench_case(*s), dtype=d) for d in ('bfloat16', 'float8_e4m3fn') for s in BENCH]
+for v in ('off', 'late'):
+    with scoped_env('$V', v):
+        prewarm(cases, 14)
+" > "$OUT/ab.log" 2>&1; echo "prewarm rc=$?" | tee -a "$OUT/ab.log"
+while kill -0 $BG 2>/dev/null; do sleep 2; done; stamp "memcheck done"
 grep -E "memcheck rc|ERROR SUMMARY|passed|failed" "$OUT/memcheck.log" | tail -n 4
+for d in bfloat16 float8_e4m3fn; do
+  stamp "A/B $d"
+  timeout 120 python scripts/decode_ab.py $V off late --dtype $d --cases matrix --out "$OUT/ab_${d:0:4}.json" >> "$OUT/ab.log" 2>&1
+  echo "ab $d rc=$?"
+done
+mv "$OUT/ab_bflo.json" "$OUT/ab_bf16.json"; mv "$OUT/ab_floa.json" "$OUT/ab_fp8.json"
+grep '^{"case"' "$OUT/ab.log" | python -c "
+import sys, json, math
+rows = [json.loads(l) for l in sys.stdin]
+for d in ('bfloat16', 'float8_e4m3fn'):
+    r = [x for x in rows if x['dtype'] == d]
+    for x in r: print(d[:4], x['case'], round(x['us_off'], 1), round(x['us_late'], 1), round(x['us_off'] / x['us_late'], 3), x['bitwise_equal'])
+    if r: print(d, 'geomean off/late', round(math.exp(sum(math.log(x['us_off'] / x['us_late']) for x in r) / len(r)), 4))
+"
+stamp "benchmark (defaults) vs FlashMLA"
+timeout 300 python -m benchmarks.decode --prewarm 16 --bench --no-xla --png "$OUT/decode.png" --out "$OUT/decode.json" \
+  > "$OUT/bench.log" 2>&1; echo "bench rc=$?"
+grep -v "^prewarm\|^{\|max |ours" "$OUT/bench.log" | tail -n 30
+stamp "done"

@@ -163,7 +163,8 @@ def assert_close(got, want, *, dtype: str | None = None, atol: float = 1e-5, rto
     """``|got - want| <= atol + rtol * |want|`` elementwise, with -inf / +inf / NaN positions equal.
 
     ``want`` is the float64 reference; ``dtype`` (default: got's dtype) picks ``rtol`` (one ulp of that
-    output dtype, so a correctly rounded fp32 computation always passes).
+    output dtype, so a correctly rounded fp32 computation always passes); ``atol`` may be an array that
+    broadcasts to ``want``'s shape (a per-element bound).
     """
     dt = np.dtype(np.asarray(got).dtype).name if dtype is None else dtype
     rtol = _REL.get(dt, 2.0**-7) if rtol is None else rtol
@@ -174,12 +175,13 @@ def assert_close(got, want, *, dtype: str | None = None, atol: float = 1e-5, rto
         assert not bad.any(), f"{what}: {name} positions differ at {np.argwhere(bad)[:5].tolist()}"
     fin = np.isfinite(w)
     err = np.abs(g[fin] - w[fin])
-    lim = atol + rtol * np.abs(w[fin])
+    lim = (np.broadcast_to(atol, w.shape)[fin] if np.ndim(atol) else atol) + rtol * np.abs(w[fin])
     if err.size and not (err <= lim).all():
         i = int(np.argmax(err - lim))
         raise AssertionError(
             f"{what}: {int((err > lim).sum())}/{err.size} elements off; worst got {g[fin][i]!r} want "
-            f"{w[fin][i]!r} (|err| {err[i]:.3g} > {lim[i]:.3g}, rtol {rtol}, atol {atol})"
+            f"{w[fin][i]!r} (|err| {err[i]:.3g} > {lim[i]:.3g}, rtol {rtol}, "
+            f"atol {atol if np.ndim(atol) == 0 else 'per element'})"
         )
 
 

@@ -80,6 +80,21 @@ _SCRIPT = textwrap.dedent(
                 rs=len(re.findall(r"HGMMA\\.64x256x16\\.F32\\.(?:F16|BF16) R\\d+, R\\d+", ssass)),
                 cvt=len(re.findall(r"cvt\\.rn\\.f16x2\\.e4m3x2", sptx)),
                 spill=len(re.findall(r"\\b(STL|LDL)\\b", ssass)))
+    # L2 prefetch one tile pair ahead (page 64, a table long enough that no prefetch is provably past the
+    # split): pair 1 in the prologue, then one pair per iteration of WG0's loop, one bulk prefetch per tile
+    before = set(glob.glob(d + "/*"))
+    k = MlaDecodeSeesawSm90(dtype="bfloat16", num_heads=16, q_len=1, page_size=64, causal=True, num_splits=2,
+                            tokens_per_split=4096, block_n=64, l2_prefetch="late")
+    f = rt.make_fake_compact_tensor
+    bf = cutlass.BFloat16
+    cute.compile(k, rt.make_fake_stream(), f(bf, (2, 1, 16, 576), assumed_align=16),
+                 f(bf, (500, 64, 576), assumed_align=16), f(cutlass.Int32, (2, 400)), f(cutlass.Int32, (2,)),
+                 f(cutlass.Float32, (1,)), f(cutlass.Float32, (1,)), f(bf, (2, 1, 16, 512), assumed_align=16),
+                 f(cutlass.Float32, (2, 1, 16)), f(cutlass.Float32, (2, 2, 16, 512), assumed_align=16),
+                 f(cutlass.Float32, (2, 2, 16)))
+    pptx, psass = own(before, ".ptx"), own(before, ".sass")
+    res["l2pf"] = dict(ptx=len(re.findall(r"cp\\.async\\.bulk\\.prefetch\\.L2\\.global", pptx)),
+                       sass=bool(psass), spill=len(re.findall(r"\\b(STL|LDL)\\b", psass)))
     kw = dict(dtype="bfloat16", num_heads=16, q_len=1, causal=True, num_splits=1, tokens_per_split=64, block_n=64)
     try:
         MlaDecodeSeesawSm90(page_size=8, kv_load="tma", **kw)
@@ -182,6 +197,11 @@ def test_sm90_decode_compiles_for_sm90a(tmp_path):
         assert x["spill"] == 0, x
     assert "page_size" in r["tma_page8"] and r["forced_cp_uses_tma"] is False, r
     assert "TMA" in r["fp8_cp"], r
+    # L2 prefetch (TOKENSPEED_SM90_DECODE_L2_PREFETCH=late): one bulk prefetch per tile of pair 1 in the prologue
+    # and of the pair ahead in the loop
+    assert r["l2pf"]["ptx"] == 4, r["l2pf"]
+    if r["l2pf"]["sass"]:
+        assert r["l2pf"]["spill"] == 0, r["l2pf"]
 
 
 def test_schedule_switch(monkeypatch):
@@ -202,6 +222,23 @@ def test_schedule_switch(monkeypatch):
         m.resolve_schedule("default")
     assert m.DecodeKernelKey("k", "bfloat16", 16, 1, 64, True, 1, 64, 64) != m.DecodeKernelKey(
         "k", "bfloat16", 16, 1, 64, True, 1, 64, 64, "overlap")
+
+
+def test_l2_prefetch_switch(monkeypatch):
+    """The L2 prefetch distance is read from the environment, validated with the variable named, keyed."""
+    from tokenspeed_jax.backends import sm90_decode as m
+
+    monkeypatch.delenv(m.L2_PREFETCH_ENV, raising=False)
+    assert m.resolve_l2_prefetch() == m.L2_PREFETCH_DEFAULT
+    monkeypatch.setenv(m.L2_PREFETCH_ENV, "late")
+    assert m.resolve_l2_prefetch() == "late"
+    for bad in ("1", "on", "Late"):
+        monkeypatch.setenv(m.L2_PREFETCH_ENV, bad)
+        with pytest.raises(ValueError, match=m.L2_PREFETCH_ENV):
+            m.resolve_l2_prefetch()
+    assert m.L2_PREFETCH_ENV in m.TRACE_ENV
+    k = ("k", "bfloat16", 16, 1, 64, True, 1, 64, 64, "seesaw", True, False)
+    assert m.DecodeKernelKey(*k, "off") != m.DecodeKernelKey(*k, "late")
 
 
 def _pip_has(mod: str) -> bool:

@@ -26,6 +26,10 @@ Schedules (compile-time main loops; details in the kernel modules and ``docs/sm9
   both warpgroups on the same tile, three CTA-wide barriers per tile.
 * ``"overlap"``: lockstep with PV(i-1) issued ahead of QK(i) (opt-in, measured no faster).
 
+The seesaw loop with TMA refills also prefetches the KV tile pair after the next into L2
+(``TOKENSPEED_SM90_DECODE_L2_PREFETCH`` = ``"late"`` (default), ``"early"`` or ``"off"``; measured in
+``docs/sm90_decode.md``, section "L2 prefetch").
+
 ``"auto"`` picks seesaw; FP8 with 8-token pages (no TMA refills) or ``"seesaw-cpasync"`` runs lockstep.
 Chosen by ``decode(..., schedule=...)`` or, when that is None, by the environment variable
 ``TOKENSPEED_SM90_DECODE_SCHEDULE`` (read when the call is traced; a jitted function keeps the schedule it
@@ -51,9 +55,14 @@ PDL_ENV = "TOKENSPEED_SM90_DECODE_PDL"
 # "0" runs the FP8 seesaw QK on fp16 operands (the whole KV slot upcast before the QK) instead of FP8
 # tensor cores (default "1"; docs/sm90_decode.md), for A/B timing.  Read at trace time; part of the compile key.
 FP8_QK_ENV = "TOKENSPEED_SM90_DECODE_FP8_QK"
+# The seesaw loop's L2 prefetch of the KV tile pair after the next (cp.async.bulk.prefetch): "off", "late"
+# or "early" (docs/sm90_decode.md, "L2 prefetch").  Read at trace time; part of the compile key.
+L2_PREFETCH_ENV = "TOKENSPEED_SM90_DECODE_L2_PREFETCH"
+L2_PREFETCH_MODES = ("off", "late", "early")  # the kernel's (no cutlass import here)
+L2_PREFETCH_DEFAULT = "late"
 # The environment switches this module reads at trace time: ``mla_decode`` keys its per-problem trace cache
 # on their values (``Backend.trace_env``), so a switch changed between two traces takes effect.
-TRACE_ENV = (SCHEDULE_ENV, PDL_ENV, FP8_QK_ENV)
+TRACE_ENV = (SCHEDULE_ENV, PDL_ENV, FP8_QK_ENV, L2_PREFETCH_ENV)
 SCHEDULES = ("auto", "seesaw", "seesaw-cpasync", "lockstep", "overlap")  # module docstring (no cutlass import here)
 _MIN_PAGE = 8
 _MIN_FP8_SEESAW_PAGE = 16  # the FP8 seesaw needs TMA refills (the kernel's _MIN_TMA_PAGE; no cutlass import here)
@@ -75,6 +84,7 @@ class DecodeKernelKey:
     schedule: str = "seesaw"
     pdl: bool = True  # combine kernel launched with programmatic dependent launch ($TOKENSPEED_SM90_DECODE_PDL)
     qk_fp8: bool = True  # FP8 seesaw: QK on FP8 tensor cores ($TOKENSPEED_SM90_DECODE_FP8_QK)
+    l2_prefetch: str = "off"  # seesaw: L2 prefetch mode ($TOKENSPEED_SM90_DECODE_L2_PREFETCH)
 
 
 def supports(problem: DecodeProblem) -> str | None:
@@ -106,6 +116,14 @@ def resolve_schedule(schedule: str | None = None) -> str:
     if schedule not in SCHEDULES:
         raise ValueError(f"{source}: expected one of {SCHEDULES}, got {schedule!r}")
     return schedule
+
+
+def resolve_l2_prefetch() -> str:
+    """``$TOKENSPEED_SM90_DECODE_L2_PREFETCH`` (the seesaw loop's L2 prefetch mode), validated."""
+    mode = os.environ.get(L2_PREFETCH_ENV, "") or L2_PREFETCH_DEFAULT
+    if mode not in L2_PREFETCH_MODES:
+        raise ValueError(f"{L2_PREFETCH_ENV}: expected one of {L2_PREFETCH_MODES}, got {mode!r}")
+    return mode
 
 
 def decode(problem: DecodeProblem, q, kv_cache, block_table, seq_lens, softmax_scale, output_scale, *,
@@ -140,8 +158,9 @@ def decode(problem: DecodeProblem, q, kv_cache, block_table, seq_lens, softmax_s
     pdl = os.environ.get(PDL_ENV, "1") != "0"
     fp8_seesaw = seesaw and problem.dtype == "float8_e4m3fn"
     qk_fp8 = fp8_seesaw and os.environ.get(FP8_QK_ENV, "1") != "0"
-    key = DecodeKernelKey("mla_decode_sm90.v6", problem.dtype, H, S, problem.page_size, problem.causal,
-                          plan.num_splits, plan.tokens_per_split, block_n, schedule, pdl, qk_fp8)
+    l2_prefetch = resolve_l2_prefetch() if seesaw else "off"
+    key = DecodeKernelKey("mla_decode_sm90.v7", problem.dtype, H, S, problem.page_size, problem.causal,
+                          plan.num_splits, plan.tokens_per_split, block_n, schedule, pdl, qk_fp8, l2_prefetch)
     outputs = [jax.ShapeDtypeStruct((B, S, H, problem.kv_lora_rank), jnp.dtype(problem.out_dtype)),
                jax.ShapeDtypeStruct((B, S, H), jnp.float32)]
     outputs += [jax.ShapeDtypeStruct(w.shape, jnp.dtype(w.dtype)) for w in plan.workspace]
@@ -149,7 +168,7 @@ def decode(problem: DecodeProblem, q, kv_cache, block_table, seq_lens, softmax_s
         TARGET, launch, outputs=outputs, compile_key=key,
         dtype=problem.dtype, num_heads=H, q_len=S, page_size=problem.page_size, causal=problem.causal,
         num_splits=plan.num_splits, tokens_per_split=plan.tokens_per_split, block_n=block_n, schedule=schedule,
-        pdl=pdl, **({"qk_fp8": qk_fp8} if fp8_seesaw else {}),
+        pdl=pdl, **({"qk_fp8": qk_fp8} if fp8_seesaw else {}), **({"l2_prefetch": l2_prefetch} if seesaw else {}),
     )
     res = call(q, kv_cache, block_table.astype(jnp.int32), seq_lens.astype(jnp.int32),
                ffi.scalar_operand(softmax_scale), ffi.scalar_operand(output_scale))
