@@ -32,12 +32,12 @@ for v in ('off', 'late'):
 " > "$OUT/ab.log" 2>&1; echo "prewarm rc=$?" | tee -a "$OUT/ab.log"
 while kill -0 $BG 2>/dev/null; do sleep 2; done; stamp "memcheck done"
 grep -E "memcheck rc|ERROR SUMMARY|passed|failed" "$OUT/memcheck.log" | tail -n 4
-for d in bfloat16 float8_e4m3fn; do
-  stamp "A/B $d"
-  timeout 120 python scripts/decode_ab.py $V off late --dtype $d --cases matrix --out "$OUT/ab_${d:0:4}.json" >> "$OUT/ab.log" 2>&1
-  echo "ab $d rc=$?"
+for nd in bf16:bfloat16 fp8:float8_e4m3fn; do
+  stamp "A/B ${nd#*:}"
+  timeout 120 python scripts/decode_ab.py $V off late --dtype "${nd#*:}" --cases matrix --out "$OUT/ab_${nd%%:*}.json" \
+    >> "$OUT/ab.log" 2>&1
+  echo "ab ${nd#*:} rc=$?"
 done
-mv "$OUT/ab_bflo.json" "$OUT/ab_bf16.json"; mv "$OUT/ab_floa.json" "$OUT/ab_fp8.json"
 grep '^{"case"' "$OUT/ab.log" | python -c "
 import sys, json, math
 rows = [json.loads(l) for l in sys.stdin]

@@ -14,6 +14,7 @@ import textwrap
 
 import pytest
 
+from tokenspeed_jax.backends import sm90_decode
 from tokenspeed_jax.planner import plan_mla_decode
 from tokenspeed_jax.problems import DecodeProblem, Target
 
@@ -93,6 +94,8 @@ _SCRIPT = textwrap.dedent(
                  f(cutlass.Float32, (2, 1, 16)), f(cutlass.Float32, (2, 2, 16, 512), assumed_align=16),
                  f(cutlass.Float32, (2, 2, 16)))
     pptx, psass = own(before, ".ptx"), own(before, ".sass")
+    from tokenspeed_jax.kernels.sm90.mla_decode_seesaw import L2_PREFETCH_MODES
+    res["l2pf_modes"] = list(L2_PREFETCH_MODES)
     res["l2pf"] = dict(ptx=len(re.findall(r"cp\\.async\\.bulk\\.prefetch\\.L2\\.global", pptx)),
                        sass=bool(psass), spill=len(re.findall(r"\\b(STL|LDL)\\b", psass)))
     kw = dict(dtype="bfloat16", num_heads=16, q_len=1, causal=True, num_splits=1, tokens_per_split=64, block_n=64)
@@ -200,6 +203,7 @@ def test_sm90_decode_compiles_for_sm90a(tmp_path):
     # L2 prefetch (TOKENSPEED_SM90_DECODE_L2_PREFETCH=late): one bulk prefetch per tile of pair 1 in the prologue
     # and of the pair ahead in the loop
     assert r["l2pf"]["ptx"] == 4, r["l2pf"]
+    assert tuple(r["l2pf_modes"]) == sm90_decode.L2_PREFETCH_MODES  # the backend's copy (no cutlass import)
     if r["l2pf"]["sass"]:
         assert r["l2pf"]["spill"] == 0, r["l2pf"]
 

@@ -108,22 +108,22 @@ def supports(problem: DecodeProblem) -> str | None:
     return None
 
 
+def _choice(value: str, choices: tuple[str, ...], source: str) -> str:
+    if value not in choices:
+        raise ValueError(f"{source}: expected one of {choices}, got {value!r}")
+    return value
+
+
 def resolve_schedule(schedule: str | None = None) -> str:
     """``schedule`` if given, else ``$TOKENSPEED_SM90_DECODE_SCHEDULE``, else ``"auto"``; validated."""
-    source = "schedule"
-    if schedule is None:
-        schedule, source = os.environ.get(SCHEDULE_ENV, "") or "auto", SCHEDULE_ENV
-    if schedule not in SCHEDULES:
-        raise ValueError(f"{source}: expected one of {SCHEDULES}, got {schedule!r}")
-    return schedule
+    if schedule is not None:
+        return _choice(schedule, SCHEDULES, "schedule")
+    return _choice(os.environ.get(SCHEDULE_ENV, "") or "auto", SCHEDULES, SCHEDULE_ENV)
 
 
 def resolve_l2_prefetch() -> str:
     """``$TOKENSPEED_SM90_DECODE_L2_PREFETCH`` (the seesaw loop's L2 prefetch mode), validated."""
-    mode = os.environ.get(L2_PREFETCH_ENV, "") or L2_PREFETCH_DEFAULT
-    if mode not in L2_PREFETCH_MODES:
-        raise ValueError(f"{L2_PREFETCH_ENV}: expected one of {L2_PREFETCH_MODES}, got {mode!r}")
-    return mode
+    return _choice(os.environ.get(L2_PREFETCH_ENV, "") or L2_PREFETCH_DEFAULT, L2_PREFETCH_MODES, L2_PREFETCH_ENV)
 
 
 def decode(problem: DecodeProblem, q, kv_cache, block_table, seq_lens, softmax_scale, output_scale, *,

@@ -307,6 +307,22 @@ def _request_of(cu_q: cute.Tensor, row: Int32, nb: Int32) -> Int32:
     return lo
 
 
+@cute.jit
+def _sees_no_key(cu_q: cute.Tensor, cu_k: cute.Tensor, row: Int32, nb: Int32, causal: cutlass.Constexpr[bool]) -> Int32:
+    """1 when q row ``row`` (< Tq) sees no key: past ``cu_q[B]``, a request with ``Lk <= 0``, or, bottom-right
+    causal, a row ``i < Lq - Lk`` of its request; else 0."""
+    b = _request_of(cu_q, row, nb)
+    blank = Int32(1)
+    if b < nb:
+        lk = cu_k[b + 1] - cu_k[b]
+        if lk > 0:
+            blank = Int32(0)
+            if const_expr(causal):  # noqa: SIM102 (a static test and a dynamic one do not join with `and`)
+                if row - cu_q[b] < cu_q[b + 1] - cu_q[b] - lk:
+                    blank = Int32(1)
+    return blank
+
+
 @cute.kernel
 def rows_without_keys_kernel(out: cute.Tensor, lse: cute.Tensor | None, cu_q: cute.Tensor, cu_k: cute.Tensor,
                              row_elems: cutlass.Constexpr[int], heads: cutlass.Constexpr[int],
@@ -316,7 +332,7 @@ def rows_without_keys_kernel(out: cute.Tensor, lse: cute.Tensor | None, cu_q: cu
     and may write a softmax over another request's keys into the others, see the module docstring).
 
     Each warp takes 32 consecutive rows at a time (grid-strided), one per lane: the lane finds its row's
-    request by binary search over ``cu_q`` (:func:`_request_of`), so the dependent loads of 32 rows are in
+    request by binary search over ``cu_q`` (:func:`_sees_no_key`), so the dependent loads of 32 rows are in
     flight together (one row per warp at a time cost ~20 µs at 8k rows on the H200, 2026-11-30). A ballot
     collects the rows that see no key; the warp zeroes each of them with 16-byte stores. Every index stays
     inside ``out``, ``lse`` and the ``B + 1`` offsets for any offsets (the caller clips them to
@@ -339,15 +355,7 @@ def rows_without_keys_kernel(out: cute.Tensor, lse: cute.Tensor | None, cu_q: cu
         row = base + lane
         blank = Int32(0)
         if row < rows:
-            b = _request_of(cu_q, row, nb)
-            blank = Int32(1)
-            if b < nb:
-                lk = cu_k[b + 1] - cu_k[b]
-                if lk > 0:
-                    blank = Int32(0)
-                    if const_expr(causal):  # noqa: SIM102 (a static test and a dynamic one do not join with `and`)
-                        if row - cu_q[b] < cu_q[b + 1] - cu_q[b] - lk:
-                            blank = Int32(1)
+            blank = _sees_no_key(cu_q, cu_k, row, nb, causal)
         mask = cute.arch.vote_ballot_sync(blank != 0)
         if mask != 0:
             cute.arch.griddepcontrol_wait()

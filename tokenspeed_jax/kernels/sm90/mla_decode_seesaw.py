@@ -266,6 +266,13 @@ class MlaDecodeSeesawSm90(MlaDecodeSm90):
                                      read_only_args=[row_ptr(mKV, row, 0, self.D, 16).toint(), Int32(nbytes)])
 
     @cute.jit
+    def l2_prefetch_pair(self, mKV: cute.Tensor, crd0: cute.Tensor, crd1: cute.Tensor, pair_start: Int32,
+                         split_end: Int32):
+        """:meth:`l2_prefetch_tile` of both tiles of the pair starting at token ``pair_start``."""
+        self.l2_prefetch_tile(mKV, crd0, pair_start, split_end)
+        self.l2_prefetch_tile(mKV, crd1, pair_start + self.block_n, split_end)
+
+    @cute.jit
     def refill(self, sKs, tAs, tAg, tma_atom, mbar_ptr, mKV, pgs, tile_start, split_end, num_pages, wg, wtid,
                chunks: cutlass.Constexpr, bar: cutlass.Constexpr):
         """Refill the 64-column chunks ``chunks`` of one slot, completing the mbarrier ``mbar_ptr``.
@@ -553,8 +560,7 @@ class MlaDecodeSeesawSm90(MlaDecodeSm90):
                     crd0 = self.tma_coords(mBT, b, pf, split_end, num_pages)
                     crd1 = self.tma_coords(mBT, b, pf + bn, split_end, num_pages)
                     if tid + mblk == 0:  # one thread, of the first row block only (l2_prefetch_tile)
-                        self.l2_prefetch_tile(mKV, crd0, pf, split_end)
-                        self.l2_prefetch_tile(mKV, crd1, pf + bn, split_end)
+                        self.l2_prefetch_pair(mKV, crd0, crd1, pf, split_end)
         cute.arch.cp_async_wait_group(0)  # Q (the KV copies are tracked by the mbarriers)
         cute.arch.fence_view_async_shared()
         cute.arch.barrier()
@@ -650,8 +656,7 @@ class MlaDecodeSeesawSm90(MlaDecodeSm90):
                                 wtid, (0, 1, 2, 3), Barrier.REFILL_A0)
                 if cutlass.const_expr(self.l2_prefetch == "early"):  # noqa: SIM102 (static + dynamic test)
                     if wtid + mblk == 0:  # one thread, of the first row block only (l2_prefetch_tile)
-                        self.l2_prefetch_tile(mKV, crdP0, pf, split_end)
-                        self.l2_prefetch_tile(mKV, crdP1, pf + bn, split_end)
+                        self.l2_prefetch_pair(mKV, crdP0, crdP1, pf, split_end)
                 # 3. WG1 folded tile 2j+1: rescale P0 (-> smem for WG1), l, O_L by scale1
                 cute.arch.barrier(barrier_id=int(Barrier.SCALE1), number_of_threads=self.num_threads)
                 for h in cutlass.range_constexpr(2):
@@ -684,8 +689,7 @@ class MlaDecodeSeesawSm90(MlaDecodeSm90):
                     warpgroup.commit_group()
                 if cutlass.const_expr(self.l2_prefetch == "late"):  # noqa: SIM102 (static + dynamic test)
                     if wtid + mblk == 0:  # one thread, of the first row block only (l2_prefetch_tile)
-                        self.l2_prefetch_tile(mKV, crdP0, pf, split_end)
-                        self.l2_prefetch_tile(mKV, crdP1, pf + bn, split_end)
+                        self.l2_prefetch_pair(mKV, crdP0, crdP1, pf, split_end)
                 warpgroup.wait_group(0)
                 if more:
                     self.expand_v(sK0, sSt0, wg, wtid)
