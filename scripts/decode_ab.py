@@ -60,6 +60,7 @@ def main() -> None:
         r = {"case": c.name, "dtype": a.dtype, "var": a.var,
              **{f"us_{v}": t[v]["median_us"] for v in fns},
              "bitwise_equal": all(np.array_equal(outs[v], outs[first]) for v in fns),
+             "max_abs_diff": max(float(np.max(np.abs(outs[v] - outs[first]))) for v in fns),
              # the switch reached the kernel: its compile key (hence the custom call's config) differs
              "lowering_equal": all(hlo[v] == hlo[first] for v in fns)}
         print(json.dumps(r), flush=True)

@@ -34,13 +34,14 @@ _SCRIPT = textwrap.dedent(
             ("float8_e4m3fn", 128, 2, 128, 2, 512, 64, "lockstep"), ("bfloat16", 32, 2, 32, 3, 256, 64, "overlap"),
             ("float16", 32, 4, 16, 3, 320, 64, "seesaw"), ("bfloat16", 128, 1, 64, 1, 1536, 64, "seesaw"),
             ("bfloat16", 16, 2, 8, 2, 256, 64, "seesaw"), ("bfloat16", 16, 1, 32, 16, 64, 64, "lockstep"),
-            ("float8_e4m3fn", 32, 2, 32, 2, 256, 64, "seesaw"), ("float8_e4m3fn", 16, 1, 64, 2, 256, 64, "seesaw16")]
+            ("float8_e4m3fn", 32, 2, 32, 2, 256, 64, "seesaw"), ("float8_e4m3fn", 16, 1, 64, 2, 256, 64, "seesaw16"),
+            ("float8_e4m3fn", 16, 4, 32, 3, 256, 64, "seesaw8")]  # (dump names differ early: q shape)
     for (dtype, H, S, page, splits, tps, bn, sched) in cfgs:
         before = set(glob.glob(d + "/*"))
-        if sched in ("seesaw", "seesaw16"):  # seesaw16: an FP8 QK on fp16 operands (qk_fp8=False)
+        if sched.startswith("seesaw"):  # seesaw16: an FP8 QK on fp16 operands; seesaw8: FP8 P V on QGMMA too
             k = MlaDecodeSeesawSm90(dtype=dtype, num_heads=H, q_len=S, page_size=page, causal=True,
                                     num_splits=splits, tokens_per_split=tps, block_n=bn,
-                                    qk_fp8=sched == "seesaw")
+                                    qk_fp8=sched != "seesaw16", pv_fp8=sched == "seesaw8")
         else:
             k = MlaDecodeSm90(dtype=dtype, num_heads=H, q_len=S, page_size=page, causal=True, num_splits=splits,
                               tokens_per_split=tps, block_n=bn, schedule=sched)
@@ -67,9 +68,9 @@ _SCRIPT = textwrap.dedent(
             res["ov_sass_hgmma"] = len(re.findall(r"HGMMA\\.64x(?:32|256)x16", osass))
             res["ov_sass_depbar"] = len(re.findall(r"WARPGROUP\\.DEPBAR", osass))
             res["ov_sass_spill"] = len(re.findall(r"\\b(STL|LDL)\\b", osass))
-        if sched in ("seesaw", "seesaw16"):  # page 16: TMA, 4 boxes per chunk; 64: TMA, 1 box; 8: cp.async
+        if sched.startswith("seesaw"):  # page 16: TMA, 4 boxes per chunk; 64: TMA, 1 box; 8: cp.async
             sptx, ssass = own(before, ".ptx"), own(before, ".sass")
-            res.setdefault("ss", {})[str(page) + ("_16" if sched == "seesaw16" else "")] = dict(
+            res.setdefault("ss", {})[str(page) + ("_" + sched[6:] if sched[6:] else "")] = dict(
                 use_tma=k.use_tma,
                 qk=len(re.findall(r"wgmma.mma_async.sync.aligned.m64n64k16", sptx)),
                 qk8=len(re.findall(r"wgmma.mma_async.sync.aligned.m64n64k32.f32.e4m3.e4m3", sptx)),
@@ -80,6 +81,9 @@ _SCRIPT = textwrap.dedent(
                 sass=bool(ssass),
                 rs=len(re.findall(r"HGMMA\\.64x256x16\\.F32\\.(?:F16|BF16) R\\d+, R\\d+", ssass)),
                 cvt=len(re.findall(r"cvt\\.rn\\.f16x2\\.e4m3x2", sptx)),
+                cvt8=len(re.findall(r"cvt\\.rn\\.satfinite\\.e4m3x2\\.f32", sptx)),
+                prmt=len(re.findall(r"prmt\\.b32", sptx)),
+                pv8=len(re.findall(r"wgmma.mma_async.sync.aligned.m64n64k32.f32.e4m3.e4m3", sptx)) - 4 * 18,
                 spill=len(re.findall(r"\\b(STL|LDL)\\b", ssass)))
     # L2 prefetch one tile pair ahead (page 64, a table long enough that no prefetch is provably past the
     # split): pair 1 in the prologue, then one pair per iteration of WG0's loop, one bulk prefetch per tile
@@ -198,6 +202,14 @@ def test_sm90_decode_compiles_for_sm90a(tmp_path):
     assert x["use_tma"] and x["qk"] == 4 * 36 and x["qk8"] == 0 and x["tma"] == 36 and x["cvt"] == 36 * 16 + 72, x
     if x["sass"]:
         assert x["spill"] == 0, x
+    # FP8 P V on FP8 tensor cores too (pv_fp8, page 32): the same 72 QK QGMMAs plus 4 PVs x 4 chunks x 2 k32
+    # steps, no 16-bit wgmma; no upcast: V transposed in smem (4 sites x 16 blocks x 12 byte permutes per
+    # thread), P cast to e4m3 at 3 sites (16 cvt of 2 values each)
+    x = ss["32_8"]
+    assert x["use_tma"] and x["qk"] == 0 and x["qk8"] == 4 * 18 + 32 and x["pv8"] == 32 and x["pv"] == 0, x
+    assert x["cvt"] == 0 and x["prmt"] == 4 * 16 * 12 and x["cvt8"] == 3 * 16 and x["tma"] == 72, x
+    if x["sass"]:
+        assert x["qgmma"] == 4 * 18 + 32 and x["rs"] == 0 and x["spill"] == 0, x
     assert "page_size" in r["tma_page8"] and r["forced_cp_uses_tma"] is False, r
     assert "TMA" in r["fp8_cp"], r
     # L2 prefetch (TOKENSPEED_SM90_DECODE_L2_PREFETCH=late): one bulk prefetch per tile of pair 1 in the prologue
@@ -292,3 +304,65 @@ def test_sm90_plan(B, S, H, K):
     if B * p.num_m_blocks < 132 and K >= 64 * 4:
         # fills (most of) a wave, unless limited by at least two 64-token blocks per split
         assert ctas >= 100 or p.num_splits == -(-K // 64) // 2
+
+
+def _prmt(a: int, b: int, sel: int) -> int:
+    """``prmt.b32`` (default mode) on Python ints: byte j of the result is byte ``sel[4j+3:4j] & 7`` of {b, a}."""
+    src = (b << 32) | a
+    return sum(((src >> (8 * ((sel >> (4 * j)) & 7))) & 0xFF) << (8 * j) for j in range(4))
+
+
+def test_fp8_v_transpose_mapping():
+    """The FP8 P V transpose (``MlaDecodeSeesawSm90.transpose_v``) run on a model of shared memory, with the
+    kernel's own addressing (``vt_word_offsets``) and its per-lane rotations: every V^T byte of the 8 chunks
+    is written exactly once with the right staging byte (the QGMMA K-major layout: feature rows of 64 token
+    bytes, 64-byte swizzle), tokens at or past the split become zeros, and every word load and store of a
+    warp hits 32 distinct banks."""
+    pytest.importorskip("cutlass")
+    import numpy as np
+
+    from tokenspeed_jax.kernels.sm90.mla_decode_seesaw import sw64, vt_word_offsets
+
+    rng = np.random.default_rng(0)
+    staging = rng.integers(0, 256, (8, 64, 64), dtype=np.uint8)  # chunk, token, feature (logical)
+    first = 61  # tokens >= first are past the split
+    stage_mem = np.zeros((8, 4096), np.uint8)  # the upper halves, swizzled as the TMA boxes land
+    for t in range(64):
+        for x in range(64):
+            stage_mem[:, sw64(t * 64 + x)] = staging[:, t, x]
+    vt_mem = np.full((8, 4096), -1, np.int32)  # the lower halves, -1 = never written
+    word = lambda mem, c, off: int.from_bytes(mem[c, off:off + 4].astype(np.uint8).tobytes(), "little")
+    for warp in range(4):
+        loads, stores = {}, {}
+        for lane in range(32):
+            tg = warp * 4 + lane // 8
+            rot_r, rot_w = (lane >> 4) & 1, (lane >> 1) & 3
+            sel_f = 0x4105 if rot_r else 0x5410
+            for c in range(8):
+                for h in range(2):
+                    fw = lane % 8 + 8 * h
+                    regs = []
+                    for s in range(4):
+                        k = (s + rot_r) & 3
+                        rd, _ = vt_word_offsets(tg, fw, k, 0)
+                        assert rd % 4 == 0
+                        loads.setdefault((c, h, s), []).append(rd // 4 % 32)
+                        regs.append(0 if 4 * tg + k >= first else word(stage_mem, c, rd))
+                    for s in range(4):
+                        i = (s + rot_w) & 3
+                        sel = i | ((i + 4) << 4)
+                        out = _prmt(_prmt(regs[0], regs[1], sel), _prmt(regs[2], regs[3], sel), sel_f)
+                        _, wr = vt_word_offsets(tg, fw, 0, i)
+                        stores.setdefault((c, h, s), []).append(wr // 4 % 32)
+                        assert (vt_mem[c, wr:wr + 4] == -1).all()
+                        vt_mem[c, wr:wr + 4] = list(out.to_bytes(4, "little"))
+        for what, banks in (("load", loads), ("store", stores)):
+            for key, b in banks.items():
+                assert sorted(b) == list(range(32)), (what, warp, key, b)
+    assert (vt_mem >= 0).all()
+    want = np.where(np.arange(64)[None, None, :] < first, staging.transpose(0, 2, 1), 0)  # chunk, feature, token
+    got = np.empty_like(want)
+    for f in range(64):
+        for t in range(64):
+            got[:, f, t] = vt_mem[:, sw64(f * 64 + t)]
+    np.testing.assert_array_equal(got, want)

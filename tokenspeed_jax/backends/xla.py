@@ -41,6 +41,29 @@ def _finish(acc, l, m_safe, out_scale, out_dtype):
     return out, lse
 
 
+def decode_probs(p: DecodeProblem, q, kv_cache, block_table, seq_lens, softmax_scale):
+    """The decode reference up to P: ``(p [B,S,H,K] unnormalised, l [B,S,H], m_safe [B,S,H], v [B,K,L] fp32)``,
+    masked keys exactly zero in p and v (also the tests' yardstick of the FP8 P V's P rounding)."""
+    B, S, H, D = q.shape
+    L = p.kv_lora_rank
+    K = p.max_kv_len
+    bt = jnp.clip(block_table.astype(jnp.int32), 0, p.num_pages - 1)
+    kv = jnp.take(kv_cache, bt, axis=0, mode="clip").reshape(B, K, D)  # paged gather
+    sl = jnp.clip(seq_lens.astype(jnp.int32), 0, K)
+    j = jnp.arange(K, dtype=jnp.int32)
+    kv = _operand(kv)
+    kv = jnp.where((j[None, :] < sl[:, None])[..., None], kv, jnp.zeros((), kv.dtype))
+    s = jnp.einsum("bshd,bkd->bshk", _operand(q), kv, preferred_element_type=jnp.float32,
+                   precision=HIGHEST) * softmax_scale
+    if p.causal:
+        limit = sl[:, None] - S + 1 + jnp.arange(S, dtype=jnp.int32)[None, :]
+    else:
+        limit = jnp.broadcast_to(sl[:, None], (B, S))
+    valid = (j[None, None, :] < limit[:, :, None])[:, :, None, :]  # [B, S, 1, K]
+    pr, l, m = _softmax_rows(s, valid)
+    return pr, l, m, kv[..., :L].astype(jnp.float32)
+
+
 class XlaBackend:
     name = "xla"
     priority = 0
@@ -57,24 +80,8 @@ class XlaBackend:
 
     # ------------------------------------------------------------------------------------------ decode
     def decode(self, p: DecodeProblem, q, kv_cache, block_table, seq_lens, softmax_scale, output_scale):
-        B, S, H, D = q.shape
-        L = p.kv_lora_rank
-        K = p.max_kv_len
-        bt = jnp.clip(block_table.astype(jnp.int32), 0, p.num_pages - 1)
-        kv = jnp.take(kv_cache, bt, axis=0, mode="clip").reshape(B, K, D)  # paged gather
-        sl = jnp.clip(seq_lens.astype(jnp.int32), 0, K)
-        j = jnp.arange(K, dtype=jnp.int32)
-        kv = _operand(kv)
-        kv = jnp.where((j[None, :] < sl[:, None])[..., None], kv, jnp.zeros((), kv.dtype))
-        s = jnp.einsum("bshd,bkd->bshk", _operand(q), kv, preferred_element_type=jnp.float32,
-                       precision=HIGHEST) * softmax_scale
-        if p.causal:
-            limit = sl[:, None] - S + 1 + jnp.arange(S, dtype=jnp.int32)[None, :]
-        else:
-            limit = jnp.broadcast_to(sl[:, None], (B, S))
-        valid = (j[None, None, :] < limit[:, :, None])[:, :, None, :]  # [B, S, 1, K]
-        pr, l, m = _softmax_rows(s, valid)
-        acc = jnp.einsum("bshk,bkl->bshl", pr, kv[..., :L].astype(jnp.float32), precision=HIGHEST)
+        pr, l, m, v = decode_probs(p, q, kv_cache, block_table, seq_lens, softmax_scale)
+        acc = jnp.einsum("bshk,bkl->bshl", pr, v, precision=HIGHEST)
         out, lse = _finish(acc, l, m, output_scale, jnp.dtype(p.out_dtype))
         return out, (lse if p.return_lse else None)
 

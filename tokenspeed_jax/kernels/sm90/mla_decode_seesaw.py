@@ -94,18 +94,44 @@ def acc_to_a_layout(acc_layout: cute.Layout) -> cute.Layout:
     )
 
 
+def sw64(off):
+    """Byte offset ``off`` inside a 64-byte-row tile under the 64-byte swizzle ``S<2,4,3>`` (bits 7-8 XORed
+    into bits 4-5; the QGMMA K-major layout of e4m3 operands 64 bytes wide).  Python ints or DSL Int32."""
+    return off ^ ((off >> 3) & 0x30)
+
+
+def vt_word_offsets(tg, fw, k, i):
+    """:meth:`MlaDecodeSeesawSm90.transpose_v` addressing, for Python ints (tests) and DSL Int32 alike: byte
+    offsets (swizzled, inside a 4 KB tile) of the staging word of token ``4 tg + k``, features ``4 fw ..``,
+    and of the ``V^T`` word of feature ``4 fw + i``, tokens ``4 tg ..``."""
+    return sw64((4 * tg + k) * _CHUNK + 4 * fw), sw64((4 * fw + i) * _CHUNK + 4 * tg)
+
+
+def _prmt(a, b, sel):
+    """``prmt.b32``: byte ``j`` of the result is byte ``sel[4j+3:4j]`` of ``{b, a}`` (a = bytes 0-3)."""
+    return cute.arch.inline_ptx("prmt.b32 {$w0}, {$r0}, {$r1}, {$r2};", write_only_types=[Int32],
+                                read_only_args=[Int32(a), Int32(b), Int32(sel)])
+
+
 class MlaDecodeSeesawSm90(MlaDecodeSm90):
     """Schedule "seesaw" of the sm90 decode kernel (module docstring).  Same arguments as the base class;
     16-bit dtypes, ``block_n`` 64."""
 
-    def __init__(self, *, kv_load: str = "auto", qk_fp8: bool = True, expand_group: int = 4, l2_prefetch: str = "off",
-                 **kw):
+    def __init__(self, *, kv_load: str = "auto", qk_fp8: bool = True, pv_fp8: bool = False, expand_group: int = 4,
+                 l2_prefetch: str = "off", **kw):
         kw["schedule"] = "lockstep"
         super().__init__(**kw)
         # FP8: QK^T on FP8 tensor cores (e4m3 x e4m3 -> fp32, QGMMA k32) straight from the raw q tile and the
         # landed e4m3 staging; only V (cols 0..511) is upcast, after the QK (module docstring).  False: the
         # whole slot is upcast and QK runs on fp16 operands.
         self.qk8 = bool(self.fp8 and qk_fp8)
+        # FP8: P V on FP8 tensor cores too (P rounded to e4m3, V transposed in smem; :meth:`transpose_v`)
+        if pv_fp8 and not self.qk8:
+            raise ValueError("pv_fp8 needs FP8 inputs and qk_fp8 (the QGMMA QK)")
+        self.pv8 = bool(pv_fp8)
+        # P is computed as 2^8 p with FP8 P V (max 256 < 448, e4m3's largest finite), so p down to 2^-14 stays
+        # a normal e4m3 number (3 mantissa bits) and down to 2^-17 a subnormal; 2^-8 undone before the epilogue
+        self.p8_bias = 8.0 if self.pv8 else 0.0
         # chunks upcast per warpgroup barrier (:meth:`expand_chunks`): all their reads, one barrier, all writes
         self.expand_group = expand_group
         if self.block_n != 64:
@@ -157,6 +183,10 @@ class MlaDecodeSeesawSm90(MlaDecodeSm90):
         pv_ss = sm90_utils.make_trivial_tiled_mma(dt, dt, K, MN, Float32, (1, 1, 1), (self.block_m, self.DV // 2))
         pv_rs = sm90_utils.make_trivial_tiled_mma(dt, dt, K, MN, Float32, (1, 1, 1), (self.block_m, self.DV // 2),
                                                   a_source=warpgroup.OperandSource.RMEM)
+        # FP8 P V: e4m3 P (smem) x e4m3 V^T (smem, tokens contiguous), one 64-feature chunk per instruction
+        pv8 = None
+        if cutlass.const_expr(self.pv8):
+            pv8 = sm90_utils.make_trivial_tiled_mma(_F8, _F8, K, K, Float32, (1, 1, 1), (self.block_m, _CHUNK))
 
         tma_atom, tma_kv = None, None
         if cutlass.const_expr(self.use_tma):
@@ -186,7 +216,7 @@ class MlaDecodeSeesawSm90(MlaDecodeSm90):
             sQ: cute.struct.Align[cute.struct.MemRange[qk_dt, cute.cosize(q_layout)], 1024]
             sK: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(k_layout)], 1024]
 
-        self.seesaw_kernel(qk_mma, pv_ss, pv_rs, q, kv, block_table, seq_lens, softmax_scale, output_scale, out,
+        self.seesaw_kernel(qk_mma, pv_ss, pv_rs, pv8, q, kv, block_table, seq_lens, softmax_scale, output_scale, out,
                            lse, o_accum, lse_accum, q_layout, k_layout, v_layout, p_layout, tma_atom, tma_kv,
                            Storage).launch(
             grid=(self.num_m_blocks, self.num_splits, q.shape[0]), block=(self.num_threads, 1, 1),
@@ -387,6 +417,95 @@ class MlaDecodeSeesawSm90(MlaDecodeSm90):
             cute.arch.fence_view_async_shared()
             cute.arch.barrier(barrier_id=int(Barrier.TAIL) + wg, number_of_threads=128)
 
+    def pv8_views(self, slots_ptr):
+        """FP8 P V (:attr:`pv8`): per slot, the e4m3 ``V^T`` view ``((64 features, 8 chunks), 64 tokens)`` in the
+        lower halves of the fp16-sized chunks 0..7 (chunk ``c``'s features at bytes ``8192 c ..``, 4 KB), and
+        the e4m3 P tile ``(64 rows, 64 tokens)`` in the lower half of the rope chunk 8.  Both are QGMMA K-major
+        operands: 64-byte rows, 64-byte swizzle (``S<2,4,3>``, the staging's).  The upper halves hold the
+        landed e4m3 staging (:meth:`staging`), so building ``V^T`` reads one half and writes the other."""
+        raw = cute.recast_ptr(slots_ptr, dtype=_F8)
+        chunk_bytes = self.block_n * _CHUNK * (self.mma_dtype.width // 8)
+        slot_bytes = chunk_bytes * (self.D // _CHUNK)
+        sw = sm90_utils.make_smem_layout_b(LayoutEnum.ROW_MAJOR, (self.block_m, self.block_n, _CHUNK), _F8, 1).inner
+        vt = cute.make_layout(((_CHUNK, self.DV // _CHUNK), self.block_n), stride=((_CHUNK, chunk_bytes), 1))
+        p = cute.make_layout((self.block_m, self.block_n), stride=(self.block_n, 1))
+        vts = tuple(cute.make_tensor(cute.recast_ptr(raw + g * slot_bytes, sw), vt) for g in range(2))
+        ps = tuple(cute.make_tensor(cute.recast_ptr(raw + (g * slot_bytes + (self.D // _CHUNK - 1) * chunk_bytes),
+                                                    sw), p) for g in range(2))
+        return vts, ps
+
+    @cute.jit
+    def transpose_v(self, w32: cute.Tensor, slot: cutlass.Constexpr, tile_start: Int32, split_end: Int32, wg: Int32,
+                    wtid: Int32):
+        """FP8 P V: build a slot's ``V^T`` (e4m3, features x tokens, :meth:`pv8_views`) from its landed e4m3
+        staging, by the 128 threads of the slot's owner after its QK retired; V rows at or past ``split_end``
+        become zeros (P is 0 there and the rows may hold NaN), which replaces :meth:`zero_tail`.
+
+        ``w32``: 32-bit words of both slots.  Each thread transposes 16 blocks of 4 tokens x 4 features
+        (4-byte words): 4 word loads from the staging rows, 12 byte permutes (``prmt.b32``), 4 word stores
+        into 4 ``V^T`` rows.  Thread ``wtid`` (lane ``l``, warp ``w``) owns token group ``tg = 4 w + l // 8``
+        (tokens ``4 tg ..``) and feature words ``fw = l % 8 + 8 h`` (h < 2) of every chunk.  Both the loads
+        and the stores of a warp hit 32 distinct banks under the 64-byte swizzle: a thread reads its token
+        rows rotated by ``(l >> 4) & 1`` and writes its feature rows rotated by ``(l >> 1) & 3``
+        (:func:`vt_word_offsets`, checked in tests/test_compile_sm90_decode.py).  Reads (upper halves) and
+        writes (lower halves) never overlap, so no barrier separates them; a proxy fence and a warpgroup
+        barrier publish ``V^T`` to the PVs (the other warpgroup's behind the P_READY barrier, as before)."""
+        if cutlass.const_expr(self.pv8):
+            chunk_bytes = self.block_n * _CHUNK * (self.mma_dtype.width // 8)
+            base = slot * chunk_bytes * (self.D // _CHUNK)
+            lane = wtid % 32
+            tg = (wtid // 32) * 4 + lane // 8
+            rot_r = (lane >> 4) & 1
+            rot_w = (lane >> 1) & 3
+            first = split_end - tile_start  # tokens of this tile at or past the split: zero rows
+            sel_f = Int32(0x5410)
+            if rot_r == 1:
+                sel_f = Int32(0x4105)
+            for c0 in cutlass.range_constexpr(0, self.DV // _CHUNK, 2):  # 2 chunks x 2 halves per batch
+                regs = []
+                for bi in cutlass.range_constexpr(4):
+                    c = c0 + bi // 2
+                    fw = lane % 8 + 8 * (bi % 2)
+                    for s in cutlass.range_constexpr(4):
+                        k = (s + rot_r) & 3
+                        rd, _ = vt_word_offsets(tg, fw, k, 0)
+                        v = w32[(base + c * chunk_bytes + chunk_bytes // 2 + rd) >> 2]
+                        if 4 * tg + k >= first:
+                            v = Int32(0)
+                        regs.append(v)
+                for bi in cutlass.range_constexpr(4):
+                    c = c0 + bi // 2
+                    fw = lane % 8 + 8 * (bi % 2)
+                    r = regs[4 * bi:4 * bi + 4]
+                    for s in cutlass.range_constexpr(4):
+                        i = (s + rot_w) & 3
+                        sel = i | ((i + 4) << 4)
+                        x = _prmt(r[0], r[1], sel)
+                        y = _prmt(r[2], r[3], sel)
+                        _, wr = vt_word_offsets(tg, fw, 0, i)
+                        w32[(base + c * chunk_bytes + wr) >> 2] = _prmt(x, y, sel_f)
+            cute.arch.fence_view_async_shared()
+            cute.arch.barrier(barrier_id=int(Barrier.TAIL) + wg, number_of_threads=128)
+
+    @cute.jit
+    def ready_v(self, sKs: cute.Tensor, sSt: cute.Tensor, w32: cute.Tensor, slot: cutlass.Constexpr,
+                tile_start: Int32, split_end: Int32, wg: Int32, wtid: Int32):
+        """After a slot's QK retired, by its owner: V for the PVs (:meth:`transpose_v` with FP8 P V, else
+        :meth:`expand_v`, a no-op for 16-bit inputs)."""
+        if cutlass.const_expr(self.pv8):
+            self.transpose_v(w32, slot, tile_start, split_end, wg, wtid)
+        else:
+            self.expand_v(sKs, sSt, wg, wtid)
+
+    @cute.jit
+    def store_p8(self, acc_s: cute.Tensor, tSsP: cute.Tensor, wg: Int32):
+        """FP8 P V: P (fp32, already scaled by 2^8) -> e4m3 in the slot's P tile; the proxy fence publishes it
+        to wgmma (the caller adds the barrier its readers need)."""
+        rP8 = cute.make_rmem_tensor_like(acc_s, _F8)
+        rP8.store(acc_s.load().to(_F8))
+        cute.autovec_copy(rP8, tSsP)
+        cute.arch.fence_view_async_shared()
+
     @cute.jit
     def zero_tail(self, sKs: cute.Tensor, tile_start: Int32, split_end: Int32, wg: Int32, wtid: Int32):
         """TMA only: zero the V columns (0..511) of a slot's rows at or past ``split_end``, so P = 0 there
@@ -429,10 +548,11 @@ class MlaDecodeSeesawSm90(MlaDecodeSm90):
                 cute.gemm(qk_mma, acc_s, tSrQ[None, None, k], tSrK[None, None, k], acc_s)
 
     @cute.jit
-    def pv(self, mma: cute.TiledMma, acc_o: cute.Tensor, tA: cute.Tensor, tB: cute.Tensor):
-        """Issue ``O += P V_half`` (no commit)."""
+    def pv(self, mma: cute.TiledMma, acc_o: cute.Tensor, tA: cute.Tensor, tB: cute.Tensor,
+           kstep: cutlass.Constexpr = _K16):
+        """Issue ``O += P V_half`` (no commit); ``kstep``: the wgmma K (32 for the e4m3 QGMMA)."""
         warpgroup.fence()
-        for k in cutlass.range_constexpr(self.block_n // _K16):
+        for k in cutlass.range_constexpr(self.block_n // kstep):
             cute.gemm(mma, acc_o, tA[None, None, k], tB[None, None, k], acc_o)
 
     @cute.jit
@@ -466,10 +586,17 @@ class MlaDecodeSeesawSm90(MlaDecodeSm90):
 
     @cute.jit
     def exp_rows(self, acc_s: cute.Tensor, ref: cute.Tensor, row_l: cute.Tensor):
-        """``P = exp2(S - ref)`` in place, added to the thread's partial row sums."""
+        """``P = exp2(S - ref)`` in place, added to the thread's partial row sums.  FP8 P V: ``2^8 P`` (the
+        e4m3 cast keeps P's small values as normals; :attr:`p8_bias`); O and l carry the same factor until
+        the epilogue."""
+        rb = ref
+        if cutlass.const_expr(self.pv8):
+            rb = cute.make_rmem_tensor((2,), Float32)
+            for h in cutlass.range_constexpr(2):
+                rb[h] = ref[h] - self.p8_bias
         for e in cutlass.range_constexpr(cute.size(acc_s)):
             h = (e // 2) % 2
-            p = cute.arch.exp2(acc_s[e] - ref[h])
+            p = cute.arch.exp2(acc_s[e] - rb[h])
             acc_s[e] = p
             row_l[h] = row_l[h] + p
 
@@ -479,7 +606,8 @@ class MlaDecodeSeesawSm90(MlaDecodeSm90):
             acc_o[e] = acc_o[e] * s[(e // 2) % 2]
 
     @cute.kernel
-    def seesaw_kernel(self, qk_mma: cute.TiledMma, pv_ss: cute.TiledMma, pv_rs: cute.TiledMma, mQ: cute.Tensor,
+    def seesaw_kernel(self, qk_mma: cute.TiledMma, pv_ss: cute.TiledMma, pv_rs: cute.TiledMma, pv8: cute.TiledMma,
+                      mQ: cute.Tensor,
                       mKV: cute.Tensor, mBT: cute.Tensor, mSeq: cute.Tensor, mSS: cute.Tensor, mOS: cute.Tensor,
                       mOut: cute.Tensor, mLse: cute.Tensor, mOacc: cute.Tensor, mLacc: cute.Tensor,
                       q_layout: cute.ComposedLayout, k_layout: cute.ComposedLayout, v_layout: cute.ComposedLayout,
@@ -589,6 +717,23 @@ class MlaDecodeSeesawSm90(MlaDecodeSm90):
             cute.local_tile(sV0[None, None, 0], (self.DV // 2, bn), (wg, 0))))
         tOrV1 = ss_thr.make_fragment_B(ss_thr.partition_B(
             cute.local_tile(sV1[None, None, 0], (self.DV // 2, bn), (wg, 0))))
+        # FP8 P V (pv8_views): e4m3 P tiles and V^T halves as QGMMA operands; O viewed in the QGMMA's (N = 64)
+        # accumulator layout, the same registers in the same order as pv_ss's
+        w32, acc_o8, tSsP8_0, tSsP8_1, tOsP8_0, tOsP8_1, tOrVt0, tOrVt1 = (None,) * 8
+        if cutlass.const_expr(self.pv8):
+            w32 = cute.make_tensor(cute.recast_ptr(st.sK.data_ptr(), dtype=Int32), cute.make_layout(
+                cute.cosize(k_layout) * (self.mma_dtype.width // 8) // 4))
+            (sVt0, sVt1), (sP80, sP81) = self.pv8_views(st.sK.data_ptr())
+            thr8 = pv8.get_slice(wtid)
+            acc_o8 = cute.make_tensor(acc_o.iterator,
+                                      thr8.make_fragment_C(thr8.partition_shape_C((self.block_m, self.DV // 2))).layout)
+            tSsP8_0 = qk_thr.partition_C(sP80)
+            tSsP8_1 = qk_thr.partition_C(sP81)
+            tOsP8_0 = thr8.make_fragment_A(thr8.partition_A(sP80))
+            tOsP8_1 = thr8.make_fragment_A(thr8.partition_A(sP81))
+            tOrVt0 = thr8.make_fragment_B(thr8.partition_B(cute.local_tile(sVt0, (self.DV // 2, bn), (wg, 0))))
+            tOrVt1 = thr8.make_fragment_B(thr8.partition_B(cute.local_tile(sVt1, (self.DV // 2, bn), (wg, 0))))
+            pv8.set(warpgroup.Field.ACCUMULATE, True)
         rP = cute.make_rmem_tensor_like(acc_s, self.mma_dtype)  # own P, the RS operand
         tOrP = cute.make_tensor(rP.iterator, acc_to_a_layout(rP.layout))
         qk_mma.set(warpgroup.Field.ACCUMULATE, True)
@@ -617,9 +762,9 @@ class MlaDecodeSeesawSm90(MlaDecodeSm90):
             warpgroup.commit_group()
             warpgroup.wait_group(0)
             if wg == 0:
-                self.expand_v(sK0, sSt0, wg, wtid)
+                self.ready_v(sK0, sSt0, w32, 0, split_start, split_end, wg, wtid)
             else:
-                self.expand_v(sK1, sSt1, wg, wtid)
+                self.ready_v(sK1, sSt1, w32, 1, split_start + bn, split_end, wg, wtid)
 
         if wg == 0:
             for j in cutlass.range(n_pairs, unroll=1):
@@ -633,7 +778,7 @@ class MlaDecodeSeesawSm90(MlaDecodeSm90):
                 if cutlass.const_expr(self.l2_prefetch != "off"):  # loaded here, used after the own PV or at the end
                     crdP0 = self.tma_coords(mBT, b, cutlass.min(pf, split_end - 1), split_end, num_pages)
                     crdP1 = self.tma_coords(mBT, b, cutlass.min(pf + bn, split_end - 1), split_end, num_pages)
-                if cutlass.const_expr(self.use_tma):
+                if cutlass.const_expr(self.use_tma and not self.pv8):  # (transpose_v zeroes them with FP8 P V)
                     self.zero_tail(sK0, t0, split_end, wg, wtid)
                 # 1. fold tile 2j into the shared max; P0; O_L *= scale0; publish
                 mx = self.scaled_tile_max(acc_s, tScS, lim, t0, scale_log2)
@@ -647,8 +792,13 @@ class MlaDecodeSeesawSm90(MlaDecodeSm90):
                 self.scale_o(acc_o, sc)
                 cute.arch.barrier_arrive(barrier_id=int(Barrier.SCALE0), number_of_threads=self.num_threads)
                 # 2. O_L += P0 V0_L (RS), then refill slot 0 cols 0..255 (only this warpgroup read them)
-                rP.store(acc_s.load().to(self.mma_dtype))
-                self.pv(pv_rs, acc_o, tOrP, tOrV0)
+                if cutlass.const_expr(self.pv8):  # SS: P0 through smem (all 128 threads' parts, then the wgmma)
+                    self.store_p8(acc_s, tSsP8_0, wg)
+                    cute.arch.barrier(barrier_id=int(Barrier.TAIL) + wg, number_of_threads=128)
+                    self.pv(pv8, acc_o8, tOsP8_0, tOrVt0, _K32)
+                else:
+                    rP.store(acc_s.load().to(self.mma_dtype))
+                    self.pv(pv_rs, acc_o, tOrP, tOrV0)
                 warpgroup.commit_group()
                 warpgroup.wait_group(0)
                 if more:
@@ -664,14 +814,20 @@ class MlaDecodeSeesawSm90(MlaDecodeSm90):
                     row_l[h] = row_l[h] * sc[h]
                 for e in cutlass.range_constexpr(cute.size(acc_s)):
                     acc_s[e] = acc_s[e] * sc[(e // 2) % 2]
-                rP.store(acc_s.load().to(self.mma_dtype))
-                cute.autovec_copy(rP, tSsP0)
-                cute.arch.fence_view_async_shared()
+                if cutlass.const_expr(self.pv8):  # (the own PV, which read the same tile, retired above)
+                    self.store_p8(acc_s, tSsP8_0, wg)
+                else:
+                    rP.store(acc_s.load().to(self.mma_dtype))
+                    cute.autovec_copy(rP, tSsP0)
+                    cute.arch.fence_view_async_shared()
                 cute.arch.barrier_arrive(barrier_id=int(Barrier.P0_READY), number_of_threads=self.num_threads)
                 self.scale_o(acc_o, sc)
                 # 4. O_L += P1 V1_L (SS; P1 from WG1's smem)
                 cute.arch.barrier(barrier_id=int(Barrier.P1_READY), number_of_threads=self.num_threads)
-                self.pv(pv_ss, acc_o, tOsP1, tOrV1)
+                if cutlass.const_expr(self.pv8):
+                    self.pv(pv8, acc_o8, tOsP8_1, tOrVt1, _K32)
+                else:
+                    self.pv(pv_ss, acc_o, tOsP1, tOrV1)
                 warpgroup.commit_group()
                 # 5. next QK on slot 0: own refill first, then (after the cross PV retired, refilling slot 1's
                 #    cols 0..255 + 512..575) WG1's refill of cols 256..575
@@ -692,7 +848,7 @@ class MlaDecodeSeesawSm90(MlaDecodeSm90):
                         self.l2_prefetch_pair(mKV, crdP0, crdP1, pf, split_end)
                 warpgroup.wait_group(0)
                 if more:
-                    self.expand_v(sK0, sSt0, wg, wtid)
+                    self.ready_v(sK0, sSt0, w32, 0, t0 + 2 * bn, split_end, wg, wtid)
         else:
             for j in cutlass.range(n_pairs, unroll=1):
                 t1 = split_start + (2 * j + 1) * bn  # first token of this pair's tile in slot 1
@@ -700,7 +856,7 @@ class MlaDecodeSeesawSm90(MlaDecodeSm90):
                 ph = (j + 1) % 2
                 pgB1 = self.coords(mBT, b, t1 + 2 * bn, split_end, num_pages, wtid)  # in flight during the waits
                 pgB0 = self.coords(mBT, b, t1 + bn, split_end, num_pages, wtid)
-                if cutlass.const_expr(self.use_tma):
+                if cutlass.const_expr(self.use_tma and not self.pv8):
                     self.zero_tail(sK1, t1, split_end, wg, wtid)
                 # 1. after WG0: fold tile 2j+1 into the shared max; P1; O_R *= scale0*scale1; publish
                 cute.arch.barrier(barrier_id=int(Barrier.SCALE0), number_of_threads=self.num_threads)
@@ -716,14 +872,23 @@ class MlaDecodeSeesawSm90(MlaDecodeSm90):
                 self.exp_rows(acc_s, ref, row_l)
                 self.scale_o(acc_o, sc)
                 # 2. P1 -> smem (for WG0), O_R += P1 V1_R (RS)
-                rP.store(acc_s.load().to(self.mma_dtype))
-                cute.autovec_copy(rP, tSsP1)
-                self.pv(pv_rs, acc_o, tOrP, tOrV1)
-                warpgroup.commit_group()
-                cute.arch.fence_view_async_shared()
+                if cutlass.const_expr(self.pv8):  # SS: P1 through smem, for both PVs that read it
+                    self.store_p8(acc_s, tSsP8_1, wg)
+                    cute.arch.barrier(barrier_id=int(Barrier.TAIL) + wg, number_of_threads=128)
+                    self.pv(pv8, acc_o8, tOsP8_1, tOrVt1, _K32)
+                    warpgroup.commit_group()
+                else:
+                    rP.store(acc_s.load().to(self.mma_dtype))
+                    cute.autovec_copy(rP, tSsP1)
+                    self.pv(pv_rs, acc_o, tOrP, tOrV1)
+                    warpgroup.commit_group()
+                    cute.arch.fence_view_async_shared()
                 # 3. O_R += P0 V0_R (SS; P0 from WG0's smem), then release P1 to WG0
                 cute.arch.barrier(barrier_id=int(Barrier.P0_READY), number_of_threads=self.num_threads)
-                self.pv(pv_ss, acc_o, tOsP0, tOrV0)
+                if cutlass.const_expr(self.pv8):
+                    self.pv(pv8, acc_o8, tOsP8_0, tOrVt0, _K32)
+                else:
+                    self.pv(pv_ss, acc_o, tOsP0, tOrV0)
                 warpgroup.commit_group()
                 cute.arch.barrier_arrive(barrier_id=int(Barrier.P1_READY), number_of_threads=self.num_threads)
                 # 4. refills as the PVs retire: slot 1 cols 256..511 (own PV), slot 0 cols 256..575 (cross PV,
@@ -746,13 +911,18 @@ class MlaDecodeSeesawSm90(MlaDecodeSm90):
                     warpgroup.commit_group()
                 warpgroup.wait_group(0)
                 if more:
-                    self.expand_v(sK1, sSt1, wg, wtid)
+                    self.ready_v(sK1, sSt1, w32, 1, t1 + 2 * bn, split_end, wg, wtid)
 
         # ---- epilogue (base class): both warpgroups' O and l are relative to the final shared max
         cute.arch.barrier()
         row_m = cute.make_rmem_tensor((2,), Float32)
         for h in cutlass.range_constexpr(2):
             row_m[h] = sM[row_in[h]]
+        if cutlass.const_expr(self.pv8):  # O and l carry P's 2^8 (exp_rows)
+            for h in cutlass.range_constexpr(2):
+                row_l[h] = row_l[h] * (2.0 ** -self.p8_bias)
+            for e in cutlass.range_constexpr(cute.size(acc_o)):
+                acc_o[e] = acc_o[e] * (2.0 ** -self.p8_bias)
         self.epilogue(ss_thr, acc_o, row_m, row_l, row_in, sSum, mOut, mLse, mOacc, mLacc, out_scale, mblk,
                       split, b, wg, wtid)
 
@@ -769,15 +939,18 @@ def launch_mla_decode_seesaw(stream, q: cute.Tensor, kv: cute.Tensor, block_tabl
                              causal: cutlass.Constexpr, num_splits: cutlass.Constexpr,
                              tokens_per_split: cutlass.Constexpr, block_n: cutlass.Constexpr = 64,
                              schedule: cutlass.Constexpr = "seesaw", pdl: cutlass.Constexpr = True,
-                             qk_fp8: cutlass.Constexpr = True, l2_prefetch: cutlass.Constexpr = "off"):
+                             qk_fp8: cutlass.Constexpr = True, pv_fp8: cutlass.Constexpr = False,
+                             l2_prefetch: cutlass.Constexpr = "off"):
     """FFI launch function of schedule "seesaw" (same ABI as ``launch_mla_decode``); ``"seesaw-cpasync"``
     forces the cp.async refills where TMA would be used; ``qk_fp8=False`` runs an FP8 QK on fp16 operands;
+    ``pv_fp8=True`` runs the FP8 P V on FP8 tensor cores (P rounded to e4m3; :meth:`MlaDecodeSeesawSm90.transpose_v`);
     ``l2_prefetch``: the L2 prefetch mode ("off", "late", "early"; :meth:`MlaDecodeSeesawSm90.l2_prefetch_tile`)."""
     MlaDecodeSeesawSm90(dtype=dtype, num_heads=num_heads, q_len=q_len, page_size=page_size, causal=causal,
                         num_splits=num_splits, tokens_per_split=tokens_per_split, block_n=block_n,
                         kv_load="cp.async" if schedule == "seesaw-cpasync" else "auto", pdl=pdl, qk_fp8=qk_fp8,
-                        l2_prefetch=l2_prefetch)(
+                        pv_fp8=pv_fp8, l2_prefetch=l2_prefetch)(
         stream, q, kv, block_table, seq_lens, softmax_scale, output_scale, out, lse, o_accum, lse_accum)
 
 
-__all__ = ["L2_PREFETCH_MODES", "MlaDecodeSeesawSm90", "acc_to_a_layout", "launch_mla_decode_seesaw"]
+__all__ = ["L2_PREFETCH_MODES", "MlaDecodeSeesawSm90", "acc_to_a_layout", "launch_mla_decode_seesaw", "sw64",
+           "vt_word_offsets"]
