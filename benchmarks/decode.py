@@ -240,7 +240,7 @@ def fp8_pv_active(c: Case, schedule: str | None) -> bool:
     from tokenspeed_jax.backends import sm90_decode
 
     return (c.dtype == "float8_e4m3fn" and c.page >= 16 and schedule in (None, "auto", "seesaw")
-            and sm90_decode.resolve_pv_fp8())
+            and sm90_decode.resolve_fp8_pv() != "0")
 
 
 def check(cases, seed: int, schedule: str | None = None) -> list[dict]:

@@ -19,6 +19,8 @@ def main(argv=None):
     ap.add_argument("--cases", nargs="+", default=["64,16384,64,32,4"], help="B,K,page,H,S")
     ap.add_argument("--schedule", default=None)
     ap.add_argument("--no-flashmla", action="store_true")
+    ap.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float8_e4m3fn"),
+                    help="float8_e4m3fn: our FP8 path and FlashMLA's FP8 fork (flash_mla_fp8_dense)")
     args = ap.parse_args(argv)
     os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
     import jax
@@ -29,9 +31,15 @@ def main(argv=None):
         B, K, page, H, S = (int(x) for x in spec.split(","))
         c = bench_case(B, K, page, H, S)
         q, kv, bt, sl, scale = bench_inputs(c)
-        f = decode_fn(c, "sm90", args.schedule)
+        c8 = c
+        if args.dtype != "bfloat16":
+            import dataclasses
+
+            c8 = dataclasses.replace(c, dtype=args.dtype)
+        f = decode_fn(c8, "sm90", args.schedule)
+        q8, kv8 = q.astype(args.dtype), kv.astype(args.dtype)
         for _ in range(3):
-            jax.block_until_ready(f(q, kv, bt, sl, scale))
+            jax.block_until_ready(f(q8, kv8, bt, sl, scale))
         print(f"{c.name}: ours done", flush=True)
         if args.no_flashmla:
             continue
@@ -40,6 +48,14 @@ def main(argv=None):
 
         tq, tk = torch.from_dlpack(q), torch.from_dlpack(kv).view(c.num_pages, page, 1, 576)
         tbt, tsl = torch.from_dlpack(bt), torch.from_dlpack(sl)
+        if args.dtype == "float8_e4m3fn":
+            one = torch.ones(1, dtype=torch.float32, device=tq.device)
+            tq8, tk8 = tq.to(torch.float8_e4m3fn), tk.to(torch.float8_e4m3fn)
+            for _ in range(3):
+                fm.flash_mla_fp8_dense(tq8, tk8, tbt, tsl, 576 ** -0.5, True, one, one)
+            torch.cuda.synchronize()
+            print(f"{c.name}: FlashMLA fp8 done", flush=True)
+            continue
         for _ in range(3):
             sched, _ = fm.get_mla_metadata()
             fm.flash_mla_with_kvcache(tq, tk, tbt, tsl, 512, sched, None, softmax_scale=576 ** -0.5, causal=True)

@@ -35,13 +35,15 @@ _SCRIPT = textwrap.dedent(
             ("float16", 32, 4, 16, 3, 320, 64, "seesaw"), ("bfloat16", 128, 1, 64, 1, 1536, 64, "seesaw"),
             ("bfloat16", 16, 2, 8, 2, 256, 64, "seesaw"), ("bfloat16", 16, 1, 32, 16, 64, 64, "lockstep"),
             ("float8_e4m3fn", 32, 2, 32, 2, 256, 64, "seesaw"), ("float8_e4m3fn", 16, 1, 64, 2, 256, 64, "seesaw16"),
-            ("float8_e4m3fn", 16, 4, 32, 3, 256, 64, "seesaw8")]  # (dump names differ early: q shape)
+            ("float8_e4m3fn", 16, 4, 32, 3, 256, 64, "seesaw8"),  # (dump names differ early: q shape)
+            ("float8_e4m3fn", 8, 8, 32, 3, 256, 64, "seesaw8e")]
     for (dtype, H, S, page, splits, tps, bn, sched) in cfgs:
         before = set(glob.glob(d + "/*"))
         if sched.startswith("seesaw"):  # seesaw16: an FP8 QK on fp16 operands; seesaw8: FP8 P V on QGMMA too
             k = MlaDecodeSeesawSm90(dtype=dtype, num_heads=H, q_len=S, page_size=page, causal=True,
                                     num_splits=splits, tokens_per_split=tps, block_n=bn,
-                                    qk_fp8=sched != "seesaw16", pv_fp8=sched == "seesaw8")
+                                    qk_fp8=sched != "seesaw16", pv_fp8=sched.startswith("seesaw8"),
+                                    early_refill=sched == "seesaw8e")
         else:
             k = MlaDecodeSm90(dtype=dtype, num_heads=H, q_len=S, page_size=page, causal=True, num_splits=splits,
                               tokens_per_split=tps, block_n=bn, schedule=sched)
@@ -210,6 +212,12 @@ def test_sm90_decode_compiles_for_sm90a(tmp_path):
     assert x["cvt"] == 0 and x["prmt"] == 4 * 16 * 12 and x["cvt8"] == 3 * 16 and x["tma"] == 72, x
     if x["sass"]:
         assert x["qgmma"] == 4 * 18 + 32 and x["rs"] == 0 and x["spill"] == 0, x
+    # ... with whole-slot refills right after the transpose (early_refill): 9 chunks x 2 boxes per refill, 2 in
+    # the prologue, 2 after the first transposes, 1 per warpgroup loop
+    x = ss["32_8e"]
+    assert x["qk8"] == 4 * 18 + 32 and x["pv8"] == 32 and x["pv"] == 0 and x["tma"] == 3 * 36, x
+    if x["sass"]:
+        assert x["qgmma"] == 4 * 18 + 32 and x["spill"] == 0, x
     assert "page_size" in r["tma_page8"] and r["forced_cp_uses_tma"] is False, r
     assert "TMA" in r["fp8_cp"], r
     # L2 prefetch (TOKENSPEED_SM90_DECODE_L2_PREFETCH=late): one bulk prefetch per tile of pair 1 in the prologue
@@ -255,6 +263,25 @@ def test_l2_prefetch_switch(monkeypatch):
     assert m.L2_PREFETCH_ENV in m.TRACE_ENV
     k = ("k", "bfloat16", 16, 1, 64, True, 1, 64, 64, "seesaw", True, False)
     assert m.DecodeKernelKey(*k, "off") != m.DecodeKernelKey(*k, "late")
+
+
+def test_fp8_pv_switch(monkeypatch):
+    """The FP8 P V mode is read from the environment, validated with the variable named, and keyed (the A/B
+    script reports whether the lowerings of two modes differ: scripts/decode_ab.py, ``lowering_equal``)."""
+    from tokenspeed_jax.backends import sm90_decode as m
+
+    monkeypatch.delenv(m.FP8_PV_ENV, raising=False)
+    assert m.resolve_fp8_pv() == "0"
+    for v in m.FP8_PV_MODES:
+        monkeypatch.setenv(m.FP8_PV_ENV, v)
+        assert m.resolve_fp8_pv() == v
+    for bad in ("on", "true", "3"):
+        monkeypatch.setenv(m.FP8_PV_ENV, bad)
+        with pytest.raises(ValueError, match=m.FP8_PV_ENV):
+            m.resolve_fp8_pv()
+    assert m.FP8_PV_ENV in m.TRACE_ENV
+    k = ("k", "float8_e4m3fn", 16, 1, 64, True, 1, 64, 64, "seesaw", True, True, "late")
+    assert len({m.DecodeKernelKey(*k), m.DecodeKernelKey(*k, True), m.DecodeKernelKey(*k, True, True)}) == 3
 
 
 def _pip_has(mod: str) -> bool:

@@ -56,9 +56,11 @@ PDL_ENV = "TOKENSPEED_SM90_DECODE_PDL"
 # tensor cores (default "1"; docs/sm90_decode.md), for A/B timing.  Read at trace time; part of the compile key.
 FP8_QK_ENV = "TOKENSPEED_SM90_DECODE_FP8_QK"
 # "1" runs the FP8 seesaw's P V on FP8 tensor cores too (P rounded to e4m3, V transposed in smem; default "0":
-# P V on fp16 operands; docs/sm90_decode.md, "FP8 P V on FP8 tensor cores").  Needs the QGMMA QK.  Read at
-# trace time; part of the compile key.
+# P V on fp16 operands; docs/sm90_decode.md, "FP8 P V on FP8 tensor cores"); "2": that, and each warpgroup
+# refills its whole KV slot right after building V^T (a pair earlier).  Needs the QGMMA QK.  Read at trace
+# time; part of the compile key.
 FP8_PV_ENV = "TOKENSPEED_SM90_DECODE_FP8_PV"
+FP8_PV_MODES = ("0", "1", "2")
 # The seesaw loop's L2 prefetch of the KV tile pair after the next (cp.async.bulk.prefetch): "off", "late"
 # or "early" (docs/sm90_decode.md, "L2 prefetch").  Read at trace time; part of the compile key.
 L2_PREFETCH_ENV = "TOKENSPEED_SM90_DECODE_L2_PREFETCH"
@@ -89,7 +91,8 @@ class DecodeKernelKey:
     pdl: bool = True  # combine kernel launched with programmatic dependent launch ($TOKENSPEED_SM90_DECODE_PDL)
     qk_fp8: bool = True  # FP8 seesaw: QK on FP8 tensor cores ($TOKENSPEED_SM90_DECODE_FP8_QK)
     l2_prefetch: str = "off"  # seesaw: L2 prefetch mode ($TOKENSPEED_SM90_DECODE_L2_PREFETCH)
-    pv_fp8: bool = False  # FP8 seesaw: P V on FP8 tensor cores ($TOKENSPEED_SM90_DECODE_FP8_PV)
+    pv_fp8: bool = False  # FP8 seesaw: P V on FP8 tensor cores ($TOKENSPEED_SM90_DECODE_FP8_PV 1 or 2)
+    early_refill: bool = False  # ... with whole-slot refills after the V transpose ($TOKENSPEED_SM90_DECODE_FP8_PV 2)
 
 
 def supports(problem: DecodeProblem) -> str | None:
@@ -131,9 +134,9 @@ def resolve_l2_prefetch() -> str:
     return _choice(os.environ.get(L2_PREFETCH_ENV, "") or L2_PREFETCH_DEFAULT, L2_PREFETCH_MODES, L2_PREFETCH_ENV)
 
 
-def resolve_pv_fp8() -> bool:
-    """``$TOKENSPEED_SM90_DECODE_FP8_PV`` ("0" default, "1"): the FP8 seesaw's P V on FP8 tensor cores, validated."""
-    return _choice(os.environ.get(FP8_PV_ENV, "") or "0", ("0", "1"), FP8_PV_ENV) == "1"
+def resolve_fp8_pv() -> str:
+    """``$TOKENSPEED_SM90_DECODE_FP8_PV`` (one of :data:`FP8_PV_MODES`, default "0"), validated."""
+    return _choice(os.environ.get(FP8_PV_ENV, "") or "0", FP8_PV_MODES, FP8_PV_ENV)
 
 
 def decode(problem: DecodeProblem, q, kv_cache, block_table, seq_lens, softmax_scale, output_scale, *,
@@ -168,10 +171,12 @@ def decode(problem: DecodeProblem, q, kv_cache, block_table, seq_lens, softmax_s
     pdl = os.environ.get(PDL_ENV, "1") != "0"
     fp8_seesaw = seesaw and problem.dtype == "float8_e4m3fn"
     qk_fp8 = fp8_seesaw and os.environ.get(FP8_QK_ENV, "1") != "0"
-    pv_fp8 = qk_fp8 and resolve_pv_fp8()
+    fp8_pv = resolve_fp8_pv() if qk_fp8 else "0"
+    pv_fp8, early_refill = fp8_pv != "0", fp8_pv == "2"
     l2_prefetch = resolve_l2_prefetch() if seesaw else "off"
     key = DecodeKernelKey("mla_decode_sm90.v8", problem.dtype, H, S, problem.page_size, problem.causal,
-                          plan.num_splits, plan.tokens_per_split, block_n, schedule, pdl, qk_fp8, l2_prefetch, pv_fp8)
+                          plan.num_splits, plan.tokens_per_split, block_n, schedule, pdl, qk_fp8, l2_prefetch, pv_fp8,
+                          early_refill)
     outputs = [jax.ShapeDtypeStruct((B, S, H, problem.kv_lora_rank), jnp.dtype(problem.out_dtype)),
                jax.ShapeDtypeStruct((B, S, H), jnp.float32)]
     outputs += [jax.ShapeDtypeStruct(w.shape, jnp.dtype(w.dtype)) for w in plan.workspace]
@@ -179,7 +184,7 @@ def decode(problem: DecodeProblem, q, kv_cache, block_table, seq_lens, softmax_s
         TARGET, launch, outputs=outputs, compile_key=key,
         dtype=problem.dtype, num_heads=H, q_len=S, page_size=problem.page_size, causal=problem.causal,
         num_splits=plan.num_splits, tokens_per_split=plan.tokens_per_split, block_n=block_n, schedule=schedule,
-        pdl=pdl, **({"qk_fp8": qk_fp8, "pv_fp8": pv_fp8} if fp8_seesaw else {}), **({"l2_prefetch": l2_prefetch} if seesaw else {}),
+        pdl=pdl, **({"qk_fp8": qk_fp8, "pv_fp8": pv_fp8, "early_refill": early_refill} if fp8_seesaw else {}), **({"l2_prefetch": l2_prefetch} if seesaw else {}),
     )
     res = call(q, kv_cache, block_table.astype(jnp.int32), seq_lens.astype(jnp.int32),
                ffi.scalar_operand(softmax_scale), ffi.scalar_operand(output_scale))

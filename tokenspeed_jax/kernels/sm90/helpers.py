@@ -31,6 +31,11 @@ class Barrier(enum.IntEnum):
     REFILL_A1 = 11
     REFILL_B1 = 12
     REFILL_B0 = 13
+    # FP8 P V with whole-slot refills (``early_refill``; the refill sites above are unused there): the other
+    # warpgroup's cross PV of a slot retired, so its owner may overwrite the slot's V^T and P (producer arrives,
+    # owner syncs; 256 threads)
+    VT0_FREE = 10
+    VT1_FREE = 11
     TAIL = 14  # + warpgroup index: V rows past the split zeroed (all 128 threads sync)
 
 

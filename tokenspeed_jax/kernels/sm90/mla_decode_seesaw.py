@@ -78,6 +78,7 @@ _K16 = 16  # wgmma K of 16-bit operands
 _K32 = 32  # wgmma K of 8-bit operands
 _F8 = cutlass.Float8E4M3FN
 _CHUNK = 64  # columns per 128-byte swizzle atom row (16-bit)
+_ALL_CHUNKS = (0, 1, 2, 3, 4, 5, 6, 7, 8)
 _MIN_TMA_PAGE = 16  # smaller pages load with cp.async (TMA would need > 4 boxes per chunk)
 L2_PREFETCH_MODES = ("off", "late", "early")  # MlaDecodeSeesawSm90.l2_prefetch_tile
 
@@ -117,8 +118,8 @@ class MlaDecodeSeesawSm90(MlaDecodeSm90):
     """Schedule "seesaw" of the sm90 decode kernel (module docstring).  Same arguments as the base class;
     16-bit dtypes, ``block_n`` 64."""
 
-    def __init__(self, *, kv_load: str = "auto", qk_fp8: bool = True, pv_fp8: bool = False, expand_group: int = 4,
-                 l2_prefetch: str = "off", **kw):
+    def __init__(self, *, kv_load: str = "auto", qk_fp8: bool = True, pv_fp8: bool = False,
+                 early_refill: bool = False, expand_group: int = 4, l2_prefetch: str = "off", **kw):
         kw["schedule"] = "lockstep"
         super().__init__(**kw)
         # FP8: QK^T on FP8 tensor cores (e4m3 x e4m3 -> fp32, QGMMA k32) straight from the raw q tile and the
@@ -129,6 +130,14 @@ class MlaDecodeSeesawSm90(MlaDecodeSm90):
         if pv_fp8 and not self.qk8:
             raise ValueError("pv_fp8 needs FP8 inputs and qk_fp8 (the QGMMA QK)")
         self.pv8 = bool(pv_fp8)
+        # FP8 P V: the owner refills its whole slot right after building V^T (the staging is free once the QK and
+        # the transpose read it), a pair earlier than the column-group refills after the PVs
+        if early_refill and not self.pv8:
+            raise ValueError("early_refill needs pv_fp8")
+        self.early = bool(early_refill)
+        # pairs ahead of iteration j that its L2 prefetch loads: j + 2 (iteration j refills pair j + 1), with the
+        # early refills j + 3 (iteration j refills pair j + 2)
+        self.pf_ahead = 3 if self.early else 2
         # P is computed as 2^8 p with FP8 P V (max 256 < 448, e4m3's largest finite), so p down to 2^-14 stays
         # a normal e4m3 number (3 mantissa bits) and down to 2^-17 a subnormal; 2^-8 undone before the epilogue
         self.p8_bias = 8.0 if self.pv8 else 0.0
@@ -672,7 +681,14 @@ class MlaDecodeSeesawSm90(MlaDecodeSm90):
         if n_pairs > 0:
             pg0 = self.coords(mBT, b, split_start, split_end, num_pages, wtid)
             pg1 = self.coords(mBT, b, split_start + bn, split_end, num_pages, wtid)
-            if wg == 0:
+            if cutlass.const_expr(self.early):  # each warpgroup its own slot, one mbarrier (+0, +2) per slot
+                if wg == 0:
+                    self.refill(sK0, tAs0, tAg, tma_atom, mbar + 0, mKV, pg0, split_start, split_end, num_pages, wg,
+                                wtid, _ALL_CHUNKS, None)
+                else:
+                    self.refill(sK1, tAs1, tAg, tma_atom, mbar + 2, mKV, pg1, split_start + bn, split_end,
+                                num_pages, wg, wtid, _ALL_CHUNKS, None)
+            elif wg == 0:
                 self.refill(sK0, tAs0, tAg, tma_atom, mbar + 0, mKV, pg0, split_start, split_end, num_pages, wg,
                             wtid, (0, 1, 2, 3), None)
                 self.refill(sK1, tAs1, tAg, tma_atom, mbar + 2, mKV, pg1, split_start + bn, split_end, num_pages,
@@ -682,8 +698,8 @@ class MlaDecodeSeesawSm90(MlaDecodeSm90):
                             wtid, (4, 5, 6, 7, 8), None)
                 self.refill(sK1, tAs1, tAg, tma_atom, mbar + 3, mKV, pg1, split_start + bn, split_end, num_pages,
                             wg, wtid, (4, 5, 6, 7), None)
-            if cutlass.const_expr(self.l2_prefetch != "off"):  # pair 1 into L2 (l2_prefetch_tile)
-                pf = split_start + 2 * bn
+            if cutlass.const_expr(self.l2_prefetch != "off"):  # the first pair not loaded here into L2
+                pf = split_start + 2 * (self.pf_ahead - 1) * bn
                 if pf < split_end:
                     crd0 = self.tma_coords(mBT, b, pf, split_end, num_pages)
                     crd1 = self.tma_coords(mBT, b, pf + bn, split_end, num_pages)
@@ -751,12 +767,14 @@ class MlaDecodeSeesawSm90(MlaDecodeSm90):
         if n_pairs > 0:
             if wg == 0:
                 self.landed(mbar + 0, 0)
-                self.landed(mbar + 1, 0)
+                if cutlass.const_expr(not self.early):
+                    self.landed(mbar + 1, 0)
                 self.expand(sK0, sSt0, wg, wtid, (0, 1, 2, 3, 4, 5, 6, 7, 8))
                 self.qk_chunks(qk_mma, acc_s, tSrQ, tSrK0, (0, 1, 2, 3, 4, 5, 6, 7, 8), True)
             else:
                 self.landed(mbar + 2, 0)
-                self.landed(mbar + 3, 0)
+                if cutlass.const_expr(not self.early):
+                    self.landed(mbar + 3, 0)
                 self.expand(sK1, sSt1, wg, wtid, (0, 1, 2, 3, 4, 5, 6, 7, 8))
                 self.qk_chunks(qk_mma, acc_s, tSrQ, tSrK1, (0, 1, 2, 3, 4, 5, 6, 7, 8), True)
             warpgroup.commit_group()
@@ -765,15 +783,29 @@ class MlaDecodeSeesawSm90(MlaDecodeSm90):
                 self.ready_v(sK0, sSt0, w32, 0, split_start, split_end, wg, wtid)
             else:
                 self.ready_v(sK1, sSt1, w32, 1, split_start + bn, split_end, wg, wtid)
+            if cutlass.const_expr(self.early):  # pair 1 right away: the staging is free after the transpose
+                if n_pairs > 1:
+                    if wg == 0:
+                        pgE = self.coords(mBT, b, split_start + 2 * bn, split_end, num_pages, wtid)
+                        self.refill(sK0, tAs0, tAg, tma_atom, mbar + 0, mKV, pgE, split_start + 2 * bn, split_end,
+                                    num_pages, wg, wtid, _ALL_CHUNKS, None)
+                    else:
+                        pgE = self.coords(mBT, b, split_start + 3 * bn, split_end, num_pages, wtid)
+                        self.refill(sK1, tAs1, tAg, tma_atom, mbar + 2, mKV, pgE, split_start + 3 * bn, split_end,
+                                    num_pages, wg, wtid, _ALL_CHUNKS, None)
 
         if wg == 0:
             for j in cutlass.range(n_pairs, unroll=1):
                 t0 = split_start + 2 * j * bn  # first token of this pair's tile in slot 0
                 more = j + 1 < n_pairs
                 ph = (j + 1) % 2  # parity of the refill completion the next QK waits for
-                pgA0 = self.coords(mBT, b, t0 + 2 * bn, split_end, num_pages, wtid)  # in flight during softmax
-                pgA1 = self.coords(mBT, b, t0 + 3 * bn, split_end, num_pages, wtid)
-                pf = t0 + 4 * bn  # pair j + 2 (this iteration's refills load pair j + 1)
+                pgA0, pgA1 = None, None
+                if cutlass.const_expr(self.early):  # the whole-slot refill at the end: tile 2j + 4
+                    pgA0 = self.coords(mBT, b, t0 + 4 * bn, split_end, num_pages, wtid)
+                else:
+                    pgA0 = self.coords(mBT, b, t0 + 2 * bn, split_end, num_pages, wtid)  # in flight during softmax
+                    pgA1 = self.coords(mBT, b, t0 + 3 * bn, split_end, num_pages, wtid)
+                pf = t0 + 2 * self.pf_ahead * bn  # pair j + pf_ahead
                 crdP0, crdP1 = None, None
                 if cutlass.const_expr(self.l2_prefetch != "off"):  # loaded here, used after the own PV or at the end
                     crdP0 = self.tma_coords(mBT, b, cutlass.min(pf, split_end - 1), split_end, num_pages)
@@ -801,9 +833,10 @@ class MlaDecodeSeesawSm90(MlaDecodeSm90):
                     self.pv(pv_rs, acc_o, tOrP, tOrV0)
                 warpgroup.commit_group()
                 warpgroup.wait_group(0)
-                if more:
-                    self.refill(sK0, tAs0, tAg, tma_atom, mbar + 0, mKV, pgA0, t0 + 2 * bn, split_end, num_pages, wg,
-                                wtid, (0, 1, 2, 3), Barrier.REFILL_A0)
+                if cutlass.const_expr(not self.early):  # noqa: SIM102 (static + dynamic test)
+                    if more:
+                        self.refill(sK0, tAs0, tAg, tma_atom, mbar + 0, mKV, pgA0, t0 + 2 * bn, split_end, num_pages,
+                                    wg, wtid, (0, 1, 2, 3), Barrier.REFILL_A0)
                 if cutlass.const_expr(self.l2_prefetch == "early"):  # noqa: SIM102 (static + dynamic test)
                     if wtid + mblk == 0:  # one thread, of the first row block only (l2_prefetch_tile)
                         self.l2_prefetch_pair(mKV, crdP0, crdP1, pf, split_end)
@@ -831,7 +864,14 @@ class MlaDecodeSeesawSm90(MlaDecodeSm90):
                 warpgroup.commit_group()
                 # 5. next QK on slot 0: own refill first, then (after the cross PV retired, refilling slot 1's
                 #    cols 0..255 + 512..575) WG1's refill of cols 256..575
-                if more:
+                if cutlass.const_expr(self.early):  # noqa: SIM102 (static + dynamic test)
+                    if more:  # the whole slot landed; after the cross PV retired, WG1 may rebuild slot 1's V^T
+                        self.landed(mbar + 0, ph)
+                        self.qk_chunks(qk_mma, acc_s, tSrQ, tSrK0, _ALL_CHUNKS, True)
+                        warpgroup.commit_group()
+                        warpgroup.wait_group(1)
+                        cute.arch.barrier_arrive(barrier_id=int(Barrier.VT1_FREE), number_of_threads=self.num_threads)
+                elif more:
                     self.landed(mbar + 0, ph)
                     self.expand(sK0, sSt0, wg, wtid, (0, 1, 2, 3))
                     self.qk_chunks(qk_mma, acc_s, tSrQ, tSrK0, (0, 1, 2, 3), True)
@@ -848,14 +888,24 @@ class MlaDecodeSeesawSm90(MlaDecodeSm90):
                         self.l2_prefetch_pair(mKV, crdP0, crdP1, pf, split_end)
                 warpgroup.wait_group(0)
                 if more:
+                    if cutlass.const_expr(self.early):  # WG1's cross PV of tile 2j retired (V^T and P of slot 0)
+                        cute.arch.barrier(barrier_id=int(Barrier.VT0_FREE), number_of_threads=self.num_threads)
                     self.ready_v(sK0, sSt0, w32, 0, t0 + 2 * bn, split_end, wg, wtid)
+                    if cutlass.const_expr(self.early):  # noqa: SIM102 (static + dynamic test)
+                        if j + 2 < n_pairs:
+                            self.refill(sK0, tAs0, tAg, tma_atom, mbar + 0, mKV, pgA0, t0 + 4 * bn, split_end,
+                                        num_pages, wg, wtid, _ALL_CHUNKS, None)
         else:
             for j in cutlass.range(n_pairs, unroll=1):
                 t1 = split_start + (2 * j + 1) * bn  # first token of this pair's tile in slot 1
                 more = j + 1 < n_pairs
                 ph = (j + 1) % 2
-                pgB1 = self.coords(mBT, b, t1 + 2 * bn, split_end, num_pages, wtid)  # in flight during the waits
-                pgB0 = self.coords(mBT, b, t1 + bn, split_end, num_pages, wtid)
+                pgB1, pgB0 = None, None
+                if cutlass.const_expr(self.early):  # the whole-slot refill at the end: tile 2j + 5
+                    pgB1 = self.coords(mBT, b, t1 + 4 * bn, split_end, num_pages, wtid)
+                else:
+                    pgB1 = self.coords(mBT, b, t1 + 2 * bn, split_end, num_pages, wtid)  # in flight during the waits
+                    pgB0 = self.coords(mBT, b, t1 + bn, split_end, num_pages, wtid)
                 if cutlass.const_expr(self.use_tma and not self.pv8):
                     self.zero_tail(sK1, t1, split_end, wg, wtid)
                 # 1. after WG0: fold tile 2j+1 into the shared max; P1; O_R *= scale0*scale1; publish
@@ -894,11 +944,18 @@ class MlaDecodeSeesawSm90(MlaDecodeSm90):
                 # 4. refills as the PVs retire: slot 1 cols 256..511 (own PV), slot 0 cols 256..575 (cross PV,
                 #    which also read P0 in slot 0's rope columns)
                 warpgroup.wait_group(1)
-                if more:
-                    self.refill(sK1, tAs1, tAg, tma_atom, mbar + 3, mKV, pgB1, t1 + 2 * bn, split_end, num_pages, wg,
-                                wtid, (4, 5, 6, 7), Barrier.REFILL_B1)
+                if cutlass.const_expr(not self.early):  # noqa: SIM102 (static + dynamic test)
+                    if more:
+                        self.refill(sK1, tAs1, tAg, tma_atom, mbar + 3, mKV, pgB1, t1 + 2 * bn, split_end, num_pages,
+                                    wg, wtid, (4, 5, 6, 7), Barrier.REFILL_B1)
                 warpgroup.wait_group(0)
-                if more:
+                if cutlass.const_expr(self.early):  # noqa: SIM102 (static + dynamic test)
+                    if more:  # the cross PV of slot 0 retired: WG0 may rebuild its V^T and P; then the next QK
+                        cute.arch.barrier_arrive(barrier_id=int(Barrier.VT0_FREE), number_of_threads=self.num_threads)
+                        self.landed(mbar + 2, ph)
+                        self.qk_chunks(qk_mma, acc_s, tSrQ, tSrK1, _ALL_CHUNKS, True)
+                        warpgroup.commit_group()
+                elif more:
                     self.refill(sK0, tAs0, tAg, tma_atom, mbar + 1, mKV, pgB0, t1 + bn, split_end, num_pages, wg,
                                 wtid, (4, 5, 6, 7, 8), Barrier.REFILL_B0)
                     # 5. next QK on slot 1: own columns first, then WG0's refill (cols 0..255 + rope)
@@ -911,7 +968,13 @@ class MlaDecodeSeesawSm90(MlaDecodeSm90):
                     warpgroup.commit_group()
                 warpgroup.wait_group(0)
                 if more:
+                    if cutlass.const_expr(self.early):  # WG0's cross PV of tile 2j+1 retired (V^T and P of slot 1)
+                        cute.arch.barrier(barrier_id=int(Barrier.VT1_FREE), number_of_threads=self.num_threads)
                     self.ready_v(sK1, sSt1, w32, 1, t1 + 2 * bn, split_end, wg, wtid)
+                    if cutlass.const_expr(self.early):  # noqa: SIM102 (static + dynamic test)
+                        if j + 2 < n_pairs:
+                            self.refill(sK1, tAs1, tAg, tma_atom, mbar + 2, mKV, pgB1, t1 + 4 * bn, split_end,
+                                        num_pages, wg, wtid, _ALL_CHUNKS, None)
 
         # ---- epilogue (base class): both warpgroups' O and l are relative to the final shared max
         cute.arch.barrier()
@@ -940,7 +1003,7 @@ def launch_mla_decode_seesaw(stream, q: cute.Tensor, kv: cute.Tensor, block_tabl
                              tokens_per_split: cutlass.Constexpr, block_n: cutlass.Constexpr = 64,
                              schedule: cutlass.Constexpr = "seesaw", pdl: cutlass.Constexpr = True,
                              qk_fp8: cutlass.Constexpr = True, pv_fp8: cutlass.Constexpr = False,
-                             l2_prefetch: cutlass.Constexpr = "off"):
+                             early_refill: cutlass.Constexpr = False, l2_prefetch: cutlass.Constexpr = "off"):
     """FFI launch function of schedule "seesaw" (same ABI as ``launch_mla_decode``); ``"seesaw-cpasync"``
     forces the cp.async refills where TMA would be used; ``qk_fp8=False`` runs an FP8 QK on fp16 operands;
     ``pv_fp8=True`` runs the FP8 P V on FP8 tensor cores (P rounded to e4m3; :meth:`MlaDecodeSeesawSm90.transpose_v`);
@@ -948,7 +1011,7 @@ def launch_mla_decode_seesaw(stream, q: cute.Tensor, kv: cute.Tensor, block_tabl
     MlaDecodeSeesawSm90(dtype=dtype, num_heads=num_heads, q_len=q_len, page_size=page_size, causal=causal,
                         num_splits=num_splits, tokens_per_split=tokens_per_split, block_n=block_n,
                         kv_load="cp.async" if schedule == "seesaw-cpasync" else "auto", pdl=pdl, qk_fp8=qk_fp8,
-                        pv_fp8=pv_fp8, l2_prefetch=l2_prefetch)(
+                        pv_fp8=pv_fp8, early_refill=early_refill, l2_prefetch=l2_prefetch)(
         stream, q, kv, block_table, seq_lens, softmax_scale, output_scale, out, lse, o_accum, lse_accum)
 
 
