@@ -2,11 +2,15 @@
 # The H200 runs behind the FP8 P V on FP8 tensor cores (TOKENSPEED_SM90_DECODE_FP8_PV), two device calls back to back
 # (carry [".device"]):
 #   source .device/bootstrap.sh && M=2 AB="0 1 2" bash scripts/h200_fp8pv.sh check   # ~9 min
+#   source .device/bootstrap.sh && M=2 bash scripts/h200_fp8pv.sh profile            # ~5 min
 #   source .device/bootstrap.sh && M=2 bash scripts/h200_fp8pv.sh bench              # ~6 min
 # check: in the background the compute-sanitizer memcheck test with FP8_PV=$M while the configurations compile on
 #   the CPU; the FP8 cases of the check matrix (and two BF16 ones) with FP8_PV=$M against the fp32 reference
 #   (benchmarks.decode.check, the FP8_P_ROUND tolerance); the interleaved A/B of FP8_PV over the values $AB on the
 #   13 shapes of the issue matrix in FP8.  Files: memcheck.log, check.log, check.json, ab.log, ab_fp8pv.json
+# profile: the memcheck test alone with FP8_PV=$M; ncu (raw metrics of 4 sections: stall reasons, pipes, issue) of
+#   our kernel at B64/K16384 H32/S4 and H16/S1, FP8 with FP8_PV 0 and $M, and BF16 next to FlashMLA BF16
+#   (its FP8 fork segfaulted under ncu on 2026-12-01).  Files: memcheck.log, ncu_fp8_0.csv, ncu_fp8_$M.csv, ncu_bf16_0.csv
 # bench: the decode benchmark against FlashMLA BF16 / FP8 with FP8_PV=$M (decode.json, decode.png, bench.log).
 set -uo pipefail
 export CUTE_DSL_ARCH=sm_90a TOKENSPEED_JAX_CACHE_DIR=${TOKENSPEED_JAX_CACHE_DIR:-/tmp/tsj_cache} PYTHONUNBUFFERED=1
@@ -69,6 +73,19 @@ for v in vs[1:]:
     done
     grep -c '"Duration"' "$OUT"/ncu_*.csv
   fi
+elif [ "$1" = profile ]; then  # memcheck with FP8_PV=$M alone; ncu stall reasons (raw metrics), FP8 0 / $M and BF16
+  timeout 200 env $V=$M TOKENSPEED_SANITIZER=1 python -m pytest -q -s -rfEx -p no:cacheprovider -k memcheck \
+    tests/gpu/test_sm90_decode.py > "$OUT/memcheck.log" 2>&1; echo "memcheck rc=$?" | tee -a "$OUT/memcheck.log"
+  grep -E "ERROR SUMMARY|passed|failed" "$OUT/memcheck.log" | tail -n 3
+  S="--section SpeedOfLight --section ComputeWorkloadAnalysis --section WarpStateStats --section InstructionStats"
+  C="--cases 64,16384,64,32,4 64,16384,64,16,1"
+  for run in fp8:0 fp8:$M bf16:0; do
+    d=${run%%:*}; v=${run#*:}
+    stamp "ncu $d FP8_PV=$v"
+    timeout 150 env $V=$v ncu --kernel-name regex:'seesaw_kernel|flash' --launch-count 20 $S --csv --page raw \
+      python -m benchmarks.profile_decode $C $([ $d = fp8 ] && echo --dtype float8_e4m3fn --no-flashmla) \
+      > "$OUT/ncu_${d}_$v.csv" 2>&1; echo "ncu rc=$?"; grep -c '^"[0-9]' "$OUT/ncu_${d}_$v.csv"
+  done
 else
   stamp "benchmark vs FlashMLA ($V=$M)"
   timeout 420 env $V=$M python -m benchmarks.decode --prewarm 16 --bench --no-xla --png "$OUT/decode.png" \
