@@ -4,8 +4,8 @@
 #   source .device/bootstrap.sh && M=2 AB="0 1 2" bash scripts/h200_fp8pv.sh check   # ~9 min
 #   source .device/bootstrap.sh && M=2 bash scripts/h200_fp8pv.sh profile            # ~5 min
 #   source .device/bootstrap.sh && M=2 bash scripts/h200_fp8pv.sh bench              # ~6 min
-# check: in the background the compute-sanitizer memcheck test with FP8_PV=$M while the configurations compile on
-#   the CPU; the FP8 cases of the check matrix (and two BF16 ones) with FP8_PV=$M against the fp32 reference
+# check: the configurations compile on the CPU; then in the background the compute-sanitizer memcheck test with
+#   FP8_PV=$M; the FP8 cases of the check matrix (and two BF16 ones) with FP8_PV=$M against the fp32 reference
 #   (benchmarks.decode.check, the FP8_P_ROUND tolerance); the interleaved A/B of FP8_PV over the values $AB on the
 #   13 shapes of the issue matrix in FP8.  Files: memcheck.log, check.log, check.json, ab.log, ab_fp8pv.json
 # profile: the memcheck test alone with FP8_PV=$M; ncu (raw metrics of 4 sections: stall reasons, pipes, issue) of
@@ -21,12 +21,6 @@ t0=$(date +%s)
 stamp() { echo "[$(( $(date +%s) - t0 ))s] $*"; }
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu,power.draw --format=csv,noheader
 if [ "${1:-check}" = check ]; then
-  (
-    timeout 170 env $V=$M TOKENSPEED_SANITIZER=1 python -m pytest -q -s -rfEx -p no:cacheprovider -k memcheck \
-      tests/gpu/test_sm90_decode.py > "$OUT/memcheck.log" 2>&1
-    echo "memcheck rc=$?" >> "$OUT/memcheck.log"
-  ) &
-  BG=$!
   stamp "prewarm (CPU)"
   timeout 220 python -c "
 import dataclasses
@@ -39,14 +33,21 @@ for v in '$AB'.split():
     with scoped_env('$V', v):
         prewarm(cases, 14)
 " > "$OUT/ab.log" 2>&1; echo "prewarm rc=$?" | tee -a "$OUT/ab.log"
+  (
+    timeout 170 env $V=$M TOKENSPEED_SANITIZER=1 python -m pytest -q -s -rfEx -p no:cacheprovider -k memcheck \
+      tests/gpu/test_sm90_decode.py > "$OUT/memcheck.log" 2>&1
+    echo "memcheck rc=$?" >> "$OUT/memcheck.log"
+  ) &
+  BG=$!
   stamp "check FP8_PV=$M"
   timeout 150 env $V=$M python -c "
 import json, os
 from benchmarks.decode import CHECK, check
 names = [c.name for c in CHECK if c.dtype == 'float8_e4m3fn'] + ['s2h32p64_garbage', 'b1s1h16p64_short']
-r = check([c for c in CHECK if c.name in names], int.from_bytes(os.urandom(3), 'little'))
-json.dump(r, open('$OUT/check.json', 'w'), indent=1)
-print('CHECK', sum(x['ok'] for x in r), '/', len(r))
+seed = int.from_bytes(os.urandom(3), 'little')
+r = check([c for c in CHECK if c.name in names], seed)
+json.dump({'seed': seed, '$V': '$M', 'rows': r}, open('$OUT/check.json', 'w'), indent=1)
+print('CHECK', sum(x['ok'] for x in r), '/', len(r), 'seed', seed)
 " > "$OUT/check.log" 2>&1; echo "check rc=$?"
   grep -E '^CHECK|"ok": false|Error|error' "$OUT/check.log" | head -n 12
   while kill -0 $BG 2>/dev/null; do sleep 2; done; stamp "memcheck done"

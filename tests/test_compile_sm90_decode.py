@@ -205,11 +205,11 @@ def test_sm90_decode_compiles_for_sm90a(tmp_path):
     if x["sass"]:
         assert x["spill"] == 0, x
     # FP8 P V on FP8 tensor cores too (pv_fp8, page 32): the same 72 QK QGMMAs plus 4 PVs x 4 chunks x 2 k32
-    # steps, no 16-bit wgmma; no upcast: V transposed in smem (4 sites x 16 blocks x 12 byte permutes per
-    # thread), P cast to e4m3 at 3 sites (16 cvt of 2 values each)
+    # steps, no 16-bit wgmma; no upcast: V transposed in smem (4 sites, each a loop over 4 batches of 4 blocks x
+    # 12 byte permutes per thread), P cast to e4m3 at 3 sites (16 cvt of 2 values each)
     x = ss["32_8"]
     assert x["use_tma"] and x["qk"] == 0 and x["qk8"] == 4 * 18 + 32 and x["pv8"] == 32 and x["pv"] == 0, x
-    assert x["cvt"] == 0 and x["prmt"] == 4 * 16 * 12 and x["cvt8"] == 3 * 16 and x["tma"] == 72, x
+    assert x["cvt"] == 0 and x["prmt"] == 4 * 4 * 12 and x["cvt8"] == 3 * 16 and x["tma"] == 72, x
     if x["sass"]:
         assert x["qgmma"] == 4 * 18 + 32 and x["rs"] == 0 and x["spill"] == 0, x
     # ... with whole-slot refills right after the transpose (early_refill): 9 chunks x 2 boxes per refill, 2 in

@@ -470,7 +470,10 @@ class MlaDecodeSeesawSm90(MlaDecodeSm90):
             sel_f = Int32(0x5410)
             if rot_r == 1:
                 sel_f = Int32(0x4105)
-            for c0 in cutlass.range_constexpr(0, self.DV // _CHUNK, 2):  # 2 chunks x 2 halves per batch
+            # a loop, not unrolled: four copies of the transpose (one per call site) unrolled over 8 chunks made
+            # instruction fetch the second stall reason on the H200 (ncu, 2026-12-01: "no_instruction" 0.92 per
+            # issued instruction at B64/H32/S4); each batch is 2 chunks x 2 halves, 16 loads in flight
+            for c0 in cutlass.range(0, self.DV // _CHUNK, 2, unroll=1):
                 regs = []
                 for bi in cutlass.range_constexpr(4):
                     c = c0 + bi // 2
