@@ -63,7 +63,7 @@ for x in r: print(x['case'], *[round(x['us_' + v], 1) for v in vs], *[round(x['u
 for v in vs[1:]:
     if r: print('geomean', vs[0], '/', v, round(math.exp(sum(math.log(x['us_' + vs[0]] / x['us_' + v]) for x in r) / len(r)), 4))
 "
-  if [ -n "${NCU:-1}" ]; then  # where the FP8 time goes: ours (FP8_PV 0 and $M) next to FlashMLA's FP8 fork
+  if [ -n "${NCU-1}" ]; then  # (NCU= turns it off) where the FP8 time goes: ours (FP8_PV 0 and $M) next to FlashMLA's FP8 fork
     stamp "ncu"
     for v in 0 $M; do
       timeout 120 env $V=$v ncu --kernel-name regex:'seesaw_kernel|flash' --launch-skip 0 --launch-count 20 \

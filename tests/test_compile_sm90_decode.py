@@ -86,7 +86,8 @@ _SCRIPT = textwrap.dedent(
                 cvt8=len(re.findall(r"cvt\\.rn\\.satfinite\\.e4m3x2\\.f32", sptx)),
                 prmt=len(re.findall(r"prmt\\.b32", sptx)),
                 pv8=len(re.findall(r"wgmma.mma_async.sync.aligned.m64n64k32.f32.e4m3.e4m3", sptx)) - 4 * 18,
-                spill=len(re.findall(r"\\b(STL|LDL)\\b", ssass)))
+                spill=len(re.findall(r"\\b(STL|LDL)\\b", ssass)),
+                depbar=len(re.findall(r"WARPGROUP\\.DEPBAR", ssass)))
     # L2 prefetch one tile pair ahead (page 64, a table long enough that no prefetch is provably past the
     # split): pair 1 in the prologue, then one pair per iteration of WG0's loop, one bulk prefetch per tile
     before = set(glob.glob(d + "/*"))
@@ -218,6 +219,12 @@ def test_sm90_decode_compiles_for_sm90a(tmp_path):
     assert x["qk8"] == 4 * 18 + 32 and x["pv8"] == 32 and x["pv"] == 0 and x["tma"] == 3 * 36, x
     if x["sass"]:
         assert x["qgmma"] == 4 * 18 + 32 and x["spill"] == 0, x
+    # ptxas must not serialize the wgmmas (C7520 "wgmma.mma_async instructions are serialized": a
+    # WARPGROUP.DEPBAR after every one, 105 in the FP8 P V kernel of commit e9c62ec, measured on the H200 in that
+    # state); the loops wait explicitly at about 7 places
+    for key, x in ss.items():
+        if x["sass"]:
+            assert x["depbar"] <= 12, (key, x)
     assert "page_size" in r["tma_page8"] and r["forced_cp_uses_tma"] is False, r
     assert "TMA" in r["fp8_cp"], r
     # L2 prefetch (TOKENSPEED_SM90_DECODE_L2_PREFETCH=late): one bulk prefetch per tile of pair 1 in the prologue
@@ -271,7 +278,7 @@ def test_fp8_pv_switch(monkeypatch):
     from tokenspeed_jax.backends import sm90_decode as m
 
     monkeypatch.delenv(m.FP8_PV_ENV, raising=False)
-    assert m.resolve_fp8_pv() == "0"
+    assert m.resolve_fp8_pv() == m.FP8_PV_DEFAULT == "2"
     for v in m.FP8_PV_MODES:
         monkeypatch.setenv(m.FP8_PV_ENV, v)
         assert m.resolve_fp8_pv() == v

@@ -44,7 +44,7 @@ def _finish(acc, l, m_safe, out_scale, out_dtype):
 def decode_probs(p: DecodeProblem, q, kv_cache, block_table, seq_lens, softmax_scale):
     """The decode reference up to P: ``(p [B,S,H,K] unnormalised, l [B,S,H], m_safe [B,S,H], v [B,K,L] fp32)``,
     masked keys exactly zero in p and v (also the tests' yardstick of the FP8 P V's P rounding)."""
-    B, S, H, D = q.shape
+    B, S, _, D = q.shape
     L = p.kv_lora_rank
     K = p.max_kv_len
     bt = jnp.clip(block_table.astype(jnp.int32), 0, p.num_pages - 1)

@@ -61,6 +61,16 @@ FlashMLA's Hopper kernel (its "seesaw"; design read from its source, code our ow
   bf16 of the 16-bit paths); bf16 output.  ``qk_fp8=False`` upcasts the whole slot before a 16-bit QK
   instead (the first FP8 seesaw, for A/B).  The FP8 scales are folded into ``softmax_scale`` /
   ``output_scale`` by the caller (decode contract).
+* FP8 P V on FP8 tensor cores (``pv_fp8``): P is rounded to e4m3 (computed as ``2^8 p``; the row sums stay
+  over the unrounded P) into the lower half of the rope chunk, the slot's owner transposes V into the lower
+  halves of chunks 0..7 (:meth:`transpose_v`; byte permutes, conflict-free), and both PVs run as SS QGMMA
+  (4 chunks x 2 k32 steps per half).  ``early_refill`` adds whole-slot refills right after the transpose
+  (the staging is free then), one pair earlier than the column-group refills, with two barriers
+  (VT0_FREE / VT1_FREE) guarding ``V^T`` and P against the other warpgroup's cross PV.  Measured on the H200
+  (2026-12-01, docs/sm90_decode.md): both together 10.6% faster than the fp16 P V (geometric mean over
+  the issue matrix), with output errors 7-13x the bf16 output rounding (the check's FP8_P_ROUND bound);
+  that build had its wgmmas serialized by ptxas (C7520), which :meth:`next_tile_v` removed (not yet
+  re-measured; the CPU compile test bounds the WARPGROUP.DEPBAR count).
 """
 
 from __future__ import annotations
@@ -510,6 +520,24 @@ class MlaDecodeSeesawSm90(MlaDecodeSm90):
             self.expand_v(sKs, sSt, wg, wtid)
 
     @cute.jit
+    def next_tile_v(self, sKs: cute.Tensor, sSt: cute.Tensor, w32: cute.Tensor, slot: cutlass.Constexpr,
+                    tAs: cute.Tensor, tAg: cute.Tensor, tma_atom: cute.CopyAtom, mbar_ptr, mKV: cute.Tensor,
+                    crd: cute.Tensor, tile_start: Int32, split_end: Int32, num_pages: Int32, refill_next,
+                    wg: Int32, wtid: Int32):
+        """End of an iteration with a next tile, by the owner of slot ``slot`` after the next QK retired:
+        :meth:`ready_v` of the tile starting at ``tile_start``.  With ``early_refill`` it first waits for
+        the other warpgroup's cross PV of the slot's last tile (VT0_FREE / VT1_FREE: that PV read the
+        ``V^T`` and P about to be rebuilt), and afterwards, if ``refill_next``, refills the whole slot with
+        the tile two steps ahead (``crd``: its coordinates)."""
+        if cutlass.const_expr(self.early):
+            cute.arch.barrier(barrier_id=int(Barrier.VT0_FREE) + slot, number_of_threads=self.num_threads)
+        self.ready_v(sKs, sSt, w32, slot, tile_start, split_end, wg, wtid)
+        if cutlass.const_expr(self.early):  # noqa: SIM102 (static + dynamic test)
+            if refill_next:
+                self.refill(sKs, tAs, tAg, tma_atom, mbar_ptr, mKV, crd, tile_start + 2 * self.block_n,
+                            split_end, num_pages, wg, wtid, _ALL_CHUNKS, None)
+
+    @cute.jit
     def store_p8(self, acc_s: cute.Tensor, tSsP: cute.Tensor, wg: Int32):
         """FP8 P V: P (fp32, already scaled by 2^8) -> e4m3 in the slot's P tile; the proxy fence publishes it
         to wgmma (the caller adds the barrier its readers need)."""
@@ -786,8 +814,8 @@ class MlaDecodeSeesawSm90(MlaDecodeSm90):
                 self.ready_v(sK0, sSt0, w32, 0, split_start, split_end, wg, wtid)
             else:
                 self.ready_v(sK1, sSt1, w32, 1, split_start + bn, split_end, wg, wtid)
-            if cutlass.const_expr(self.early):  # pair 1 right away: the staging is free after the transpose
-                if n_pairs > 1:
+            if cutlass.const_expr(self.early):  # noqa: SIM102 (static + dynamic test)
+                if n_pairs > 1:  # pair 1 right away: the staging is free after the transpose
                     if wg == 0:
                         pgE = self.coords(mBT, b, split_start + 2 * bn, split_end, num_pages, wtid)
                         self.refill(sK0, tAs0, tAg, tma_atom, mbar + 0, mKV, pgE, split_start + 2 * bn, split_end,
@@ -867,7 +895,7 @@ class MlaDecodeSeesawSm90(MlaDecodeSm90):
                 warpgroup.commit_group()
                 # 5. next QK on slot 0: own refill first, then (after the cross PV retired, refilling slot 1's
                 #    cols 0..255 + 512..575) WG1's refill of cols 256..575
-                if cutlass.const_expr(self.early):  # noqa: SIM102 (static + dynamic test)
+                if cutlass.const_expr(self.early):
                     if more:  # the whole slot landed; after the cross PV retired, WG1 may rebuild slot 1's V^T
                         self.landed(mbar + 0, ph)
                         self.qk_chunks(qk_mma, acc_s, tSrQ, tSrK0, _ALL_CHUNKS, True)
@@ -891,13 +919,8 @@ class MlaDecodeSeesawSm90(MlaDecodeSm90):
                         self.l2_prefetch_pair(mKV, crdP0, crdP1, pf, split_end)
                 warpgroup.wait_group(0)
                 if more:
-                    if cutlass.const_expr(self.early):  # WG1's cross PV of tile 2j retired (V^T and P of slot 0)
-                        cute.arch.barrier(barrier_id=int(Barrier.VT0_FREE), number_of_threads=self.num_threads)
-                    self.ready_v(sK0, sSt0, w32, 0, t0 + 2 * bn, split_end, wg, wtid)
-                    if cutlass.const_expr(self.early):  # noqa: SIM102 (static + dynamic test)
-                        if j + 2 < n_pairs:
-                            self.refill(sK0, tAs0, tAg, tma_atom, mbar + 0, mKV, pgA0, t0 + 4 * bn, split_end,
-                                        num_pages, wg, wtid, _ALL_CHUNKS, None)
+                    self.next_tile_v(sK0, sSt0, w32, 0, tAs0, tAg, tma_atom, mbar + 0, mKV, pgA0, t0 + 2 * bn,
+                                     split_end, num_pages, j + 2 < n_pairs, wg, wtid)
         else:
             for j in cutlass.range(n_pairs, unroll=1):
                 t1 = split_start + (2 * j + 1) * bn  # first token of this pair's tile in slot 1
@@ -952,7 +975,7 @@ class MlaDecodeSeesawSm90(MlaDecodeSm90):
                         self.refill(sK1, tAs1, tAg, tma_atom, mbar + 3, mKV, pgB1, t1 + 2 * bn, split_end, num_pages,
                                     wg, wtid, (4, 5, 6, 7), Barrier.REFILL_B1)
                 warpgroup.wait_group(0)
-                if cutlass.const_expr(self.early):  # noqa: SIM102 (static + dynamic test)
+                if cutlass.const_expr(self.early):
                     if more:  # the cross PV of slot 0 retired: WG0 may rebuild its V^T and P; then the next QK
                         cute.arch.barrier_arrive(barrier_id=int(Barrier.VT0_FREE), number_of_threads=self.num_threads)
                         self.landed(mbar + 2, ph)
@@ -971,13 +994,8 @@ class MlaDecodeSeesawSm90(MlaDecodeSm90):
                     warpgroup.commit_group()
                 warpgroup.wait_group(0)
                 if more:
-                    if cutlass.const_expr(self.early):  # WG0's cross PV of tile 2j+1 retired (V^T and P of slot 1)
-                        cute.arch.barrier(barrier_id=int(Barrier.VT1_FREE), number_of_threads=self.num_threads)
-                    self.ready_v(sK1, sSt1, w32, 1, t1 + 2 * bn, split_end, wg, wtid)
-                    if cutlass.const_expr(self.early):  # noqa: SIM102 (static + dynamic test)
-                        if j + 2 < n_pairs:
-                            self.refill(sK1, tAs1, tAg, tma_atom, mbar + 2, mKV, pgB1, t1 + 4 * bn, split_end,
-                                        num_pages, wg, wtid, _ALL_CHUNKS, None)
+                    self.next_tile_v(sK1, sSt1, w32, 1, tAs1, tAg, tma_atom, mbar + 2, mKV, pgB1, t1 + 2 * bn,
+                                     split_end, num_pages, j + 2 < n_pairs, wg, wtid)
 
         # ---- epilogue (base class): both warpgroups' O and l are relative to the final shared max
         cute.arch.barrier()
