@@ -69,6 +69,7 @@ CHECK = [
     Case("fp8_s4h128p64", "float8_e4m3fn", 3, 4, 128, 64, 40, (3, 64, 2000)),
     Case("fp8_s2h32p32_garbage", "float8_e4m3fn", 3, 2, 32, 32, 32, (1, 33, 10**6), garbage=True),
     Case("fp8_s8h16p128", "float8_e4m3fn", 2, 8, 16, 128, 12, (129, 1500)),
+    Case("fp8_s2h64p16", "float8_e4m3fn", 3, 2, 64, 16, 160, (2, 17, 2500)),  # 4 boxes per chunk; FP8 P V mode 1
 ]
 
 BENCH = [(64, 81920, 64, H, S) for H in (16, 32, 128) for S in (1, 4, 8)] + [
@@ -208,11 +209,12 @@ def fp8_qk_lse_slack(c: Case, q, kv, scale):
     return FP8_QK_ACC_EPS * float(scale) * qn * float(np.max(kn[np.isfinite(kn)], initial=0.0))
 
 
-# FP8 P V on FP8 tensor cores (TOKENSPEED_SM90_DECODE_FP8_PV=1 or 2, the default) rounds P to e4m3: 3 mantissa bits, a relative error
-# of at most 2^-4 per probability (round to nearest; P is scaled by 2^8 first, so down to p = 2^-14 it stays a
-# normal number).  Taken as independent, each at most uniform, the output error of a row and column has a
-# standard deviation of at most 2^-4 / sqrt(3) * sqrt(sum_i p_i^2 v_i^2) / l; the check allows 4 * 2^-4 times that
-# root (6.9 sigma) on top of the 16-bit tolerance.  l is summed over the unrounded P, so the LSE is unaffected.
+# FP8 P V on FP8 tensor cores (TOKENSPEED_SM90_DECODE_FP8_PV=1 or 2, the default) rounds P to e4m3: 3 mantissa
+# bits, a relative error of at most 2^-4 per probability (round to nearest; P is scaled by 2^8 first, so down to
+# p = 2^-14 it stays a normal number).  Taken as independent, each at most uniform, the output error of a row and
+# column has a standard deviation of at most 2^-4 / sqrt(3) * sqrt(sum_i p_i^2 v_i^2) / l; the check allows
+# 4 * 2^-4 times that root (6.9 sigma) on top of the 16-bit tolerance.  l is summed over the unrounded P, so the
+# LSE is unaffected.
 FP8_P_ROUND = 4 * 2.0 ** -4
 
 

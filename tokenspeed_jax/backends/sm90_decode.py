@@ -59,9 +59,10 @@ PDL_ENV = "TOKENSPEED_SM90_DECODE_PDL"
 # tensor cores (default "1"; docs/sm90_decode.md), for A/B timing.  Read at trace time; part of the compile key.
 FP8_QK_ENV = "TOKENSPEED_SM90_DECODE_FP8_QK"
 # The FP8 seesaw's P V: "2" (default) on FP8 tensor cores (P rounded to e4m3, V transposed in smem) with each
-# warpgroup refilling its whole KV slot right after building V^T (a pair earlier; pages >= 32, 16-token pages run
-# "1"); "1" the same without the early refills; "0" on fp16 operands, V upcast exactly (P in fp16: the exact choice; docs/sm90_decode.md, "FP8 P V on
-# FP8 tensor cores").  Needs the QGMMA QK.  Read at trace time; part of the compile key.
+# warpgroup refilling its whole KV slot right after building V^T (a pair earlier; pages >= 32, 16-token pages
+# run "1"); "1" the same without the early refills; "0" on fp16 operands, V upcast exactly (P in fp16: the exact
+# choice; docs/sm90_decode.md, "FP8 P V on FP8 tensor cores").  Needs the QGMMA QK.  Read at trace time; part
+# of the compile key.
 FP8_PV_ENV = "TOKENSPEED_SM90_DECODE_FP8_PV"
 FP8_PV_MODES = ("0", "1", "2")
 FP8_PV_DEFAULT = "2"
@@ -191,7 +192,8 @@ def decode(problem: DecodeProblem, q, kv_cache, block_table, seq_lens, softmax_s
         TARGET, launch, outputs=outputs, compile_key=key,
         dtype=problem.dtype, num_heads=H, q_len=S, page_size=problem.page_size, causal=problem.causal,
         num_splits=plan.num_splits, tokens_per_split=plan.tokens_per_split, block_n=block_n, schedule=schedule,
-        pdl=pdl, **({"qk_fp8": qk_fp8, "pv_fp8": pv_fp8, "early_refill": early_refill} if fp8_seesaw else {}), **({"l2_prefetch": l2_prefetch} if seesaw else {}),
+        pdl=pdl, **({"qk_fp8": qk_fp8, "pv_fp8": pv_fp8, "early_refill": early_refill} if fp8_seesaw else {}),
+        **({"l2_prefetch": l2_prefetch} if seesaw else {}),
     )
     res = call(q, kv_cache, block_table.astype(jnp.int32), seq_lens.astype(jnp.int32),
                ffi.scalar_operand(softmax_scale), ffi.scalar_operand(output_scale))
