@@ -23,3 +23,35 @@ def test_bench_one_times_every_contender(monkeypatch):
         assert "interleaved" in r["note"]
     assert rows["ours fp8"]["bytes"] < rows["ours bf16"]["bytes"]  # FP8 rows carry the FP8 bytes
     assert np.isclose(rows["ours fp8"]["flops"], rows["ours bf16"]["flops"])
+
+
+def test_fp8_p_rounding_tolerance(rng):
+    """The check's FP8 P V tolerance (``FP8_P_ROUND`` x ``p_round_spread``) against the arithmetic it bounds, on
+    the CPU: ``p_round_spread`` equals ``sqrt(sum p^2 v^2) / l`` computed directly in float64, and an output
+    whose P is rounded as the kernel rounds it (``e4m3(2^8 p)``, the row sum over the unrounded P) stays inside
+    the bound everywhere, while the bound is not vacuous (the largest error reaches a tenth of it)."""
+    import jax.numpy as jnp
+    import ml_dtypes
+
+    from tokenspeed_jax.backends.xla import decode_probs
+    from tokenspeed_jax.decode import _decode_problem
+
+    c = bd.Case("t", "float8_e4m3fn", 3, 2, 16, 16, 40, (1, 37, 600))
+    q, kv, bt, sl = bd.make_inputs(c, int(rng.integers(0, 2**31 - 1)))
+    scale = jnp.float32(576 ** -0.5)
+    spread = bd.p_round_spread(c, q, kv, bt, sl, scale)
+    f32 = jnp.float32
+    prob = _decode_problem(q.astype(f32), kv.astype(f32), bt, sl, c.causal, 512, True)
+    p, l, _, v = (np.asarray(x, np.float64) for x in decode_probs(prob, q.astype(f32), kv.astype(f32), bt, sl,
+                                                                  scale))
+    has = l > 0
+    want = np.sqrt(np.einsum("bshk,bkl->bshl", p * p, v * v)) / np.where(has, l, 1.0)[..., None]
+    np.testing.assert_allclose(spread[has], want[has], rtol=1e-4)
+    exact = np.einsum("bshk,bkl->bshl", p, v) / np.where(has, l, 1.0)[..., None]
+    p8 = (256 * p).astype(np.float32).astype(ml_dtypes.float8_e4m3fn).astype(np.float64)
+    rounded = np.einsum("bshk,bkl->bshl", p8, v) / np.where(has, 256 * l, 1.0)[..., None]
+    err = np.abs(rounded - exact)[has]
+    bound = bd.FP8_P_ROUND * spread[has]
+    ratio = np.divide(err, bound, out=np.zeros_like(err), where=bound > 0)  # (bound 0: a column of zero v)
+    assert np.all(err <= bound + 1e-7), float(np.max(ratio))
+    assert float(np.max(ratio)) > 0.1
