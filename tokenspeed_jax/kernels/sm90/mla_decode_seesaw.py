@@ -538,7 +538,7 @@ class MlaDecodeSeesawSm90(MlaDecodeSm90):
                             split_end, num_pages, wg, wtid, _ALL_CHUNKS, None)
 
     @cute.jit
-    def store_p8(self, acc_s: cute.Tensor, tSsP: cute.Tensor, wg: Int32):
+    def store_p8(self, acc_s: cute.Tensor, tSsP: cute.Tensor):
         """FP8 P V: P (fp32, already scaled by 2^8) -> e4m3 in the slot's P tile; the proxy fence publishes it
         to wgmma (the caller adds the barrier its readers need)."""
         rP8 = cute.make_rmem_tensor_like(acc_s, _F8)
@@ -628,7 +628,7 @@ class MlaDecodeSeesawSm90(MlaDecodeSm90):
     def exp_rows(self, acc_s: cute.Tensor, ref: cute.Tensor, row_l: cute.Tensor):
         """``P = exp2(S - ref)`` in place, added to the thread's partial row sums.  FP8 P V: ``2^8 P`` (the
         e4m3 cast keeps P's small values as normals; :attr:`p8_bias`); O and l carry the same factor until
-        the epilogue."""
+        the epilogue (which subtracts it from the row max for the LSE)."""
         rb = ref
         if cutlass.const_expr(self.pv8):
             rb = cute.make_rmem_tensor((2,), Float32)
@@ -856,7 +856,7 @@ class MlaDecodeSeesawSm90(MlaDecodeSm90):
                 cute.arch.barrier_arrive(barrier_id=int(Barrier.SCALE0), number_of_threads=self.num_threads)
                 # 2. O_L += P0 V0_L (RS), then refill slot 0 cols 0..255 (only this warpgroup read them)
                 if cutlass.const_expr(self.pv8):  # SS: P0 through smem (all 128 threads' parts, then the wgmma)
-                    self.store_p8(acc_s, tSsP8_0, wg)
+                    self.store_p8(acc_s, tSsP8_0)
                     cute.arch.barrier(barrier_id=int(Barrier.TAIL) + wg, number_of_threads=128)
                     self.pv(pv8, acc_o8, tOsP8_0, tOrVt0, _K32)
                 else:
@@ -879,7 +879,7 @@ class MlaDecodeSeesawSm90(MlaDecodeSm90):
                 for e in cutlass.range_constexpr(cute.size(acc_s)):
                     acc_s[e] = acc_s[e] * sc[(e // 2) % 2]
                 if cutlass.const_expr(self.pv8):  # (the own PV, which read the same tile, retired above)
-                    self.store_p8(acc_s, tSsP8_0, wg)
+                    self.store_p8(acc_s, tSsP8_0)
                 else:
                     rP.store(acc_s.load().to(self.mma_dtype))
                     cute.autovec_copy(rP, tSsP0)
@@ -949,7 +949,7 @@ class MlaDecodeSeesawSm90(MlaDecodeSm90):
                 self.scale_o(acc_o, sc)
                 # 2. P1 -> smem (for WG0), O_R += P1 V1_R (RS)
                 if cutlass.const_expr(self.pv8):  # SS: P1 through smem, for both PVs that read it
-                    self.store_p8(acc_s, tSsP8_1, wg)
+                    self.store_p8(acc_s, tSsP8_1)
                     cute.arch.barrier(barrier_id=int(Barrier.TAIL) + wg, number_of_threads=128)
                     self.pv(pv8, acc_o8, tOsP8_1, tOrVt1, _K32)
                     warpgroup.commit_group()
@@ -1002,11 +1002,8 @@ class MlaDecodeSeesawSm90(MlaDecodeSm90):
         row_m = cute.make_rmem_tensor((2,), Float32)
         for h in cutlass.range_constexpr(2):
             row_m[h] = sM[row_in[h]]
-        if cutlass.const_expr(self.pv8):  # O and l carry P's 2^8 (exp_rows)
-            for h in cutlass.range_constexpr(2):
-                row_l[h] = row_l[h] * (2.0 ** -self.p8_bias)
-            for e in cutlass.range_constexpr(cute.size(acc_o)):
-                acc_o[e] = acc_o[e] * (2.0 ** -self.p8_bias)
+            if cutlass.const_expr(self.pv8):  # O and l both carry P's 2^8 (exp_rows): O / l needs nothing, the LSE
+                row_m[h] = row_m[h] - self.p8_bias  # (row max + log2 l) takes it out of the max
         self.epilogue(ss_thr, acc_o, row_m, row_l, row_in, sSum, mOut, mLse, mOacc, mLacc, out_scale, mblk,
                       split, b, wg, wtid)
 
