@@ -36,14 +36,16 @@ _SCRIPT = textwrap.dedent(
             ("bfloat16", 16, 2, 8, 2, 256, 64, "seesaw"), ("bfloat16", 16, 1, 32, 16, 64, 64, "lockstep"),
             ("float8_e4m3fn", 32, 2, 32, 2, 256, 64, "seesaw"), ("float8_e4m3fn", 16, 1, 64, 2, 256, 64, "seesaw16"),
             ("float8_e4m3fn", 16, 4, 32, 3, 256, 64, "seesaw8"),  # (dump names differ early: q shape)
-            ("float8_e4m3fn", 8, 8, 32, 3, 256, 64, "seesaw8e")]
+            ("float8_e4m3fn", 8, 8, 32, 3, 256, 64, "seesaw8e"), ("float8_e4m3fn", 4, 16, 32, 3, 256, 64, "seesaw8p"),
+            ("float8_e4m3fn", 2, 16, 16, 3, 256, 64, "seesaw8q")]
     for (dtype, H, S, page, splits, tps, bn, sched) in cfgs:
         before = set(glob.glob(d + "/*"))
         if sched.startswith("seesaw"):  # seesaw16: an FP8 QK on fp16 operands; seesaw8: FP8 P V on QGMMA too
             k = MlaDecodeSeesawSm90(dtype=dtype, num_heads=H, q_len=S, page_size=page, causal=True,
                                     num_splits=splits, tokens_per_split=tps, block_n=bn,
                                     qk_fp8=sched != "seesaw16", pv_fp8=sched.startswith("seesaw8"),
-                                    early_refill=sched == "seesaw8e")
+                                    early_refill=sched in ("seesaw8e", "seesaw8p"),
+                                    vt_packed=sched in ("seesaw8p", "seesaw8q"))
         else:
             k = MlaDecodeSm90(dtype=dtype, num_heads=H, q_len=S, page_size=page, causal=True, num_splits=splits,
                               tokens_per_split=tps, block_n=bn, schedule=sched)
@@ -86,6 +88,10 @@ _SCRIPT = textwrap.dedent(
                 cvt8=len(re.findall(r"cvt\\.rn\\.satfinite\\.e4m3x2\\.f32", sptx)),
                 prmt=len(re.findall(r"prmt\\.b32", sptx)),
                 pv8=len(re.findall(r"wgmma.mma_async.sync.aligned.m64n64k32.f32.e4m3.e4m3", sptx)) - 4 * 18,
+                pv8n256=len(re.findall(r"wgmma.mma_async.sync.aligned.m64n256k32.f32.e4m3.e4m3", sptx)),
+                qgmma256=len(re.findall(r"QGMMA\\.64x256x32\\.F32\\.E4M3\\.E4M3", ssass)),
+                ldsm=len(re.findall(r"ldmatrix\\.sync\\.aligned\\.m8n8\\.x4\\.trans\\.shared\\.b16", sptx)),
+                stsm=len(re.findall(r"stmatrix\\.sync\\.aligned\\.m8n8\\.x4\\.shared\\.b16", sptx)),
                 spill=len(re.findall(r"\\b(STL|LDL)\\b", ssass)),
                 depbar=len(re.findall(r"WARPGROUP\\.DEPBAR", ssass)))
     # L2 prefetch one tile pair ahead (page 64, a table long enough that no prefetch is provably past the
@@ -219,6 +225,18 @@ def test_sm90_decode_compiles_for_sm90a(tmp_path):
     assert x["qk8"] == 4 * 18 + 32 and x["pv8"] == 32 and x["pv"] == 0 and x["tma"] == 3 * 36, x
     if x["sass"]:
         assert x["qgmma"] == 4 * 18 + 32 and x["spill"] == 0, x
+    # packed slots (vt_packed, page 32, early refills): each PV one QGMMA m64n256k32 per k32 step (4 PVs x 2), the
+    # transpose 2 chunks x 2 halves of (ldmatrix.x4.trans, 4 prmt, stmatrix.x4) per loop iteration at 4 sites
+    x = ss["32_8p"]
+    assert x["qk8"] == 4 * 18 and x["pv8"] == 0 and x["pv8n256"] == 8 and x["pv"] == 0 and x["tma"] == 3 * 36, x
+    assert x["ldsm"] == 4 * 4 and x["stsm"] == 4 * 4 and x["prmt"] == 4 * 16 and x["cvt8"] == 3 * 16, x
+    if x["sass"]:
+        assert x["qgmma"] == 4 * 18 and x["qgmma256"] == 8 and x["spill"] == 0, x
+    # ... page 16 (4 boxes per chunk), without the early refills (the backend's mode "3" there)
+    x = ss["16_8q"]
+    assert x["qk8"] == 4 * 18 and x["pv8n256"] == 8 and x["tma"] == 2 * 72 and x["ldsm"] == 16, x
+    if x["sass"]:
+        assert x["qgmma256"] == 8 and x["spill"] == 0, x
     # ptxas must not serialize the wgmmas (C7520 "wgmma.mma_async instructions are serialized": a
     # WARPGROUP.DEPBAR after every one, 105 in the FP8 P V kernel of commit e9c62ec, measured on the H200 in that
     # state); the loops wait explicitly at about 7 places
@@ -282,13 +300,14 @@ def test_fp8_pv_switch(monkeypatch):
     for v in m.FP8_PV_MODES:
         monkeypatch.setenv(m.FP8_PV_ENV, v)
         assert m.resolve_fp8_pv() == v
-    for bad in ("on", "true", "3"):
+    for bad in ("on", "true", "4"):
         monkeypatch.setenv(m.FP8_PV_ENV, bad)
         with pytest.raises(ValueError, match=m.FP8_PV_ENV):
             m.resolve_fp8_pv()
     assert m.FP8_PV_ENV in m.TRACE_ENV
     k = ("k", "float8_e4m3fn", 16, 1, 64, True, 1, 64, 64, "seesaw", True, True, "late")
-    assert len({m.DecodeKernelKey(*k), m.DecodeKernelKey(*k, True), m.DecodeKernelKey(*k, True, True)}) == 3
+    assert len({m.DecodeKernelKey(*k), m.DecodeKernelKey(*k, True), m.DecodeKernelKey(*k, True, True),
+                m.DecodeKernelKey(*k, True, True, True)}) == 4
 
 
 def _pip_has(mod: str) -> bool:
@@ -399,4 +418,74 @@ def test_fp8_v_transpose_mapping():
     for f in range(64):
         for t in range(64):
             got[:, f, t] = vt_mem[:, sw64(f * 64 + t)]
+    np.testing.assert_array_equal(got, want)
+
+
+def test_fp8_v_transpose_packed_mapping():
+    """The packed FP8 P V transpose (``transpose_v`` with ``vt_packed``: ``ldmatrix.x4.trans``, 4 ``prmt``,
+    ``stmatrix.x4`` per 16 tokens x 32 features) on a model of those instructions and of shared memory, with the
+    kernel's own addressing (``ldsm_row_offset``, ``stsm_row_offset``, ``p8_selectors``): every ``V^T`` byte of
+    the 8 chunks is written once with the right staging byte, tokens in ``P8_TOKEN_ORDER`` inside each 16-token
+    group (the order the kernel writes P in), rows of tokens at or past the split read from the zero row, and
+    the 8 rows of every matrix of every ``ldmatrix`` / ``stmatrix`` fall in 8 distinct 16-byte bank groups."""
+    pytest.importorskip("cutlass")
+    import numpy as np
+
+    from tokenspeed_jax.kernels.sm90.mla_decode_seesaw import (
+        P8_TOKEN_ORDER,
+        ldsm_row_offset,
+        p8_selectors,
+        stsm_row_offset,
+        sw64,
+    )
+
+    rng = np.random.default_rng(1)
+    staging = rng.integers(1, 256, (8, 64, 64), dtype=np.uint8)  # chunk, token, feature (logical)
+    first = 37  # tokens >= first are past the split
+    stage_mem = np.zeros((8, 4096), np.uint8)
+    for t in range(64):
+        for x in range(64):
+            stage_mem[:, sw64(t * 64 + x)] = staging[:, t, x]
+    zero_row = np.zeros(16, np.uint8)
+    vt_mem = np.full((8, 4096), -1, np.int32)
+    for warp in range(4):
+        for c in range(8):
+            for hb in range(2):
+                rows, ld_groups, st_groups = {}, {}, {}
+                for lane in range(32):  # ldmatrix: lane gives the address of row lane % 8 of matrix lane // 8
+                    t = 16 * warp + lane % 8 + 8 * ((lane >> 3) & 1)
+                    off = ldsm_row_offset(lane, warp, hb)
+                    assert off % 16 == 0
+                    rows[lane] = zero_row if t >= first else stage_mem[c, off:off + 16]
+                    if t < first:
+                        ld_groups.setdefault(lane // 8, []).append(off // 16 % 8)
+                regs = {}
+                for i in range(32):  # .trans: thread i, matrix m: b16 (row 2(i%4), col i//4), (row 2(i%4)+1, ...)
+                    sel = p8_selectors(i)
+                    r = []
+                    for m in range(4):
+                        lo, hi = rows[8 * m + 2 * (i % 4)], rows[8 * m + 2 * (i % 4) + 1]
+                        b = [lo[2 * (i // 4)], lo[2 * (i // 4) + 1], hi[2 * (i // 4)], hi[2 * (i // 4) + 1]]
+                        r.append(int.from_bytes(bytes(int(x) for x in b), "little"))
+                    regs[i] = [_prmt(r[0], r[1], sel[0]), _prmt(r[0], r[1], sel[1]),
+                               _prmt(r[2], r[3], sel[0]), _prmt(r[2], r[3], sel[1])]
+                for lane in range(32):  # stmatrix: row lane % 8 of matrix lane // 8 <- register m of threads 4r..4r+3
+                    m, r = lane // 8, lane % 8
+                    off = stsm_row_offset(lane, warp, hb)
+                    assert off % 16 == 0
+                    st_groups.setdefault(m, []).append(off // 16 % 8)
+                    data = b"".join(regs[4 * r + q][m].to_bytes(4, "little") for q in range(4))
+                    assert (vt_mem[c, off:off + 16] == -1).all()
+                    vt_mem[c, off:off + 16] = list(data)
+                for what, groups in (("ldmatrix", ld_groups), ("stmatrix", st_groups)):
+                    for m, g in groups.items():
+                        assert len(set(g)) == len(g), (what, warp, c, hb, m, g)
+    assert (vt_mem >= 0).all()
+    order = np.array([16 * (p // 16) + P8_TOKEN_ORDER[p % 16] for p in range(64)])
+    tok = staging[:, order, :].transpose(0, 2, 1)  # chunk, feature, position
+    want = np.where(order[None, None, :] < first, tok, 0)
+    got = np.empty_like(want)
+    for f in range(64):
+        for p in range(64):
+            got[:, f, p] = vt_mem[:, sw64(f * 64 + p)]
     np.testing.assert_array_equal(got, want)

@@ -61,10 +61,11 @@ FP8_QK_ENV = "TOKENSPEED_SM90_DECODE_FP8_QK"
 # The FP8 seesaw's P V: "2" (default) on FP8 tensor cores (P rounded to e4m3, V transposed in smem) with each
 # warpgroup refilling its whole KV slot right after building V^T (a pair earlier; pages >= 32, 16-token pages
 # run "1"); "1" the same without the early refills; "0" on fp16 operands, V upcast exactly (P in fp16: the exact
-# choice; docs/sm90_decode.md, "FP8 P V on FP8 tensor cores").  Needs the QGMMA QK.  Read at trace time; part
-# of the compile key.
+# choice; docs/sm90_decode.md, "FP8 P V on FP8 tensor cores"); "3" is "2" with each KV slot packed as
+# [V^T | P | staging] (PVs as QGMMA m64n256k32, the transpose on ldmatrix.trans / stmatrix; 16-token pages run
+# "1" packed).  Needs the QGMMA QK.  Read at trace time; part of the compile key.
 FP8_PV_ENV = "TOKENSPEED_SM90_DECODE_FP8_PV"
-FP8_PV_MODES = ("0", "1", "2")
+FP8_PV_MODES = ("0", "1", "2", "3")
 FP8_PV_DEFAULT = "2"
 # The seesaw loop's L2 prefetch of the KV tile pair after the next (cp.async.bulk.prefetch): "off", "late"
 # or "early" (docs/sm90_decode.md, "L2 prefetch").  Read at trace time; part of the compile key.
@@ -99,6 +100,7 @@ class DecodeKernelKey:
     l2_prefetch: str = "off"  # seesaw: L2 prefetch mode ($TOKENSPEED_SM90_DECODE_L2_PREFETCH)
     pv_fp8: bool = False  # FP8 seesaw: P V on FP8 tensor cores ($TOKENSPEED_SM90_DECODE_FP8_PV 1 or 2)
     early_refill: bool = False  # ... with whole-slot refills after the V transpose ($TOKENSPEED_SM90_DECODE_FP8_PV 2)
+    vt_packed: bool = False  # ... with packed slots ($TOKENSPEED_SM90_DECODE_FP8_PV 3)
 
 
 def supports(problem: DecodeProblem) -> str | None:
@@ -180,11 +182,13 @@ def decode(problem: DecodeProblem, q, kv_cache, block_table, seq_lens, softmax_s
     fp8_pv = resolve_fp8_pv() if qk_fp8 else "0"
     # mode 2 with 16-token pages (4 TMA boxes per chunk) spills about 200 bytes (CPU compile, 2026-12-01):
     # those run mode 1
-    pv_fp8, early_refill = fp8_pv != "0", fp8_pv == "2" and problem.page_size >= _MIN_EARLY_REFILL_PAGE
+    pv_fp8 = fp8_pv != "0"
+    early_refill = fp8_pv in ("2", "3") and problem.page_size >= _MIN_EARLY_REFILL_PAGE
+    vt_packed = fp8_pv == "3"
     l2_prefetch = resolve_l2_prefetch() if seesaw else "off"
-    key = DecodeKernelKey("mla_decode_sm90.v8", problem.dtype, H, S, problem.page_size, problem.causal,
+    key = DecodeKernelKey("mla_decode_sm90.v9", problem.dtype, H, S, problem.page_size, problem.causal,
                           plan.num_splits, plan.tokens_per_split, block_n, schedule, pdl, qk_fp8, l2_prefetch, pv_fp8,
-                          early_refill)
+                          early_refill, vt_packed)
     outputs = [jax.ShapeDtypeStruct((B, S, H, problem.kv_lora_rank), jnp.dtype(problem.out_dtype)),
                jax.ShapeDtypeStruct((B, S, H), jnp.float32)]
     outputs += [jax.ShapeDtypeStruct(w.shape, jnp.dtype(w.dtype)) for w in plan.workspace]
@@ -192,7 +196,8 @@ def decode(problem: DecodeProblem, q, kv_cache, block_table, seq_lens, softmax_s
         TARGET, launch, outputs=outputs, compile_key=key,
         dtype=problem.dtype, num_heads=H, q_len=S, page_size=problem.page_size, causal=problem.causal,
         num_splits=plan.num_splits, tokens_per_split=plan.tokens_per_split, block_n=block_n, schedule=schedule,
-        pdl=pdl, **({"qk_fp8": qk_fp8, "pv_fp8": pv_fp8, "early_refill": early_refill} if fp8_seesaw else {}),
+        pdl=pdl, **({"qk_fp8": qk_fp8, "pv_fp8": pv_fp8, "early_refill": early_refill, "vt_packed": vt_packed}
+             if fp8_seesaw else {}),
         **({"l2_prefetch": l2_prefetch} if seesaw else {}),
     )
     res = call(q, kv_cache, block_table.astype(jnp.int32), seq_lens.astype(jnp.int32),

@@ -118,6 +118,53 @@ def vt_word_offsets(tg, fw, k, i):
     return sw64((4 * tg + k) * _CHUNK + 4 * fw), sw64((4 * fw + i) * _CHUNK + 4 * tg)
 
 
+def ldsm_row_offset(lane, warp, hb):
+    """:meth:`MlaDecodeSeesawSm90.transpose_v` with a packed ``V^T`` (``ldmatrix.trans`` / ``stmatrix``), for Python
+    ints (tests) and DSL Int32 alike: byte offset (swizzled, inside a 4 KB staging chunk) of the row that lane
+    ``lane`` of warp ``warp`` addresses in the ``ldmatrix.x4.trans`` of the block half ``hb`` (features
+    ``32 hb ..`` of the chunk).  Matrix ``lane // 8``: tokens ``16 warp + 8 (m % 2) ..``, features ``16 (m // 2)``
+    further on."""
+    t = 16 * warp + lane % 8 + 8 * ((lane >> 3) & 1)
+    return sw64(t * _CHUNK + 16 * (2 * hb + (lane >> 4)))
+
+
+def stsm_row_offset(lane, warp, hb):
+    """Byte offset (swizzled, inside a chunk's 4 KB ``V^T`` block) of the row that lane ``lane`` addresses in the
+    ``stmatrix.x4`` of block half ``hb``: matrix ``m = lane // 8``, row ``r = lane % 8`` holds feature
+    ``2r + ((r >= 4) ^ (m odd)) + 16 (m // 2) + 32 hb`` (the word :func:`p8_selectors` put in register ``m``), token
+    positions ``16 warp ..``.  The 8 rows of a matrix have distinct features mod 8: no bank conflicts."""
+    r = lane % 8
+    m = lane >> 3
+    f = 2 * r + ((r >> 2) ^ (m & 1)) + 16 * (m >> 1) + 32 * hb
+    return sw64(f * _CHUNK + 16 * warp)
+
+
+def p8_selectors(lane):
+    """``prmt.b32`` selectors that turn a thread's ``ldmatrix.trans`` pair (tokens ``a, a+1`` and ``a+8, a+9`` of
+    feature pair ``lane // 4``) into the words of its even / odd feature, in the register order
+    :func:`stsm_row_offset` expects: even first for feature pairs 0..3, odd first for 4..7."""
+    sw = (lane >> 4) & 1  # feature pair lane // 4 >= 4
+    return 0x6420 + sw * 0x1111, 0x7531 - sw * 0x1111
+
+
+# token order of the packed FP8 P V operands inside each 16-token group (the ldmatrix.trans order): position
+# 4q + (0, 1, 2, 3) holds tokens 2q, 2q + 1, 2q + 8, 2q + 9
+P8_TOKEN_ORDER = tuple(2 * (p // 4) + p % 2 + 8 * ((p // 2) % 2) for p in range(16))
+
+
+def _ldsm4t(addr):
+    """``ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16`` at the shared address ``addr`` (this lane's row)."""
+    return cute.arch.inline_ptx(
+        "ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 { {$w0}, {$w1}, {$w2}, {$w3} }, [{$r0}];",
+        write_only_types=[Int32] * 4, read_only_args=[Int32(addr)])
+
+
+def _stsm4(addr, r0, r1, r2, r3):
+    """``stmatrix.sync.aligned.m8n8.x4.shared.b16`` of ``r0..r3`` at the shared address ``addr``."""
+    cute.arch.inline_ptx("stmatrix.sync.aligned.m8n8.x4.shared.b16 [{$r0}], { {$r1}, {$r2}, {$r3}, {$r4} };",
+                         read_only_args=[Int32(addr), Int32(r0), Int32(r1), Int32(r2), Int32(r3)])
+
+
 def _prmt(a, b, sel):
     """``prmt.b32``: byte ``j`` of the result is byte ``sel[4j+3:4j]`` of ``{b, a}`` (a = bytes 0-3)."""
     return cute.arch.inline_ptx("prmt.b32 {$w0}, {$r0}, {$r1}, {$r2};", write_only_types=[Int32],
@@ -129,7 +176,8 @@ class MlaDecodeSeesawSm90(MlaDecodeSm90):
     16-bit dtypes, ``block_n`` 64."""
 
     def __init__(self, *, kv_load: str = "auto", qk_fp8: bool = True, pv_fp8: bool = False,
-                 early_refill: bool = False, expand_group: int = 4, l2_prefetch: str = "off", **kw):
+                 early_refill: bool = False, vt_packed: bool = False, expand_group: int = 4,
+                 l2_prefetch: str = "off", **kw):
         kw["schedule"] = "lockstep"
         super().__init__(**kw)
         # FP8: QK^T on FP8 tensor cores (e4m3 x e4m3 -> fp32, QGMMA k32) straight from the raw q tile and the
@@ -145,6 +193,13 @@ class MlaDecodeSeesawSm90(MlaDecodeSm90):
         if early_refill and not self.pv8:
             raise ValueError("early_refill needs pv_fp8")
         self.early = bool(early_refill)
+        # FP8 P V: each slot packed as [V^T 32 KB | P 4 KB | e4m3 staging 36 KB] instead of V^T and staging in the
+        # lower / upper halves of the fp16-sized chunks: V^T of a warpgroup's 256 features is one K-major operand,
+        # so each PV is 2 QGMMA m64n256k32 (P read once per k-step), and the transpose runs on ldmatrix.trans /
+        # stmatrix with tokens permuted inside 16-token groups (P8_TOKEN_ORDER, P written in the same order)
+        if vt_packed and not self.pv8:
+            raise ValueError("vt_packed needs pv_fp8")
+        self.vt_packed = bool(vt_packed)
         # pairs ahead of iteration j that its L2 prefetch loads: j + 2 (iteration j refills pair j + 1), with the
         # early refills j + 3 (iteration j refills pair j + 2)
         self.pf_ahead = 3 if self.early else 2
@@ -204,8 +259,9 @@ class MlaDecodeSeesawSm90(MlaDecodeSm90):
                                                   a_source=warpgroup.OperandSource.RMEM)
         # FP8 P V: e4m3 P (smem) x e4m3 V^T (smem, tokens contiguous), one 64-feature chunk per instruction
         pv8 = None
-        if cutlass.const_expr(self.pv8):
-            pv8 = sm90_utils.make_trivial_tiled_mma(_F8, _F8, K, K, Float32, (1, 1, 1), (self.block_m, _CHUNK))
+        if cutlass.const_expr(self.pv8):  # packed V^T: one instruction spans the warpgroup's 256 features
+            pv8 = sm90_utils.make_trivial_tiled_mma(_F8, _F8, K, K, Float32, (1, 1, 1),
+                                                    (self.block_m, self.DV // 2 if self.vt_packed else _CHUNK))
 
         tma_atom, tma_kv = None, None
         if cutlass.const_expr(self.use_tma):
@@ -234,6 +290,7 @@ class MlaDecodeSeesawSm90(MlaDecodeSm90):
             row_sum: cute.struct.MemRange[Float32, 2 * 64]
             sQ: cute.struct.Align[cute.struct.MemRange[qk_dt, cute.cosize(q_layout)], 1024]
             sK: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(k_layout)], 1024]
+            zero_row: cute.struct.Align[cute.struct.MemRange[Int32, 4], 16]  # packed transpose: rows past the split
 
         self.seesaw_kernel(qk_mma, pv_ss, pv_rs, pv8, q, kv, block_table, seq_lens, softmax_scale, output_scale, out,
                            lse, o_accum, lse_accum, q_layout, k_layout, v_layout, p_layout, tma_atom, tma_kv,
@@ -376,6 +433,12 @@ class MlaDecodeSeesawSm90(MlaDecodeSm90):
         raw = cute.recast_ptr(slots_ptr, dtype=cutlass.Float8E4M3FN)
         chunk_bytes = self.block_n * _CHUNK * (self.mma_dtype.width // 8)
         slot_bytes = chunk_bytes * (self.D // _CHUNK)
+        if self.vt_packed:  # after V^T and P (pv8_views), 4 KB per chunk
+            layout = cute.make_layout((self.block_n, (_CHUNK, self.D // _CHUNK)), stride=(_CHUNK, (1, chunk_bytes // 2)))
+            sw = sm90_utils.make_smem_layout_b(LayoutEnum.ROW_MAJOR, (self.block_m, self.block_n, _CHUNK), _F8,
+                                               1).inner
+            return tuple(cute.make_tensor(cute.recast_ptr(raw + (g * slot_bytes + self._packed_staging_offset()), sw),
+                                          layout) for g in range(2))
         layout = cute.make_layout((self.block_n, (_CHUNK, self.D // _CHUNK)), stride=(_CHUNK, (1, chunk_bytes)))
         if self.qk8:  # the QGMMA B operand layout: rows of 64 bytes, 64-byte swizzle (the TMA box's)
             sw = sm90_utils.make_smem_layout_b(LayoutEnum.ROW_MAJOR, (self.block_m, self.block_n, _CHUNK), _F8,
@@ -436,6 +499,10 @@ class MlaDecodeSeesawSm90(MlaDecodeSm90):
             cute.arch.fence_view_async_shared()
             cute.arch.barrier(barrier_id=int(Barrier.TAIL) + wg, number_of_threads=128)
 
+    def _packed_staging_offset(self):
+        """Packed slot (:attr:`vt_packed`): byte offset of the e4m3 staging, after ``V^T`` (DV x 64) and P (64 x 64)."""
+        return (self.DV + self.block_m) * self.block_n
+
     def pv8_views(self, slots_ptr):
         """FP8 P V (:attr:`pv8`): per slot, the e4m3 ``V^T`` view ``((64 features, 8 chunks), 64 tokens)`` in the
         lower halves of the fp16-sized chunks 0..7 (chunk ``c``'s features at bytes ``8192 c ..``, 4 KB), and
@@ -448,13 +515,21 @@ class MlaDecodeSeesawSm90(MlaDecodeSm90):
         sw = sm90_utils.make_smem_layout_b(LayoutEnum.ROW_MAJOR, (self.block_m, self.block_n, _CHUNK), _F8, 1).inner
         vt = cute.make_layout(((_CHUNK, self.DV // _CHUNK), self.block_n), stride=((_CHUNK, chunk_bytes), 1))
         p = cute.make_layout((self.block_m, self.block_n), stride=(self.block_n, 1))
+        p_off = (self.D // _CHUNK - 1) * chunk_bytes
+        ps_store = p  # the view P is written through (token order)
+        if self.vt_packed:  # V^T rows contiguous (one K-major operand of 512 features), P right after
+            vt = cute.make_layout((self.DV, self.block_n), stride=(self.block_n, 1))
+            p_off = self.DV * self.block_n
+            # logical token t = t0 + 2 t12 + 8 t3 + 16 g sits at position t0 + 4 t12 + 2 t3 + 16 g (P8_TOKEN_ORDER)
+            ps_store = cute.make_layout((self.block_m, (2, 4, 2, self.block_n // 16)),
+                                        stride=(self.block_n, (1, 4, 2, 16)))
         vts = tuple(cute.make_tensor(cute.recast_ptr(raw + g * slot_bytes, sw), vt) for g in range(2))
-        ps = tuple(cute.make_tensor(cute.recast_ptr(raw + (g * slot_bytes + (self.D // _CHUNK - 1) * chunk_bytes),
-                                                    sw), p) for g in range(2))
-        return vts, ps
+        ps = tuple(cute.make_tensor(cute.recast_ptr(raw + (g * slot_bytes + p_off), sw), p) for g in range(2))
+        pss = tuple(cute.make_tensor(cute.recast_ptr(raw + (g * slot_bytes + p_off), sw), ps_store) for g in range(2))
+        return vts, ps, pss
 
     @cute.jit
-    def transpose_v(self, w32: cute.Tensor, slot: cutlass.Constexpr, tile_start: Int32, split_end: Int32, wg: Int32,
+    def transpose_v(self, w32: cute.Tensor, zero_row, slot: cutlass.Constexpr, tile_start: Int32, split_end: Int32, wg: Int32,
                     wtid: Int32):
         """FP8 P V: build a slot's ``V^T`` (e4m3, features x tokens, :meth:`pv8_views`) from its landed e4m3
         staging, by the 128 threads of the slot's owner after its QK retired; V rows at or past ``split_end``
@@ -469,7 +544,9 @@ class MlaDecodeSeesawSm90(MlaDecodeSm90):
         (:func:`vt_word_offsets`, checked in tests/test_compile_sm90_decode.py).  Reads (upper halves) and
         writes (lower halves) never overlap, so no barrier separates them; a proxy fence and a warpgroup
         barrier publish ``V^T`` to the PVs (the other warpgroup's behind the P_READY barrier, as before)."""
-        if cutlass.const_expr(self.pv8):
+        if cutlass.const_expr(self.vt_packed):
+            self.transpose_v_packed(w32, zero_row, slot, tile_start, split_end, wg, wtid)
+        elif cutlass.const_expr(self.pv8):
             chunk_bytes = self.block_n * _CHUNK * (self.mma_dtype.width // 8)
             base = slot * chunk_bytes * (self.D // _CHUNK)
             lane = wtid % 32
@@ -510,17 +587,57 @@ class MlaDecodeSeesawSm90(MlaDecodeSm90):
             cute.arch.barrier(barrier_id=int(Barrier.TAIL) + wg, number_of_threads=128)
 
     @cute.jit
-    def ready_v(self, sKs: cute.Tensor, sSt: cute.Tensor, w32: cute.Tensor, slot: cutlass.Constexpr,
+    def transpose_v_packed(self, w32: cute.Tensor, zero_row, slot: cutlass.Constexpr, tile_start: Int32,
+                           split_end: Int32, wg: Int32, wtid: Int32):
+        """:meth:`transpose_v` for the packed slot (:attr:`vt_packed`).  Warp ``w`` of the owner transposes tokens
+        ``16 w ..`` of all 512 features in blocks of 16 tokens x 32 features: one ``ldmatrix.x4.trans`` (thread
+        ``i`` gets tokens ``a, a+1`` and ``a+8, a+9``, ``a = 2 (i % 4)``, of feature pairs ``i // 4`` and
+        ``i // 4 + 8``), 4 ``prmt.b32`` into one word per feature (4 tokens, in :data:`P8_TOKEN_ORDER`), one
+        ``stmatrix.x4`` into the 16 ``V^T`` rows.  Addressing: :func:`ldsm_row_offset`, :func:`stsm_row_offset`,
+        :func:`p8_selectors`, checked with a model of the instructions in tests/test_compile_sm90_decode.py
+        (no bank conflicts).  A lane whose ldmatrix row is a token at or past ``split_end`` points it at a 16-byte
+        zero row instead (``zero_row``), which zeroes those V rows as :meth:`zero_tail` would."""
+        slot_bytes = self.block_n * self.D * (self.mma_dtype.width // 8)
+        base = w32.iterator.toint() + slot * slot_bytes
+        stg = base + self._packed_staging_offset()
+        lane = wtid % 32
+        warp = wtid // 32
+        sel0, sel1 = p8_selectors(lane)
+        sel0, sel1 = Int32(sel0), Int32(sel1)
+        cstep = Int32(self.block_n * _CHUNK)  # staging chunk stride (0 for the zero row)
+        ld0 = stg + ldsm_row_offset(lane, warp, 0)
+        ld1 = stg + ldsm_row_offset(lane, warp, 1)
+        if 16 * warp + lane % 8 + 8 * ((lane >> 3) & 1) >= split_end - tile_start:
+            z = zero_row.toint()
+            cstep, ld0, ld1 = Int32(0), z, z
+        st0 = base + stsm_row_offset(lane, warp, 0)
+        st1 = base + stsm_row_offset(lane, warp, 1)
+        for c0 in cutlass.range(0, self.DV // _CHUNK, 2, unroll=1):  # 2 chunks (4 ldmatrix) in flight
+            regs = []
+            for cc in cutlass.range_constexpr(2):
+                regs.append(_ldsm4t(ld0 + (c0 + cc) * cstep))
+                regs.append(_ldsm4t(ld1 + (c0 + cc) * cstep))
+            for cc in cutlass.range_constexpr(2):
+                for hb in cutlass.range_constexpr(2):
+                    r = regs[2 * cc + hb]
+                    _stsm4((st1 if hb else st0) + (c0 + cc) * (self.block_n * _CHUNK),
+                           _prmt(r[0], r[1], sel0), _prmt(r[0], r[1], sel1),
+                           _prmt(r[2], r[3], sel0), _prmt(r[2], r[3], sel1))
+        cute.arch.fence_view_async_shared()
+        cute.arch.barrier(barrier_id=int(Barrier.TAIL) + wg, number_of_threads=128)
+
+    @cute.jit
+    def ready_v(self, sKs: cute.Tensor, sSt: cute.Tensor, w32: cute.Tensor, zero_row, slot: cutlass.Constexpr,
                 tile_start: Int32, split_end: Int32, wg: Int32, wtid: Int32):
         """After a slot's QK retired, by its owner: V for the PVs (:meth:`transpose_v` with FP8 P V, else
         :meth:`expand_v`, a no-op for 16-bit inputs)."""
         if cutlass.const_expr(self.pv8):
-            self.transpose_v(w32, slot, tile_start, split_end, wg, wtid)
+            self.transpose_v(w32, zero_row, slot, tile_start, split_end, wg, wtid)
         else:
             self.expand_v(sKs, sSt, wg, wtid)
 
     @cute.jit
-    def next_tile_v(self, sKs: cute.Tensor, sSt: cute.Tensor, w32: cute.Tensor, slot: cutlass.Constexpr,
+    def next_tile_v(self, sKs: cute.Tensor, sSt: cute.Tensor, w32: cute.Tensor, zero_row, slot: cutlass.Constexpr,
                     tAs: cute.Tensor, tAg: cute.Tensor, tma_atom: cute.CopyAtom, mbar_ptr, mKV: cute.Tensor,
                     crd: cute.Tensor, tile_start: Int32, split_end: Int32, num_pages: Int32, refill_next,
                     wg: Int32, wtid: Int32):
@@ -531,7 +648,7 @@ class MlaDecodeSeesawSm90(MlaDecodeSm90):
         the tile two steps ahead (``crd``: its coordinates)."""
         if cutlass.const_expr(self.early):
             cute.arch.barrier(barrier_id=int(Barrier.VT0_FREE) + slot, number_of_threads=self.num_threads)
-        self.ready_v(sKs, sSt, w32, slot, tile_start, split_end, wg, wtid)
+        self.ready_v(sKs, sSt, w32, zero_row, slot, tile_start, split_end, wg, wtid)
         if cutlass.const_expr(self.early):  # noqa: SIM102 (static + dynamic test)
             if refill_next:
                 self.refill(sKs, tAs, tAg, tma_atom, mbar_ptr, mKV, crd, tile_start + 2 * self.block_n,
@@ -684,6 +801,10 @@ class MlaDecodeSeesawSm90(MlaDecodeSm90):
                 cpasync.prefetch_descriptor(tma_atom)
         if tid < 64:
             sM[tid] = -Float32.inf
+        zrow = st.zero_row.data_ptr()  # (only the packed transpose reads it)
+        if cutlass.const_expr(self.vt_packed):  # noqa: SIM102 (static + dynamic test)
+            if tid < 4:
+                st.zero_row.get_tensor(cute.make_layout(4))[tid] = Int32(0)
         cute.arch.mbarrier_init_fence()
         # ---- Q tile (rows past R: clamped copy of row R-1, never stored), one cp.async group (FP8: upcast
         #      through registers)
@@ -770,12 +891,12 @@ class MlaDecodeSeesawSm90(MlaDecodeSm90):
         if cutlass.const_expr(self.pv8):
             w32 = cute.make_tensor(cute.recast_ptr(st.sK.data_ptr(), dtype=Int32), cute.make_layout(
                 cute.cosize(k_layout) * (self.mma_dtype.width // 8) // 4))
-            (sVt0, sVt1), (sP80, sP81) = self.pv8_views(st.sK.data_ptr())
+            (sVt0, sVt1), (sP80, sP81), (sP8s0, sP8s1) = self.pv8_views(st.sK.data_ptr())
             thr8 = pv8.get_slice(wtid)
             acc_o8 = cute.make_tensor(acc_o.iterator,
                                       thr8.make_fragment_C(thr8.partition_shape_C((self.block_m, self.DV // 2))).layout)
-            tSsP8_0 = qk_thr.partition_C(sP80)
-            tSsP8_1 = qk_thr.partition_C(sP81)
+            tSsP8_0 = qk_thr.partition_C(sP8s0)
+            tSsP8_1 = qk_thr.partition_C(sP8s1)
             tOsP8_0 = thr8.make_fragment_A(thr8.partition_A(sP80))
             tOsP8_1 = thr8.make_fragment_A(thr8.partition_A(sP81))
             tOrVt0 = thr8.make_fragment_B(thr8.partition_B(cute.local_tile(sVt0, (self.DV // 2, bn), (wg, 0))))
@@ -811,9 +932,9 @@ class MlaDecodeSeesawSm90(MlaDecodeSm90):
             warpgroup.commit_group()
             warpgroup.wait_group(0)
             if wg == 0:
-                self.ready_v(sK0, sSt0, w32, 0, split_start, split_end, wg, wtid)
+                self.ready_v(sK0, sSt0, w32, zrow, 0, split_start, split_end, wg, wtid)
             else:
-                self.ready_v(sK1, sSt1, w32, 1, split_start + bn, split_end, wg, wtid)
+                self.ready_v(sK1, sSt1, w32, zrow, 1, split_start + bn, split_end, wg, wtid)
             if cutlass.const_expr(self.early):  # noqa: SIM102 (static + dynamic test)
                 if n_pairs > 1:  # pair 1 right away: the staging is free after the transpose
                     if wg == 0:
@@ -919,7 +1040,7 @@ class MlaDecodeSeesawSm90(MlaDecodeSm90):
                         self.l2_prefetch_pair(mKV, crdP0, crdP1, pf, split_end)
                 warpgroup.wait_group(0)
                 if more:
-                    self.next_tile_v(sK0, sSt0, w32, 0, tAs0, tAg, tma_atom, mbar + 0, mKV, pgA0, t0 + 2 * bn,
+                    self.next_tile_v(sK0, sSt0, w32, zrow, 0, tAs0, tAg, tma_atom, mbar + 0, mKV, pgA0, t0 + 2 * bn,
                                      split_end, num_pages, j + 2 < n_pairs, wg, wtid)
         else:
             for j in cutlass.range(n_pairs, unroll=1):
@@ -994,7 +1115,7 @@ class MlaDecodeSeesawSm90(MlaDecodeSm90):
                     warpgroup.commit_group()
                 warpgroup.wait_group(0)
                 if more:
-                    self.next_tile_v(sK1, sSt1, w32, 1, tAs1, tAg, tma_atom, mbar + 2, mKV, pgB1, t1 + 2 * bn,
+                    self.next_tile_v(sK1, sSt1, w32, zrow, 1, tAs1, tAg, tma_atom, mbar + 2, mKV, pgB1, t1 + 2 * bn,
                                      split_end, num_pages, j + 2 < n_pairs, wg, wtid)
 
         # ---- epilogue (base class): both warpgroups' O and l are relative to the final shared max
@@ -1021,7 +1142,8 @@ def launch_mla_decode_seesaw(stream, q: cute.Tensor, kv: cute.Tensor, block_tabl
                              tokens_per_split: cutlass.Constexpr, block_n: cutlass.Constexpr = 64,
                              schedule: cutlass.Constexpr = "seesaw", pdl: cutlass.Constexpr = True,
                              qk_fp8: cutlass.Constexpr = True, pv_fp8: cutlass.Constexpr = False,
-                             early_refill: cutlass.Constexpr = False, l2_prefetch: cutlass.Constexpr = "off"):
+                             early_refill: cutlass.Constexpr = False, vt_packed: cutlass.Constexpr = False,
+                             l2_prefetch: cutlass.Constexpr = "off"):
     """FFI launch function of schedule "seesaw" (same ABI as ``launch_mla_decode``); ``"seesaw-cpasync"``
     forces the cp.async refills where TMA would be used; ``qk_fp8=False`` runs an FP8 QK on fp16 operands;
     ``pv_fp8=True`` runs the FP8 P V on FP8 tensor cores (P rounded to e4m3; :meth:`MlaDecodeSeesawSm90.transpose_v`);
@@ -1029,9 +1151,9 @@ def launch_mla_decode_seesaw(stream, q: cute.Tensor, kv: cute.Tensor, block_tabl
     MlaDecodeSeesawSm90(dtype=dtype, num_heads=num_heads, q_len=q_len, page_size=page_size, causal=causal,
                         num_splits=num_splits, tokens_per_split=tokens_per_split, block_n=block_n,
                         kv_load="cp.async" if schedule == "seesaw-cpasync" else "auto", pdl=pdl, qk_fp8=qk_fp8,
-                        pv_fp8=pv_fp8, early_refill=early_refill, l2_prefetch=l2_prefetch)(
+                        pv_fp8=pv_fp8, early_refill=early_refill, vt_packed=vt_packed, l2_prefetch=l2_prefetch)(
         stream, q, kv, block_table, seq_lens, softmax_scale, output_scale, out, lse, o_accum, lse_accum)
 
 
-__all__ = ["L2_PREFETCH_MODES", "MlaDecodeSeesawSm90", "acc_to_a_layout", "launch_mla_decode_seesaw", "sw64",
-           "vt_word_offsets"]
+__all__ = ["L2_PREFETCH_MODES", "P8_TOKEN_ORDER", "MlaDecodeSeesawSm90", "acc_to_a_layout", "launch_mla_decode_seesaw",
+           "ldsm_row_offset", "p8_selectors", "stsm_row_offset", "sw64", "vt_word_offsets"]
