@@ -77,7 +77,7 @@ from __future__ import annotations
 
 import cutlass
 import cutlass.utils.hopper_helpers as sm90_utils
-from cutlass import Float32, Int32, Int64, cute
+from cutlass import Boolean, Float32, Int32, Int64, cute
 from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.tensor_utils import LayoutEnum
 
@@ -176,8 +176,8 @@ class MlaDecodeSeesawSm90(MlaDecodeSm90):
     16-bit dtypes, ``block_n`` 64."""
 
     def __init__(self, *, kv_load: str = "auto", qk_fp8: bool = True, pv_fp8: bool = False,
-                 early_refill: bool = False, vt_packed: bool = False, vt_overlap: bool = False,
-                 expand_group: int = 4,
+                 early_refill: bool = False, vt_packed: bool = False,
+                 skip_unit_scale: bool = False, expand_group: int = 4,
                  l2_prefetch: str = "off", **kw):
         kw["schedule"] = "lockstep"
         super().__init__(**kw)
@@ -201,11 +201,9 @@ class MlaDecodeSeesawSm90(MlaDecodeSm90):
         if vt_packed and not self.pv8:
             raise ValueError("vt_packed needs pv_fp8")
         self.vt_packed = bool(vt_packed)
-        # with the early refills: build the next tile's V^T while its QK runs (both only read the staging; the
-        # transpose writes V^T, which the QK does not read), not after the QK retired (:meth:`next_tile_v`)
-        if vt_overlap and not self.early:
-            raise ValueError("vt_overlap needs early_refill")
-        self.vt_overlap = bool(vt_overlap)
+        # skip a rescale of O (and of WG0's P for WG1) when every scale of the warp's rows is exactly 1, i.e. no row
+        # of the warp raised its max: the common case once the max settled; bitwise the same result
+        self.skip_unit = bool(skip_unit_scale)
         # pairs ahead of iteration j that its L2 prefetch loads: j + 2 (iteration j refills pair j + 1), with the
         # early refills j + 3 (iteration j refills pair j + 2)
         self.pf_ahead = 3 if self.early else 2
@@ -652,24 +650,13 @@ class MlaDecodeSeesawSm90(MlaDecodeSm90):
         the other warpgroup's cross PV of the slot's last tile (VT0_FREE / VT1_FREE: that PV read the
         ``V^T`` and P about to be rebuilt), and afterwards, if ``refill_next``, refills the whole slot with
         the tile two steps ahead (``crd``: its coordinates)."""
-        if cutlass.const_expr(not self.vt_overlap):  # (else done while the QK ran: :meth:`overlap_v`)
-            if cutlass.const_expr(self.early):
-                cute.arch.barrier(barrier_id=int(Barrier.VT0_FREE) + slot, number_of_threads=self.num_threads)
-            self.ready_v(sKs, sSt, w32, zero_row, slot, tile_start, split_end, wg, wtid)
+        if cutlass.const_expr(self.early):
+            cute.arch.barrier(barrier_id=int(Barrier.VT0_FREE) + slot, number_of_threads=self.num_threads)
+        self.ready_v(sKs, sSt, w32, zero_row, slot, tile_start, split_end, wg, wtid)
         if cutlass.const_expr(self.early):  # noqa: SIM102 (static + dynamic test)
             if refill_next:
                 self.refill(sKs, tAs, tAg, tma_atom, mbar_ptr, mKV, crd, tile_start + 2 * self.block_n,
                             split_end, num_pages, wg, wtid, _ALL_CHUNKS, None)
-
-    @cute.jit
-    def overlap_v(self, w32: cute.Tensor, zero_row, slot: cutlass.Constexpr, tile_start: Int32, split_end: Int32,
-                  wg: Int32, wtid: Int32):
-        """:attr:`vt_overlap`: right after issuing the QK of the tile starting at ``tile_start``, its owner waits
-        for the other warpgroup's cross PV of the slot's last tile (VT0_FREE / VT1_FREE) and builds the tile's
-        ``V^T`` (:meth:`transpose_v`) while the QK runs; :meth:`next_tile_v` then only refills."""
-        if cutlass.const_expr(self.vt_overlap):
-            cute.arch.barrier(barrier_id=int(Barrier.VT0_FREE) + slot, number_of_threads=self.num_threads)
-            self.transpose_v(w32, zero_row, slot, tile_start, split_end, wg, wtid)
 
     @cute.jit
     def store_p8(self, acc_s: cute.Tensor, tSsP: cute.Tensor):
@@ -775,9 +762,21 @@ class MlaDecodeSeesawSm90(MlaDecodeSm90):
             row_l[h] = row_l[h] + p
 
     @cute.jit
-    def scale_o(self, acc_o: cute.Tensor, s: cute.Tensor):
-        for e in cutlass.range_constexpr(cute.size(acc_o)):
-            acc_o[e] = acc_o[e] * s[(e // 2) % 2]
+    def scale_o(self, acc_o: cute.Tensor, s: cute.Tensor, enable: cutlass.Constexpr = True):
+        """``O *= s`` per row; with :attr:`skip_unit` not at all when :meth:`any_scale` is false."""
+        if self.any_scale(s, enable):
+            for e in cutlass.range_constexpr(cute.size(acc_o)):
+                acc_o[e] = acc_o[e] * s[(e // 2) % 2]
+
+    @cute.jit
+    def any_scale(self, s: cute.Tensor, enable: cutlass.Constexpr = True):
+        """Warp-uniform: does any row of this warp have a scale other than 1 (always true without
+        :attr:`skip_unit`)?  Rows of a warp are its own (16 of the warpgroup's 64), so a warp may skip its share of
+        a rescale on its own."""
+        r = Boolean(True)
+        if cutlass.const_expr(self.skip_unit and enable):
+            r = cute.arch.vote_any_sync((s[0] != Float32(1.0)) | (s[1] != Float32(1.0)))
+        return r
 
     @cute.kernel
     def seesaw_kernel(self, qk_mma: cute.TiledMma, pv_ss: cute.TiledMma, pv_rs: cute.TiledMma, pv8: cute.TiledMma,
@@ -1014,16 +1013,17 @@ class MlaDecodeSeesawSm90(MlaDecodeSm90):
                 for h in cutlass.range_constexpr(2):
                     sc[h] = sSc1[row_in[h]]
                     row_l[h] = row_l[h] * sc[h]
-                for e in cutlass.range_constexpr(cute.size(acc_s)):
-                    acc_s[e] = acc_s[e] * sc[(e // 2) % 2]
-                if cutlass.const_expr(self.pv8):  # (the own PV, which read the same tile, retired above)
-                    self.store_p8(acc_s, tSsP8_0)
-                else:
+                if self.any_scale(sc, self.pv8):  # (FP8 P V: else the warp's rows of P in smem are the rescaled ones)
+                    for e in cutlass.range_constexpr(cute.size(acc_s)):
+                        acc_s[e] = acc_s[e] * sc[(e // 2) % 2]
+                    if cutlass.const_expr(self.pv8):  # (the own PV, which read the same tile, retired above)
+                        self.store_p8(acc_s, tSsP8_0)
+                if cutlass.const_expr(not self.pv8):
                     rP.store(acc_s.load().to(self.mma_dtype))
                     cute.autovec_copy(rP, tSsP0)
                     cute.arch.fence_view_async_shared()
                 cute.arch.barrier_arrive(barrier_id=int(Barrier.P0_READY), number_of_threads=self.num_threads)
-                self.scale_o(acc_o, sc)
+                self.scale_o(acc_o, sc, self.pv8)  # (BF16: a skip here made ptxas serialize, C7520)
                 # 4. O_L += P1 V1_L (SS; P1 from WG1's smem)
                 cute.arch.barrier(barrier_id=int(Barrier.P1_READY), number_of_threads=self.num_threads)
                 if cutlass.const_expr(self.pv8):
@@ -1040,7 +1040,6 @@ class MlaDecodeSeesawSm90(MlaDecodeSm90):
                         warpgroup.commit_group()
                         warpgroup.wait_group(1)
                         cute.arch.barrier_arrive(barrier_id=int(Barrier.VT1_FREE), number_of_threads=self.num_threads)
-                        self.overlap_v(w32, zrow, 0, t0 + 2 * bn, split_end, wg, wtid)
                 elif more:
                     self.landed(mbar + 0, ph)
                     self.expand(sK0, sSt0, wg, wtid, (0, 1, 2, 3))
@@ -1085,7 +1084,7 @@ class MlaDecodeSeesawSm90(MlaDecodeSm90):
                         sSc1[row_in[h]] = s1
                 cute.arch.barrier_arrive(barrier_id=int(Barrier.SCALE1), number_of_threads=self.num_threads)
                 self.exp_rows(acc_s, ref, row_l)
-                self.scale_o(acc_o, sc)
+                self.scale_o(acc_o, sc, self.pv8)  # (as above)
                 # 2. P1 -> smem (for WG0), O_R += P1 V1_R (RS)
                 if cutlass.const_expr(self.pv8):  # SS: P1 through smem, for both PVs that read it
                     self.store_p8(acc_s, tSsP8_1)
@@ -1120,7 +1119,6 @@ class MlaDecodeSeesawSm90(MlaDecodeSm90):
                         self.landed(mbar + 2, ph)
                         self.qk_chunks(qk_mma, acc_s, tSrQ, tSrK1, _ALL_CHUNKS, True)
                         warpgroup.commit_group()
-                        self.overlap_v(w32, zrow, 1, t1 + 2 * bn, split_end, wg, wtid)
                 elif more:
                     self.refill(sK0, tAs0, tAg, tma_atom, mbar + 1, mKV, pgB0, t1 + bn, split_end, num_pages, wg,
                                 wtid, (4, 5, 6, 7, 8), Barrier.REFILL_B0)
@@ -1162,7 +1160,8 @@ def launch_mla_decode_seesaw(stream, q: cute.Tensor, kv: cute.Tensor, block_tabl
                              schedule: cutlass.Constexpr = "seesaw", pdl: cutlass.Constexpr = True,
                              qk_fp8: cutlass.Constexpr = True, pv_fp8: cutlass.Constexpr = False,
                              early_refill: cutlass.Constexpr = False, vt_packed: cutlass.Constexpr = False,
-                             vt_overlap: cutlass.Constexpr = False, l2_prefetch: cutlass.Constexpr = "off"):
+                             skip_unit_scale: cutlass.Constexpr = False,
+                             l2_prefetch: cutlass.Constexpr = "off"):
     """FFI launch function of schedule "seesaw" (same ABI as ``launch_mla_decode``); ``"seesaw-cpasync"``
     forces the cp.async refills where TMA would be used; ``qk_fp8=False`` runs an FP8 QK on fp16 operands;
     ``pv_fp8=True`` runs the FP8 P V on FP8 tensor cores (P rounded to e4m3; :meth:`MlaDecodeSeesawSm90.transpose_v`);
@@ -1170,8 +1169,8 @@ def launch_mla_decode_seesaw(stream, q: cute.Tensor, kv: cute.Tensor, block_tabl
     MlaDecodeSeesawSm90(dtype=dtype, num_heads=num_heads, q_len=q_len, page_size=page_size, causal=causal,
                         num_splits=num_splits, tokens_per_split=tokens_per_split, block_n=block_n,
                         kv_load="cp.async" if schedule == "seesaw-cpasync" else "auto", pdl=pdl, qk_fp8=qk_fp8,
-                        pv_fp8=pv_fp8, early_refill=early_refill, vt_packed=vt_packed, vt_overlap=vt_overlap,
-                        l2_prefetch=l2_prefetch)(
+                        pv_fp8=pv_fp8, early_refill=early_refill, vt_packed=vt_packed,
+                        skip_unit_scale=skip_unit_scale, l2_prefetch=l2_prefetch)(
         stream, q, kv, block_table, seq_lens, softmax_scale, output_scale, out, lse, o_accum, lse_accum)
 
 
