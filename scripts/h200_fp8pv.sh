@@ -11,7 +11,7 @@
 # profile: the memcheck test alone with FP8_PV=$M; ncu (raw metrics of 4 sections: stall reasons, pipes, issue) of
 #   our kernel at B64/K16384 H32/S4 and H16/S1, FP8 with FP8_PV 0 and $M, and BF16 next to FlashMLA BF16
 #   (its FP8 fork segfaulted under ncu on 2026-12-01).  Files: memcheck.log, ncu_fp8_0.csv, ncu_fp8_$M.csv, ncu_bf16_0.csv
-# ab: the interleaved A/B of the switch $W (default TOKENSPEED_SM90_DECODE_SKIP_RESCALE) over the values $AB on the
+# ab: the interleaved A/B of the switch $W (default TOKENSPEED_SM90_DECODE_L2_PREFETCH) over the values $AB on the
 #   13 shapes, for each dtype of $DT (default FP8 and BF16), with FP8_PV=$M.  Files: ab_<dtype>.{log,json}
 # bench: the decode benchmark against FlashMLA BF16 / FP8 with FP8_PV=$M (decode.json, decode.png, bench.log).
 set -uo pipefail
@@ -90,7 +90,7 @@ elif [ "$1" = profile ]; then  # memcheck with FP8_PV=$M alone; ncu stall reason
       > "$OUT/ncu_${d}_$v.csv" 2>&1; echo "ncu rc=$?"; grep -c '^"[0-9]' "$OUT/ncu_${d}_$v.csv"
   done
 elif [ "$1" = ab ]; then  # interleaved A/B of the switch $W over the values $AB, for each dtype of $DT (FP8_PV=$M)
-  W=${W:-TOKENSPEED_SM90_DECODE_SKIP_RESCALE}
+  W=${W:-TOKENSPEED_SM90_DECODE_L2_PREFETCH}
   for d in ${DT:-float8_e4m3fn bfloat16}; do
     stamp "A/B $W $AB ($d)"
     timeout 280 env $V=$M python scripts/decode_ab.py $W $AB --dtype $d --cases matrix --prewarm 14 \

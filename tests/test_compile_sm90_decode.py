@@ -37,7 +37,7 @@ _SCRIPT = textwrap.dedent(
             ("float8_e4m3fn", 32, 2, 32, 2, 256, 64, "seesaw"), ("float8_e4m3fn", 16, 1, 64, 2, 256, 64, "seesaw16"),
             ("float8_e4m3fn", 16, 4, 32, 3, 256, 64, "seesaw8"),  # (dump names differ early: q shape)
             ("float8_e4m3fn", 8, 8, 32, 3, 256, 64, "seesaw8e"), ("float8_e4m3fn", 4, 16, 32, 3, 256, 64, "seesaw8p"),
-            ("float8_e4m3fn", 2, 16, 16, 3, 256, 64, "seesaw8q"), ]
+            ("float8_e4m3fn", 2, 16, 16, 3, 256, 64, "seesaw8q")]
     for (dtype, H, S, page, splits, tps, bn, sched) in cfgs:
         before = set(glob.glob(d + "/*"))
         if sched.startswith("seesaw"):  # seesaw16: an FP8 QK on fp16 operands; seesaw8: FP8 P V on QGMMA too
@@ -45,8 +45,7 @@ _SCRIPT = textwrap.dedent(
                                     num_splits=splits, tokens_per_split=tps, block_n=bn,
                                     qk_fp8=sched != "seesaw16", pv_fp8=sched.startswith("seesaw8"),
                                     early_refill=sched in ("seesaw8e", "seesaw8p"),
-                                    vt_packed=sched in ("seesaw8p", "seesaw8q"),
-                                    skip_unit_scale=sched == "seesaw8p" or (sched == "seesaw" and page == 64))
+                                    vt_packed=sched in ("seesaw8p", "seesaw8q"))
         else:
             k = MlaDecodeSm90(dtype=dtype, num_heads=H, q_len=S, page_size=page, causal=True, num_splits=splits,
                               tokens_per_split=tps, block_n=bn, schedule=sched)
@@ -297,7 +296,7 @@ def test_fp8_pv_switch(monkeypatch):
     from tokenspeed_jax.backends import sm90_decode as m
 
     monkeypatch.delenv(m.FP8_PV_ENV, raising=False)
-    assert m.resolve_fp8_pv() == m.FP8_PV_DEFAULT == "2"
+    assert m.resolve_fp8_pv() == m.FP8_PV_DEFAULT == "3"
     for v in m.FP8_PV_MODES:
         monkeypatch.setenv(m.FP8_PV_ENV, v)
         assert m.resolve_fp8_pv() == v
@@ -309,24 +308,6 @@ def test_fp8_pv_switch(monkeypatch):
     k = ("k", "float8_e4m3fn", 16, 1, 64, True, 1, 64, 64, "seesaw", True, True, "late")
     assert len({m.DecodeKernelKey(*k), m.DecodeKernelKey(*k, True), m.DecodeKernelKey(*k, True, True),
                 m.DecodeKernelKey(*k, True, True, True)}) == 4
-
-
-def test_skip_rescale_switch(monkeypatch):
-    """The unit-rescale skip is read from the environment, validated with the variable named, and keyed."""
-    from tokenspeed_jax.backends import sm90_decode as m
-
-    monkeypatch.delenv(m.SKIP_RESCALE_ENV, raising=False)
-    assert m.resolve_skip_rescale() == m.SKIP_RESCALE_DEFAULT
-    for v in m.SKIP_RESCALE_MODES:
-        monkeypatch.setenv(m.SKIP_RESCALE_ENV, v)
-        assert m.resolve_skip_rescale() == v
-    for bad in ("on", "2", "yes"):
-        monkeypatch.setenv(m.SKIP_RESCALE_ENV, bad)
-        with pytest.raises(ValueError, match=m.SKIP_RESCALE_ENV):
-            m.resolve_skip_rescale()
-    assert m.SKIP_RESCALE_ENV in m.TRACE_ENV
-    k = ("k", "bfloat16", 16, 1, 64, True, 1, 64, 64, "seesaw", True, False, "late", False, False, False)
-    assert m.DecodeKernelKey(*k, False) != m.DecodeKernelKey(*k, True)
 
 
 def _pip_has(mod: str) -> bool:

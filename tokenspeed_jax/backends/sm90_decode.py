@@ -66,20 +66,15 @@ FP8_QK_ENV = "TOKENSPEED_SM90_DECODE_FP8_QK"
 # "1" packed).  Needs the QGMMA QK.  Read at trace time; part of the compile key.
 FP8_PV_ENV = "TOKENSPEED_SM90_DECODE_FP8_PV"
 FP8_PV_MODES = ("0", "1", "2", "3")
-FP8_PV_DEFAULT = "2"
+FP8_PV_DEFAULT = "3"
 # The seesaw loop's L2 prefetch of the KV tile pair after the next (cp.async.bulk.prefetch): "off", "late"
 # or "early" (docs/sm90_decode.md, "L2 prefetch").  Read at trace time; part of the compile key.
 L2_PREFETCH_ENV = "TOKENSPEED_SM90_DECODE_L2_PREFETCH"
 L2_PREFETCH_MODES = ("off", "late", "early")  # the kernel's (no cutlass import here)
 L2_PREFETCH_DEFAULT = "late"
-# The seesaw loop skips a warp's rescale of O (and FP8 P V: of WG0's P for WG1) when all its rows' scales are
-# exactly 1 ("1"), or always rescales ("0"); bitwise the same results.  Read at trace time; part of the compile key.
-SKIP_RESCALE_ENV = "TOKENSPEED_SM90_DECODE_SKIP_RESCALE"
-SKIP_RESCALE_MODES = ("0", "1")
-SKIP_RESCALE_DEFAULT = "0"
 # The environment switches this module reads at trace time: ``mla_decode`` keys its per-problem trace cache
 # on their values (``Backend.trace_env``), so a switch changed between two traces takes effect.
-TRACE_ENV = (SCHEDULE_ENV, PDL_ENV, FP8_QK_ENV, FP8_PV_ENV, L2_PREFETCH_ENV, SKIP_RESCALE_ENV)
+TRACE_ENV = (SCHEDULE_ENV, PDL_ENV, FP8_QK_ENV, FP8_PV_ENV, L2_PREFETCH_ENV)
 SCHEDULES = ("auto", "seesaw", "seesaw-cpasync", "lockstep", "overlap")  # module docstring (no cutlass import here)
 _MIN_PAGE = 8
 _MIN_FP8_SEESAW_PAGE = 16  # the FP8 seesaw needs TMA refills (the kernel's _MIN_TMA_PAGE; no cutlass import here)
@@ -106,7 +101,6 @@ class DecodeKernelKey:
     pv_fp8: bool = False  # FP8 seesaw: P V on FP8 tensor cores ($TOKENSPEED_SM90_DECODE_FP8_PV 1 or 2)
     early_refill: bool = False  # ... with whole-slot refills after the V transpose ($TOKENSPEED_SM90_DECODE_FP8_PV 2)
     vt_packed: bool = False  # ... with packed slots ($TOKENSPEED_SM90_DECODE_FP8_PV 3)
-    skip_unit_scale: bool = False  # seesaw: skip unit rescales ($TOKENSPEED_SM90_DECODE_SKIP_RESCALE)
 
 
 def supports(problem: DecodeProblem) -> str | None:
@@ -146,12 +140,6 @@ def resolve_schedule(schedule: str | None = None) -> str:
 def resolve_l2_prefetch() -> str:
     """``$TOKENSPEED_SM90_DECODE_L2_PREFETCH`` (the seesaw loop's L2 prefetch mode), validated."""
     return _choice(os.environ.get(L2_PREFETCH_ENV, "") or L2_PREFETCH_DEFAULT, L2_PREFETCH_MODES, L2_PREFETCH_ENV)
-
-
-def resolve_skip_rescale() -> str:
-    """``$TOKENSPEED_SM90_DECODE_SKIP_RESCALE`` (one of :data:`SKIP_RESCALE_MODES`), validated."""
-    return _choice(os.environ.get(SKIP_RESCALE_ENV, "") or SKIP_RESCALE_DEFAULT, SKIP_RESCALE_MODES,
-                   SKIP_RESCALE_ENV)
 
 
 def resolve_fp8_pv() -> str:
@@ -198,13 +186,9 @@ def decode(problem: DecodeProblem, q, kv_cache, block_table, seq_lens, softmax_s
     early_refill = fp8_pv in ("2", "3") and problem.page_size >= _MIN_EARLY_REFILL_PAGE
     vt_packed = fp8_pv == "3"
     l2_prefetch = resolve_l2_prefetch() if seesaw else "off"
-    # only where ptxas keeps the wgmmas asynchronous with it: 16-bit pages >= 32, FP8 mode 3 (pages >= 32); with
-    # 16-token pages (BF16), FP8 mode 1 or 2 it serialized them (C7520; CPU compile sweep, 2026-12-01)
-    skip_unit_scale = (seesaw and resolve_skip_rescale() == "1" and problem.page_size >= _MIN_EARLY_REFILL_PAGE
-                       and (vt_packed or not pv_fp8))
     key = DecodeKernelKey("mla_decode_sm90.v9", problem.dtype, H, S, problem.page_size, problem.causal,
                           plan.num_splits, plan.tokens_per_split, block_n, schedule, pdl, qk_fp8, l2_prefetch, pv_fp8,
-                          early_refill, vt_packed, skip_unit_scale)
+                          early_refill, vt_packed)
     outputs = [jax.ShapeDtypeStruct((B, S, H, problem.kv_lora_rank), jnp.dtype(problem.out_dtype)),
                jax.ShapeDtypeStruct((B, S, H), jnp.float32)]
     outputs += [jax.ShapeDtypeStruct(w.shape, jnp.dtype(w.dtype)) for w in plan.workspace]
@@ -214,7 +198,7 @@ def decode(problem: DecodeProblem, q, kv_cache, block_table, seq_lens, softmax_s
         num_splits=plan.num_splits, tokens_per_split=plan.tokens_per_split, block_n=block_n, schedule=schedule,
         pdl=pdl, **({"qk_fp8": qk_fp8, "pv_fp8": pv_fp8, "early_refill": early_refill, "vt_packed": vt_packed}
              if fp8_seesaw else {}),
-        **({"l2_prefetch": l2_prefetch, "skip_unit_scale": skip_unit_scale} if seesaw else {}),
+        **({"l2_prefetch": l2_prefetch} if seesaw else {}),
     )
     res = call(q, kv_cache, block_table.astype(jnp.int32), seq_lens.astype(jnp.int32),
                ffi.scalar_operand(softmax_scale), ffi.scalar_operand(output_scale))

@@ -77,7 +77,7 @@ from __future__ import annotations
 
 import cutlass
 import cutlass.utils.hopper_helpers as sm90_utils
-from cutlass import Boolean, Float32, Int32, Int64, cute
+from cutlass import Float32, Int32, Int64, cute
 from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.tensor_utils import LayoutEnum
 
@@ -176,8 +176,7 @@ class MlaDecodeSeesawSm90(MlaDecodeSm90):
     16-bit dtypes, ``block_n`` 64."""
 
     def __init__(self, *, kv_load: str = "auto", qk_fp8: bool = True, pv_fp8: bool = False,
-                 early_refill: bool = False, vt_packed: bool = False,
-                 skip_unit_scale: bool = False, expand_group: int = 4,
+                 early_refill: bool = False, vt_packed: bool = False, expand_group: int = 4,
                  l2_prefetch: str = "off", **kw):
         kw["schedule"] = "lockstep"
         super().__init__(**kw)
@@ -201,9 +200,6 @@ class MlaDecodeSeesawSm90(MlaDecodeSm90):
         if vt_packed and not self.pv8:
             raise ValueError("vt_packed needs pv_fp8")
         self.vt_packed = bool(vt_packed)
-        # skip a rescale of O (and of WG0's P for WG1) when every scale of the warp's rows is exactly 1, i.e. no row
-        # of the warp raised its max: the common case once the max settled; bitwise the same result
-        self.skip_unit = bool(skip_unit_scale)
         # pairs ahead of iteration j that its L2 prefetch loads: j + 2 (iteration j refills pair j + 1), with the
         # early refills j + 3 (iteration j refills pair j + 2)
         self.pf_ahead = 3 if self.early else 2
@@ -762,21 +758,9 @@ class MlaDecodeSeesawSm90(MlaDecodeSm90):
             row_l[h] = row_l[h] + p
 
     @cute.jit
-    def scale_o(self, acc_o: cute.Tensor, s: cute.Tensor, enable: cutlass.Constexpr = True):
-        """``O *= s`` per row; with :attr:`skip_unit` not at all when :meth:`any_scale` is false."""
-        if self.any_scale(s, enable):
-            for e in cutlass.range_constexpr(cute.size(acc_o)):
-                acc_o[e] = acc_o[e] * s[(e // 2) % 2]
-
-    @cute.jit
-    def any_scale(self, s: cute.Tensor, enable: cutlass.Constexpr = True):
-        """Warp-uniform: does any row of this warp have a scale other than 1 (always true without
-        :attr:`skip_unit`)?  Rows of a warp are its own (16 of the warpgroup's 64), so a warp may skip its share of
-        a rescale on its own."""
-        r = Boolean(True)
-        if cutlass.const_expr(self.skip_unit and enable):
-            r = cute.arch.vote_any_sync((s[0] != Float32(1.0)) | (s[1] != Float32(1.0)))
-        return r
+    def scale_o(self, acc_o: cute.Tensor, s: cute.Tensor):
+        for e in cutlass.range_constexpr(cute.size(acc_o)):
+            acc_o[e] = acc_o[e] * s[(e // 2) % 2]
 
     @cute.kernel
     def seesaw_kernel(self, qk_mma: cute.TiledMma, pv_ss: cute.TiledMma, pv_rs: cute.TiledMma, pv8: cute.TiledMma,
@@ -1013,17 +997,16 @@ class MlaDecodeSeesawSm90(MlaDecodeSm90):
                 for h in cutlass.range_constexpr(2):
                     sc[h] = sSc1[row_in[h]]
                     row_l[h] = row_l[h] * sc[h]
-                if self.any_scale(sc, self.pv8):  # (FP8 P V: else the warp's rows of P in smem are the rescaled ones)
-                    for e in cutlass.range_constexpr(cute.size(acc_s)):
-                        acc_s[e] = acc_s[e] * sc[(e // 2) % 2]
-                    if cutlass.const_expr(self.pv8):  # (the own PV, which read the same tile, retired above)
-                        self.store_p8(acc_s, tSsP8_0)
-                if cutlass.const_expr(not self.pv8):
+                for e in cutlass.range_constexpr(cute.size(acc_s)):
+                    acc_s[e] = acc_s[e] * sc[(e // 2) % 2]
+                if cutlass.const_expr(self.pv8):  # (the own PV, which read the same tile, retired above)
+                    self.store_p8(acc_s, tSsP8_0)
+                else:
                     rP.store(acc_s.load().to(self.mma_dtype))
                     cute.autovec_copy(rP, tSsP0)
                     cute.arch.fence_view_async_shared()
                 cute.arch.barrier_arrive(barrier_id=int(Barrier.P0_READY), number_of_threads=self.num_threads)
-                self.scale_o(acc_o, sc, self.pv8)  # (BF16: a skip here made ptxas serialize, C7520)
+                self.scale_o(acc_o, sc)
                 # 4. O_L += P1 V1_L (SS; P1 from WG1's smem)
                 cute.arch.barrier(barrier_id=int(Barrier.P1_READY), number_of_threads=self.num_threads)
                 if cutlass.const_expr(self.pv8):
@@ -1084,7 +1067,7 @@ class MlaDecodeSeesawSm90(MlaDecodeSm90):
                         sSc1[row_in[h]] = s1
                 cute.arch.barrier_arrive(barrier_id=int(Barrier.SCALE1), number_of_threads=self.num_threads)
                 self.exp_rows(acc_s, ref, row_l)
-                self.scale_o(acc_o, sc, self.pv8)  # (as above)
+                self.scale_o(acc_o, sc)
                 # 2. P1 -> smem (for WG0), O_R += P1 V1_R (RS)
                 if cutlass.const_expr(self.pv8):  # SS: P1 through smem, for both PVs that read it
                     self.store_p8(acc_s, tSsP8_1)
@@ -1160,7 +1143,6 @@ def launch_mla_decode_seesaw(stream, q: cute.Tensor, kv: cute.Tensor, block_tabl
                              schedule: cutlass.Constexpr = "seesaw", pdl: cutlass.Constexpr = True,
                              qk_fp8: cutlass.Constexpr = True, pv_fp8: cutlass.Constexpr = False,
                              early_refill: cutlass.Constexpr = False, vt_packed: cutlass.Constexpr = False,
-                             skip_unit_scale: cutlass.Constexpr = False,
                              l2_prefetch: cutlass.Constexpr = "off"):
     """FFI launch function of schedule "seesaw" (same ABI as ``launch_mla_decode``); ``"seesaw-cpasync"``
     forces the cp.async refills where TMA would be used; ``qk_fp8=False`` runs an FP8 QK on fp16 operands;
@@ -1169,8 +1151,7 @@ def launch_mla_decode_seesaw(stream, q: cute.Tensor, kv: cute.Tensor, block_tabl
     MlaDecodeSeesawSm90(dtype=dtype, num_heads=num_heads, q_len=q_len, page_size=page_size, causal=causal,
                         num_splits=num_splits, tokens_per_split=tokens_per_split, block_n=block_n,
                         kv_load="cp.async" if schedule == "seesaw-cpasync" else "auto", pdl=pdl, qk_fp8=qk_fp8,
-                        pv_fp8=pv_fp8, early_refill=early_refill, vt_packed=vt_packed,
-                        skip_unit_scale=skip_unit_scale, l2_prefetch=l2_prefetch)(
+                        pv_fp8=pv_fp8, early_refill=early_refill, vt_packed=vt_packed, l2_prefetch=l2_prefetch)(
         stream, q, kv, block_table, seq_lens, softmax_scale, output_scale, out, lse, o_accum, lse_accum)
 
 
