@@ -209,7 +209,7 @@ def fp8_qk_lse_slack(c: Case, q, kv, scale):
     return FP8_QK_ACC_EPS * float(scale) * qn * float(np.max(kn[np.isfinite(kn)], initial=0.0))
 
 
-# FP8 P V on FP8 tensor cores (TOKENSPEED_SM90_DECODE_FP8_PV=1 or 2, the default) rounds P to e4m3: 3 mantissa
+# FP8 P V on FP8 tensor cores (TOKENSPEED_SM90_DECODE_FP8_PV=1, 2 or 3, the default) rounds P to e4m3: 3 mantissa
 # bits, a relative error of at most 2^-4 per probability (round to nearest; P is scaled by 2^8 first, so down to
 # p = 2^-14 it stays a normal number).  Taken as independent, each at most uniform, the output error of a row and
 # column has a standard deviation of at most 2^-4 / sqrt(3) * sqrt(sum_i p_i^2 v_i^2) / l; the check allows
