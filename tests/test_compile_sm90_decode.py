@@ -37,16 +37,15 @@ _SCRIPT = textwrap.dedent(
             ("float8_e4m3fn", 32, 2, 32, 2, 256, 64, "seesaw"), ("float8_e4m3fn", 16, 1, 64, 2, 256, 64, "seesaw16"),
             ("float8_e4m3fn", 16, 4, 32, 3, 256, 64, "seesaw8"),  # (dump names differ early: q shape)
             ("float8_e4m3fn", 8, 8, 32, 3, 256, 64, "seesaw8e"), ("float8_e4m3fn", 4, 16, 32, 3, 256, 64, "seesaw8p"),
-            ("float8_e4m3fn", 2, 16, 16, 3, 256, 64, "seesaw8q"),
-            ("float8_e4m3fn", 8, 4, 32, 3, 256, 64, "seesaw8c")]
+            ("float8_e4m3fn", 2, 16, 16, 3, 256, 64, "seesaw8q")]
     for (dtype, H, S, page, splits, tps, bn, sched) in cfgs:
         before = set(glob.glob(d + "/*"))
         if sched.startswith("seesaw"):  # seesaw16: an FP8 QK on fp16 operands; seesaw8: FP8 P V on QGMMA too
             k = MlaDecodeSeesawSm90(dtype=dtype, num_heads=H, q_len=S, page_size=page, causal=True,
                                     num_splits=splits, tokens_per_split=tps, block_n=bn,
                                     qk_fp8=sched != "seesaw16", pv_fp8=sched.startswith("seesaw8"),
-                                    early_refill=sched in ("seesaw8e", "seesaw8p", "seesaw8c"),
-                                    vt_packed=sched in ("seesaw8p", "seesaw8q", "seesaw8c"), p_copy=sched == "seesaw8c")
+                                    early_refill=sched in ("seesaw8e", "seesaw8p"),
+                                    vt_packed=sched in ("seesaw8p", "seesaw8q"))
         else:
             k = MlaDecodeSm90(dtype=dtype, num_heads=H, q_len=S, page_size=page, causal=True, num_splits=splits,
                               tokens_per_split=tps, block_n=bn, schedule=sched)
@@ -238,11 +237,6 @@ def test_sm90_decode_compiles_for_sm90a(tmp_path):
     assert x["qk8"] == 4 * 18 and x["pv8n256"] == 8 and x["tma"] == 2 * 72 and x["ldsm"] == 16, x
     if x["sass"]:
         assert x["qgmma256"] == 8 and x["spill"] == 0, x
-    # ... with a second P buffer for WG0's rescaled copy (p_copy): the same instructions
-    x = ss["32_8c"]
-    assert x["qk8"] == 4 * 18 and x["pv8n256"] == 8 and x["tma"] == 3 * 36 and x["ldsm"] == 16 and x["cvt8"] == 3 * 16, x
-    if x["sass"]:
-        assert x["qgmma256"] == 8 and x["spill"] == 0, x
     # ptxas must not serialize the wgmmas (C7520 "wgmma.mma_async instructions are serialized": a
     # WARPGROUP.DEPBAR after every one, 105 in the FP8 P V kernel of commit e9c62ec, measured on the H200 in that
     # state); the loops wait explicitly at about 7 places
@@ -306,14 +300,14 @@ def test_fp8_pv_switch(monkeypatch):
     for v in m.FP8_PV_MODES:
         monkeypatch.setenv(m.FP8_PV_ENV, v)
         assert m.resolve_fp8_pv() == v
-    for bad in ("on", "true", "5"):
+    for bad in ("on", "true", "4"):
         monkeypatch.setenv(m.FP8_PV_ENV, bad)
         with pytest.raises(ValueError, match=m.FP8_PV_ENV):
             m.resolve_fp8_pv()
     assert m.FP8_PV_ENV in m.TRACE_ENV
     k = ("k", "float8_e4m3fn", 16, 1, 64, True, 1, 64, 64, "seesaw", True, True, "late")
     assert len({m.DecodeKernelKey(*k), m.DecodeKernelKey(*k, True), m.DecodeKernelKey(*k, True, True),
-                m.DecodeKernelKey(*k, True, True, True), m.DecodeKernelKey(*k, True, True, True, True)}) == 5
+                m.DecodeKernelKey(*k, True, True, True)}) == 4
 
 
 def _pip_has(mod: str) -> bool:

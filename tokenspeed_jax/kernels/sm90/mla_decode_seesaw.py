@@ -180,7 +180,7 @@ class MlaDecodeSeesawSm90(MlaDecodeSm90):
     16-bit dtypes, ``block_n`` 64."""
 
     def __init__(self, *, kv_load: str = "auto", qk_fp8: bool = True, pv_fp8: bool = False,
-                 early_refill: bool = False, vt_packed: bool = False, p_copy: bool = False, expand_group: int = 4,
+                 early_refill: bool = False, vt_packed: bool = False, expand_group: int = 4,
                  l2_prefetch: str = "off", **kw):
         kw["schedule"] = "lockstep"
         super().__init__(**kw)
@@ -204,11 +204,6 @@ class MlaDecodeSeesawSm90(MlaDecodeSm90):
         if vt_packed and not self.pv8:
             raise ValueError("vt_packed needs pv_fp8")
         self.vt_packed = bool(vt_packed)
-        # packed slots: WG0 writes its P rescaled for WG1 into a second 4 KB buffer, so it publishes it (P0_READY)
-        # while its own PV still reads the first one, and waits for that PV only before rescaling O
-        if p_copy and not (self.vt_packed and self.early):
-            raise ValueError("p_copy needs vt_packed and early_refill")
-        self.p_copy = bool(p_copy)
         # pairs ahead of iteration j that its L2 prefetch loads: j + 2 (iteration j refills pair j + 1), with the
         # early refills j + 3 (iteration j refills pair j + 2)
         self.pf_ahead = 3 if self.early else 2
@@ -300,8 +295,6 @@ class MlaDecodeSeesawSm90(MlaDecodeSm90):
             sQ: cute.struct.Align[cute.struct.MemRange[qk_dt, cute.cosize(q_layout)], 1024]
             sK: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(k_layout)], 1024]
             zero_row: cute.struct.Align[cute.struct.MemRange[Int32, 4], 16]  # packed transpose: rows past the split
-            p_copy: cute.struct.Align[cute.struct.MemRange[_F8, self.block_m * self.block_n if self.p_copy else 16],
-                                      1024]  # (p_copy: WG0's P rescaled for WG1)
 
         self.seesaw_kernel(qk_mma, pv_ss, pv_rs, pv8, q, kv, block_table, seq_lens, softmax_scale, output_scale, out,
                            lse, o_accum, lse_accum, q_layout, k_layout, v_layout, p_layout, tma_atom, tma_kv,
@@ -513,15 +506,6 @@ class MlaDecodeSeesawSm90(MlaDecodeSm90):
     def _packed_staging_offset(self):
         """Packed slot (:attr:`vt_packed`): byte offset of the e4m3 staging, after ``V^T`` (DV x 64) and P (64 x 64)."""
         return (self.DV + self.block_m) * self.block_n
-
-    def p8_tile_views(self, ptr):
-        """A 64 x 64 e4m3 P tile at ``ptr`` (1024-aligned): the QGMMA A operand view and the view P is stored through
-        (:data:`P8_TOKEN_ORDER` with packed slots), as :meth:`pv8_views` makes them for the slots' P tiles."""
-        sw = sm90_utils.make_smem_layout_b(LayoutEnum.ROW_MAJOR, (self.block_m, self.block_n, _CHUNK), _F8, 1).inner
-        p = cute.make_layout((self.block_m, self.block_n), stride=(self.block_n, 1))
-        ps = cute.make_layout((self.block_m, (2, 4, 2, self.block_n // 16)), stride=(self.block_n, (1, 4, 2, 16)))
-        raw = cute.recast_ptr(ptr, dtype=_F8)
-        return cute.make_tensor(cute.recast_ptr(raw, sw), p), cute.make_tensor(cute.recast_ptr(raw, sw), ps)
 
     def pv8_views(self, slots_ptr):
         """FP8 P V (:attr:`pv8`): per slot, the e4m3 ``V^T`` view ``((64 features, 8 chunks), 64 tokens)`` in the
@@ -908,7 +892,6 @@ class MlaDecodeSeesawSm90(MlaDecodeSm90):
         # FP8 P V (pv8_views): e4m3 P tiles and V^T halves as QGMMA operands; O viewed in the QGMMA's (N = 64)
         # accumulator layout, the same registers in the same order as pv_ss's
         w32, acc_o8, tSsP8_0, tSsP8_1, tOsP8_0, tOsP8_1, tOrVt0, tOrVt1 = (None,) * 8
-        tSsP8_0c, tOsP8_0c = None, None
         if cutlass.const_expr(self.pv8):
             w32 = cute.make_tensor(cute.recast_ptr(st.sK.data_ptr(), dtype=Int32), cute.make_layout(
                 cute.cosize(k_layout) * (self.mma_dtype.width // 8) // 4))
@@ -917,14 +900,8 @@ class MlaDecodeSeesawSm90(MlaDecodeSm90):
             acc_o8 = cute.make_tensor(acc_o.iterator,
                                       thr8.make_fragment_C(thr8.partition_shape_C((self.block_m, self.DV // 2))).layout)
             tSsP8_0 = qk_thr.partition_C(sP8s0)
-            tSsP8_0c, tOsP8_0c = tSsP8_0, None  # WG0's P for WG1: the same buffer, or (p_copy) its own
             tSsP8_1 = qk_thr.partition_C(sP8s1)
             tOsP8_0 = thr8.make_fragment_A(thr8.partition_A(sP80))
-            tOsP8_0c = tOsP8_0
-            if cutlass.const_expr(self.p_copy):
-                sPc, sPcs = self.p8_tile_views(st.p_copy.data_ptr())
-                tSsP8_0c = qk_thr.partition_C(sPcs)
-                tOsP8_0c = thr8.make_fragment_A(thr8.partition_A(sPc))
             tOsP8_1 = thr8.make_fragment_A(thr8.partition_A(sP81))
             tOrVt0 = thr8.make_fragment_B(thr8.partition_B(cute.local_tile(sVt0, (self.DV // 2, bn), (wg, 0))))
             tOrVt1 = thr8.make_fragment_B(thr8.partition_B(cute.local_tile(sVt1, (self.DV // 2, bn), (wg, 0))))
@@ -1011,8 +988,7 @@ class MlaDecodeSeesawSm90(MlaDecodeSm90):
                     rP.store(acc_s.load().to(self.mma_dtype))
                     self.pv(pv_rs, acc_o, tOrP, tOrV0)
                 warpgroup.commit_group()
-                if cutlass.const_expr(not self.p_copy):  # (p_copy: after publishing P0 for WG1)
-                    warpgroup.wait_group(0)
+                warpgroup.wait_group(0)
                 if cutlass.const_expr(not self.early):  # noqa: SIM102 (static + dynamic test)
                     if more:
                         self.refill(sK0, tAs0, tAg, tma_atom, mbar + 0, mKV, pgA0, t0 + 2 * bn, split_end, num_pages,
@@ -1027,15 +1003,13 @@ class MlaDecodeSeesawSm90(MlaDecodeSm90):
                     row_l[h] = row_l[h] * sc[h]
                 for e in cutlass.range_constexpr(cute.size(acc_s)):
                     acc_s[e] = acc_s[e] * sc[(e // 2) % 2]
-                if cutlass.const_expr(self.pv8):  # (the own PV, which read the same tile, retired above; p_copy:
-                    self.store_p8(acc_s, tSsP8_0c)  # its own buffer, the own PV may still be reading P0)
+                if cutlass.const_expr(self.pv8):  # (the own PV, which read the same tile, retired above)
+                    self.store_p8(acc_s, tSsP8_0)
                 else:
                     rP.store(acc_s.load().to(self.mma_dtype))
                     cute.autovec_copy(rP, tSsP0)
                     cute.arch.fence_view_async_shared()
                 cute.arch.barrier_arrive(barrier_id=int(Barrier.P0_READY), number_of_threads=self.num_threads)
-                if cutlass.const_expr(self.p_copy):
-                    warpgroup.wait_group(0)
                 self.scale_o(acc_o, sc)
                 # 4. O_L += P1 V1_L (SS; P1 from WG1's smem)
                 cute.arch.barrier(barrier_id=int(Barrier.P1_READY), number_of_threads=self.num_threads)
@@ -1113,7 +1087,7 @@ class MlaDecodeSeesawSm90(MlaDecodeSm90):
                 # 3. O_R += P0 V0_R (SS; P0 from WG0's smem), then release P1 to WG0
                 cute.arch.barrier(barrier_id=int(Barrier.P0_READY), number_of_threads=self.num_threads)
                 if cutlass.const_expr(self.pv8):
-                    self.pv(pv8, acc_o8, tOsP8_0c, tOrVt0, _K32)
+                    self.pv(pv8, acc_o8, tOsP8_0, tOrVt0, _K32)
                 else:
                     self.pv(pv_ss, acc_o, tOsP0, tOrV0)
                 warpgroup.commit_group()
@@ -1173,7 +1147,6 @@ def launch_mla_decode_seesaw(stream, q: cute.Tensor, kv: cute.Tensor, block_tabl
                              schedule: cutlass.Constexpr = "seesaw", pdl: cutlass.Constexpr = True,
                              qk_fp8: cutlass.Constexpr = True, pv_fp8: cutlass.Constexpr = False,
                              early_refill: cutlass.Constexpr = False, vt_packed: cutlass.Constexpr = False,
-                             p_copy: cutlass.Constexpr = False,
                              l2_prefetch: cutlass.Constexpr = "off"):
     """FFI launch function of schedule "seesaw" (same ABI as ``launch_mla_decode``); ``"seesaw-cpasync"``
     forces the cp.async refills where TMA would be used; ``qk_fp8=False`` runs an FP8 QK on fp16 operands;
@@ -1182,8 +1155,7 @@ def launch_mla_decode_seesaw(stream, q: cute.Tensor, kv: cute.Tensor, block_tabl
     MlaDecodeSeesawSm90(dtype=dtype, num_heads=num_heads, q_len=q_len, page_size=page_size, causal=causal,
                         num_splits=num_splits, tokens_per_split=tokens_per_split, block_n=block_n,
                         kv_load="cp.async" if schedule == "seesaw-cpasync" else "auto", pdl=pdl, qk_fp8=qk_fp8,
-                        pv_fp8=pv_fp8, early_refill=early_refill, vt_packed=vt_packed, p_copy=p_copy,
-                        l2_prefetch=l2_prefetch)(
+                        pv_fp8=pv_fp8, early_refill=early_refill, vt_packed=vt_packed, l2_prefetch=l2_prefetch)(
         stream, q, kv, block_table, seq_lens, softmax_scale, output_scale, out, lse, o_accum, lse_accum)
 
 
