@@ -489,3 +489,66 @@ def test_fp8_v_transpose_packed_mapping():
         for p in range(64):
             got[:, f, p] = vt_mem[:, sw64(f * 64 + p)]
     np.testing.assert_array_equal(got, want)
+
+
+_TRACE_SCRIPT = textwrap.dedent(
+    """
+    import dataclasses, re, jax, jax.numpy as jnp
+    from benchmarks.decode import bench_case
+    from benchmarks.trace_decode import traced_decode
+    from tokenspeed_jax.kernels.sm90.mla_decode_seesaw import TRACE_EVENTS
+    from tokenspeed_jax.runtime import target_override
+    c = dataclasses.replace(bench_case(2, 4096, 64, 16, 1), dtype="float8_e4m3fn")
+    sd = jax.ShapeDtypeStruct
+    f8 = jnp.float8_e4m3fn
+    with target_override("sm_90a", num_sms=132):
+        txt = traced_decode(c, 4, 3).trace(
+            sd((2, 1, 16, 576), f8), sd((c.num_pages, 64, 576), f8), sd((2, c.max_pages), jnp.int32),
+            sd((2,), jnp.int32), sd((), jnp.float32)).lower(lowering_platforms=("cuda",)).as_text()
+    print("TARGETS", sorted(set(re.findall(r"custom_call @(\\w+)", txt))))
+    print("TRACE_OUT", bool(re.search(r"tensor<3x2x4x%dxi64>" % len(TRACE_EVENTS), txt)))
+    """
+)
+
+
+@pytest.mark.compile
+def test_traced_build_lowers(tmp_path):
+    """The debug build behind benchmarks/trace_decode.py (clock64 marks, an extra int64 output) compiles for
+    sm_90a and lowers as the decode custom call with the trace output; its normal twin's PTX is the default
+    build's (the marks are compile-time)."""
+    pytest.importorskip("cutlass")
+    env = dict(os.environ, CUTE_DSL_ARCH="sm_90a", TOKENSPEED_JAX_DISK_CACHE="0", JAX_PLATFORMS="cpu",
+               PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    p = subprocess.run([sys.executable, "-c", _TRACE_SCRIPT], env=env, capture_output=True, text=True, timeout=600,
+                       cwd=ROOT, check=False)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    assert "TARGETS ['tokenspeed_mla_decode_sm90']" in p.stdout, p.stdout[-2000:]
+    assert "TRACE_OUT True" in p.stdout, p.stdout[-2000:]
+
+
+def test_trace_summary():
+    """benchmarks.trace_decode.summarize: phase lengths between consecutive events (events not reached are
+    skipped, the time carried to the next reached one), per warpgroup, warm-up iterations dropped."""
+    pytest.importorskip("cutlass")
+    import numpy as np
+
+    from benchmarks.trace_decode import summarize
+    from tokenspeed_jax.kernels.sm90.mla_decode_seesaw import TRACE_EVENTS
+
+    ne = len(TRACE_EVENTS)
+    tr = np.zeros((2, 2, 5, ne), np.int64)
+    for cta in range(2):
+        for wg in range(2):
+            for j in range(5):
+                base = 1000 + 10000 * j + 7 * cta
+                tr[cta, wg, j] = base + 100 * np.arange(ne) * (1 + wg)
+    tr[:, 1, :, ne - 1] = 0  # WG1 has no last event ("-")
+    tr[:, 0, 4, ne - 3:] = 0  # the last iteration stops early
+    s = summarize(tr, skip=2)
+    assert s["wg0"]["iteration_median"] == 10000 and s["wg1"]["iteration_median"] == 10000
+    p0 = {r["phase"]: r for r in s["wg0"]["phases"]}
+    assert p0[TRACE_EVENTS[1][0]]["median"] == 100 and p0[TRACE_EVENTS[1][0]]["n"] == 6
+    assert p0[TRACE_EVENTS[ne - 1][0]]["n"] == 4  # iterations 2, 3 of 2 CTAs (the 5th stopped early)
+    p1 = {r["phase"]: r for r in s["wg1"]["phases"]}
+    assert p1[TRACE_EVENTS[1][1]]["median"] == 200 and "-" not in p1
+    assert p1["(to the next iteration's top)"]["median"] == 10000 - 200 * (ne - 2)

@@ -94,6 +94,23 @@ _F8 = cutlass.Float8E4M3FN
 _CHUNK = 64  # columns per 128-byte swizzle atom row (16-bit)
 _ALL_CHUNKS = (0, 1, 2, 3, 4, 5, 6, 7, 8)
 _MIN_TMA_PAGE = 16  # smaller pages load with cp.async (TMA would need > 4 boxes per chunk)
+# MlaDecodeSeesawSm90.mark: the points of an iteration of the FP8 P V loop (early refills) a debug build times, per
+# warpgroup (WG0 / WG1: what the time since the previous event was spent on)
+TRACE_EVENTS = (
+    ("top", "top"),
+    ("softmax", "wait SCALE0 (WG0's max)"),
+    ("P store + TAIL", "fold + exp (SCALE1 out)"),
+    ("own PV (issue + retire)", "P store + TAIL"),
+    ("wait SCALE1 (WG1's max)", "own PV issue + wait P0_READY"),
+    ("rescale, P0' store, O rescale", "cross PV issue, P1_READY out"),
+    ("wait P1_READY", "wait own + cross PV retired"),
+    ("cross PV issue + wait KV landed", "wait KV landed"),
+    ("QK issue + cross PV retired", "QK issue + retired"),
+    ("QK retired", "wait VT1_FREE (WG0's cross PV)"),
+    ("wait VT0_FREE (WG1's cross PV)", "transpose"),
+    ("transpose", "refill issue"),
+    ("refill issue", "-"),
+)
 L2_PREFETCH_MODES = ("off", "late", "early")  # MlaDecodeSeesawSm90.l2_prefetch_tile
 
 
@@ -181,7 +198,7 @@ class MlaDecodeSeesawSm90(MlaDecodeSm90):
 
     def __init__(self, *, kv_load: str = "auto", qk_fp8: bool = True, pv_fp8: bool = False,
                  early_refill: bool = False, vt_packed: bool = False, expand_group: int = 4,
-                 l2_prefetch: str = "off", **kw):
+                 l2_prefetch: str = "off", trace: int = 0, **kw):
         kw["schedule"] = "lockstep"
         super().__init__(**kw)
         # FP8: QK^T on FP8 tensor cores (e4m3 x e4m3 -> fp32, QGMMA k32) straight from the raw q tile and the
@@ -233,6 +250,11 @@ class MlaDecodeSeesawSm90(MlaDecodeSm90):
             raise ValueError(f"l2_prefetch: expected one of {L2_PREFETCH_MODES}, got {l2_prefetch!r}")
         # TMA refills only: the cp.async loop (page 8) has no registers to spare (it spilled with it)
         self.l2_prefetch = l2_prefetch if self.use_tma else "off"
+        # debug builds only (scripts/trace_decode.py): clock64 at the TRACE_EVENTS points of the first ``trace``
+        # iterations of each warpgroup, by its thread 0, into an extra int64 output (:meth:`mark`)
+        if trace < 0 or (trace and not self.early):
+            raise ValueError(f"trace: expected 0, or > 0 with early_refill (the FP8 P V loop), got {trace}")
+        self.trace = int(trace)
         self.box_rows = min(self.page_size, self.block_n)  # rows of one TMA box (one page or one tile)
         self.subs = self.block_n // self.box_rows  # boxes per 64-token tile and 64-column chunk
         self.schedule = "seesaw"
@@ -251,7 +273,7 @@ class MlaDecodeSeesawSm90(MlaDecodeSm90):
     @cute.jit
     def __call__(self, stream, q: cute.Tensor, kv: cute.Tensor, block_table: cute.Tensor, seq_lens: cute.Tensor,
                  softmax_scale: cute.Tensor, output_scale: cute.Tensor, out: cute.Tensor, lse: cute.Tensor,
-                 o_accum: cute.Tensor = None, lse_accum: cute.Tensor = None):
+                 o_accum: cute.Tensor = None, lse_accum: cute.Tensor = None, trace_buf: cute.Tensor = None):
         dt = self.mma_dtype
         q_layout, k_layout, v_layout, p_layout = self._seesaw_layouts()
         K, MN = warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.MN
@@ -297,8 +319,8 @@ class MlaDecodeSeesawSm90(MlaDecodeSm90):
             zero_row: cute.struct.Align[cute.struct.MemRange[Int32, 4], 16]  # packed transpose: rows past the split
 
         self.seesaw_kernel(qk_mma, pv_ss, pv_rs, pv8, q, kv, block_table, seq_lens, softmax_scale, output_scale, out,
-                           lse, o_accum, lse_accum, q_layout, k_layout, v_layout, p_layout, tma_atom, tma_kv,
-                           Storage).launch(
+                           lse, o_accum, lse_accum, trace_buf, q_layout, k_layout, v_layout, p_layout, tma_atom,
+                           tma_kv, Storage).launch(
             grid=(self.num_m_blocks, self.num_splits, q.shape[0]), block=(self.num_threads, 1, 1),
             smem=Storage.size_in_bytes(), stream=stream, min_blocks_per_mp=1)
         if cutlass.const_expr(self.num_splits > 1):
@@ -644,19 +666,39 @@ class MlaDecodeSeesawSm90(MlaDecodeSm90):
     def next_tile_v(self, sKs: cute.Tensor, sSt: cute.Tensor, w32: cute.Tensor, zero_row, slot: cutlass.Constexpr,
                     tAs: cute.Tensor, tAg: cute.Tensor, tma_atom: cute.CopyAtom, mbar_ptr, mKV: cute.Tensor,
                     crd: cute.Tensor, tile_start: Int32, split_end: Int32, num_pages: Int32, refill_next,
-                    wg: Int32, wtid: Int32):
+                    wg: Int32, wtid: Int32, tr):
         """End of an iteration with a next tile, by the owner of slot ``slot`` after the next QK retired:
         :meth:`ready_v` of the tile starting at ``tile_start``.  With ``early_refill`` it first waits for
         the other warpgroup's cross PV of the slot's last tile (VT0_FREE / VT1_FREE: that PV read the
         ``V^T`` and P about to be rebuilt), and afterwards, if ``refill_next``, refills the whole slot with
-        the tile two steps ahead (``crd``: its coordinates)."""
+        the tile two steps ahead (``crd``: its coordinates).  ``tr``: ``(mTrace, cta, j, first event)`` for
+        :meth:`mark`."""
+        mTrace, cta, j, e0 = tr
         if cutlass.const_expr(self.early):
             cute.arch.barrier(barrier_id=int(Barrier.VT0_FREE) + slot, number_of_threads=self.num_threads)
+        self.mark(mTrace, cta, wg, wtid, j, e0)
         self.ready_v(sKs, sSt, w32, zero_row, slot, tile_start, split_end, wg, wtid)
+        self.mark(mTrace, cta, wg, wtid, j, e0 + 1)
         if cutlass.const_expr(self.early):  # noqa: SIM102 (static + dynamic test)
             if refill_next:
                 self.refill(sKs, tAs, tAg, tma_atom, mbar_ptr, mKV, crd, tile_start + 2 * self.block_n,
                             split_end, num_pages, wg, wtid, _ALL_CHUNKS, None)
+        self.mark(mTrace, cta, wg, wtid, j, e0 + 2)
+
+    @cute.jit
+    def mark(self, mTrace: cute.Tensor, cta: Int32, wg: Int32, wtid: Int32, j: Int32, event: cutlass.Constexpr):
+        """Debug builds (:attr:`trace` > 0): thread 0 of the warpgroup stores ``clock64`` as event ``event`` of
+        iteration ``j`` of CTA ``cta`` into ``mTrace[cta, wg, j, event]`` (int64, shape ``(ctas, 2, trace,
+        len(TRACE_EVENTS))``), for ``j < trace`` and ``cta < ctas``.  A predicated store, no branch (a divergent
+        branch in the loop can make ptxas serialize the wgmmas).  Nothing at all in normal builds."""
+        if cutlass.const_expr(self.trace > 0):
+            t = cute.arch.clock64()
+            n = mTrace.shape[0]
+            ok = (wtid == 0) & (j < self.trace) & (cta < n)
+            idx = ((cutlass.min(cta, n - 1) * 2 + wg) * self.trace + cutlass.min(j, self.trace - 1)) \
+                * len(TRACE_EVENTS) + event
+            cute.arch.inline_ptx("st.global.b64 [{$r0}], {$r1};", read_only_args=[(mTrace.iterator + idx).toint(),
+                                                                                  Int64(t)], predicate=ok)
 
     @cute.jit
     def store_p8(self, acc_s: cute.Tensor, tSsP: cute.Tensor):
@@ -770,7 +812,7 @@ class MlaDecodeSeesawSm90(MlaDecodeSm90):
     def seesaw_kernel(self, qk_mma: cute.TiledMma, pv_ss: cute.TiledMma, pv_rs: cute.TiledMma, pv8: cute.TiledMma,
                       mQ: cute.Tensor,
                       mKV: cute.Tensor, mBT: cute.Tensor, mSeq: cute.Tensor, mSS: cute.Tensor, mOS: cute.Tensor,
-                      mOut: cute.Tensor, mLse: cute.Tensor, mOacc: cute.Tensor, mLacc: cute.Tensor,
+                      mOut: cute.Tensor, mLse: cute.Tensor, mOacc: cute.Tensor, mLacc: cute.Tensor, mTrace: cute.Tensor,
                       q_layout: cute.ComposedLayout, k_layout: cute.ComposedLayout, v_layout: cute.ComposedLayout,
                       p_layout: cute.ComposedLayout, tma_atom: cute.CopyAtom, tma_kv: cute.Tensor,
                       Storage: cutlass.Constexpr):
@@ -806,6 +848,7 @@ class MlaDecodeSeesawSm90(MlaDecodeSm90):
         if tid < 64:
             sM[tid] = -Float32.inf
         zrow = st.zero_row.data_ptr()  # (only the packed transpose reads it)
+        cta = (b * self.num_splits + split) * self.num_m_blocks + mblk  # (debug traces: mark)
         if cutlass.const_expr(self.vt_packed):  # noqa: SIM102 (static + dynamic test)
             if tid < 4:
                 st.zero_row.get_tensor(cute.make_layout(4))[tid] = Int32(0)
@@ -955,6 +998,7 @@ class MlaDecodeSeesawSm90(MlaDecodeSm90):
                 t0 = split_start + 2 * j * bn  # first token of this pair's tile in slot 0
                 more = j + 1 < n_pairs
                 ph = (j + 1) % 2  # parity of the refill completion the next QK waits for
+                self.mark(mTrace, cta, wg, wtid, j, 0)
                 pgA0, pgA1 = None, None
                 if cutlass.const_expr(self.early):  # the whole-slot refill at the end: tile 2j + 4
                     pgA0 = self.coords(mBT, b, t0 + 4 * bn, split_end, num_pages, wtid)
@@ -979,16 +1023,19 @@ class MlaDecodeSeesawSm90(MlaDecodeSm90):
                 self.exp_rows(acc_s, ref, row_l)
                 self.scale_o(acc_o, sc)
                 cute.arch.barrier_arrive(barrier_id=int(Barrier.SCALE0), number_of_threads=self.num_threads)
+                self.mark(mTrace, cta, wg, wtid, j, 1)
                 # 2. O_L += P0 V0_L (RS), then refill slot 0 cols 0..255 (only this warpgroup read them)
                 if cutlass.const_expr(self.pv8):  # SS: P0 through smem (all 128 threads' parts, then the wgmma)
                     self.store_p8(acc_s, tSsP8_0)
                     cute.arch.barrier(barrier_id=int(Barrier.TAIL) + wg, number_of_threads=128)
+                    self.mark(mTrace, cta, wg, wtid, j, 2)
                     self.pv(pv8, acc_o8, tOsP8_0, tOrVt0, _K32)
                 else:
                     rP.store(acc_s.load().to(self.mma_dtype))
                     self.pv(pv_rs, acc_o, tOrP, tOrV0)
                 warpgroup.commit_group()
                 warpgroup.wait_group(0)
+                self.mark(mTrace, cta, wg, wtid, j, 3)
                 if cutlass.const_expr(not self.early):  # noqa: SIM102 (static + dynamic test)
                     if more:
                         self.refill(sK0, tAs0, tAg, tma_atom, mbar + 0, mKV, pgA0, t0 + 2 * bn, split_end, num_pages,
@@ -998,6 +1045,7 @@ class MlaDecodeSeesawSm90(MlaDecodeSm90):
                         self.l2_prefetch_pair(mKV, crdP0, crdP1, pf, split_end)
                 # 3. WG1 folded tile 2j+1: rescale P0 (-> smem for WG1), l, O_L by scale1
                 cute.arch.barrier(barrier_id=int(Barrier.SCALE1), number_of_threads=self.num_threads)
+                self.mark(mTrace, cta, wg, wtid, j, 4)
                 for h in cutlass.range_constexpr(2):
                     sc[h] = sSc1[row_in[h]]
                     row_l[h] = row_l[h] * sc[h]
@@ -1011,8 +1059,10 @@ class MlaDecodeSeesawSm90(MlaDecodeSm90):
                     cute.arch.fence_view_async_shared()
                 cute.arch.barrier_arrive(barrier_id=int(Barrier.P0_READY), number_of_threads=self.num_threads)
                 self.scale_o(acc_o, sc)
+                self.mark(mTrace, cta, wg, wtid, j, 5)
                 # 4. O_L += P1 V1_L (SS; P1 from WG1's smem)
                 cute.arch.barrier(barrier_id=int(Barrier.P1_READY), number_of_threads=self.num_threads)
+                self.mark(mTrace, cta, wg, wtid, j, 6)
                 if cutlass.const_expr(self.pv8):
                     self.pv(pv8, acc_o8, tOsP8_1, tOrVt1, _K32)
                 else:
@@ -1023,9 +1073,11 @@ class MlaDecodeSeesawSm90(MlaDecodeSm90):
                 if cutlass.const_expr(self.early):
                     if more:  # the whole slot landed; after the cross PV retired, WG1 may rebuild slot 1's V^T
                         self.landed(mbar + 0, ph)
+                        self.mark(mTrace, cta, wg, wtid, j, 7)
                         self.qk_chunks(qk_mma, acc_s, tSrQ, tSrK0, _ALL_CHUNKS, True)
                         warpgroup.commit_group()
                         warpgroup.wait_group(1)
+                        self.mark(mTrace, cta, wg, wtid, j, 8)
                         cute.arch.barrier_arrive(barrier_id=int(Barrier.VT1_FREE), number_of_threads=self.num_threads)
                 elif more:
                     self.landed(mbar + 0, ph)
@@ -1043,14 +1095,16 @@ class MlaDecodeSeesawSm90(MlaDecodeSm90):
                     if wtid + mblk == 0:  # one thread, of the first row block only (l2_prefetch_tile)
                         self.l2_prefetch_pair(mKV, crdP0, crdP1, pf, split_end)
                 warpgroup.wait_group(0)
+                self.mark(mTrace, cta, wg, wtid, j, 9)
                 if more:
                     self.next_tile_v(sK0, sSt0, w32, zrow, 0, tAs0, tAg, tma_atom, mbar + 0, mKV, pgA0, t0 + 2 * bn,
-                                     split_end, num_pages, j + 2 < n_pairs, wg, wtid)
+                                     split_end, num_pages, j + 2 < n_pairs, wg, wtid, (mTrace, cta, j, 10))
         else:
             for j in cutlass.range(n_pairs, unroll=1):
                 t1 = split_start + (2 * j + 1) * bn  # first token of this pair's tile in slot 1
                 more = j + 1 < n_pairs
                 ph = (j + 1) % 2
+                self.mark(mTrace, cta, wg, wtid, j, 0)
                 pgB1, pgB0 = None, None
                 if cutlass.const_expr(self.early):  # the whole-slot refill at the end: tile 2j + 5
                     pgB1 = self.coords(mBT, b, t1 + 4 * bn, split_end, num_pages, wtid)
@@ -1061,6 +1115,7 @@ class MlaDecodeSeesawSm90(MlaDecodeSm90):
                     self.zero_tail(sK1, t1, split_end, wg, wtid)
                 # 1. after WG0: fold tile 2j+1 into the shared max; P1; O_R *= scale0*scale1; publish
                 cute.arch.barrier(barrier_id=int(Barrier.SCALE0), number_of_threads=self.num_threads)
+                self.mark(mTrace, cta, wg, wtid, j, 1)
                 mx = self.scaled_tile_max(acc_s, tScS, lim, t1, scale_log2)
                 for h in cutlass.range_constexpr(2):
                     m_new, ref[h], s1 = self.fold_max(sM[row_in[h]], mx[h])
@@ -1072,10 +1127,12 @@ class MlaDecodeSeesawSm90(MlaDecodeSm90):
                 cute.arch.barrier_arrive(barrier_id=int(Barrier.SCALE1), number_of_threads=self.num_threads)
                 self.exp_rows(acc_s, ref, row_l)
                 self.scale_o(acc_o, sc)
+                self.mark(mTrace, cta, wg, wtid, j, 2)
                 # 2. P1 -> smem (for WG0), O_R += P1 V1_R (RS)
                 if cutlass.const_expr(self.pv8):  # SS: P1 through smem, for both PVs that read it
                     self.store_p8(acc_s, tSsP8_1)
                     cute.arch.barrier(barrier_id=int(Barrier.TAIL) + wg, number_of_threads=128)
+                    self.mark(mTrace, cta, wg, wtid, j, 3)
                     self.pv(pv8, acc_o8, tOsP8_1, tOrVt1, _K32)
                     warpgroup.commit_group()
                 else:
@@ -1086,12 +1143,14 @@ class MlaDecodeSeesawSm90(MlaDecodeSm90):
                     cute.arch.fence_view_async_shared()
                 # 3. O_R += P0 V0_R (SS; P0 from WG0's smem), then release P1 to WG0
                 cute.arch.barrier(barrier_id=int(Barrier.P0_READY), number_of_threads=self.num_threads)
+                self.mark(mTrace, cta, wg, wtid, j, 4)
                 if cutlass.const_expr(self.pv8):
                     self.pv(pv8, acc_o8, tOsP8_0, tOrVt0, _K32)
                 else:
                     self.pv(pv_ss, acc_o, tOsP0, tOrV0)
                 warpgroup.commit_group()
                 cute.arch.barrier_arrive(barrier_id=int(Barrier.P1_READY), number_of_threads=self.num_threads)
+                self.mark(mTrace, cta, wg, wtid, j, 5)
                 # 4. refills as the PVs retire: slot 1 cols 256..511 (own PV), slot 0 cols 256..575 (cross PV,
                 #    which also read P0 in slot 0's rope columns)
                 warpgroup.wait_group(1)
@@ -1100,10 +1159,12 @@ class MlaDecodeSeesawSm90(MlaDecodeSm90):
                         self.refill(sK1, tAs1, tAg, tma_atom, mbar + 3, mKV, pgB1, t1 + 2 * bn, split_end, num_pages,
                                     wg, wtid, (4, 5, 6, 7), Barrier.REFILL_B1)
                 warpgroup.wait_group(0)
+                self.mark(mTrace, cta, wg, wtid, j, 6)
                 if cutlass.const_expr(self.early):
                     if more:  # the cross PV of slot 0 retired: WG0 may rebuild its V^T and P; then the next QK
                         cute.arch.barrier_arrive(barrier_id=int(Barrier.VT0_FREE), number_of_threads=self.num_threads)
                         self.landed(mbar + 2, ph)
+                        self.mark(mTrace, cta, wg, wtid, j, 7)
                         self.qk_chunks(qk_mma, acc_s, tSrQ, tSrK1, _ALL_CHUNKS, True)
                         warpgroup.commit_group()
                 elif more:
@@ -1118,9 +1179,10 @@ class MlaDecodeSeesawSm90(MlaDecodeSm90):
                     self.qk_chunks(qk_mma, acc_s, tSrQ, tSrK1, (0, 1, 2, 3, 8), False)
                     warpgroup.commit_group()
                 warpgroup.wait_group(0)
+                self.mark(mTrace, cta, wg, wtid, j, 8)
                 if more:
                     self.next_tile_v(sK1, sSt1, w32, zrow, 1, tAs1, tAg, tma_atom, mbar + 2, mKV, pgB1, t1 + 2 * bn,
-                                     split_end, num_pages, j + 2 < n_pairs, wg, wtid)
+                                     split_end, num_pages, j + 2 < n_pairs, wg, wtid, (mTrace, cta, j, 9))
 
         # ---- epilogue (base class): both warpgroups' O and l are relative to the final shared max
         cute.arch.barrier()
@@ -1159,5 +1221,26 @@ def launch_mla_decode_seesaw(stream, q: cute.Tensor, kv: cute.Tensor, block_tabl
         stream, q, kv, block_table, seq_lens, softmax_scale, output_scale, out, lse, o_accum, lse_accum)
 
 
-__all__ = ["L2_PREFETCH_MODES", "P8_TOKEN_ORDER", "MlaDecodeSeesawSm90", "acc_to_a_layout", "launch_mla_decode_seesaw",
-           "ldsm_row_offset", "p8_selectors", "stsm_row_offset", "sw64", "vt_word_offsets"]
+@cute.jit
+def launch_mla_decode_seesaw_traced(stream, q: cute.Tensor, kv: cute.Tensor, block_table: cute.Tensor,
+                                    seq_lens: cute.Tensor, softmax_scale: cute.Tensor, output_scale: cute.Tensor,
+                                    out: cute.Tensor, lse: cute.Tensor, trace_buf: cute.Tensor,
+                                    o_accum: cute.Tensor = None, lse_accum: cute.Tensor = None, *,
+                                    dtype: cutlass.Constexpr, num_heads: cutlass.Constexpr, q_len: cutlass.Constexpr,
+                                    page_size: cutlass.Constexpr, causal: cutlass.Constexpr,
+                                    num_splits: cutlass.Constexpr, tokens_per_split: cutlass.Constexpr,
+                                    trace: cutlass.Constexpr, pdl: cutlass.Constexpr = True,
+                                    l2_prefetch: cutlass.Constexpr = "late"):
+    """Debug build of the FP8 P V loop as the backend runs it by default (packed slots, early refills) with
+    :meth:`MlaDecodeSeesawSm90.mark` timestamps in ``trace_buf`` (int64 ``(ctas, 2, trace, len(TRACE_EVENTS))``,
+    the first ``ctas`` CTAs in ``(b, split, row block)`` order), an extra output after ``lse``
+    (scripts/trace_decode.py)."""
+    MlaDecodeSeesawSm90(dtype=dtype, num_heads=num_heads, q_len=q_len, page_size=page_size, causal=causal,
+                        num_splits=num_splits, tokens_per_split=tokens_per_split, block_n=64, pdl=pdl, qk_fp8=True,
+                        pv_fp8=True, early_refill=True, vt_packed=True, l2_prefetch=l2_prefetch, trace=trace)(
+        stream, q, kv, block_table, seq_lens, softmax_scale, output_scale, out, lse, o_accum, lse_accum, trace_buf)
+
+
+__all__ = ["L2_PREFETCH_MODES", "P8_TOKEN_ORDER", "TRACE_EVENTS", "MlaDecodeSeesawSm90", "acc_to_a_layout",
+           "launch_mla_decode_seesaw", "launch_mla_decode_seesaw_traced", "ldsm_row_offset", "p8_selectors",
+           "stsm_row_offset", "sw64", "vt_word_offsets"]

@@ -1,0 +1,133 @@
+"""Per-warpgroup timeline of the sm90 FP8 decode loop (packed slots, early refills: the backend's default FP8 path).
+
+    source .device/bootstrap.sh && python -m benchmarks.trace_decode --cases 64,16384,64,16,1 64,16384,64,32,4
+
+Runs a debug build of the kernel (``launch_mla_decode_seesaw_traced``) in which thread 0 of each warpgroup writes
+``clock64`` at the ``TRACE_EVENTS`` points of its first ``--iters`` loop iterations, for the first ``--ctas`` CTAs,
+into an extra int64 output of the custom call.  The normal builds carry none of this (their PTX is unchanged).
+Prints, per warpgroup, the median and the 10th / 90th percentiles over CTAs and iterations (the first two
+iterations skipped: warm-up) of the cycles spent between consecutive events, i.e. what each phase of an
+iteration costs and where a warpgroup waits for the other; and writes all raw timestamps to ``--out`` (JSON).
+
+Checks the traced output against the normal build's on the same inputs (the debug build must compute the same
+result: bitwise, since the marks only add stores of their own), so a timeline is never read from a broken build.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+
+
+def traced_decode(c, trace_iters: int, ctas: int):
+    """jitted ``(q, kv, bt, sl, scale) -> (out, lse, trace)`` of the debug build, for the FP8 case ``c``."""
+    import jax
+    import jax.numpy as jnp
+
+    from tokenspeed_jax import ffi
+    from tokenspeed_jax.backends import sm90_decode
+    from tokenspeed_jax.decode import _decode_problem
+    from tokenspeed_jax.kernels.sm90.mla_decode_seesaw import TRACE_EVENTS, launch_mla_decode_seesaw_traced
+    from tokenspeed_jax.planner import plan_for_problem
+
+    def g(q, kv, bt, sl, scale):
+        prob = _decode_problem(q, kv, bt, sl, True, 512, True)
+        why = sm90_decode.supports(prob)
+        if why:
+            raise ValueError(why)
+        if prob.dtype != "float8_e4m3fn" or prob.page_size < 32:
+            raise ValueError("the traced build is the FP8 loop with early refills: float8_e4m3fn, page_size >= 32")
+        plan = plan_for_problem(prob)
+        B, S, H = prob.batch, prob.q_len, prob.num_heads
+        outputs = [jax.ShapeDtypeStruct((B, S, H, 512), jnp.bfloat16), jax.ShapeDtypeStruct((B, S, H), jnp.float32),
+                   jax.ShapeDtypeStruct((ctas, 2, trace_iters, len(TRACE_EVENTS)), jnp.int64)]
+        outputs += [jax.ShapeDtypeStruct(w.shape, jnp.dtype(w.dtype)) for w in plan.workspace]
+        key = ("mla_decode_sm90_traced.v1", prob.dtype, H, S, prob.page_size, plan.num_splits, plan.tokens_per_split,
+               trace_iters, ctas)
+        call = ffi.custom_call(
+            sm90_decode.TARGET, launch_mla_decode_seesaw_traced, outputs=outputs, compile_key=key, dtype=prob.dtype,
+            num_heads=H, q_len=S, page_size=prob.page_size, causal=True, num_splits=plan.num_splits,
+            tokens_per_split=plan.tokens_per_split, trace=trace_iters)
+        res = call(q, kv, bt, sl, ffi.scalar_operand(scale), ffi.scalar_operand(jnp.float32(1.0)))
+        return res[0], res[1], res[2]
+
+    return jax.jit(g)
+
+
+def summarize(tr, skip: int = 2) -> dict:
+    """``tr``: int64 ``(ctas, 2, iters, events)`` timestamps -> per warpgroup and phase (the interval ending at
+    each event), median / p10 / p90 cycles over CTAs and iterations ``>= skip``; intervals with a missing end
+    (0: the event was not reached, e.g. the last iteration's refill) are left out."""
+    import numpy as np
+
+    from tokenspeed_jax.kernels.sm90.mla_decode_seesaw import TRACE_EVENTS
+
+    out = {}
+    for wg in range(2):
+        t = tr[:, wg, skip:, :].astype(np.float64)  # ctas, iters, events
+        nxt = np.concatenate([t[:, 1:, :1], np.zeros_like(t[:, :1, :1])], axis=1)  # next iteration's top
+        rows = []
+        prev = t[..., 0]
+        for e in range(1, len(TRACE_EVENTS) + 1):
+            cur = t[..., e] if e < len(TRACE_EVENTS) else nxt[..., 0]
+            name = TRACE_EVENTS[e][wg] if e < len(TRACE_EVENTS) else "(to the next iteration's top)"
+            ok = (cur > 0) & (prev > 0)
+            d = (cur - prev)[ok]
+            if d.size and name != "-":
+                rows.append({"phase": name, "median": float(np.median(d)), "p10": float(np.percentile(d, 10)),
+                             "p90": float(np.percentile(d, 90)), "n": int(d.size)})
+            prev = np.where(cur > 0, cur, prev)
+        top = t[..., 0]
+        it = np.diff(top, axis=1)[(top[:, 1:] > 0) & (top[:, :-1] > 0)]
+        out[f"wg{wg}"] = {"iteration_median": float(np.median(it)) if it.size else None, "phases": rows}
+    return out
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--cases", nargs="+", default=["64,16384,64,16,1", "64,16384,64,32,4"], help="B,K,page,H,S")
+    ap.add_argument("--iters", type=int, default=24, help="loop iterations traced per CTA")
+    ap.add_argument("--ctas", type=int, default=16, help="CTAs traced (the first, in (b, split, row block) order)")
+    ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "/tmp"), "decode_trace.json"))
+    a = ap.parse_args(argv)
+    os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
+    import jax
+    import numpy as np
+
+    from benchmarks.decode import bench_case, bench_inputs, decode_fn
+    from benchmarks.harness import provenance
+    from tokenspeed_jax.kernels.sm90.mla_decode_seesaw import TRACE_EVENTS
+
+    report = {"name": "per-warpgroup timeline of the sm90 FP8 decode loop (clock64 cycles)", **provenance(),
+              "events": [list(e) for e in TRACE_EVENTS], "cases": []}
+    for spec in a.cases:
+        B, K, page, H, S = (int(x) for x in spec.split(","))
+        c = dataclasses.replace(bench_case(B, K, page, H, S), dtype="float8_e4m3fn")
+        q, kv, bt, sl, scale = bench_inputs(c)
+        q, kv = q.astype(c.dtype), kv.astype(c.dtype)
+        ref = decode_fn(c, "sm90")(q, kv, bt, sl, scale)
+        f = traced_decode(c, a.iters, a.ctas)
+        for _ in range(3):  # the last run's timestamps (the first compiles and warms the caches)
+            out, lse, tr = jax.block_until_ready(f(q, kv, bt, sl, scale))
+        same = bool(np.array_equal(np.asarray(out.astype(np.float32)), np.asarray(ref[0].astype(np.float32)))
+                    and np.array_equal(np.asarray(lse), np.asarray(ref[1])))
+        tr = np.asarray(tr)
+        summary = summarize(tr)
+        report["cases"].append({"case": c.name, "bitwise_equal_to_normal_build": same, "summary": summary,
+                                "trace": tr.tolist()})
+        print(f"{c.name}: traced output bitwise equal to the normal build: {same}")
+        for wg, s in summary.items():
+            print(f"  {wg}: iteration {s['iteration_median']} cycles (median)")
+            for r in s["phases"]:
+                print(f"    {r['phase']:<40s} {r['median']:8.0f}  [{r['p10']:.0f} .. {r['p90']:.0f}]")
+        if not same:
+            raise SystemExit("the traced build's output differs from the normal build's: the timeline is void")
+    with open(a.out, "w") as fh:
+        json.dump(report, fh)
+    print("wrote", a.out)
+
+
+if __name__ == "__main__":
+    main()
