@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
-# The H200 runs behind the FP8 P V on FP8 tensor cores (TOKENSPEED_SM90_DECODE_FP8_PV), two device calls back to back
-# (carry [".device"]):
-#   source .device/bootstrap.sh && M=2 AB="0 1 2" bash scripts/h200_fp8pv.sh check   # ~9 min
-#   source .device/bootstrap.sh && M=2 bash scripts/h200_fp8pv.sh profile            # ~5 min
-#   source .device/bootstrap.sh && M=2 bash scripts/h200_fp8pv.sh bench              # ~6 min
+# The H200 runs behind the FP8 P V on FP8 tensor cores (TOKENSPEED_SM90_DECODE_FP8_PV), one device call each
+# (carry [".device"]; 2026-12-01 wall times, warm machine):
+#   source .device/bootstrap.sh && M=3 AB="2 3" NCU= bash scripts/h200_fp8pv.sh check   # ~2.5 min (ncu off)
+#   source .device/bootstrap.sh && M=3 bash scripts/h200_fp8pv.sh profile               # ~5 min
+#   source .device/bootstrap.sh && M=3 bash scripts/h200_fp8pv.sh bench                 # ~1.5-6 min
+#   source .device/bootstrap.sh && M=3 AB="0 1" W=<switch> DT=float8_e4m3fn bash scripts/h200_fp8pv.sh ab   # ~1 min
 # check: the configurations compile on the CPU; then in the background the compute-sanitizer memcheck test with
 #   FP8_PV=$M; the FP8 cases of the check matrix (and two BF16 ones) with FP8_PV=$M against the fp32 reference
 #   (benchmarks.decode.check, the FP8_P_ROUND tolerance); the interleaved A/B of FP8_PV over the values $AB on the
@@ -18,9 +19,19 @@ set -uo pipefail
 export CUTE_DSL_ARCH=sm_90a TOKENSPEED_JAX_CACHE_DIR=${TOKENSPEED_JAX_CACHE_DIR:-/tmp/tsj_cache} PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 V=TOKENSPEED_SM90_DECODE_FP8_PV
-M=${M:-2}; AB=${AB:-0 1 2}
+M=${M:-3}; AB=${AB:-2 3}
 t0=$(date +%s)
 stamp() { echo "[$(( $(date +%s) - t0 ))s] $*"; }
+ab_table() {  # the rows of a decode_ab.py log: µs per value, ratios to the first value, max |diff|; geometric means
+  grep '^{"case"' "$1" | python -c "
+import sys, json, math
+r = [json.loads(l) for l in sys.stdin]
+vs = '$AB'.split()
+for x in r: print(x['case'], *[round(x['us_' + v], 1) for v in vs], *[round(x['us_' + vs[0]] / x['us_' + v], 3) for v in vs[1:]], round(x['max_abs_diff'], 4))
+for v in vs[1:]:
+    if r: print('geomean', vs[0], '/', v, round(math.exp(sum(math.log(x['us_' + vs[0]] / x['us_' + v]) for x in r) / len(r)), 4))
+"
+}
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu,power.draw --format=csv,noheader
 if [ "${1:-check}" = check ]; then
   stamp "prewarm (CPU)"
@@ -57,14 +68,7 @@ print('CHECK', sum(x['ok'] for x in r), '/', len(r), 'seed', seed)
   stamp "A/B $V $AB (FP8)"
   timeout 200 python scripts/decode_ab.py $V $AB --dtype float8_e4m3fn --cases matrix --out "$OUT/ab_fp8pv.json" \
     >> "$OUT/ab.log" 2>&1; echo "ab rc=$?"
-  grep '^{"case"' "$OUT/ab.log" | python -c "
-import sys, json, math
-r = [json.loads(l) for l in sys.stdin]
-vs = '$AB'.split()
-for x in r: print(x['case'], *[round(x['us_' + v], 1) for v in vs], *[round(x['us_' + vs[0]] / x['us_' + v], 3) for v in vs[1:]], round(x['max_abs_diff'], 4))
-for v in vs[1:]:
-    if r: print('geomean', vs[0], '/', v, round(math.exp(sum(math.log(x['us_' + vs[0]] / x['us_' + v]) for x in r) / len(r)), 4))
-"
+  ab_table "$OUT/ab.log"
   if [ -n "${NCU-1}" ]; then  # (NCU= turns it off) where the FP8 time goes: ours (FP8_PV 0 and $M) next to FlashMLA's FP8 fork
     stamp "ncu"
     for v in 0 $M; do
@@ -95,14 +99,7 @@ elif [ "$1" = ab ]; then  # interleaved A/B of the switch $W over the values $AB
     stamp "A/B $W $AB ($d)"
     timeout 280 env $V=$M python scripts/decode_ab.py $W $AB --dtype $d --cases matrix --prewarm 14 \
       --out "$OUT/ab_$d.json" > "$OUT/ab_$d.log" 2>&1; echo "ab rc=$?"
-    grep '^{"case"' "$OUT/ab_$d.log" | python -c "
-import sys, json, math
-r = [json.loads(l) for l in sys.stdin]
-vs = '$AB'.split()
-for x in r: print(x['case'], *[round(x['us_' + v], 1) for v in vs], *[round(x['us_' + vs[0]] / x['us_' + v], 3) for v in vs[1:]], round(x['max_abs_diff'], 4))
-for v in vs[1:]:
-    if r: print('geomean', vs[0], '/', v, round(math.exp(sum(math.log(x['us_' + vs[0]] / x['us_' + v]) for x in r) / len(r)), 4))
-"
+    ab_table "$OUT/ab_$d.log"
   done
 else
   stamp "benchmark vs FlashMLA ($V=$M)"
