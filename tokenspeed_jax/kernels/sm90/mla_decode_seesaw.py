@@ -140,7 +140,7 @@ def vt_word_offsets(tg, fw, k, i):
 
 
 def ldsm_row_offset(lane, warp, hb):
-    """:meth:`MlaDecodeSeesawSm90.transpose_v` with a packed ``V^T`` (``ldmatrix.trans`` / ``stmatrix``), for Python
+    """:meth:`MlaDecodeSeesawSm90.transpose_v_packed` (``ldmatrix.trans`` / ``stmatrix``), for Python
     ints (tests) and DSL Int32 alike: byte offset (swizzled, inside a 4 KB staging chunk) of the row that lane
     ``lane`` of warp ``warp`` addresses in the ``ldmatrix.x4.trans`` of the block half ``hb`` (features
     ``32 hb ..`` of the chunk).  Matrix ``lane // 8``: tokens ``16 warp + 8 (m % 2) ..``, features ``16 (m // 2)``
@@ -283,7 +283,8 @@ class MlaDecodeSeesawSm90(MlaDecodeSm90):
         pv_ss = sm90_utils.make_trivial_tiled_mma(dt, dt, K, MN, Float32, (1, 1, 1), (self.block_m, self.DV // 2))
         pv_rs = sm90_utils.make_trivial_tiled_mma(dt, dt, K, MN, Float32, (1, 1, 1), (self.block_m, self.DV // 2),
                                                   a_source=warpgroup.OperandSource.RMEM)
-        # FP8 P V: e4m3 P (smem) x e4m3 V^T (smem, tokens contiguous), one 64-feature chunk per instruction
+        # FP8 P V: e4m3 P (smem) x e4m3 V^T (smem, tokens contiguous), one 64-feature chunk per instruction, or with
+        # packed slots the warpgroup's 256 features
         pv8 = None
         if cutlass.const_expr(self.pv8):  # packed V^T: one instruction spans the warpgroup's 256 features
             pv8 = sm90_utils.make_trivial_tiled_mma(_F8, _F8, K, K, Float32, (1, 1, 1),
@@ -534,7 +535,11 @@ class MlaDecodeSeesawSm90(MlaDecodeSm90):
         lower halves of the fp16-sized chunks 0..7 (chunk ``c``'s features at bytes ``8192 c ..``, 4 KB), and
         the e4m3 P tile ``(64 rows, 64 tokens)`` in the lower half of the rope chunk 8.  Both are QGMMA K-major
         operands: 64-byte rows, 64-byte swizzle (``S<2,4,3>``, the staging's).  The upper halves hold the
-        landed e4m3 staging (:meth:`staging`), so building ``V^T`` reads one half and writes the other."""
+        landed e4m3 staging (:meth:`staging`), so building ``V^T`` reads one half and writes the other.
+        Packed slots (:attr:`vt_packed`): ``V^T`` is ``(512 features, 64 tokens)`` at the slot's start, P right
+        after it, the staging after P; the third view returned is the one P is stored through (tokens in
+        :data:`P8_TOKEN_ORDER` inside each 16-token group, the order the packed transpose writes ``V^T`` in).
+        Returns ``(V^T views, P operand views, P store views)``, one per slot."""
         raw = cute.recast_ptr(slots_ptr, dtype=_F8)
         chunk_bytes = self.block_n * _CHUNK * (self.mma_dtype.width // 8)
         slot_bytes = chunk_bytes * (self.D // _CHUNK)
