@@ -1,6 +1,7 @@
-"""Per-warpgroup timeline of the sm90 FP8 decode loop (packed slots, early refills: the backend's default FP8 path).
+"""Per-warpgroup timeline of the sm90 decode loop (seesaw; FP8: packed slots, early refills, the default path).
 
     source .device/bootstrap.sh && python -m benchmarks.trace_decode --cases 64,16384,64,16,1 64,16384,64,32,4
+    source .device/bootstrap.sh && python -m benchmarks.trace_decode --dtype bfloat16 --cases 64,16384,64,32,4
 
 Runs a debug build of the kernel (``launch_mla_decode_seesaw_traced``) in which thread 0 of each warpgroup writes
 ``clock64`` at the ``TRACE_EVENTS`` points of its first ``--iters`` loop iterations, for the first ``--ctas`` CTAs,
@@ -22,7 +23,7 @@ import os
 
 
 def traced_decode(c, trace_iters: int, ctas: int):
-    """jitted ``(q, kv, bt, sl, scale) -> (out, lse, trace)`` of the debug build, for the FP8 case ``c``."""
+    """jitted ``(q, kv, bt, sl, scale) -> (out, lse, trace)`` of the debug build, for the case ``c``."""
     import jax
     import jax.numpy as jnp
 
@@ -37,11 +38,12 @@ def traced_decode(c, trace_iters: int, ctas: int):
         why = sm90_decode.supports(prob)
         if why:
             raise ValueError(why)
-        if prob.dtype != "float8_e4m3fn" or prob.page_size < 32:
-            raise ValueError("the traced build is the FP8 loop with early refills: float8_e4m3fn, page_size >= 32")
+        if prob.page_size < (32 if prob.dtype == "float8_e4m3fn" else 16):
+            raise ValueError("the traced build is the TMA seesaw (FP8 with early refills): page_size >= 16, FP8 >= 32")
         plan = plan_for_problem(prob)
         B, S, H = prob.batch, prob.q_len, prob.num_heads
-        outputs = [jax.ShapeDtypeStruct((B, S, H, 512), jnp.bfloat16), jax.ShapeDtypeStruct((B, S, H), jnp.float32),
+        out_dt = jnp.bfloat16 if prob.dtype == "float8_e4m3fn" else jnp.dtype(prob.dtype)
+        outputs = [jax.ShapeDtypeStruct((B, S, H, 512), out_dt), jax.ShapeDtypeStruct((B, S, H), jnp.float32),
                    jax.ShapeDtypeStruct((ctas, 2, trace_iters, len(TRACE_EVENTS)), jnp.int64)]
         outputs += [jax.ShapeDtypeStruct(w.shape, jnp.dtype(w.dtype)) for w in plan.workspace]
         key = ("mla_decode_sm90_traced.v1", prob.dtype, H, S, prob.page_size, plan.num_splits, plan.tokens_per_split,
@@ -90,6 +92,7 @@ def main(argv=None):
     ap.add_argument("--cases", nargs="+", default=["64,16384,64,16,1", "64,16384,64,32,4"], help="B,K,page,H,S")
     ap.add_argument("--iters", type=int, default=24, help="loop iterations traced per CTA")
     ap.add_argument("--ctas", type=int, default=16, help="CTAs traced (the first, in (b, split, row block) order)")
+    ap.add_argument("--dtype", default="float8_e4m3fn", choices=("float8_e4m3fn", "bfloat16", "float16"))
     ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "/tmp"), "decode_trace.json"))
     a = ap.parse_args(argv)
     os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
@@ -100,11 +103,11 @@ def main(argv=None):
     from benchmarks.harness import provenance
     from tokenspeed_jax.kernels.sm90.mla_decode_seesaw import TRACE_EVENTS
 
-    report = {"name": "per-warpgroup timeline of the sm90 FP8 decode loop (clock64 cycles)", **provenance(),
+    report = {"name": f"per-warpgroup timeline of the sm90 decode loop, {a.dtype} (clock64 cycles)", **provenance(),
               "events": [list(e) for e in TRACE_EVENTS], "cases": []}
     for spec in a.cases:
         B, K, page, H, S = (int(x) for x in spec.split(","))
-        c = dataclasses.replace(bench_case(B, K, page, H, S), dtype="float8_e4m3fn")
+        c = dataclasses.replace(bench_case(B, K, page, H, S), dtype=a.dtype)
         q, kv, bt, sl, scale = bench_inputs(c)
         q, kv = q.astype(c.dtype), kv.astype(c.dtype)
         ref = decode_fn(c, "sm90")(q, kv, bt, sl, scale)

@@ -507,15 +507,22 @@ _TRACE_SCRIPT = textwrap.dedent(
             sd((2,), jnp.int32), sd((), jnp.float32)).lower(lowering_platforms=("cuda",)).as_text()
     print("TARGETS", sorted(set(re.findall(r"custom_call @(\\w+)", txt))))
     print("TRACE_OUT", bool(re.search(r"tensor<3x2x4x%dxi64>" % len(TRACE_EVENTS), txt)))
+    c = bench_case(2, 4096, 64, 32, 2)  # bf16: the 16-bit loop
+    with target_override("sm_90a", num_sms=132):
+        txt = traced_decode(c, 5, 2).trace(
+            sd((2, 2, 32, 576), jnp.bfloat16), sd((c.num_pages, 64, 576), jnp.bfloat16),
+            sd((2, c.max_pages), jnp.int32), sd((2,), jnp.int32), sd((), jnp.float32)).lower(
+            lowering_platforms=("cuda",)).as_text()
+    print("TRACE_OUT16", bool(re.search(r"tensor<2x2x5x%dxi64>" % len(TRACE_EVENTS), txt)))
     """
 )
 
 
 @pytest.mark.compile
 def test_traced_build_lowers(tmp_path):
-    """The debug build behind benchmarks/trace_decode.py (clock64 marks, an extra int64 output) compiles for
-    sm_90a and lowers as the decode custom call with the trace output; its normal twin's PTX is the default
-    build's (the marks are compile-time)."""
+    """The debug builds behind benchmarks/trace_decode.py (clock64 marks, an extra int64 output), FP8 and BF16,
+    compile for sm_90a and lower as the decode custom call with the trace output.  (That a normal build carries
+    no mark, its PTX unchanged, was checked by diffing the PTX on 2026-12-01: the marks are compile-time.)"""
     pytest.importorskip("cutlass")
     env = dict(os.environ, CUTE_DSL_ARCH="sm_90a", TOKENSPEED_JAX_DISK_CACHE="0", JAX_PLATFORMS="cpu",
                PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
@@ -523,7 +530,7 @@ def test_traced_build_lowers(tmp_path):
                        cwd=ROOT, check=False)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     assert "TARGETS ['tokenspeed_mla_decode_sm90']" in p.stdout, p.stdout[-2000:]
-    assert "TRACE_OUT True" in p.stdout, p.stdout[-2000:]
+    assert "TRACE_OUT True" in p.stdout and "TRACE_OUT16 True" in p.stdout, p.stdout[-2000:]
 
 
 def test_trace_summary():

@@ -94,8 +94,11 @@ _F8 = cutlass.Float8E4M3FN
 _CHUNK = 64  # columns per 128-byte swizzle atom row (16-bit)
 _ALL_CHUNKS = (0, 1, 2, 3, 4, 5, 6, 7, 8)
 _MIN_TMA_PAGE = 16  # smaller pages load with cp.async (TMA would need > 4 boxes per chunk)
-# MlaDecodeSeesawSm90.mark: the points of an iteration of the FP8 P V loop (early refills) a debug build times, per
-# warpgroup (WG0 / WG1: what the time since the previous event was spent on)
+# MlaDecodeSeesawSm90.mark: the points of an iteration of the seesaw loop a debug build times, per warpgroup (WG0 /
+# WG1: what the time since the previous event was spent on), named for the FP8 P V loop with early refills.  In the
+# 16-bit loop WG0's "P store + TAIL" and WG1's "P store + TAIL" are not reached (P from registers: their time goes to
+# the next event), "QK issue + cross PV retired" is the first QK half, "QK retired" adds the slot-1 column refill,
+# the second landed wait and QK half; "wait VT*_FREE", "transpose" and "refill issue" are empty there
 TRACE_EVENTS = (
     ("top", "top"),
     ("softmax", "wait SCALE0 (WG0's max)"),
@@ -252,8 +255,8 @@ class MlaDecodeSeesawSm90(MlaDecodeSm90):
         self.l2_prefetch = l2_prefetch if self.use_tma else "off"
         # debug builds only (scripts/trace_decode.py): clock64 at the TRACE_EVENTS points of the first ``trace``
         # iterations of each warpgroup, by its thread 0, into an extra int64 output (:meth:`mark`)
-        if trace < 0 or (trace and not self.early):
-            raise ValueError(f"trace: expected 0, or > 0 with early_refill (the FP8 P V loop), got {trace}")
+        if trace < 0:
+            raise ValueError(f"trace: expected the number of iterations to time (0: a normal build), got {trace}")
         self.trace = int(trace)
         self.box_rows = min(self.page_size, self.block_n)  # rows of one TMA box (one page or one tile)
         self.subs = self.block_n // self.box_rows  # boxes per 64-token tile and 64-column chunk
@@ -1086,10 +1089,12 @@ class MlaDecodeSeesawSm90(MlaDecodeSm90):
                         cute.arch.barrier_arrive(barrier_id=int(Barrier.VT1_FREE), number_of_threads=self.num_threads)
                 elif more:
                     self.landed(mbar + 0, ph)
+                    self.mark(mTrace, cta, wg, wtid, j, 7)
                     self.expand(sK0, sSt0, wg, wtid, (0, 1, 2, 3))
                     self.qk_chunks(qk_mma, acc_s, tSrQ, tSrK0, (0, 1, 2, 3), True)
                     warpgroup.commit_group()
                     warpgroup.wait_group(1)
+                    self.mark(mTrace, cta, wg, wtid, j, 8)
                     self.refill(sK1, tAs1, tAg, tma_atom, mbar + 2, mKV, pgA1, t0 + 3 * bn, split_end, num_pages, wg,
                                 wtid, (0, 1, 2, 3, 8), Barrier.REFILL_A1)
                     self.landed(mbar + 1, ph)
@@ -1177,6 +1182,7 @@ class MlaDecodeSeesawSm90(MlaDecodeSm90):
                                 wtid, (4, 5, 6, 7, 8), Barrier.REFILL_B0)
                     # 5. next QK on slot 1: own columns first, then WG0's refill (cols 0..255 + rope)
                     self.landed(mbar + 3, ph)
+                    self.mark(mTrace, cta, wg, wtid, j, 7)
                     self.expand(sK1, sSt1, wg, wtid, (4, 5, 6, 7))
                     self.qk_chunks(qk_mma, acc_s, tSrQ, tSrK1, (4, 5, 6, 7), True)
                     self.landed(mbar + 2, ph)
@@ -1236,13 +1242,14 @@ def launch_mla_decode_seesaw_traced(stream, q: cute.Tensor, kv: cute.Tensor, blo
                                     num_splits: cutlass.Constexpr, tokens_per_split: cutlass.Constexpr,
                                     trace: cutlass.Constexpr, pdl: cutlass.Constexpr = True,
                                     l2_prefetch: cutlass.Constexpr = "late"):
-    """Debug build of the FP8 P V loop as the backend runs it by default (packed slots, early refills) with
-    :meth:`MlaDecodeSeesawSm90.mark` timestamps in ``trace_buf`` (int64 ``(ctas, 2, trace, len(TRACE_EVENTS))``,
-    the first ``ctas`` CTAs in ``(b, split, row block)`` order), an extra output after ``lse``
-    (scripts/trace_decode.py)."""
+    """Debug build of the seesaw loop as the backend runs it by default (FP8: packed slots, early refills; pages
+    >= 32) with :meth:`MlaDecodeSeesawSm90.mark` timestamps in ``trace_buf`` (int64 ``(ctas, 2, trace,
+    len(TRACE_EVENTS))``, the first ``ctas`` CTAs in ``(b, split, row block)`` order), an extra output after
+    ``lse`` (benchmarks/trace_decode.py)."""
+    fp8 = dtype == "float8_e4m3fn"
     MlaDecodeSeesawSm90(dtype=dtype, num_heads=num_heads, q_len=q_len, page_size=page_size, causal=causal,
                         num_splits=num_splits, tokens_per_split=tokens_per_split, block_n=64, pdl=pdl, qk_fp8=True,
-                        pv_fp8=True, early_refill=True, vt_packed=True, l2_prefetch=l2_prefetch, trace=trace)(
+                        pv_fp8=fp8, early_refill=fp8, vt_packed=fp8, l2_prefetch=l2_prefetch, trace=trace)(
         stream, q, kv, block_table, seq_lens, softmax_scale, output_scale, out, lse, o_accum, lse_accum, trace_buf)
 
 
