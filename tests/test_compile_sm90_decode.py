@@ -93,7 +93,8 @@ _SCRIPT = textwrap.dedent(
                 ldsm=len(re.findall(r"ldmatrix\\.sync\\.aligned\\.m8n8\\.x4\\.trans\\.shared\\.b16", sptx)),
                 stsm=len(re.findall(r"stmatrix\\.sync\\.aligned\\.m8n8\\.x4\\.shared\\.b16", sptx)),
                 spill=len(re.findall(r"\\b(STL|LDL)\\b", ssass)),
-                depbar=len(re.findall(r"WARPGROUP\\.DEPBAR", ssass)))
+                depbar=len(re.findall(r"WARPGROUP\\.DEPBAR", ssass)),
+                clock=len(re.findall(r"%clock64", sptx)))
     # L2 prefetch one tile pair ahead (page 64, a table long enough that no prefetch is provably past the
     # split): pair 1 in the prologue, then one pair per iteration of WG0's loop, one bulk prefetch per tile
     before = set(glob.glob(d + "/*"))
@@ -241,6 +242,7 @@ def test_sm90_decode_compiles_for_sm90a(tmp_path):
     # WARPGROUP.DEPBAR after every one, 105 in the FP8 P V kernel of commit e9c62ec, measured on the H200 in that
     # state); the loops wait explicitly at about 7 places
     for key, x in ss.items():
+        assert x["clock"] == 0, (key, x)  # the debug traces' clock64 marks (trace_decode) never in a normal build
         if x["sass"]:
             assert x["depbar"] <= 12, (key, x)
     assert "page_size" in r["tma_page8"] and r["forced_cp_uses_tma"] is False, r
