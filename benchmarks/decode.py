@@ -274,7 +274,8 @@ def check(cases, seed: int, schedule: str | None = None) -> list[dict]:
         # Tolerance (ARCHITECTURE.md): at most 2x the error of the same computation in the input dtype
         # (the xla backend on bf16/fp16 inputs, i.e. output rounding) plus 1e-3.
         tol_o = 2 * err_x + 1e-3
-        if fp8_pv_active(c, schedule):  # P rounded to e4m3 (FP8_P_ROUND)
+        pv8 = fp8_pv_active(c, schedule)
+        if pv8:  # P rounded to e4m3 (FP8_P_ROUND)
             tol_o = tol_o + FP8_P_ROUND * p_round_spread(c, q, kv, bt, sl, scale)
         ok_o = bool(np.all(err <= tol_o))
         inf_ok = bool(np.array_equal(np.isneginf(lse), np.isneginf(rl)))
@@ -292,7 +293,7 @@ def check(cases, seed: int, schedule: str | None = None) -> list[dict]:
                 and np.array_equal(np.asarray(dl), lse, equal_nan=True))}
         r = {"case": c.name, **extra, "ok": ok_o and ok_l and det and zero_rows and finite,
              "max_err": float(np.max(err)), "max_err_over_tol": float(np.max(err / tol_o)),
-             "fp8_pv": fp8_pv_active(c, schedule),
+             "fp8_pv": pv8,
              "xla_native_err": err_x, "err_ratio": float(np.max(err)) / max(err_x, 1e-12), "lse_err": lerr,
              "lse_tol": float(np.min(ltol)), "lse_inf_match": inf_ok, "deterministic": det,
              "empty_rows_zero": zero_rows, "all_finite": finite,

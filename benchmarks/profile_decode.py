@@ -11,6 +11,7 @@ from ncu.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 
 
@@ -31,12 +32,7 @@ def main(argv=None):
         B, K, page, H, S = (int(x) for x in spec.split(","))
         c = bench_case(B, K, page, H, S)
         q, kv, bt, sl, scale = bench_inputs(c)
-        c8 = c
-        if args.dtype != "bfloat16":
-            import dataclasses
-
-            c8 = dataclasses.replace(c, dtype=args.dtype)
-        f = decode_fn(c8, "sm90", args.schedule)
+        f = decode_fn(dataclasses.replace(c, dtype=args.dtype), "sm90", args.schedule)
         q8, kv8 = q.astype(args.dtype), kv.astype(args.dtype)
         for _ in range(3):
             jax.block_until_ready(f(q8, kv8, bt, sl, scale))

@@ -74,27 +74,29 @@ _SCRIPT = textwrap.dedent(
             res["ov_sass_spill"] = len(re.findall(r"\\b(STL|LDL)\\b", osass))
         if sched.startswith("seesaw"):  # page 16: TMA, 4 boxes per chunk; 64: TMA, 1 box; 8: cp.async
             sptx, ssass = own(before, ".ptx"), own(before, ".sass")
+            counts = {  # name: (pattern, "ptx" or "sass") -> number of matches in this compile's dump
+                "qk": (r"wgmma.mma_async.sync.aligned.m64n64k16", "ptx"),
+                "qk8": (r"wgmma.mma_async.sync.aligned.m64n64k32.f32.e4m3.e4m3", "ptx"),
+                "qgmma": (r"QGMMA\\.64x64x32\\.F32\\.E4M3\\.E4M3", "sass"),
+                "pv": (r"wgmma.mma_async.sync.aligned.m64n256k16", "ptx"),
+                "mbar_cp": (r"cp.async.mbarrier.arrive.noinc", "ptx"),
+                "tma": (r"cp\\.async\\.bulk\\.tensor\\.3d\\.shared::\\w+\\.global\\.tile\\.mbarrier", "ptx"),
+                "rs": (r"HGMMA\\.64x256x16\\.F32\\.(?:F16|BF16) R\\d+, R\\d+", "sass"),
+                "cvt": (r"cvt\\.rn\\.f16x2\\.e4m3x2", "ptx"),
+                "cvt8": (r"cvt\\.rn\\.satfinite\\.e4m3x2\\.f32", "ptx"),
+                "prmt": (r"prmt\\.b32", "ptx"),
+                "pv8n256": (r"wgmma.mma_async.sync.aligned.m64n256k32.f32.e4m3.e4m3", "ptx"),
+                "qgmma256": (r"QGMMA\\.64x256x32\\.F32\\.E4M3\\.E4M3", "sass"),
+                "ldsm": (r"ldmatrix\\.sync\\.aligned\\.m8n8\\.x4\\.trans\\.shared\\.b16", "ptx"),
+                "stsm": (r"stmatrix\\.sync\\.aligned\\.m8n8\\.x4\\.shared\\.b16", "ptx"),
+                "spill": (r"\\b(STL|LDL)\\b", "sass"),
+                "depbar": (r"WARPGROUP\\.DEPBAR", "sass"),
+                "clock": (r"%clock64", "ptx"),
+            }
+            x = {n: len(re.findall(pat, sptx if src == "ptx" else ssass)) for n, (pat, src) in counts.items()}
+            x["pv8"] = x["qk8"] - 4 * 18  # e4m3 m64n64k32 wgmmas beyond the 4 x 18 of the QKs
             res.setdefault("ss", {})[str(page) + ("_" + sched[6:] if sched[6:] else "")] = dict(
-                use_tma=k.use_tma,
-                qk=len(re.findall(r"wgmma.mma_async.sync.aligned.m64n64k16", sptx)),
-                qk8=len(re.findall(r"wgmma.mma_async.sync.aligned.m64n64k32.f32.e4m3.e4m3", sptx)),
-                qgmma=len(re.findall(r"QGMMA\\.64x64x32\\.F32\\.E4M3\\.E4M3", ssass)),
-                pv=len(re.findall(r"wgmma.mma_async.sync.aligned.m64n256k16", sptx)),
-                mbar_cp=len(re.findall(r"cp.async.mbarrier.arrive.noinc", sptx)),
-                tma=len(re.findall(r"cp\\.async\\.bulk\\.tensor\\.3d\\.shared::\\w+\\.global\\.tile\\.mbarrier", sptx)),
-                sass=bool(ssass),
-                rs=len(re.findall(r"HGMMA\\.64x256x16\\.F32\\.(?:F16|BF16) R\\d+, R\\d+", ssass)),
-                cvt=len(re.findall(r"cvt\\.rn\\.f16x2\\.e4m3x2", sptx)),
-                cvt8=len(re.findall(r"cvt\\.rn\\.satfinite\\.e4m3x2\\.f32", sptx)),
-                prmt=len(re.findall(r"prmt\\.b32", sptx)),
-                pv8=len(re.findall(r"wgmma.mma_async.sync.aligned.m64n64k32.f32.e4m3.e4m3", sptx)) - 4 * 18,
-                pv8n256=len(re.findall(r"wgmma.mma_async.sync.aligned.m64n256k32.f32.e4m3.e4m3", sptx)),
-                qgmma256=len(re.findall(r"QGMMA\\.64x256x32\\.F32\\.E4M3\\.E4M3", ssass)),
-                ldsm=len(re.findall(r"ldmatrix\\.sync\\.aligned\\.m8n8\\.x4\\.trans\\.shared\\.b16", sptx)),
-                stsm=len(re.findall(r"stmatrix\\.sync\\.aligned\\.m8n8\\.x4\\.shared\\.b16", sptx)),
-                spill=len(re.findall(r"\\b(STL|LDL)\\b", ssass)),
-                depbar=len(re.findall(r"WARPGROUP\\.DEPBAR", ssass)),
-                clock=len(re.findall(r"%clock64", sptx)))
+                x, use_tma=k.use_tma, sass=bool(ssass))
     # L2 prefetch one tile pair ahead (page 64, a table long enough that no prefetch is provably past the
     # split): pair 1 in the prologue, then one pair per iteration of WG0's loop, one bulk prefetch per tile
     before = set(glob.glob(d + "/*"))
@@ -376,7 +378,7 @@ def test_fp8_v_transpose_mapping():
     pytest.importorskip("cutlass")
     import numpy as np
 
-    from tokenspeed_jax.kernels.sm90.mla_decode_seesaw import sw64, vt_word_offsets
+    from tokenspeed_jax.kernels.sm90.fp8_operands import sw64, vt_word_offsets
 
     rng = np.random.default_rng(0)
     staging = rng.integers(0, 256, (8, 64, 64), dtype=np.uint8)  # chunk, token, feature (logical)
@@ -433,7 +435,7 @@ def test_fp8_v_transpose_packed_mapping():
     pytest.importorskip("cutlass")
     import numpy as np
 
-    from tokenspeed_jax.kernels.sm90.mla_decode_seesaw import (
+    from tokenspeed_jax.kernels.sm90.fp8_operands import (
         P8_TOKEN_ORDER,
         ldsm_row_offset,
         p8_selectors,
