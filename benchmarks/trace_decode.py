@@ -22,8 +22,9 @@ import json
 import os
 
 
-def traced_decode(c, trace_iters: int, ctas: int):
-    """jitted ``(q, kv, bt, sl, scale) -> (out, lse, trace)`` of the debug build, for the case ``c``."""
+def traced_decode(c, trace_iters: int, ctas: int, producer: bool = False):
+    """jitted ``(q, kv, bt, sl, scale) -> (out, lse, trace)`` of the debug build, for the case ``c`` (FP8
+    ``producer``: with the producer warpgroup, mode 4 of ``TOKENSPEED_SM90_DECODE_FP8_PV``, else mode 3)."""
     import jax
     import jax.numpy as jnp
 
@@ -46,12 +47,12 @@ def traced_decode(c, trace_iters: int, ctas: int):
         outputs = [jax.ShapeDtypeStruct((B, S, H, 512), out_dt), jax.ShapeDtypeStruct((B, S, H), jnp.float32),
                    jax.ShapeDtypeStruct((ctas, 2, trace_iters, len(TRACE_EVENTS)), jnp.int64)]
         outputs += [jax.ShapeDtypeStruct(w.shape, jnp.dtype(w.dtype)) for w in plan.workspace]
-        key = ("mla_decode_sm90_traced.v1", prob.dtype, H, S, prob.page_size, plan.num_splits, plan.tokens_per_split,
-               trace_iters, ctas)
+        key = ("mla_decode_sm90_traced.v2", prob.dtype, H, S, prob.page_size, plan.num_splits, plan.tokens_per_split,
+               trace_iters, ctas, producer)
         call = ffi.custom_call(
             sm90_decode.TARGET, launch_mla_decode_seesaw_traced, outputs=outputs, compile_key=key, dtype=prob.dtype,
             num_heads=H, q_len=S, page_size=prob.page_size, causal=True, num_splits=plan.num_splits,
-            tokens_per_split=plan.tokens_per_split, trace=trace_iters)
+            tokens_per_split=plan.tokens_per_split, trace=trace_iters, tma_producer=producer)
         res = call(q, kv, bt, sl, ffi.scalar_operand(scale), ffi.scalar_operand(jnp.float32(1.0)))
         return res[0], res[1], res[2]
 
@@ -101,9 +102,15 @@ def main(argv=None):
 
     from benchmarks.decode import bench_case, bench_inputs, decode_fn
     from benchmarks.harness import provenance
+    from tokenspeed_jax.backends import sm90_decode
     from tokenspeed_jax.kernels.sm90.mla_decode_seesaw import TRACE_EVENTS
 
+    mode = sm90_decode.resolve_fp8_pv() if a.dtype == "float8_e4m3fn" else None
+    if mode not in (None, "3", "4"):
+        raise SystemExit(f"{sm90_decode.FP8_PV_ENV}={mode}: the traced FP8 build is mode 3 or 4")
+    producer = mode == "4"  # the producer warpgroup itself is not traced (nor the empty refill phases it leaves)
     report = {"name": f"per-warpgroup timeline of the sm90 decode loop, {a.dtype} (clock64 cycles)", **provenance(),
+              "fp8_pv_mode": mode,
               "events": [list(e) for e in TRACE_EVENTS], "cases": []}
     for spec in a.cases:
         B, K, page, H, S = (int(x) for x in spec.split(","))
@@ -111,7 +118,7 @@ def main(argv=None):
         q, kv, bt, sl, scale = bench_inputs(c)
         q, kv = q.astype(c.dtype), kv.astype(c.dtype)
         ref = decode_fn(c, "sm90")(q, kv, bt, sl, scale)
-        f = traced_decode(c, a.iters, a.ctas)
+        f = traced_decode(c, a.iters, a.ctas, producer)
         for _ in range(3):  # the last run's timestamps (the first compiles and warms the caches)
             out, lse, tr = jax.block_until_ready(f(q, kv, bt, sl, scale))
         same = bool(np.array_equal(np.asarray(out.astype(np.float32)), np.asarray(ref[0].astype(np.float32)))

@@ -37,15 +37,16 @@ _SCRIPT = textwrap.dedent(
             ("float8_e4m3fn", 32, 2, 32, 2, 256, 64, "seesaw"), ("float8_e4m3fn", 16, 1, 64, 2, 256, 64, "seesaw16"),
             ("float8_e4m3fn", 16, 4, 32, 3, 256, 64, "seesaw8"),  # (dump names differ early: q shape)
             ("float8_e4m3fn", 8, 8, 32, 3, 256, 64, "seesaw8e"), ("float8_e4m3fn", 4, 16, 32, 3, 256, 64, "seesaw8p"),
-            ("float8_e4m3fn", 2, 16, 16, 3, 256, 64, "seesaw8q")]
+            ("float8_e4m3fn", 2, 16, 16, 3, 256, 64, "seesaw8q"), ("float8_e4m3fn", 2, 16, 32, 3, 256, 64, "seesaw8r")]
     for (dtype, H, S, page, splits, tps, bn, sched) in cfgs:
         before = set(glob.glob(d + "/*"))
         if sched.startswith("seesaw"):  # seesaw16: an FP8 QK on fp16 operands; seesaw8: FP8 P V on QGMMA too
             k = MlaDecodeSeesawSm90(dtype=dtype, num_heads=H, q_len=S, page_size=page, causal=True,
                                     num_splits=splits, tokens_per_split=tps, block_n=bn,
                                     qk_fp8=sched != "seesaw16", pv_fp8=sched.startswith("seesaw8"),
-                                    early_refill=sched in ("seesaw8e", "seesaw8p"),
-                                    vt_packed=sched in ("seesaw8p", "seesaw8q"))
+                                    early_refill=sched in ("seesaw8e", "seesaw8p", "seesaw8r"),
+                                    vt_packed=sched in ("seesaw8p", "seesaw8q", "seesaw8r"),
+                                    tma_producer=sched == "seesaw8r")
         else:
             k = MlaDecodeSm90(dtype=dtype, num_heads=H, q_len=S, page_size=page, causal=True, num_splits=splits,
                               tokens_per_split=tps, block_n=bn, schedule=sched)
@@ -92,6 +93,8 @@ _SCRIPT = textwrap.dedent(
                 "spill": (r"\\b(STL|LDL)\\b", "sass"),
                 "depbar": (r"WARPGROUP\\.DEPBAR", "sass"),
                 "clock": (r"%clock64", "ptx"),
+                "maxnreg": (r"setmaxnreg\\.(?:inc|dec)\\.sync\\.aligned\\.u32\\s+(?:240|24);", "ptx"),
+                "slot_free": (r"bar\\.(?:sync|arrive)\\s+(?:12|13|%r\\d+),\\s*160;", "ptx"),
             }
             x = {n: len(re.findall(pat, sptx if src == "ptx" else ssass)) for n, (pat, src) in counts.items()}
             x["pv8"] = x["qk8"] - 4 * 18  # e4m3 m64n64k32 wgmmas beyond the 4 x 18 of the QKs
@@ -240,6 +243,16 @@ def test_sm90_decode_compiles_for_sm90a(tmp_path):
     assert x["qk8"] == 4 * 18 and x["pv8n256"] == 8 and x["tma"] == 2 * 72 and x["ldsm"] == 16, x
     if x["sass"]:
         assert x["qgmma256"] == 8 and x["spill"] == 0, x
+    # ... page 32 with the producer warpgroup (tma_producer, the backend's mode "4"): it issues the 2 prologue refills
+    # and the 2 of its loop (one per slot, after the owner's SLOT*_FREE: 2 arrive sites of the owners, 2 syncs);
+    # 24 registers for it, 240 for the computing warpgroups (no spill); the loop's transposes and PVs unchanged
+    x = ss["32_8r"]
+    assert x["qk8"] == 4 * 18 and x["pv8n256"] == 8 and x["tma"] == 2 * 36 and x["ldsm"] == 16, x
+    assert x["maxnreg"] == 2 and x["slot_free"] >= 3 and x["clock"] == 0, x
+    for key, y in ss.items():
+        assert key == "32_8r" or y["maxnreg"] == 0, (key, y)
+    if x["sass"]:
+        assert x["qgmma256"] == 8 and x["spill"] == 0, x
     # ptxas must not serialize the wgmmas (C7520 "wgmma.mma_async instructions are serialized": a
     # WARPGROUP.DEPBAR after every one, 105 in the FP8 P V kernel of commit e9c62ec, measured on the H200 in that
     # state); the loops wait explicitly at about 7 places
@@ -300,18 +313,18 @@ def test_fp8_pv_switch(monkeypatch):
     from tokenspeed_jax.backends import sm90_decode as m
 
     monkeypatch.delenv(m.FP8_PV_ENV, raising=False)
-    assert m.resolve_fp8_pv() == m.FP8_PV_DEFAULT == "3"
+    assert m.resolve_fp8_pv() == m.FP8_PV_DEFAULT == "4"
     for v in m.FP8_PV_MODES:
         monkeypatch.setenv(m.FP8_PV_ENV, v)
         assert m.resolve_fp8_pv() == v
-    for bad in ("on", "true", "4"):
+    for bad in ("on", "true", "5"):
         monkeypatch.setenv(m.FP8_PV_ENV, bad)
         with pytest.raises(ValueError, match=m.FP8_PV_ENV):
             m.resolve_fp8_pv()
     assert m.FP8_PV_ENV in m.TRACE_ENV
     k = ("k", "float8_e4m3fn", 16, 1, 64, True, 1, 64, 64, "seesaw", True, True, "late")
     assert len({m.DecodeKernelKey(*k), m.DecodeKernelKey(*k, True), m.DecodeKernelKey(*k, True, True),
-                m.DecodeKernelKey(*k, True, True, True)}) == 4
+                m.DecodeKernelKey(*k, True, True, True), m.DecodeKernelKey(*k, True, True, True, True)}) == 5
 
 
 def _pip_has(mod: str) -> bool:
@@ -506,7 +519,7 @@ _TRACE_SCRIPT = textwrap.dedent(
     sd = jax.ShapeDtypeStruct
     f8 = jnp.float8_e4m3fn
     with target_override("sm_90a", num_sms=132):
-        txt = traced_decode(c, 4, 3).trace(
+        txt = traced_decode(c, 4, 3, True).trace(
             sd((2, 1, 16, 576), f8), sd((c.num_pages, 64, 576), f8), sd((2, c.max_pages), jnp.int32),
             sd((2,), jnp.int32), sd((), jnp.float32)).lower(lowering_platforms=("cuda",)).as_text()
     print("TARGETS", sorted(set(re.findall(r"custom_call @(\\w+)", txt))))

@@ -64,10 +64,12 @@ FP8_QK_ENV = "TOKENSPEED_SM90_DECODE_FP8_QK"
 # run "1"); "1" the same without the early refills; "0" on fp16 operands, V upcast exactly (P in fp16: the exact
 # choice; docs/sm90_decode.md, "FP8 P V on FP8 tensor cores"); "3" is "2" with each KV slot packed as
 # [V^T | P | staging] (PVs as QGMMA m64n256k32, the transpose on ldmatrix.trans / stmatrix; 16-token pages run
-# "1" packed), the default since 2026-12-01 (10.3% faster than "2" on the H200).  Needs the QGMMA QK.  Read at trace time; part of the compile key.
+# "1" packed), 10.3% faster than "2" on the H200; "4" (the default since 2026-12-01 evening, 10.8% faster than
+# "3") is "3" with a third, producer warpgroup that issues the TMA refills (docs/sm90_decode.md, "Producer
+# warpgroup"; 16-token pages run "1" packed).  Needs the QGMMA QK.  Read at trace time; part of the compile key.
 FP8_PV_ENV = "TOKENSPEED_SM90_DECODE_FP8_PV"
-FP8_PV_MODES = ("0", "1", "2", "3")
-FP8_PV_DEFAULT = "3"
+FP8_PV_MODES = ("0", "1", "2", "3", "4")
+FP8_PV_DEFAULT = "4"
 # The seesaw loop's L2 prefetch of the KV tile pair after the next (cp.async.bulk.prefetch): "off", "late"
 # or "early" (docs/sm90_decode.md, "L2 prefetch").  Read at trace time; part of the compile key.
 L2_PREFETCH_ENV = "TOKENSPEED_SM90_DECODE_L2_PREFETCH"
@@ -101,7 +103,8 @@ class DecodeKernelKey:
     l2_prefetch: str = "off"  # seesaw: L2 prefetch mode ($TOKENSPEED_SM90_DECODE_L2_PREFETCH)
     pv_fp8: bool = False  # FP8 seesaw: P V on FP8 tensor cores ($TOKENSPEED_SM90_DECODE_FP8_PV 1, 2 or 3)
     early_refill: bool = False  # ... whole-slot refills after the V transpose ($TOKENSPEED_SM90_DECODE_FP8_PV 2, 3)
-    vt_packed: bool = False  # ... with packed slots ($TOKENSPEED_SM90_DECODE_FP8_PV 3)
+    vt_packed: bool = False  # ... with packed slots ($TOKENSPEED_SM90_DECODE_FP8_PV 3, 4)
+    tma_producer: bool = False  # ... and a producer warpgroup ($TOKENSPEED_SM90_DECODE_FP8_PV 4)
 
 
 def supports(problem: DecodeProblem) -> str | None:
@@ -184,12 +187,13 @@ def decode(problem: DecodeProblem, q, kv_cache, block_table, seq_lens, softmax_s
     # mode 2 with 16-token pages (4 TMA boxes per chunk) spills about 200 bytes (CPU compile, 2026-12-01):
     # those run mode 1
     pv_fp8 = fp8_pv != "0"
-    early_refill = fp8_pv in ("2", "3") and problem.page_size >= _MIN_EARLY_REFILL_PAGE
-    vt_packed = fp8_pv == "3"
+    early_refill = fp8_pv in ("2", "3", "4") and problem.page_size >= _MIN_EARLY_REFILL_PAGE
+    vt_packed = fp8_pv in ("3", "4")
+    tma_producer = fp8_pv == "4" and early_refill
     l2_prefetch = resolve_l2_prefetch() if seesaw else "off"
-    key = DecodeKernelKey("mla_decode_sm90.v9", problem.dtype, H, S, problem.page_size, problem.causal,
+    key = DecodeKernelKey("mla_decode_sm90.v10", problem.dtype, H, S, problem.page_size, problem.causal,
                           plan.num_splits, plan.tokens_per_split, block_n, schedule, pdl, qk_fp8, l2_prefetch, pv_fp8,
-                          early_refill, vt_packed)
+                          early_refill, vt_packed, tma_producer)
     outputs = [jax.ShapeDtypeStruct((B, S, H, problem.kv_lora_rank), jnp.dtype(problem.out_dtype)),
                jax.ShapeDtypeStruct((B, S, H), jnp.float32)]
     outputs += [jax.ShapeDtypeStruct(w.shape, jnp.dtype(w.dtype)) for w in plan.workspace]
@@ -197,8 +201,8 @@ def decode(problem: DecodeProblem, q, kv_cache, block_table, seq_lens, softmax_s
         TARGET, launch, outputs=outputs, compile_key=key,
         dtype=problem.dtype, num_heads=H, q_len=S, page_size=problem.page_size, causal=problem.causal,
         num_splits=plan.num_splits, tokens_per_split=plan.tokens_per_split, block_n=block_n, schedule=schedule,
-        pdl=pdl, **({"qk_fp8": qk_fp8, "pv_fp8": pv_fp8, "early_refill": early_refill, "vt_packed": vt_packed}
-             if fp8_seesaw else {}),
+        pdl=pdl, **({"qk_fp8": qk_fp8, "pv_fp8": pv_fp8, "early_refill": early_refill, "vt_packed": vt_packed,
+                     "tma_producer": tma_producer} if fp8_seesaw else {}),
         **({"l2_prefetch": l2_prefetch} if seesaw else {}),
     )
     res = call(q, kv_cache, block_table.astype(jnp.int32), seq_lens.astype(jnp.int32),

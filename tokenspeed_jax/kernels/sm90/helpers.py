@@ -36,6 +36,10 @@ class Barrier(enum.IntEnum):
     # owner syncs; 256 threads)
     VT0_FREE = 10
     VT1_FREE = 11
+    # ... with the producer warpgroup (``tma_producer``): the slot's owner read its staging (QK retired, V^T built),
+    # the producer may refill it (owner arrives, producer warp 0 syncs; 160 threads)
+    SLOT0_FREE = 12
+    SLOT1_FREE = 13
     TAIL = 14  # + warpgroup index: V rows past the split zeroed (all 128 threads sync)
 
 

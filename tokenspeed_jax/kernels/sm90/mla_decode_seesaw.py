@@ -135,7 +135,7 @@ class MlaDecodeSeesawSm90(Fp8OperandsMixin, MlaDecodeSm90):
     16-bit dtypes, ``block_n`` 64."""
 
     def __init__(self, *, kv_load: str = "auto", qk_fp8: bool = True, pv_fp8: bool = False,
-                 early_refill: bool = False, vt_packed: bool = False, expand_group: int = 4,
+                 early_refill: bool = False, vt_packed: bool = False, tma_producer: bool = False, expand_group: int = 4,
                  l2_prefetch: str = "off", trace: int = 0, **kw):
         kw["schedule"] = "lockstep"
         super().__init__(**kw)
@@ -159,6 +159,14 @@ class MlaDecodeSeesawSm90(Fp8OperandsMixin, MlaDecodeSm90):
         if vt_packed and not self.pv8:
             raise ValueError("vt_packed needs pv_fp8")
         self.vt_packed = bool(vt_packed)
+        # FP8 P V with packed slots and early refills: a third, producer warpgroup (24 registers; the two computing
+        # warpgroups get 240) issues every TMA refill, so no computing warp stalls on a TMA issue
+        # (:meth:`produce`; docs/sm90_decode.md, "Producer warpgroup")
+        if tma_producer and not (vt_packed and early_refill):
+            raise ValueError("tma_producer needs vt_packed and early_refill")
+        self.producer = bool(tma_producer)
+        self.cta_threads = self.num_threads + (128 if self.producer else 0)
+        self.producer_regs, self.consumer_regs = 24, 240  # 2 x 128 x 240 + 128 x 24 = 384 x 168 (the launch's)
         # pairs ahead of iteration j that its L2 prefetch loads: j + 2 (iteration j refills pair j + 1), with the
         # early refills j + 3 (iteration j refills pair j + 2)
         self.pf_ahead = 3 if self.early else 2
@@ -260,7 +268,7 @@ class MlaDecodeSeesawSm90(Fp8OperandsMixin, MlaDecodeSm90):
         self.seesaw_kernel(qk_mma, pv_ss, pv_rs, pv8, q, kv, block_table, seq_lens, softmax_scale, output_scale, out,
                            lse, o_accum, lse_accum, trace_buf, q_layout, k_layout, v_layout, p_layout, tma_atom,
                            tma_kv, Storage).launch(
-            grid=(self.num_m_blocks, self.num_splits, q.shape[0]), block=(self.num_threads, 1, 1),
+            grid=(self.num_m_blocks, self.num_splits, q.shape[0]), block=(self.cta_threads, 1, 1),
             smem=Storage.size_in_bytes(), stream=stream, min_blocks_per_mp=1)
         if cutlass.const_expr(self.num_splits > 1):
             self.launch_combine(stream, o_accum, lse_accum, output_scale, out, lse, q.shape[0])
@@ -408,11 +416,39 @@ class MlaDecodeSeesawSm90(Fp8OperandsMixin, MlaDecodeSm90):
         self.mark(mTrace, cta, wg, wtid, j, e0)
         self.ready_v(sKs, sSt, w32, zero_row, slot, tile_start, split_end, wg, wtid)
         self.mark(mTrace, cta, wg, wtid, j, e0 + 1)
-        if cutlass.const_expr(self.early):  # noqa: SIM102 (static + dynamic test)
+        if cutlass.const_expr(self.producer):
+            self.slot_free(slot, refill_next)
+        elif cutlass.const_expr(self.early):  # noqa: SIM102 (static + dynamic test)
             if refill_next:
                 self.refill(sKs, tAs, tAg, tma_atom, mbar_ptr, mKV, crd, tile_start + 2 * self.block_n,
                             split_end, num_pages, wg, wtid, _ALL_CHUNKS, None)
         self.mark(mTrace, cta, wg, wtid, j, e0 + 2)
+
+    @cute.jit
+    def produce(self, sK0: cute.Tensor, sK1: cute.Tensor, tAs0: cute.Tensor, tAs1: cute.Tensor, tAg: cute.Tensor,
+                tma_atom: cute.CopyAtom, mbar, mKV: cute.Tensor, mBT: cute.Tensor, b: Int32, split_start: Int32,
+                split_end: Int32, num_pages: Int32, n_pairs: Int32, wtid: Int32):
+        """The producer warpgroup (:attr:`producer`), after the prologue loaded pair 0: its warp 0 refills each
+        slot with the tile two steps ahead as soon as the slot's owner has read the staging (its QK retired and
+        it built ``V^T``: SLOT0_FREE / SLOT1_FREE, the owner arrives, warp 0 syncs).  The TMA issue (9 boxes per
+        64-token tile with pages >= 64, 18 with 32) stalls the issuing warp for hundreds of cycles (the H200
+        timeline of mode 3, 2026-12-01: 700-1200 cycles per refill); here that warp is not a computing one."""
+        bn = self.block_n
+        if wtid < 32:
+            for j in cutlass.range(n_pairs - 1, unroll=1):
+                for g in cutlass.range_constexpr(2):
+                    t0 = split_start + (2 * j + g + 2) * bn  # the refill's tile
+                    crd = self.coords(mBT, b, t0, split_end, num_pages, wtid)  # (clamped: always valid)
+                    cute.arch.barrier(barrier_id=int(Barrier.SLOT0_FREE) + g, number_of_threads=160)
+                    self.refill((sK0, sK1)[g], (tAs0, tAs1)[g], tAg, tma_atom, mbar + 2 * g, mKV, crd, t0, split_end,
+                                num_pages, 2, wtid, _ALL_CHUNKS, None)
+
+    @cute.jit
+    def slot_free(self, slot, cond):
+        """With the producer warpgroup: the owner read slot ``slot``'s staging (QK retired, ``V^T`` built), so the
+        producer may refill it, if the slot has a next tile (``cond``)."""
+        if cond:
+            cute.arch.barrier_arrive(barrier_id=int(Barrier.SLOT0_FREE) + slot, number_of_threads=160)
 
     @cute.jit
     def mark(self, mTrace: cute.Tensor, cta: Int32, wg: Int32, wtid: Int32, j: Int32, event: cutlass.Constexpr):
@@ -575,7 +611,10 @@ class MlaDecodeSeesawSm90(Fp8OperandsMixin, MlaDecodeSm90):
         cute.arch.mbarrier_init_fence()
         # ---- Q tile (rows past R: clamped copy of row R-1, never stored), one cp.async group (FP8: upcast
         #      through registers)
-        if cutlass.const_expr(self.qk8):
+        if cutlass.const_expr(self.producer):
+            if wg < 2:
+                self.load_q_raw8(sQ[None, None, 0], mQ, self.q_rows(mblk, b, tid), tid)
+        elif cutlass.const_expr(self.qk8):
             self.load_q_raw8(sQ[None, None, 0], mQ, self.q_rows(mblk, b, tid), tid)
         elif cutlass.const_expr(self.fp8):
             self.load_q_fp8(sQ[None, None, 0], mQ, self.q_rows(mblk, b, tid), tid)
@@ -600,7 +639,13 @@ class MlaDecodeSeesawSm90(Fp8OperandsMixin, MlaDecodeSm90):
         if n_pairs > 0:
             pg0 = self.coords(mBT, b, split_start, split_end, num_pages, wtid)
             pg1 = self.coords(mBT, b, split_start + bn, split_end, num_pages, wtid)
-            if cutlass.const_expr(self.early):  # each warpgroup its own slot, one mbarrier (+0, +2) per slot
+            if cutlass.const_expr(self.producer):  # the producer loads both slots (mbarriers +0, +2)
+                if wg == 2:
+                    self.refill(sK0, tAs0, tAg, tma_atom, mbar + 0, mKV, pg0, split_start, split_end, num_pages, wg,
+                                wtid, _ALL_CHUNKS, None)
+                    self.refill(sK1, tAs1, tAg, tma_atom, mbar + 2, mKV, pg1, split_start + bn, split_end,
+                                num_pages, wg, wtid, _ALL_CHUNKS, None)
+            elif cutlass.const_expr(self.early):  # each warpgroup its own slot, one mbarrier (+0, +2) per slot
                 if wg == 0:
                     self.refill(sK0, tAs0, tAg, tma_atom, mbar + 0, mKV, pg0, split_start, split_end, num_pages, wg,
                                 wtid, _ALL_CHUNKS, None)
@@ -628,6 +673,31 @@ class MlaDecodeSeesawSm90(Fp8OperandsMixin, MlaDecodeSm90):
         cute.arch.fence_view_async_shared()
         cute.arch.barrier()
 
+        ctx = (qk_mma, pv_ss, pv_rs, pv8, sQ, sK0, sK1, sSt0, sSt1, st, k_layout, v_layout, p_layout, wg, wtid, mblk,
+               split, b, seq, split_start, split_end, n_pairs, sM, sSc0, sSc1, sSum, mbar, scale_log2, out_scale, mBT,
+               mKV, num_pages, tAs0, tAs1, tAg, tma_atom, zrow, mTrace, cta, mOut, mLse, mOacc, mLacc)
+        if cutlass.const_expr(self.producer):  # warpgroup 2 loads and transposes, 0 and 1 compute
+            if wg == 2:
+                cute.arch.setmaxregister_decrease(self.producer_regs)
+                if n_pairs > 0:
+                    self.produce(sK0, sK1, tAs0, tAs1, tAg, tma_atom, mbar, mKV, mBT, b, split_start, split_end,
+                                 num_pages, n_pairs, wtid)
+                cute.arch.barrier()  # the consumers' barrier before their epilogue
+            else:
+                cute.arch.setmaxregister_increase(self.consumer_regs)
+                self.consume(ctx)
+        else:
+            self.consume(ctx)
+
+    @cute.jit
+    def consume(self, ctx):
+        """The two computing warpgroups' part of :meth:`seesaw_kernel` after the prologue (all of it without the
+        producer warpgroup): the MMA partitions, the first QK, the seesaw loop and the epilogue.  ``ctx``: the
+        prologue's values, in :meth:`seesaw_kernel`'s order."""
+        (qk_mma, pv_ss, pv_rs, pv8, sQ, sK0, sK1, sSt0, sSt1, st, k_layout, v_layout, p_layout, wg, wtid, mblk,
+         split, b, seq, split_start, split_end, n_pairs, sM, sSc0, sSc1, sSum, mbar, scale_log2, out_scale, mBT,
+         mKV, num_pages, tAs0, tAs1, tAg, tma_atom, zrow, mTrace, cta, mOut, mLse, mOacc, mLacc) = ctx
+        bn = self.block_n
         # ---- MMA partitions (identical for both warpgroups; slot / column half picked by wg)
         qk_thr = qk_mma.get_slice(wtid)
         ss_thr = pv_ss.get_slice(wtid)
@@ -702,7 +772,9 @@ class MlaDecodeSeesawSm90(Fp8OperandsMixin, MlaDecodeSm90):
                 self.ready_v(sK0, sSt0, w32, zrow, 0, split_start, split_end, wg, wtid)
             else:
                 self.ready_v(sK1, sSt1, w32, zrow, 1, split_start + bn, split_end, wg, wtid)
-            if cutlass.const_expr(self.early):  # noqa: SIM102 (static + dynamic test)
+            if cutlass.const_expr(self.producer):
+                self.slot_free(wg, n_pairs > 1)
+            elif cutlass.const_expr(self.early):  # noqa: SIM102 (static + dynamic test)
                 if n_pairs > 1:  # pair 1 right away: the staging is free after the transpose
                     if wg == 0:
                         pgE = self.coords(mBT, b, split_start + 2 * bn, split_end, num_pages, wtid)
@@ -919,8 +991,6 @@ class MlaDecodeSeesawSm90(Fp8OperandsMixin, MlaDecodeSm90):
 
 
 
-
-
 @cute.jit
 def launch_mla_decode_seesaw(stream, q: cute.Tensor, kv: cute.Tensor, block_table: cute.Tensor,
                              seq_lens: cute.Tensor, softmax_scale: cute.Tensor, output_scale: cute.Tensor,
@@ -932,7 +1002,7 @@ def launch_mla_decode_seesaw(stream, q: cute.Tensor, kv: cute.Tensor, block_tabl
                              schedule: cutlass.Constexpr = "seesaw", pdl: cutlass.Constexpr = True,
                              qk_fp8: cutlass.Constexpr = True, pv_fp8: cutlass.Constexpr = False,
                              early_refill: cutlass.Constexpr = False, vt_packed: cutlass.Constexpr = False,
-                             l2_prefetch: cutlass.Constexpr = "off"):
+                             tma_producer: cutlass.Constexpr = False, l2_prefetch: cutlass.Constexpr = "off"):
     """FFI launch function of schedule "seesaw" (same ABI as ``launch_mla_decode``); ``"seesaw-cpasync"``
     forces the cp.async refills where TMA would be used; ``qk_fp8=False`` runs an FP8 QK on fp16 operands;
     ``pv_fp8=True`` runs the FP8 P V on FP8 tensor cores (P rounded to e4m3; :meth:`MlaDecodeSeesawSm90.transpose_v`);
@@ -940,7 +1010,8 @@ def launch_mla_decode_seesaw(stream, q: cute.Tensor, kv: cute.Tensor, block_tabl
     MlaDecodeSeesawSm90(dtype=dtype, num_heads=num_heads, q_len=q_len, page_size=page_size, causal=causal,
                         num_splits=num_splits, tokens_per_split=tokens_per_split, block_n=block_n,
                         kv_load="cp.async" if schedule == "seesaw-cpasync" else "auto", pdl=pdl, qk_fp8=qk_fp8,
-                        pv_fp8=pv_fp8, early_refill=early_refill, vt_packed=vt_packed, l2_prefetch=l2_prefetch)(
+                        pv_fp8=pv_fp8, early_refill=early_refill, vt_packed=vt_packed, tma_producer=tma_producer,
+                        l2_prefetch=l2_prefetch)(
         stream, q, kv, block_table, seq_lens, softmax_scale, output_scale, out, lse, o_accum, lse_accum)
 
 
@@ -953,15 +1024,16 @@ def launch_mla_decode_seesaw_traced(stream, q: cute.Tensor, kv: cute.Tensor, blo
                                     page_size: cutlass.Constexpr, causal: cutlass.Constexpr,
                                     num_splits: cutlass.Constexpr, tokens_per_split: cutlass.Constexpr,
                                     trace: cutlass.Constexpr, pdl: cutlass.Constexpr = True,
-                                    l2_prefetch: cutlass.Constexpr = "late"):
-    """Debug build of the seesaw loop as the backend runs it by default (FP8: packed slots, early refills; pages
-    >= 32) with :meth:`MlaDecodeSeesawSm90.mark` timestamps in ``trace_buf`` (int64 ``(ctas, 2, trace,
+                                    l2_prefetch: cutlass.Constexpr = "late", tma_producer: cutlass.Constexpr = False):
+    """Debug build of the seesaw loop as the backend runs it (FP8: packed slots, early refills, pages >= 32; with
+    ``tma_producer`` the producer warpgroup of the default mode 4, else mode 3) with :meth:`MlaDecodeSeesawSm90.mark` timestamps in ``trace_buf`` (int64 ``(ctas, 2, trace,
     len(TRACE_EVENTS))``, the first ``ctas`` CTAs in ``(b, split, row block)`` order), an extra output after
     ``lse`` (benchmarks/trace_decode.py)."""
     fp8 = dtype == "float8_e4m3fn"
     MlaDecodeSeesawSm90(dtype=dtype, num_heads=num_heads, q_len=q_len, page_size=page_size, causal=causal,
                         num_splits=num_splits, tokens_per_split=tokens_per_split, block_n=64, pdl=pdl, qk_fp8=True,
-                        pv_fp8=fp8, early_refill=fp8, vt_packed=fp8, l2_prefetch=l2_prefetch, trace=trace)(
+                        pv_fp8=fp8, early_refill=fp8, vt_packed=fp8, tma_producer=tma_producer, l2_prefetch=l2_prefetch,
+                        trace=trace)(
         stream, q, kv, block_table, seq_lens, softmax_scale, output_scale, out, lse, o_accum, lse_accum, trace_buf)
 
 
