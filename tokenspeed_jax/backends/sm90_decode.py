@@ -70,6 +70,11 @@ FP8_QK_ENV = "TOKENSPEED_SM90_DECODE_FP8_QK"
 FP8_PV_ENV = "TOKENSPEED_SM90_DECODE_FP8_PV"
 FP8_PV_MODES = ("0", "1", "2", "3", "4")
 FP8_PV_DEFAULT = "4"
+# "1" gives the 16-bit seesaw loop (pages >= 32, TMA refills) a producer warpgroup that issues its four column-group
+# refills (docs/sm90_decode.md, "Producer warpgroup"), like FP8 mode "4"; default "0".  Read at trace time; part
+# of the compile key.
+PRODUCER16_ENV = "TOKENSPEED_SM90_DECODE_PRODUCER16"
+PRODUCER16_DEFAULT = "0"
 # The seesaw loop's L2 prefetch of the KV tile pair after the next (cp.async.bulk.prefetch): "off", "late"
 # or "early" (docs/sm90_decode.md, "L2 prefetch").  Read at trace time; part of the compile key.
 L2_PREFETCH_ENV = "TOKENSPEED_SM90_DECODE_L2_PREFETCH"
@@ -77,7 +82,7 @@ L2_PREFETCH_MODES = ("off", "late", "early")  # the kernel's (no cutlass import 
 L2_PREFETCH_DEFAULT = "late"
 # The environment switches this module reads at trace time: ``mla_decode`` keys its per-problem trace cache
 # on their values (``Backend.trace_env``), so a switch changed between two traces takes effect.
-TRACE_ENV = (SCHEDULE_ENV, PDL_ENV, FP8_QK_ENV, FP8_PV_ENV, L2_PREFETCH_ENV)
+TRACE_ENV = (SCHEDULE_ENV, PDL_ENV, FP8_QK_ENV, FP8_PV_ENV, L2_PREFETCH_ENV, PRODUCER16_ENV)
 SCHEDULES = ("auto", "seesaw", "seesaw-cpasync", "lockstep", "overlap")  # module docstring (no cutlass import here)
 _MIN_PAGE = 8
 _MIN_FP8_SEESAW_PAGE = 16  # the FP8 seesaw needs TMA refills (the kernel's _MIN_TMA_PAGE; no cutlass import here)
@@ -190,6 +195,10 @@ def decode(problem: DecodeProblem, q, kv_cache, block_table, seq_lens, softmax_s
     early_refill = fp8_pv in ("2", "3", "4") and problem.page_size >= _MIN_EARLY_REFILL_PAGE
     vt_packed = fp8_pv in ("3", "4")
     tma_producer = fp8_pv == "4" and early_refill
+    if seesaw and problem.dtype != "float8_e4m3fn" and not no_tma and problem.page_size >= _MIN_EARLY_REFILL_PAGE:
+        # (with 16-token pages its coordinates, 4 boxes per chunk, spill in the producer's 24 registers)
+        tma_producer = _choice(os.environ.get(PRODUCER16_ENV, "") or PRODUCER16_DEFAULT, ("0", "1"),
+                               PRODUCER16_ENV) == "1"
     l2_prefetch = resolve_l2_prefetch() if seesaw else "off"
     key = DecodeKernelKey("mla_decode_sm90.v10", problem.dtype, H, S, problem.page_size, problem.causal,
                           plan.num_splits, plan.tokens_per_split, block_n, schedule, pdl, qk_fp8, l2_prefetch, pv_fp8,
@@ -201,8 +210,9 @@ def decode(problem: DecodeProblem, q, kv_cache, block_table, seq_lens, softmax_s
         TARGET, launch, outputs=outputs, compile_key=key,
         dtype=problem.dtype, num_heads=H, q_len=S, page_size=problem.page_size, causal=problem.causal,
         num_splits=plan.num_splits, tokens_per_split=plan.tokens_per_split, block_n=block_n, schedule=schedule,
-        pdl=pdl, **({"qk_fp8": qk_fp8, "pv_fp8": pv_fp8, "early_refill": early_refill, "vt_packed": vt_packed,
-                     "tma_producer": tma_producer} if fp8_seesaw else {}),
+        pdl=pdl, **({"qk_fp8": qk_fp8, "pv_fp8": pv_fp8, "early_refill": early_refill, "vt_packed": vt_packed}
+                    if fp8_seesaw else {}),
+        **({"tma_producer": tma_producer} if seesaw else {}),
         **({"l2_prefetch": l2_prefetch} if seesaw else {}),
     )
     res = call(q, kv_cache, block_table.astype(jnp.int32), seq_lens.astype(jnp.int32),

@@ -159,14 +159,6 @@ class MlaDecodeSeesawSm90(Fp8OperandsMixin, MlaDecodeSm90):
         if vt_packed and not self.pv8:
             raise ValueError("vt_packed needs pv_fp8")
         self.vt_packed = bool(vt_packed)
-        # FP8 P V with packed slots and early refills: a third, producer warpgroup (24 registers; the two computing
-        # warpgroups get 240) issues every TMA refill, so no computing warp stalls on a TMA issue
-        # (:meth:`produce`; docs/sm90_decode.md, "Producer warpgroup")
-        if tma_producer and not (vt_packed and early_refill):
-            raise ValueError("tma_producer needs vt_packed and early_refill")
-        self.producer = bool(tma_producer)
-        self.cta_threads = self.num_threads + (128 if self.producer else 0)
-        self.producer_regs, self.consumer_regs = 24, 240  # 2 x 128 x 240 + 128 x 24 = 384 x 168 (the launch's)
         # pairs ahead of iteration j that its L2 prefetch loads: j + 2 (iteration j refills pair j + 1), with the
         # early refills j + 3 (iteration j refills pair j + 2)
         self.pf_ahead = 3 if self.early else 2
@@ -186,6 +178,14 @@ class MlaDecodeSeesawSm90(Fp8OperandsMixin, MlaDecodeSm90):
             raise ValueError(f"schedule 'seesaw' with FP8 needs the TMA refills (page_size >= {_MIN_TMA_PAGE}), "
                              f"got page_size {self.page_size}, kv_load {kv_load!r}")
         self.use_tma = tma_ok and kv_load != "cp.async"
+        # a third, producer warpgroup (24 registers; the two computing warpgroups get 240) issues every TMA refill,
+        # so no computing warp stalls on a TMA issue (:meth:`produce`; docs/sm90_decode.md, "Producer warpgroup"):
+        # the 16-bit loop (its four column-group refills) or the FP8 one with packed slots and early refills
+        if tma_producer and not (self.use_tma and (self.vt_packed and self.early if self.fp8 else True)):
+            raise ValueError("tma_producer needs the TMA refills and, with FP8, vt_packed and early_refill")
+        self.producer = bool(tma_producer)
+        self.cta_threads = self.num_threads + (128 if self.producer else 0)
+        self.producer_regs, self.consumer_regs = 24, 240  # 2 x 128 x 240 + 128 x 24 = 384 x 168 (the launch's)
         if self.fp8:
             # e4m3 -> fp16 is exact and one cvt per 2 values (-> bf16 takes 3); fp16 also keeps 3 more bits of P
             # than bf16.  fp32 accumulation and softmax statistics; bf16 output (module docstring).
@@ -360,7 +360,9 @@ class MlaDecodeSeesawSm90(Fp8OperandsMixin, MlaDecodeSm90):
         arrive-and-expect-tx of the group's bytes by its lane 0; with a barrier id ``bar`` (every refill
         after the columns' last wgmma) the other warps first arrive on it, i.e. their share of that wgmma
         has retired.  cp.async: :meth:`fill`."""
-        if cutlass.const_expr(self.use_tma):
+        if cutlass.const_expr(self.producer and bar is not None):  # a loop site: the producer issues (:meth:`produce`)
+            cute.arch.barrier_arrive(barrier_id=int(bar), number_of_threads=160)
+        elif cutlass.const_expr(self.use_tma):
             if cutlass.const_expr(bar is not None):
                 if wtid < 32:
                     cute.arch.barrier(barrier_id=int(bar), number_of_threads=128)
@@ -384,6 +386,17 @@ class MlaDecodeSeesawSm90(Fp8OperandsMixin, MlaDecodeSm90):
             return self.tma_coords(mBT, b, tile_start, split_end, num_pages)
         else:
             return self.page_ids(mBT, b, tile_start, split_end, wtid)
+
+    @cute.jit
+    def load_q_tile(self, sQ: cute.Tensor, mQ: cute.Tensor, mblk: Int32, b: Int32, tid: Int32):
+        """The Q tile of row block ``mblk`` into ``sQ`` by 256 threads (raw e4m3 for the QGMMA QK, upcast for an
+        FP8 QK on fp16 operands, else 16-bit rows by cp.async)."""
+        if cutlass.const_expr(self.qk8):
+            self.load_q_raw8(sQ, mQ, self.q_rows(mblk, b, tid), tid)
+        elif cutlass.const_expr(self.fp8):
+            self.load_q_fp8(sQ, mQ, self.q_rows(mblk, b, tid), tid)
+        else:
+            self.load_rows(sQ, mQ, self.q_rows(mblk, b, tid), tid)
 
     @cute.jit
     def load_q_raw8(self, sQ: cute.Tensor, mQ: cute.Tensor, rows: cute.Tensor, tid: Int32):
@@ -434,7 +447,26 @@ class MlaDecodeSeesawSm90(Fp8OperandsMixin, MlaDecodeSm90):
         64-token tile with pages >= 64, 18 with 32) stalls the issuing warp for hundreds of cycles (the H200
         timeline of mode 3, 2026-12-01: 700-1200 cycles per refill); here that warp is not a computing one."""
         bn = self.block_n
-        if wtid < 32:
+        if cutlass.const_expr(not self.early):
+            # the 16-bit loop's four column-group refills of pair j + 1, in the order their sites are reached: A0 (slot
+            # 0 cols 0..255, after WG0's own PV), B1 (slot 1 cols 256..511, WG1's own PV), B0 (slot 0 cols 256..575,
+            # WG1's cross PV), A1 (slot 1 cols 0..255 + rope, WG0's cross PV); each site's warpgroup arrives on its
+            # REFILL_* barrier.  No site waits for a later refill of the same pair, so the fixed order cannot block.
+            if wtid < 32:
+                for j in cutlass.range(n_pairs - 1, unroll=1):
+                    t2 = split_start + (2 * j + 2) * bn
+                    for bar, s, m, chunks in ((Barrier.REFILL_A0, 0, 0, (0, 1, 2, 3)),
+                                              (Barrier.REFILL_B1, 1, 3, (4, 5, 6, 7)),
+                                              (Barrier.REFILL_B0, 0, 1, (4, 5, 6, 7, 8)),
+                                              (Barrier.REFILL_A1, 1, 2, (0, 1, 2, 3, 8))):
+                        t = t2 + s * bn
+                        # loaded before the wait, one tile's at a time (24 registers: pages of 16 / 32 spilled
+                        # with two tiles' coordinates live)
+                        crd = self.coords(mBT, b, t, split_end, num_pages, wtid)
+                        cute.arch.barrier(barrier_id=int(bar), number_of_threads=160)
+                        self.refill((sK0, sK1)[s], (tAs0, tAs1)[s], tAg, tma_atom, mbar + m, mKV, crd, t, split_end,
+                                    num_pages, 2, wtid, chunks, None)
+        elif wtid < 32:
             for j in cutlass.range(n_pairs - 1, unroll=1):
                 for g in cutlass.range_constexpr(2):
                     t0 = split_start + (2 * j + g + 2) * bn  # the refill's tile
@@ -611,15 +643,11 @@ class MlaDecodeSeesawSm90(Fp8OperandsMixin, MlaDecodeSm90):
         cute.arch.mbarrier_init_fence()
         # ---- Q tile (rows past R: clamped copy of row R-1, never stored), one cp.async group (FP8: upcast
         #      through registers)
-        if cutlass.const_expr(self.producer):
+        if cutlass.const_expr(self.producer):  # (the computing warpgroups' 256 threads)
             if wg < 2:
-                self.load_q_raw8(sQ[None, None, 0], mQ, self.q_rows(mblk, b, tid), tid)
-        elif cutlass.const_expr(self.qk8):
-            self.load_q_raw8(sQ[None, None, 0], mQ, self.q_rows(mblk, b, tid), tid)
-        elif cutlass.const_expr(self.fp8):
-            self.load_q_fp8(sQ[None, None, 0], mQ, self.q_rows(mblk, b, tid), tid)
+                self.load_q_tile(sQ[None, None, 0], mQ, mblk, b, tid)
         else:
-            self.load_rows(sQ[None, None, 0], mQ, self.q_rows(mblk, b, tid), tid)
+            self.load_q_tile(sQ[None, None, 0], mQ, mblk, b, tid)
         cute.arch.cp_async_commit_group()
         cute.arch.barrier()  # mbarriers initialised before any arrive
         # ---- prologue: pair 0 into both slots (completion 0 of every mbarrier)
@@ -639,12 +667,22 @@ class MlaDecodeSeesawSm90(Fp8OperandsMixin, MlaDecodeSm90):
         if n_pairs > 0:
             pg0 = self.coords(mBT, b, split_start, split_end, num_pages, wtid)
             pg1 = self.coords(mBT, b, split_start + bn, split_end, num_pages, wtid)
-            if cutlass.const_expr(self.producer):  # the producer loads both slots (mbarriers +0, +2)
+            if cutlass.const_expr(self.producer and self.early):  # the producer loads both slots (mbarriers +0, +2)
                 if wg == 2:
                     self.refill(sK0, tAs0, tAg, tma_atom, mbar + 0, mKV, pg0, split_start, split_end, num_pages, wg,
                                 wtid, _ALL_CHUNKS, None)
                     self.refill(sK1, tAs1, tAg, tma_atom, mbar + 2, mKV, pg1, split_start + bn, split_end,
                                 num_pages, wg, wtid, _ALL_CHUNKS, None)
+            elif cutlass.const_expr(self.producer):  # ... by column groups (mbarriers A0, B0, A1, B1)
+                if wg == 2:
+                    self.refill(sK0, tAs0, tAg, tma_atom, mbar + 0, mKV, pg0, split_start, split_end, num_pages, wg,
+                                wtid, (0, 1, 2, 3), None)
+                    self.refill(sK1, tAs1, tAg, tma_atom, mbar + 2, mKV, pg1, split_start + bn, split_end, num_pages,
+                                wg, wtid, (0, 1, 2, 3, 8), None)
+                    self.refill(sK0, tAs0, tAg, tma_atom, mbar + 1, mKV, pg0, split_start, split_end, num_pages, wg,
+                                wtid, (4, 5, 6, 7, 8), None)
+                    self.refill(sK1, tAs1, tAg, tma_atom, mbar + 3, mKV, pg1, split_start + bn, split_end, num_pages,
+                                wg, wtid, (4, 5, 6, 7), None)
             elif cutlass.const_expr(self.early):  # each warpgroup its own slot, one mbarrier (+0, +2) per slot
                 if wg == 0:
                     self.refill(sK0, tAs0, tAg, tma_atom, mbar + 0, mKV, pg0, split_start, split_end, num_pages, wg,
