@@ -23,8 +23,9 @@ import os
 
 
 def traced_decode(c, trace_iters: int, ctas: int, producer: bool = False):
-    """jitted ``(q, kv, bt, sl, scale) -> (out, lse, trace)`` of the debug build, for the case ``c`` (FP8
-    ``producer``: with the producer warpgroup, mode 4 of ``TOKENSPEED_SM90_DECODE_FP8_PV``, else mode 3)."""
+    """jitted ``(q, kv, bt, sl, scale) -> (out, lse, trace)`` of the debug build, for the case ``c``; ``producer``:
+    with the producer warpgroup (FP8: mode 4 of ``TOKENSPEED_SM90_DECODE_FP8_PV``, else mode 3; 16-bit:
+    ``TOKENSPEED_SM90_DECODE_PRODUCER16=1``)."""
     import jax
     import jax.numpy as jnp
 
@@ -108,9 +109,11 @@ def main(argv=None):
     mode = sm90_decode.resolve_fp8_pv() if a.dtype == "float8_e4m3fn" else None
     if mode not in (None, "3", "4"):
         raise SystemExit(f"{sm90_decode.FP8_PV_ENV}={mode}: the traced FP8 build is mode 3 or 4")
-    producer = mode == "4"  # the producer warpgroup itself is not traced (nor the empty refill phases it leaves)
+    # the producer warpgroup itself is not traced (nor the empty refill phases it leaves)
+    producer = mode == "4" if mode else (os.environ.get(sm90_decode.PRODUCER16_ENV, "")
+                                         or sm90_decode.PRODUCER16_DEFAULT) == "1"
     report = {"name": f"per-warpgroup timeline of the sm90 decode loop, {a.dtype} (clock64 cycles)", **provenance(),
-              "fp8_pv_mode": mode,
+              "fp8_pv_mode": mode, "producer": producer,
               "events": [list(e) for e in TRACE_EVENTS], "cases": []}
     for spec in a.cases:
         B, K, page, H, S = (int(x) for x in spec.split(","))

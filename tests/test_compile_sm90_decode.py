@@ -37,7 +37,8 @@ _SCRIPT = textwrap.dedent(
             ("float8_e4m3fn", 32, 2, 32, 2, 256, 64, "seesaw"), ("float8_e4m3fn", 16, 1, 64, 2, 256, 64, "seesaw16"),
             ("float8_e4m3fn", 16, 4, 32, 3, 256, 64, "seesaw8"),  # (dump names differ early: q shape)
             ("float8_e4m3fn", 8, 8, 32, 3, 256, 64, "seesaw8e"), ("float8_e4m3fn", 4, 16, 32, 3, 256, 64, "seesaw8p"),
-            ("float8_e4m3fn", 2, 16, 16, 3, 256, 64, "seesaw8q"), ("float8_e4m3fn", 2, 16, 32, 3, 256, 64, "seesaw8r")]
+            ("float8_e4m3fn", 2, 16, 16, 3, 256, 64, "seesaw8q"), ("float8_e4m3fn", 2, 16, 32, 3, 256, 64, "seesaw8r"),
+            ("bfloat16", 32, 2, 32, 3, 256, 64, "seesawp")]
     for (dtype, H, S, page, splits, tps, bn, sched) in cfgs:
         before = set(glob.glob(d + "/*"))
         if sched.startswith("seesaw"):  # seesaw16: an FP8 QK on fp16 operands; seesaw8: FP8 P V on QGMMA too
@@ -46,7 +47,7 @@ _SCRIPT = textwrap.dedent(
                                     qk_fp8=sched != "seesaw16", pv_fp8=sched.startswith("seesaw8"),
                                     early_refill=sched in ("seesaw8e", "seesaw8p", "seesaw8r"),
                                     vt_packed=sched in ("seesaw8p", "seesaw8q", "seesaw8r"),
-                                    tma_producer=sched == "seesaw8r")
+                                    tma_producer=sched in ("seesaw8r", "seesawp"))
         else:
             k = MlaDecodeSm90(dtype=dtype, num_heads=H, q_len=S, page_size=page, causal=True, num_splits=splits,
                               tokens_per_split=tps, block_n=bn, schedule=sched)
@@ -95,6 +96,7 @@ _SCRIPT = textwrap.dedent(
                 "clock": (r"%clock64", "ptx"),
                 "maxnreg": (r"setmaxnreg\\.(?:inc|dec)\\.sync\\.aligned\\.u32\\s+(?:240|24);", "ptx"),
                 "slot_free": (r"bar\\.(?:sync|arrive)\\s+(?:12|13|%r\\d+),\\s*160;", "ptx"),
+                "refill160": (r"bar\\.(?:sync|arrive)\\s+(?:10|11|12|13),\\s*160;", "ptx"),
             }
             x = {n: len(re.findall(pat, sptx if src == "ptx" else ssass)) for n, (pat, src) in counts.items()}
             x["pv8"] = x["qk8"] - 4 * 18  # e4m3 m64n64k32 wgmmas beyond the 4 x 18 of the QKs
@@ -250,9 +252,18 @@ def test_sm90_decode_compiles_for_sm90a(tmp_path):
     assert x["qk8"] == 4 * 18 and x["pv8n256"] == 8 and x["tma"] == 2 * 36 and x["ldsm"] == 16, x
     assert x["maxnreg"] == 2 and x["slot_free"] >= 3 and x["clock"] == 0, x
     for key, y in ss.items():
-        assert key == "32_8r" or y["maxnreg"] == 0, (key, y)
+        assert key in ("32_8r", "32_p") or y["maxnreg"] == 0, (key, y)
     if x["sass"]:
         assert x["qgmma256"] == 8 and x["spill"] == 0, x
+    # the 16-bit loop with the producer warpgroup (page 32, TOKENSPEED_SM90_DECODE_PRODUCER16=1): the same wgmmas and
+    # TMA copies as without it; its four column-group refills of the prologue and the loop are the producer's, each
+    # loop site's warpgroup arrives on the site's REFILL_* barrier (4 arrive sites, 4 syncs of the producer, 160
+    # threads); no spill
+    x = ss["32_p"]
+    assert x["qk"] == 4 * 36 and x["pv"] == 16 and x["tma"] == 36 * 2 and x["maxnreg"] == 2, x
+    assert x["refill160"] == 8, x
+    if x["sass"]:
+        assert x["rs"] == 8 and x["spill"] == 0, x
     # ptxas must not serialize the wgmmas (C7520 "wgmma.mma_async instructions are serialized": a
     # WARPGROUP.DEPBAR after every one, 105 in the FP8 P V kernel of commit e9c62ec, measured on the H200 in that
     # state); the loops wait explicitly at about 7 places

@@ -429,7 +429,7 @@ class MlaDecodeSeesawSm90(Fp8OperandsMixin, MlaDecodeSm90):
         self.mark(mTrace, cta, wg, wtid, j, e0)
         self.ready_v(sKs, sSt, w32, zero_row, slot, tile_start, split_end, wg, wtid)
         self.mark(mTrace, cta, wg, wtid, j, e0 + 1)
-        if cutlass.const_expr(self.producer):
+        if cutlass.const_expr(self.producer and self.early):
             self.slot_free(slot, refill_next)
         elif cutlass.const_expr(self.early):  # noqa: SIM102 (static + dynamic test)
             if refill_next:
@@ -714,7 +714,7 @@ class MlaDecodeSeesawSm90(Fp8OperandsMixin, MlaDecodeSm90):
         ctx = (qk_mma, pv_ss, pv_rs, pv8, sQ, sK0, sK1, sSt0, sSt1, st, k_layout, v_layout, p_layout, wg, wtid, mblk,
                split, b, seq, split_start, split_end, n_pairs, sM, sSc0, sSc1, sSum, mbar, scale_log2, out_scale, mBT,
                mKV, num_pages, tAs0, tAs1, tAg, tma_atom, zrow, mTrace, cta, mOut, mLse, mOacc, mLacc)
-        if cutlass.const_expr(self.producer):  # warpgroup 2 loads and transposes, 0 and 1 compute
+        if cutlass.const_expr(self.producer):  # warpgroup 2 issues the refills, 0 and 1 compute
             if wg == 2:
                 cute.arch.setmaxregister_decrease(self.producer_regs)
                 if n_pairs > 0:
@@ -810,7 +810,7 @@ class MlaDecodeSeesawSm90(Fp8OperandsMixin, MlaDecodeSm90):
                 self.ready_v(sK0, sSt0, w32, zrow, 0, split_start, split_end, wg, wtid)
             else:
                 self.ready_v(sK1, sSt1, w32, zrow, 1, split_start + bn, split_end, wg, wtid)
-            if cutlass.const_expr(self.producer):
+            if cutlass.const_expr(self.producer and self.early):
                 self.slot_free(wg, n_pairs > 1)
             elif cutlass.const_expr(self.early):  # noqa: SIM102 (static + dynamic test)
                 if n_pairs > 1:  # pair 1 right away: the staging is free after the transpose
