@@ -338,6 +338,38 @@ def test_fp8_pv_switch(monkeypatch):
                 m.DecodeKernelKey(*k, True, True, True), m.DecodeKernelKey(*k, True, True, True, True)}) == 5
 
 
+def test_producer16_switch(monkeypatch):
+    """The 16-bit loop's producer warpgroup switch: validated with the variable named, part of the trace key, and
+    only where the 16-bit seesaw has TMA refills and pages >= 32 (16-token pages: its coordinates would spill)."""
+    pytest.importorskip("cutlass")  # (supports() refuses without it)
+    import jax.numpy as jnp
+
+    from tokenspeed_jax.backends import sm90_decode as m
+
+    assert m.PRODUCER16_ENV in m.TRACE_ENV and m.PRODUCER16_DEFAULT == "1"
+    seen = {}
+
+    def fake_call(target, launch, *, outputs, compile_key, **kw):
+        seen["key"], seen["kw"] = compile_key, kw
+        return lambda *a: [jnp.zeros(o.shape, o.dtype) for o in outputs]
+
+    monkeypatch.setattr("tokenspeed_jax.ffi.custom_call", fake_call)
+    q = jnp.zeros((2, 1, 16, 576), jnp.bfloat16)
+    bt, sl = jnp.zeros((2, 8), jnp.int32), jnp.full((2,), 100, jnp.int32)
+    for page, env, want in ((64, None, True), (32, "1", True), (64, "0", False), (16, "1", False)):
+        if env is None:
+            monkeypatch.delenv(m.PRODUCER16_ENV, raising=False)
+        else:
+            monkeypatch.setenv(m.PRODUCER16_ENV, env)
+        kv = jnp.zeros((16, page, 576), jnp.bfloat16)
+        m.decode(_problem(batch=2, q_len=1, page_size=page, num_pages=16, max_pages=8), q, kv, bt, sl, 0.1, 1.0)
+        assert seen["kw"]["tma_producer"] is want and seen["key"].tma_producer is want, (page, env)
+    monkeypatch.setenv(m.PRODUCER16_ENV, "yes")
+    with pytest.raises(ValueError, match=m.PRODUCER16_ENV):
+        m.decode(_problem(batch=2, q_len=1, num_pages=16, max_pages=8), q, jnp.zeros((16, 64, 576), jnp.bfloat16),
+                 bt, sl, 0.1, 1.0)
+
+
 def _pip_has(mod: str) -> bool:
     import importlib.util
 

@@ -70,11 +70,12 @@ FP8_QK_ENV = "TOKENSPEED_SM90_DECODE_FP8_QK"
 FP8_PV_ENV = "TOKENSPEED_SM90_DECODE_FP8_PV"
 FP8_PV_MODES = ("0", "1", "2", "3", "4")
 FP8_PV_DEFAULT = "4"
-# "1" gives the 16-bit seesaw loop (pages >= 32, TMA refills) a producer warpgroup that issues its four column-group
-# refills (docs/sm90_decode.md, "Producer warpgroup"), like FP8 mode "4"; default "0".  Read at trace time; part
-# of the compile key.
+# "1" (default since 2026-12-01 evening: 1.055x on 5 BF16 shapes of the issue matrix, bitwise equal) gives the 16-bit
+# seesaw loop (pages >= 32, TMA refills) a producer warpgroup that issues its four column-group refills
+# (docs/sm90_decode.md, "Producer warpgroup"), like FP8 mode "4"; "0" without.  Read at trace time; part of the
+# compile key.
 PRODUCER16_ENV = "TOKENSPEED_SM90_DECODE_PRODUCER16"
-PRODUCER16_DEFAULT = "0"
+PRODUCER16_DEFAULT = "1"
 # The seesaw loop's L2 prefetch of the KV tile pair after the next (cp.async.bulk.prefetch): "off", "late"
 # or "early" (docs/sm90_decode.md, "L2 prefetch").  Read at trace time; part of the compile key.
 L2_PREFETCH_ENV = "TOKENSPEED_SM90_DECODE_L2_PREFETCH"
