@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # The H200 runs behind the FP8 P V on FP8 tensor cores (TOKENSPEED_SM90_DECODE_FP8_PV), one device call each
 # (carry [".device"]; 2026-12-01 wall times, warm machine):
-#   source .device/bootstrap.sh && M=3 AB="2 3" NCU= bash scripts/h200_fp8pv.sh check   # ~2.5 min (ncu off)
-#   source .device/bootstrap.sh && M=3 bash scripts/h200_fp8pv.sh profile               # ~5 min
-#   source .device/bootstrap.sh && M=3 bash scripts/h200_fp8pv.sh bench                 # ~1.5-6 min
-#   source .device/bootstrap.sh && M=3 AB="0 1" W=<switch> DT=float8_e4m3fn bash scripts/h200_fp8pv.sh ab   # ~1 min
+#   source .device/bootstrap.sh && M=4 AB="3 4" NCU= bash scripts/h200_fp8pv.sh check   # ~3 min (ncu off)
+#   source .device/bootstrap.sh && M=4 bash scripts/h200_fp8pv.sh profile               # ~5 min
+#   source .device/bootstrap.sh && M=4 bash scripts/h200_fp8pv.sh bench                 # ~1.5-6 min
+#   source .device/bootstrap.sh && M=4 AB="0 1" W=<switch> DT=float8_e4m3fn bash scripts/h200_fp8pv.sh ab   # ~1 min
 # check: the configurations compile on the CPU; then in the background the compute-sanitizer memcheck test with
 #   FP8_PV=$M; the FP8 cases of the check matrix (and two BF16 ones) with FP8_PV=$M against the fp32 reference
 #   (benchmarks.decode.check, the FP8_P_ROUND tolerance); the interleaved A/B of FP8_PV over the values $AB on the
@@ -16,12 +16,9 @@
 #   13 shapes, for each dtype of $DT (default FP8 and BF16), with FP8_PV=$M.  Files: ab_<dtype>.{log,json}
 # bench: the decode benchmark against FlashMLA BF16 / FP8 with FP8_PV=$M (decode.json, decode.png, bench.log).
 set -uo pipefail
-export CUTE_DSL_ARCH=sm_90a TOKENSPEED_JAX_CACHE_DIR=${TOKENSPEED_JAX_CACHE_DIR:-/tmp/tsj_cache} PYTHONUNBUFFERED=1
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+. "$(dirname "${BASH_SOURCE[0]}")/h200_lib.sh"
 V=TOKENSPEED_SM90_DECODE_FP8_PV
-M=${M:-3}; AB=${AB:-2 3}
-t0=$(date +%s)
-stamp() { echo "[$(( $(date +%s) - t0 ))s] $*"; }
+M=${M:-4}; AB=${AB:-3 4}
 ab_table() {  # the rows of a decode_ab.py log: µs per value, ratios to the first value, max |diff|; geometric means
   grep '^{"case"' "$1" | python -c "
 import sys, json, math
@@ -32,7 +29,7 @@ for v in vs[1:]:
     if r: print('geomean', vs[0], '/', v, round(math.exp(sum(math.log(x['us_' + vs[0]] / x['us_' + v]) for x in r) / len(r)), 4))
 "
 }
-nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu,power.draw --format=csv,noheader
+gpu_line
 if [ "${1:-check}" = check ]; then
   stamp "prewarm (CPU)"
   timeout 220 python -c "
@@ -53,16 +50,7 @@ for v in '$AB'.split():
   ) &
   BG=$!
   stamp "check FP8_PV=$M"
-  timeout 150 env $V=$M python -c "
-import json, os
-from benchmarks.decode import CHECK, check
-names = [c.name for c in CHECK if c.dtype == 'float8_e4m3fn'] + ['s2h32p64_garbage', 'b1s1h16p64_short']
-seed = int.from_bytes(os.urandom(3), 'little')
-r = check([c for c in CHECK if c.name in names], seed)
-json.dump({'seed': seed, '$V': '$M', 'rows': r}, open('$OUT/check.json', 'w'), indent=1)
-print('CHECK', sum(x['ok'] for x in r), '/', len(r), 'seed', seed)
-" > "$OUT/check.log" 2>&1; echo "check rc=$?"
-  grep -E '^CHECK|"ok": false|Error|error' "$OUT/check.log" | head -n 12
+  check_cases 150 $V $M "c.dtype == 'float8_e4m3fn' or c.name in ('s2h32p64_garbage', 'b1s1h16p64_short')" check
   while kill -0 $BG 2>/dev/null; do sleep 2; done; stamp "memcheck done"
   grep -E "memcheck rc|ERROR SUMMARY|passed|failed" "$OUT/memcheck.log" | tail -n 4
   stamp "A/B $V $AB (FP8)"

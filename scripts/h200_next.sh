@@ -8,12 +8,9 @@
 # - the decode benchmark with the defaults against FlashMLA BF16 / FP8 (python -m benchmarks.decode --bench).
 # 6 files come back: memcheck.log, ab.log, ab_bf16.json, ab_fp8.json, decode.json, decode.png
 set -uo pipefail
-export CUTE_DSL_ARCH=sm_90a TOKENSPEED_JAX_CACHE_DIR=${TOKENSPEED_JAX_CACHE_DIR:-/tmp/tsj_cache} PYTHONUNBUFFERED=1
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+. "$(dirname "${BASH_SOURCE[0]}")/h200_lib.sh"
 V=TOKENSPEED_SM90_DECODE_L2_PREFETCH
-t0=$(date +%s)
-stamp() { echo "[$(( $(date +%s) - t0 ))s] $*"; }
-nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu,power.draw --format=csv,noheader
+gpu_line
 (
   timeout 130 env TOKENSPEED_SANITIZER=1 python -m pytest -q -s -rfEx -p no:cacheprovider -k memcheck \
     tests/gpu/test_sm90_decode.py > "$OUT/memcheck.log" 2>&1

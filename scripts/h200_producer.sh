@@ -9,12 +9,9 @@
 # 3. the interleaved A/B of PRODUCER16 0 / 1 on the 13 BF16 shapes (ab16.json);
 # 4. tests/gpu/test_sm90_decode.py and tests/gpu/test_vllm_adapter.py with the defaults, memcheck excluded.
 set -uo pipefail
-export CUTE_DSL_ARCH=sm_90a TOKENSPEED_JAX_CACHE_DIR=${TOKENSPEED_JAX_CACHE_DIR:-/tmp/tsj_cache} PYTHONUNBUFFERED=1
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+. "$(dirname "${BASH_SOURCE[0]}")/h200_lib.sh"
 V=TOKENSPEED_SM90_DECODE_PRODUCER16
-t0=$(date +%s)
-stamp() { echo "[$(( $(date +%s) - t0 ))s] $*"; }
-nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu,power.draw --format=csv,noheader
+gpu_line
 stamp "prewarm (CPU)"
 timeout 200 python -c "
 from benchmarks.decode import BENCH, CHECK, bench_case, prewarm
@@ -33,15 +30,7 @@ for v in ('0', '1'):
 ) &
 BG=$!
 stamp "check $V=1 (16-bit cases)"
-timeout 150 env $V=1 python -c "
-import json, os
-from benchmarks.decode import CHECK, check
-seed = int.from_bytes(os.urandom(3), 'little')
-r = check([c for c in CHECK if c.dtype != 'float8_e4m3fn'], seed)
-json.dump({'seed': seed, '$V': '1', 'rows': r}, open('$OUT/check16.json', 'w'), indent=1)
-print('CHECK', sum(x['ok'] for x in r), '/', len(r), 'seed', seed)
-" > "$OUT/check16.log" 2>&1; echo "check rc=$?"
-grep -E '^CHECK|"ok": false|Error' "$OUT/check16.log" | head -n 8
+check_cases 150 $V 1 "c.dtype != 'float8_e4m3fn'" check16
 while kill -0 $BG 2>/dev/null; do sleep 2; done; stamp "memcheck done"
 grep -E "memcheck rc|ERROR SUMMARY|passed|failed" "$OUT/memcheck.log" | tail -n 4
 stamp "A/B $V 0 1 (bfloat16)"

@@ -4,13 +4,10 @@
 # prewarm (CPU) of 3 check cases with PRODUCER16=1 and 5 BF16 shapes of the issue matrix with 0 and 1; the 3 check
 # cases against the fp32 reference (check16.json); the interleaved A/B of PRODUCER16 0 / 1 on the 5 shapes (ab16.json).
 set -uo pipefail
-export CUTE_DSL_ARCH=sm_90a TOKENSPEED_JAX_CACHE_DIR=${TOKENSPEED_JAX_CACHE_DIR:-/tmp/tsj_cache} PYTHONUNBUFFERED=1
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+. "$(dirname "${BASH_SOURCE[0]}")/h200_lib.sh"
 V=TOKENSPEED_SM90_DECODE_PRODUCER16
 N="('s2h128p64', 's4h32p32', 's2h32p64_garbage')"
 C="64,81920,64,16,1 64,81920,64,32,4 64,81920,64,128,1 128,4096,64,16,1 8,16384,64,128,2"
-t0=$(date +%s)
-stamp() { echo "[$(( $(date +%s) - t0 ))s] $*"; }
 timeout 150 python -c "
 from benchmarks.decode import CHECK, bench_case, prewarm
 from benchmarks.harness import scoped_env
@@ -21,15 +18,7 @@ for v in ('0', '1'):
         prewarm([bench_case(*(int(v) for v in s.split(','))) for s in '$C'.split()], 15)
 " > "$OUT/prewarm.log" 2>&1; echo "prewarm rc=$?"
 stamp "check $V=1"
-timeout 90 env $V=1 python -c "
-import json, os
-from benchmarks.decode import CHECK, check
-seed = int.from_bytes(os.urandom(3), 'little')
-r = check([c for c in CHECK if c.name in $N], seed)
-json.dump({'seed': seed, '$V': '1', 'rows': r}, open('$OUT/check16.json', 'w'), indent=1)
-print('CHECK', sum(x['ok'] for x in r), '/', len(r), 'seed', seed)
-" > "$OUT/check16.log" 2>&1; echo "check rc=$?"
-grep -E '^CHECK|"ok": false|Error' "$OUT/check16.log" | head -n 8
+check_cases 90 $V 1 "c.name in $N" check16
 stamp "A/B $V 0 1 (bfloat16)"
 timeout 100 python scripts/decode_ab.py $V 0 1 --dtype bfloat16 --cases $C --out "$OUT/ab16.json" \
   > "$OUT/ab16.log" 2>&1; echo "ab rc=$?"

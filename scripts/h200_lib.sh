@@ -1,0 +1,20 @@
+# Shared by the scripts/h200_*.sh device calls (sourced): the environment, $OUT, stamp, and the check helper.
+export CUTE_DSL_ARCH=sm_90a TOKENSPEED_JAX_CACHE_DIR=${TOKENSPEED_JAX_CACHE_DIR:-/tmp/tsj_cache} PYTHONUNBUFFERED=1
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+t0=$(date +%s)
+stamp() { echo "[$(( $(date +%s) - t0 ))s] $*"; }
+gpu_line() { nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu,power.draw --format=csv,noheader; }
+# check_cases SECONDS VAR VALUE FILTER NAME: benchmarks.decode.check of the CHECK cases ``c`` for which the Python
+# expression FILTER holds, with VAR=VALUE, against the fp32 reference (fresh seed); writes $OUT/NAME.json and
+# $OUT/NAME.log and prints "CHECK passed / cases" and the failed rows
+check_cases() {
+  timeout "$1" env "$2=$3" python -c "
+import json, os
+from benchmarks.decode import CHECK, check
+seed = int.from_bytes(os.urandom(3), 'little')
+r = check([c for c in CHECK if $4], seed)
+json.dump({'seed': seed, '$2': '$3', 'rows': r}, open('$OUT/$5.json', 'w'), indent=1)
+print('CHECK', sum(x['ok'] for x in r), '/', len(r), 'seed', seed)
+" > "$OUT/$5.log" 2>&1; echo "check rc=$?"
+  grep -E '^CHECK|"ok": false|Error|error' "$OUT/$5.log" | head -n 12
+}
