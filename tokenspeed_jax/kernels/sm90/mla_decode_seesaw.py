@@ -75,6 +75,13 @@ FlashMLA's Hopper kernel (its "seesaw"; design read from its source, code our ow
   warpgroup's ``V^T`` half is one K-major operand and each PV is 2 QGMMA m64n256k32; the transpose runs on
   ``ldmatrix.trans`` + ``prmt`` + ``stmatrix`` with tokens permuted inside 16-token groups (P stored in the same
   order; :meth:`transpose_v_packed`).  10.3% faster than without, bitwise the same output (H200, 2026-12-01).
+* ``tma_producer`` (the backend's default for FP8 with early refills and for 16-bit with pages >= 32): a third
+  warpgroup whose first warp issues every TMA refill (:meth:`produce`), so no computing warp stalls on a TMA
+  issue (700-1200 cycles per refill in the FP8 timeline of 2026-12-01); ``setmaxnreg`` gives it 24 registers and
+  the computing warpgroups 240 each.  The computing warpgroups' refill sites become arrivals on 160-thread
+  barriers (the 16-bit loop's REFILL_* sites; the FP8 loop's SLOT0_FREE / SLOT1_FREE after the owner's
+  transpose), which the producer's warp syncs on before it issues.  Measured on the H200 (2026-12-01,
+  docs/sm90_decode.md): FP8 1.108x, BF16 1.055x, bitwise the same output.
 """
 
 from __future__ import annotations
@@ -441,11 +448,13 @@ class MlaDecodeSeesawSm90(Fp8OperandsMixin, MlaDecodeSm90):
     def produce(self, sK0: cute.Tensor, sK1: cute.Tensor, tAs0: cute.Tensor, tAs1: cute.Tensor, tAg: cute.Tensor,
                 tma_atom: cute.CopyAtom, mbar, mKV: cute.Tensor, mBT: cute.Tensor, b: Int32, split_start: Int32,
                 split_end: Int32, num_pages: Int32, n_pairs: Int32, wtid: Int32):
-        """The producer warpgroup (:attr:`producer`), after the prologue loaded pair 0: its warp 0 refills each
-        slot with the tile two steps ahead as soon as the slot's owner has read the staging (its QK retired and
-        it built ``V^T``: SLOT0_FREE / SLOT1_FREE, the owner arrives, warp 0 syncs).  The TMA issue (9 boxes per
-        64-token tile with pages >= 64, 18 with 32) stalls the issuing warp for hundreds of cycles (the H200
-        timeline of mode 3, 2026-12-01: 700-1200 cycles per refill); here that warp is not a computing one."""
+        """The producer warpgroup (:attr:`producer`) after the prologue, which it loaded: its warp 0 issues every
+        refill of the loop, each once the computing warpgroup that last read those columns arrived on the refill's
+        160-thread barrier.  FP8 (early refills): each slot whole with the tile two steps ahead, once the owner
+        read the staging (its QK retired and it built ``V^T``: SLOT0_FREE / SLOT1_FREE).  16-bit: the four
+        column groups of the next pair (below).  The TMA issue (9 boxes per 64-token tile with pages >= 64, 18 with
+        32) stalls the issuing warp for hundreds of cycles (the H200 timeline of FP8 mode 3, 2026-12-01: 700-1200
+        cycles per refill); here that warp is not a computing one."""
         bn = self.block_n
         if cutlass.const_expr(not self.early):
             # the 16-bit loop's four column-group refills of pair j + 1, in the order their sites are reached: A0 (slot
@@ -1063,8 +1072,9 @@ def launch_mla_decode_seesaw_traced(stream, q: cute.Tensor, kv: cute.Tensor, blo
                                     num_splits: cutlass.Constexpr, tokens_per_split: cutlass.Constexpr,
                                     trace: cutlass.Constexpr, pdl: cutlass.Constexpr = True,
                                     l2_prefetch: cutlass.Constexpr = "late", tma_producer: cutlass.Constexpr = False):
-    """Debug build of the seesaw loop as the backend runs it (FP8: packed slots, early refills, pages >= 32; with
-    ``tma_producer`` the producer warpgroup of the default mode 4, else mode 3) with :meth:`MlaDecodeSeesawSm90.mark` timestamps in ``trace_buf`` (int64 ``(ctas, 2, trace,
+    """Debug build of the seesaw loop as the backend runs it (FP8: packed slots, early refills, pages >= 32;
+    ``tma_producer``: with the producer warpgroup, FP8 mode 4 or the 16-bit default) with
+    :meth:`MlaDecodeSeesawSm90.mark` timestamps in ``trace_buf`` (int64 ``(ctas, 2, trace,
     len(TRACE_EVENTS))``, the first ``ctas`` CTAs in ``(b, split, row block)`` order), an extra output after
     ``lse`` (benchmarks/trace_decode.py)."""
     fp8 = dtype == "float8_e4m3fn"
