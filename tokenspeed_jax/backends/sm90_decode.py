@@ -110,7 +110,7 @@ class DecodeKernelKey:
     pv_fp8: bool = False  # FP8 seesaw: P V on FP8 tensor cores ($TOKENSPEED_SM90_DECODE_FP8_PV 1, 2 or 3)
     early_refill: bool = False  # ... whole-slot refills after the V transpose ($TOKENSPEED_SM90_DECODE_FP8_PV 2, 3)
     vt_packed: bool = False  # ... with packed slots ($TOKENSPEED_SM90_DECODE_FP8_PV 3, 4)
-    tma_producer: bool = False  # ... and a producer warpgroup ($TOKENSPEED_SM90_DECODE_FP8_PV 4)
+    tma_producer: bool = False  # a producer warpgroup ($TOKENSPEED_SM90_DECODE_FP8_PV 4; 16-bit: ..._PRODUCER16)
 
 
 def supports(problem: DecodeProblem) -> str | None:

@@ -37,7 +37,9 @@ class Barrier(enum.IntEnum):
     VT0_FREE = 10
     VT1_FREE = 11
     # ... with the producer warpgroup (``tma_producer``): the slot's owner read its staging (QK retired, V^T built),
-    # the producer may refill it (owner arrives, producer warp 0 syncs; 160 threads)
+    # the producer may refill it (owner arrives, producer warp 0 syncs; 160 threads).  The ids of REFILL_B1 /
+    # REFILL_B0, which the 16-bit loop's producer build uses at its refill sites: a build must use one set only
+    # (an arrival on the wrong set gave wrong results on the H200, 2026-12-01; the compile test counts them)
     SLOT0_FREE = 12
     SLOT1_FREE = 13
     TAIL = 14  # + warpgroup index: V rows past the split zeroed (all 128 threads sync)
