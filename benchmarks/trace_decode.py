@@ -110,8 +110,7 @@ def main(argv=None):
     if mode not in (None, "3", "4"):
         raise SystemExit(f"{sm90_decode.FP8_PV_ENV}={mode}: the traced FP8 build is mode 3 or 4")
     # the producer warpgroup itself is not traced (nor the empty refill phases it leaves)
-    producer = mode == "4" if mode else (os.environ.get(sm90_decode.PRODUCER16_ENV, "")
-                                         or sm90_decode.PRODUCER16_DEFAULT) == "1"
+    producer = mode == "4" if mode else sm90_decode.resolve_producer16() == "1"
     report = {"name": f"per-warpgroup timeline of the sm90 decode loop, {a.dtype} (clock64 cycles)", **provenance(),
               "fp8_pv_mode": mode, "producer": producer,
               "events": [list(e) for e in TRACE_EVENTS], "cases": []}

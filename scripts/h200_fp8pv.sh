@@ -43,16 +43,10 @@ for v in '$AB'.split():
     with scoped_env('$V', v):
         prewarm(cases, 14)
 " > "$OUT/ab.log" 2>&1; echo "prewarm rc=$?" | tee -a "$OUT/ab.log"
-  (
-    timeout 170 env $V=$M TOKENSPEED_SANITIZER=1 python -m pytest -q -s -rfEx -p no:cacheprovider -k memcheck \
-      tests/gpu/test_sm90_decode.py > "$OUT/memcheck.log" 2>&1
-    echo "memcheck rc=$?" >> "$OUT/memcheck.log"
-  ) &
-  BG=$!
+  memcheck_start 170 $V=$M
   stamp "check FP8_PV=$M"
   check_cases 150 $V $M "c.dtype == 'float8_e4m3fn' or c.name in ('s2h32p64_garbage', 'b1s1h16p64_short')" check
-  while kill -0 $BG 2>/dev/null; do sleep 2; done; stamp "memcheck done"
-  grep -E "memcheck rc|ERROR SUMMARY|passed|failed" "$OUT/memcheck.log" | tail -n 4
+  memcheck_wait
   stamp "A/B $V $AB (FP8)"
   timeout 200 python scripts/decode_ab.py $V $AB --dtype float8_e4m3fn --cases matrix --out "$OUT/ab_fp8pv.json" \
     >> "$OUT/ab.log" 2>&1; echo "ab rc=$?"

@@ -18,3 +18,18 @@ print('CHECK', sum(x['ok'] for x in r), '/', len(r), 'seed', seed)
 " > "$OUT/$5.log" 2>&1; echo "check rc=$?"
   grep -E '^CHECK|"ok": false|Error|error' "$OUT/$5.log" | head -n 12
 }
+# memcheck_start SECONDS [VAR=VALUE ...]: the compute-sanitizer memcheck test of tests/gpu/test_sm90_decode.py in the
+# background, with the given environment, into $OUT/memcheck.log; memcheck_wait: wait for it and print its summary
+memcheck_start() {
+  local secs=$1; shift
+  (
+    timeout "$secs" env "$@" TOKENSPEED_SANITIZER=1 python -m pytest -q -s -rfEx -p no:cacheprovider -k memcheck \
+      tests/gpu/test_sm90_decode.py > "$OUT/memcheck.log" 2>&1
+    echo "memcheck rc=$?" >> "$OUT/memcheck.log"
+  ) &
+  MEMCHECK_PID=$!
+}
+memcheck_wait() {
+  while kill -0 "$MEMCHECK_PID" 2>/dev/null; do sleep 2; done; stamp "memcheck done"
+  grep -E "memcheck rc|ERROR SUMMARY|passed|failed" "$OUT/memcheck.log" | tail -n 4
+}

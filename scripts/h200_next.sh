@@ -11,12 +11,7 @@ set -uo pipefail
 . "$(dirname "${BASH_SOURCE[0]}")/h200_lib.sh"
 V=TOKENSPEED_SM90_DECODE_L2_PREFETCH
 gpu_line
-(
-  timeout 130 env TOKENSPEED_SANITIZER=1 python -m pytest -q -s -rfEx -p no:cacheprovider -k memcheck \
-    tests/gpu/test_sm90_decode.py > "$OUT/memcheck.log" 2>&1
-  echo "memcheck rc=$?" >> "$OUT/memcheck.log"
-) &
-BG=$!
+memcheck_start 130
 stamp "prewarm A/B configurations (CPU)"
 timeout 200 python -c "
 import dataclasses
@@ -27,8 +22,7 @@ for v in ('off', 'late'):
     with scoped_env('$V', v):
         prewarm(cases, 14)
 " > "$OUT/ab.log" 2>&1; echo "prewarm rc=$?" | tee -a "$OUT/ab.log"
-while kill -0 $BG 2>/dev/null; do sleep 2; done; stamp "memcheck done"
-grep -E "memcheck rc|ERROR SUMMARY|passed|failed" "$OUT/memcheck.log" | tail -n 4
+memcheck_wait
 for nd in bf16:bfloat16 fp8:float8_e4m3fn; do
   stamp "A/B ${nd#*:}"
   timeout 120 python scripts/decode_ab.py $V off late --dtype "${nd#*:}" --cases matrix --out "$OUT/ab_${nd%%:*}.json" \

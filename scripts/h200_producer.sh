@@ -18,16 +18,10 @@ timeout 200 python -c "
 from benchmarks.decode import CHECK, prewarm
 prewarm(CHECK, 14)
 " > "$OUT/prewarm.log" 2>&1; echo "prewarm rc=$?"
-(
-  timeout 200 env TOKENSPEED_SANITIZER=1 python -m pytest -q -s -rfEx -p no:cacheprovider -k memcheck \
-    tests/gpu/test_sm90_decode.py > "$OUT/memcheck.log" 2>&1
-  echo "memcheck rc=$?" >> "$OUT/memcheck.log"
-) &
-BG=$!
+memcheck_start 200
 stamp "check (defaults)"
 check_cases 200 TOKENSPEED_SM90_DECODE_PRODUCER16 1 "True" check
-while kill -0 $BG 2>/dev/null; do sleep 2; done; stamp "memcheck done"
-grep -E "memcheck rc|ERROR SUMMARY|passed|failed" "$OUT/memcheck.log" | tail -n 4
+memcheck_wait
 stamp "GPU tests (defaults)"
 timeout $((575 - ($(date +%s) - t0))) python -m pytest -q -rfEx -p no:cacheprovider -k "not memcheck" \
   tests/gpu/test_sm90_decode.py tests/gpu/test_vllm_adapter.py > "$OUT/gpu_tests.log" 2>&1; echo "tests rc=$?"

@@ -157,6 +157,11 @@ def resolve_fp8_pv() -> str:
     return _choice(os.environ.get(FP8_PV_ENV, "") or FP8_PV_DEFAULT, FP8_PV_MODES, FP8_PV_ENV)
 
 
+def resolve_producer16() -> str:
+    """``$TOKENSPEED_SM90_DECODE_PRODUCER16`` ("0" or "1", default :data:`PRODUCER16_DEFAULT`), validated."""
+    return _choice(os.environ.get(PRODUCER16_ENV, "") or PRODUCER16_DEFAULT, ("0", "1"), PRODUCER16_ENV)
+
+
 def decode(problem: DecodeProblem, q, kv_cache, block_table, seq_lens, softmax_scale, output_scale, *,
            kv_step: int | None = None, schedule: str | None = None):
     """Run the kernel; returns ``(out [B,S,H,512], lse [B,S,H] | None)``.
@@ -195,11 +200,11 @@ def decode(problem: DecodeProblem, q, kv_cache, block_table, seq_lens, softmax_s
     pv_fp8 = fp8_pv != "0"
     early_refill = fp8_pv in ("2", "3", "4") and problem.page_size >= _MIN_EARLY_REFILL_PAGE
     vt_packed = fp8_pv in ("3", "4")
-    tma_producer = fp8_pv == "4" and early_refill
-    if seesaw and problem.dtype != "float8_e4m3fn" and not no_tma and problem.page_size >= _MIN_EARLY_REFILL_PAGE:
-        # (with 16-token pages its coordinates, 4 boxes per chunk, spill in the producer's 24 registers)
-        tma_producer = _choice(os.environ.get(PRODUCER16_ENV, "") or PRODUCER16_DEFAULT, ("0", "1"),
-                               PRODUCER16_ENV) == "1"
+    if fp8_seesaw:
+        tma_producer = fp8_pv == "4" and early_refill
+    else:  # (with 16-token pages the producer's coordinates, 4 boxes per chunk, spill in its 24 registers)
+        tma_producer = (seesaw and not no_tma and problem.page_size >= _MIN_EARLY_REFILL_PAGE
+                        and resolve_producer16() == "1")
     l2_prefetch = resolve_l2_prefetch() if seesaw else "off"
     key = DecodeKernelKey("mla_decode_sm90.v10", problem.dtype, H, S, problem.page_size, problem.causal,
                           plan.num_splits, plan.tokens_per_split, block_n, schedule, pdl, qk_fp8, l2_prefetch, pv_fp8,
