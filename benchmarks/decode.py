@@ -70,6 +70,12 @@ CHECK = [
     Case("fp8_s2h32p32_garbage", "float8_e4m3fn", 3, 2, 32, 32, 32, (1, 33, 10**6), garbage=True),
     Case("fp8_s8h16p128", "float8_e4m3fn", 2, 8, 16, 128, 12, (129, 1500)),
     Case("fp8_s2h64p16", "float8_e4m3fn", 3, 2, 64, 16, 160, (2, 17, 2500)),  # 4 boxes per chunk; FP8 P V mode 1
+    # S x H <= 32 with pages >= 32: the O^T loop of FP8 P V mode 5 (mode 4 otherwise); 16 rows over S = 2 (causal), and
+    # 32 rows with garbage tables and a seq_len beyond the table; one request split many ways (the combine's fp32x2
+    # partials)
+    Case("fp8_s2h8p64", "float8_e4m3fn", 3, 2, 8, 64, 40, (2, 63, 2500)),
+    Case("fp8_s1h32p32_garbage", "float8_e4m3fn", 3, 1, 32, 32, 32, (1, 33, 10**6), garbage=True),
+    Case("fp8_b1s1h16p64_16k", "float8_e4m3fn", 1, 1, 16, 64, 256, (16384,)),
 ]
 
 BENCH = [(64, 81920, 64, H, S) for H in (16, 32, 128) for S in (1, 4, 8)] + [

@@ -102,6 +102,39 @@ _SCRIPT = textwrap.dedent(
             x["pv8"] = x["qk8"] - 4 * 18  # e4m3 m64n64k32 wgmmas beyond the 4 x 18 of the QKs
             res.setdefault("ss", {})[str(page) + ("_" + sched[6:] if sched[6:] else "")] = dict(
                 x, use_tma=k.use_tma, sass=bool(ssass))
+    # FP8 P V mode 5, the O^T schedule (S x H = 32 rows, page 32: 2 boxes per chunk, 3 splits)
+    from tokenspeed_jax.kernels.sm90.mla_decode_ot import MlaDecodeOtSm90
+    before = set(glob.glob(d + "/*"))
+    k = MlaDecodeOtSm90(dtype="float8_e4m3fn", num_heads=32, q_len=1, page_size=32, causal=True, num_splits=3,
+                        tokens_per_split=256, block_n=64, l2_prefetch="late")
+    f = rt.make_fake_compact_tensor
+    f8 = cutlass.Float8E4M3FN
+    cute.compile(k, rt.make_fake_stream(), f(f8, (2, 1, 32, 576), assumed_align=16),
+                 f(f8, (50, 32, 576), assumed_align=16), f(cutlass.Int32, (2, 24)), f(cutlass.Int32, (2,)),
+                 f(cutlass.Float32, (1,)), f(cutlass.Float32, (1,)), f(cutlass.BFloat16, (2, 1, 32, 512), assumed_align=16),
+                 f(cutlass.Float32, (2, 1, 32)), f(cutlass.Float32, (2, 3, 32, 512), assumed_align=16),
+                 f(cutlass.Float32, (2, 3, 32)))
+    try:
+        MlaDecodeOtSm90(dtype="float8_e4m3fn", num_heads=64, q_len=1, page_size=64, causal=True, num_splits=1,
+                        tokens_per_split=256, block_n=64)
+        res["ot_r64"] = "accepted"
+    except ValueError as e:
+        res["ot_r64"] = str(e)
+    optx, osass = own(before, ".ptx"), own(before, ".sass")
+    ot = {n: len(re.findall(pat, optx if src == "ptx" else osass)) for n, (pat, src) in dict(
+        qk8=(r"wgmma.mma_async.sync.aligned.m64n64k32.f32.e4m3.e4m3", "ptx"),
+        pv8=(r"wgmma.mma_async.sync.aligned.m64n32k32.f32.e4m3.e4m3", "ptx"),
+        qgmma=(r"QGMMA\\.64x64x32\\.F32\\.E4M3\\.E4M3", "sass"),
+        qgmma_r=(r"QGMMA\\.64x32x32\\.F32\\.E4M3\\.E4M3 R\\d+, R\\d+", "sass"),
+        ldsm=(r"ldmatrix\\.sync\\.aligned\\.m8n8\\.x4\\.trans\\.shared\\.b16", "ptx"),
+        stsm=(r"stmatrix", "ptx"), prmt=(r"prmt\\.b32", "ptx"),
+        tma=(r"cp\\.async\\.bulk\\.tensor\\.3d\\.shared::\\w+\\.global\\.tile\\.mbarrier", "ptx"),
+        maxnreg=(r"setmaxnreg\\.(?:inc|dec)\\.sync\\.aligned\\.u32\\s+(?:240|24);", "ptx"),
+        slot_free=(r"bar\\.(?:sync|arrive)\\s+(?:12|13),\\s*160;", "ptx"),
+        l2pf=(r"cp\\.async\\.bulk\\.prefetch\\.L2\\.global", "ptx"),
+        spill=(r"\\b(STL|LDL)\\b", "sass"), depbar=(r"WARPGROUP\\.DEPBAR", "sass")).items()}
+    res["ot"] = dict(ot, sass=bool(osass))
+    res["ot_tv"] = k.pv_mma_repr  # the register-A QGMMA of the O^T PV, as traced
     # L2 prefetch one tile pair ahead (page 64, a table long enough that no prefetch is provably past the
     # split): pair 1 in the prologue, then one pair per iteration of WG0's loop, one bulk prefetch per tile
     before = set(glob.glob(d + "/*"))
@@ -159,6 +192,19 @@ _SCRIPT = textwrap.dedent(
                                sd((2, 40), jnp.int32), sd((2,), jnp.int32), sd((), jnp.float32),
                                sd((), jnp.float32)).lower(lowering_platforms=("cuda",)).as_text()
     res["ov_targets"] = sorted(set(re.findall(r"custom_call @(\\w+)", txt)))
+    # FP8 P V mode 5 through the public op: 16 query rows run the O^T kernel (its entry in this lowering's PTX)
+    from tokenspeed_jax.backends.sm90_decode import FP8_PV_ENV
+    del os.environ[SCHEDULE_ENV]
+    os.environ[FP8_PV_ENV] = "5"
+    before = set(glob.glob(d + "/*"))
+    f8 = jnp.float8_e4m3fn
+    with target_override("sm_90a"):
+        txt = jax.jit(f).trace(sd((3, 1, 16, 576), f8), sd((200, 64, 576), f8), sd((3, 40), jnp.int32),
+                               sd((3,), jnp.int32), sd((), jnp.float32),
+                               sd((), jnp.float32)).lower(lowering_platforms=("cuda",)).as_text()
+    res["ot_lower"] = dict(targets=sorted(set(re.findall(r"custom_call @(\\w+)", txt))),
+                           entry=bool(re.search(r"\\.entry kernel_cutlass_ot_kernel\\w*MlaDecodeOtSm90",
+                                                own(before, ".ptx"))))
     print("RESULT " + json.dumps(res))
     """
 )
@@ -264,6 +310,19 @@ def test_sm90_decode_compiles_for_sm90a(tmp_path):
     assert x["refill160"] == 8, x
     if x["sass"]:
         assert x["rs"] == 8 and x["spill"] == 0, x
+    # FP8 P V mode 5 (the O^T schedule, 32 rows, page 32): 18 QK QGMMAs (m64n64k32) for the first tile and 18 per
+    # warpgroup loop; the PVs m64n32k32 (N = the 32 rows), 4 sites x 2 k32 steps x 4 m-blocks, V^T from registers (8
+    # ldmatrix.x4.trans + 32 prmt per PV, no stmatrix); TMA: 4 tiles in the prologue and 2 per pair in the producer's
+    # loop x 9 chunks x 2 boxes; 2 SLOT*_FREE arrive sites + 2 producer syncs; one L2 prefetch per tile, prologue and
+    # loop; the TV layouts test_fp8_ot_vt_fragment_mapping models; no spill (64 rows are refused: they spilled)
+    x = r["ot"]
+    assert x["qk8"] == 18 * 3 and x["pv8"] == 32 and x["ldsm"] == 32 and x["prmt"] >= 128 and x["stsm"] == 0, x
+    assert x["tma"] == (4 + 2) * 18 and x["maxnreg"] == 2 and x["slot_free"] == 4 and x["l2pf"] == 4, x
+    assert f"TV Layout A:     {OT_TV_A}" in r["ot_tv"] and f"TV Layout C:     {OT_TV_C}" in r["ot_tv"], r["ot_tv"]
+    assert "S x H <= 32" in r["ot_r64"], r["ot_r64"]
+    assert r["ot_lower"] == {"targets": ["tokenspeed_mla_decode_sm90"], "entry": True}, r["ot_lower"]
+    if x["sass"]:
+        assert x["qgmma"] == 18 * 3 and x["qgmma_r"] == 32 and x["depbar"] <= 12 and x["spill"] == 0, x
     # ptxas must not serialize the wgmmas (C7520 "wgmma.mma_async instructions are serialized": a
     # WARPGROUP.DEPBAR after every one, 105 in the FP8 P V kernel of commit e9c62ec, measured on the H200 in that
     # state); the loops wait explicitly at about 7 places
@@ -328,14 +387,15 @@ def test_fp8_pv_switch(monkeypatch):
     for v in m.FP8_PV_MODES:
         monkeypatch.setenv(m.FP8_PV_ENV, v)
         assert m.resolve_fp8_pv() == v
-    for bad in ("on", "true", "5"):
+    for bad in ("on", "true", "6"):
         monkeypatch.setenv(m.FP8_PV_ENV, bad)
         with pytest.raises(ValueError, match=m.FP8_PV_ENV):
             m.resolve_fp8_pv()
     assert m.FP8_PV_ENV in m.TRACE_ENV
     k = ("k", "float8_e4m3fn", 16, 1, 64, True, 1, 64, 64, "seesaw", True, True, "late")
     assert len({m.DecodeKernelKey(*k), m.DecodeKernelKey(*k, True), m.DecodeKernelKey(*k, True, True),
-                m.DecodeKernelKey(*k, True, True, True), m.DecodeKernelKey(*k, True, True, True, True)}) == 5
+                m.DecodeKernelKey(*k, True, True, True), m.DecodeKernelKey(*k, True, True, True, True),
+                m.DecodeKernelKey(*k, True, True, True, True, True)}) == 6
 
 
 def test_producer16_switch(monkeypatch):
@@ -619,3 +679,126 @@ def test_trace_summary():
     p1 = {r["phase"]: r for r in s["wg1"]["phases"]}
     assert p1[TRACE_EVENTS[1][1]]["median"] == 200 and "-" not in p1
     assert p1["(to the next iteration's top)"]["median"] == 10000 - 200 * (ne - 2)
+
+
+# The QGMMA m64n32k32 register-A / accumulator layouts (thread, value) -> (m, k) / (m, n) that the O^T schedule's
+# addressing assumes (MlaDecodeOtSm90.load_vt, scale_ot, epilogue_ot); the compile test checks that CuTe's tiled
+# MMA prints exactly these.
+OT_TV_A = "((4,8,4),(4,2,2)):((256,1,16),(64,8,1024))"
+OT_TV_C = "((4,8,4),(2,2,4)):((128,1,16),(64,8,512))"  # N = 32 rows (16 rows: (2,2,2))
+
+
+def _tv(layout: str, t: int, v: int, vshape, vstride) -> int:
+    """Offset of (thread t, value v) in a TV layout ``((4,8,4),vshape):((ts...),vstride)`` (thread modes first)."""
+    tshape, tstride = (4, 8, 4), [int(x) for x in layout.split(":")[1][2:].split(")")[0].split(",")]
+    off, r = 0, t
+    for s, d in zip(tshape, tstride):
+        off, r = off + (r % s) * d, r // s
+    r = v
+    for s, d in zip(vshape, vstride):
+        off, r = off + (r % s) * d, r // s
+    return off
+
+
+def test_fp8_ot_vt_fragment_mapping():
+    """The O^T schedule's ``V^T`` A fragments (``MlaDecodeOtSm90.load_vt``: ``ldmatrix.x4.trans`` at
+    ``vt_a_row_offset``, ``prmt`` with ``VT_A_SELECTORS``) on a model of those instructions, of the swizzled e4m3
+    staging and of the QGMMA's register-A layout: every A element of both warpgroups is the staging byte of feature
+    ``ot_feature(...)`` and token ``P8_TOKEN_ORDER`` (the order P is stored in, i.e. the B operand's k), zero for
+    tokens at or past the split; the 8 rows of every ldmatrix matrix fall in 8 distinct 16-byte bank groups."""
+    pytest.importorskip("cutlass")
+    import numpy as np
+
+    from tokenspeed_jax.kernels.sm90.fp8_operands import P8_TOKEN_ORDER, sw64
+    from tokenspeed_jax.kernels.sm90.mla_decode_ot import VT_A_SELECTORS, ot_feature, vt_a_row_offset
+
+    rng = np.random.default_rng(2)
+    v = rng.integers(1, 256, (64, 576), dtype=np.uint8)  # token, feature (logical)
+    stg = np.zeros(9 * 4096, np.uint8)
+    for t in range(64):
+        for f in range(576):
+            stg[4096 * (f // 64) + sw64(t * 64 + f % 64)] = v[t, f]
+    first = 45  # tokens >= first are past the split
+
+    def a_off(t, val):  # (thread, value) -> m + 64 k
+        return _tv(OT_TV_A, t, val, (4, 2, 2), (64, 8, 1024))
+
+    seen = np.zeros((512, 64), bool)
+    for wg in range(2):
+        for warp in range(4):
+            words = {}  # lane -> 32 words
+            for kb in range(2):
+                for mb in range(4):
+                    rows, groups = {}, {}
+                    for lane in range(32):
+                        tok = 32 * kb + lane
+                        off = vt_a_row_offset(lane, warp, kb) + 4096 * (4 * wg + mb)
+                        assert off % 16 == 0
+                        rows[lane] = np.zeros(16, np.uint8) if tok >= first else stg[off:off + 16]
+                        groups.setdefault(lane // 8, []).append(off // 16 % 8)
+                    for g in groups.values():
+                        assert len(set(g)) == 8, (wg, warp, kb, mb, g)
+                    for i in range(32):  # .trans: thread i, matrix m: (row 2(i%4), b16 col i//4), (row 2(i%4)+1, ..)
+                        r = []
+                        for m in range(4):
+                            lo, hi = rows[8 * m + 2 * (i % 4)], rows[8 * m + 2 * (i % 4) + 1]
+                            b = [lo[2 * (i // 4)], lo[2 * (i // 4) + 1], hi[2 * (i // 4)], hi[2 * (i // 4) + 1]]
+                            r.append(int.from_bytes(bytes(int(x) for x in b), "little"))
+                        w = words.setdefault(i, [0] * 32)
+                        base = 4 * mb + 16 * kb
+                        w[base:base + 4] = [_prmt(r[0], r[1], VT_A_SELECTORS[0]), _prmt(r[0], r[1], VT_A_SELECTORS[1]),
+                                            _prmt(r[2], r[3], VT_A_SELECTORS[0]), _prmt(r[2], r[3], VT_A_SELECTORS[1])]
+            for lane in range(32):
+                t = 32 * warp + lane
+                for kb in range(2):
+                    for mb in range(4):
+                        for val in range(16):  # value (v0, v1, v2): byte v0 of register v1 + 2 v2
+                            off = a_off(t, val)
+                            m, k = off % 64, off // 64
+                            reg = (val // 4) % 2 + 2 * (val // 8)
+                            byte = (words[lane][4 * mb + 16 * kb + reg] >> (8 * (val % 4))) & 0xFF
+                            assert m // 16 == warp
+                            f = ot_feature(wg, mb, warp, m % 16)
+                            tok = 32 * kb + 16 * (k // 16) + P8_TOKEN_ORDER[k % 16]
+                            want = v[tok, f] if tok < first else 0
+                            assert byte == want, (wg, warp, lane, kb, mb, val, f, tok)
+                            seen[f, 32 * kb + k] = True
+    assert seen.all()  # every (feature, token position) of the tile reached exactly the A operand
+
+
+def test_fp8_ot_switch(monkeypatch):
+    """FP8 P V mode 5 runs the O^T schedule's launch function (keyed ``pv_ot``) for S x H <= 32 with pages >= 32,
+    and otherwise what mode 4 runs (its loop; with 16-token pages its fallback)."""
+    pytest.importorskip("cutlass")
+    import jax.numpy as jnp
+
+    from tokenspeed_jax.backends import sm90_decode as m
+    from tokenspeed_jax.kernels.sm90.mla_decode_ot import launch_mla_decode_ot
+    from tokenspeed_jax.kernels.sm90.mla_decode_seesaw import launch_mla_decode_seesaw
+
+    seen = {}
+
+    def fake_call(target, launch, *, outputs, compile_key, **kw):
+        seen["launch"], seen["key"], seen["kw"] = launch, compile_key, kw
+        return lambda *a: [jnp.zeros(o.shape, o.dtype) for o in outputs]
+
+    monkeypatch.setattr("tokenspeed_jax.ffi.custom_call", fake_call)
+    f8 = jnp.float8_e4m3fn
+    q = jnp.zeros((2, 1, 16, 576), f8)
+    bt, sl = jnp.zeros((2, 8), jnp.int32), jnp.full((2,), 100, jnp.int32)
+    for mode, page, ot in (("5", 64, True), ("5", 32, True), ("5", 16, False), ("4", 64, False)):
+        monkeypatch.setenv(m.FP8_PV_ENV, mode)
+        kv = jnp.zeros((16, page, 576), f8)
+        m.decode(_problem(batch=2, q_len=1, page_size=page, num_pages=16, max_pages=8, dtype="float8_e4m3fn"),
+                 q, kv, bt, sl, 0.1, 1.0)
+        assert seen["key"].pv_ot is ot and (seen["launch"] is launch_mla_decode_ot) is ot, (mode, page)
+        if ot:
+            assert "pv_fp8" not in seen["kw"] and seen["kw"]["l2_prefetch"] == m.L2_PREFETCH_DEFAULT, seen["kw"]
+        else:
+            assert seen["launch"] is launch_mla_decode_seesaw and seen["kw"]["vt_packed"] is True, (mode, page)
+    # more than 32 query rows (S x H = 64): mode 4's loop
+    monkeypatch.setenv(m.FP8_PV_ENV, "5")
+    m.decode(_problem(batch=2, q_len=2, num_heads=32, page_size=64, num_pages=16, max_pages=8, dtype="float8_e4m3fn"),
+             jnp.zeros((2, 2, 32, 576), f8), jnp.zeros((16, 64, 576), f8), bt, sl, 0.1, 1.0)
+    assert seen["key"].pv_ot is False and seen["launch"] is launch_mla_decode_seesaw, seen["key"]
+    assert seen["kw"]["tma_producer"] is True and seen["kw"]["vt_packed"] is True, seen["kw"]

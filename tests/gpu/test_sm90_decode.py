@@ -85,7 +85,7 @@ def test_memcheck_small_shapes():
     exe = shutil.which("compute-sanitizer")
     if exe is None:
         pytest.skip("compute-sanitizer not found")
-    names = ("s2h32p64_garbage", "fp8_s2h32p32_garbage", "b1s1h16p64_short", "s4h32p32")
+    names = ("s2h32p64_garbage", "fp8_s2h32p32_garbage", "b1s1h16p64_short", "s4h32p32", "fp8_s1h32p32_garbage")
     code = ("import sys; from benchmarks.decode import CHECK, check; "
             f"r = check([c for c in CHECK if c.name in {names!r}], 5); "
             "sys.exit(0 if r and all(x['ok'] for x in r) else 3)")

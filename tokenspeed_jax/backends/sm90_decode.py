@@ -66,9 +66,12 @@ FP8_QK_ENV = "TOKENSPEED_SM90_DECODE_FP8_QK"
 # [V^T | P | staging] (PVs as QGMMA m64n256k32, the transpose on ldmatrix.trans / stmatrix; 16-token pages run
 # "1" packed), 10.3% faster than "2" on the H200; "4" (the default since 2026-12-01 evening, 10.8% faster than
 # "3") is "3" with a third, producer warpgroup that issues the TMA refills (docs/sm90_decode.md, "Producer
-# warpgroup"; 16-token pages run "1" packed).  Needs the QGMMA QK.  Read at trace time; part of the compile key.
+# warpgroup"; 16-token pages run "1" packed).  "5" (opt-in, not yet run on a GPU) is "4" except for S x H <= 32
+# query rows with pages >= 32: there the O^T = V^T P^T loop runs, V^T the register A operand loaded straight from the
+# e4m3 staging (no V^T copy in shared memory, 4 staging buffers; kernels/sm90/mla_decode_ot.py, docs/sm90_decode.md,
+# "O^T schedule").  Needs the QGMMA QK.  Read at trace time; part of the compile key.
 FP8_PV_ENV = "TOKENSPEED_SM90_DECODE_FP8_PV"
-FP8_PV_MODES = ("0", "1", "2", "3", "4")
+FP8_PV_MODES = ("0", "1", "2", "3", "4", "5")
 FP8_PV_DEFAULT = "4"
 # "1" (default since 2026-12-01 evening: 1.055x on 5 BF16 shapes of the issue matrix, bitwise equal) gives the 16-bit
 # seesaw loop (pages >= 32, TMA refills) a producer warpgroup that issues its four column-group refills
@@ -88,6 +91,7 @@ SCHEDULES = ("auto", "seesaw", "seesaw-cpasync", "lockstep", "overlap")  # modul
 _MIN_PAGE = 8
 _MIN_FP8_SEESAW_PAGE = 16  # the FP8 seesaw needs TMA refills (the kernel's _MIN_TMA_PAGE; no cutlass import here)
 _MIN_EARLY_REFILL_PAGE = 32  # FP8 P V mode 2 (whole-slot refills): smaller pages run mode 1 (no spills)
+_MAX_OT_ROWS = 32  # FP8 P V mode 5: query rows S x H of the O^T loop (the kernel's _MAX_ROWS; no cutlass import here)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -111,6 +115,7 @@ class DecodeKernelKey:
     early_refill: bool = False  # ... whole-slot refills after the V transpose ($TOKENSPEED_SM90_DECODE_FP8_PV 2, 3)
     vt_packed: bool = False  # ... with packed slots ($TOKENSPEED_SM90_DECODE_FP8_PV 3, 4)
     tma_producer: bool = False  # a producer warpgroup ($TOKENSPEED_SM90_DECODE_FP8_PV 4; 16-bit: ..._PRODUCER16)
+    pv_ot: bool = False  # FP8: the O^T = V^T P^T loop ($TOKENSPEED_SM90_DECODE_FP8_PV 5)
 
 
 def supports(problem: DecodeProblem) -> str | None:
@@ -171,6 +176,7 @@ def decode(problem: DecodeProblem, q, kv_cache, block_table, seq_lens, softmax_s
     the main loop (module docstring); "seesaw" and "overlap" need the 64-token KV step."""
     from tokenspeed_jax import ffi
     from tokenspeed_jax.kernels.sm90.mla_decode import launch_mla_decode
+    from tokenspeed_jax.kernels.sm90.mla_decode_ot import launch_mla_decode_ot
     from tokenspeed_jax.kernels.sm90.mla_decode_seesaw import launch_mla_decode_seesaw
 
     why = supports(problem)
@@ -198,17 +204,21 @@ def decode(problem: DecodeProblem, q, kv_cache, block_table, seq_lens, softmax_s
     # mode 2 with 16-token pages (4 TMA boxes per chunk) spills about 200 bytes (CPU compile, 2026-12-01):
     # those run mode 1
     pv_fp8 = fp8_pv != "0"
-    early_refill = fp8_pv in ("2", "3", "4") and problem.page_size >= _MIN_EARLY_REFILL_PAGE
-    vt_packed = fp8_pv in ("3", "4")
+    early_refill = fp8_pv in ("2", "3", "4", "5") and problem.page_size >= _MIN_EARLY_REFILL_PAGE
+    vt_packed = fp8_pv in ("3", "4", "5")
+    # mode 5 (the O^T loop) for S x H <= 32 rows with pages >= 32; otherwise mode 4 (with 64 rows the O^T loop spilled)
+    pv_ot = fp8_pv == "5" and early_refill and S * H <= _MAX_OT_ROWS
+    if pv_ot:
+        launch = launch_mla_decode_ot
     if fp8_seesaw:
-        tma_producer = fp8_pv == "4" and early_refill
+        tma_producer = fp8_pv in ("4", "5") and early_refill
     else:  # (with 16-token pages the producer's coordinates, 4 boxes per chunk, spill in its 24 registers)
         tma_producer = (seesaw and not no_tma and problem.page_size >= _MIN_EARLY_REFILL_PAGE
                         and resolve_producer16() == "1")
     l2_prefetch = resolve_l2_prefetch() if seesaw else "off"
     key = DecodeKernelKey("mla_decode_sm90.v10", problem.dtype, H, S, problem.page_size, problem.causal,
                           plan.num_splits, plan.tokens_per_split, block_n, schedule, pdl, qk_fp8, l2_prefetch, pv_fp8,
-                          early_refill, vt_packed, tma_producer)
+                          early_refill, vt_packed, tma_producer, pv_ot)
     outputs = [jax.ShapeDtypeStruct((B, S, H, problem.kv_lora_rank), jnp.dtype(problem.out_dtype)),
                jax.ShapeDtypeStruct((B, S, H), jnp.float32)]
     outputs += [jax.ShapeDtypeStruct(w.shape, jnp.dtype(w.dtype)) for w in plan.workspace]
@@ -217,8 +227,8 @@ def decode(problem: DecodeProblem, q, kv_cache, block_table, seq_lens, softmax_s
         dtype=problem.dtype, num_heads=H, q_len=S, page_size=problem.page_size, causal=problem.causal,
         num_splits=plan.num_splits, tokens_per_split=plan.tokens_per_split, block_n=block_n, schedule=schedule,
         pdl=pdl, **({"qk_fp8": qk_fp8, "pv_fp8": pv_fp8, "early_refill": early_refill, "vt_packed": vt_packed}
-                    if fp8_seesaw else {}),
-        **({"tma_producer": tma_producer} if seesaw else {}),
+                    if fp8_seesaw and not pv_ot else {}),
+        **({"tma_producer": tma_producer} if seesaw and not pv_ot else {}),
         **({"l2_prefetch": l2_prefetch} if seesaw else {}),
     )
     res = call(q, kv_cache, block_table.astype(jnp.int32), seq_lens.astype(jnp.int32),

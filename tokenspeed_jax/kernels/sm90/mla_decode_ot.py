@@ -1,0 +1,544 @@
+"""FP8 MLA decode for Hopper with the P V transposed: ``O^T = V^T P^T``, ``V^T`` the register A operand.
+
+The FP8 seesaw loop (:class:`~tokenspeed_jax.kernels.sm90.mla_decode_seesaw.MlaDecodeSeesawSm90`, FP8 P V mode
+"4") computes ``O += P V`` on FP8 tensor cores.  8-bit wgmmas take only K-major shared-memory operands, so each
+warpgroup first transposes V of its tile into a ``V^T`` copy (``ldmatrix.trans`` + ``prmt`` + ``stmatrix``):
+about 1150 of the 5580 cycles of an iteration on the H200, with both warpgroups transposing at once and no
+tensor work beside them (the ``clock64`` timeline of 2026-12-01, docs/sm90_decode.md).  This schedule (FP8 P V
+mode "5") removes the copy:
+
+* ``O^T (512 x rows) = V^T (512 x tokens) P^T (tokens x rows)``: ``V^T`` is the A operand, from registers
+  (8-bit register A operands may come from anywhere), loaded straight from the landed e4m3 staging with
+  ``ldmatrix.x4.trans`` and four ``prmt.b32`` per 16 features x 32 tokens (:func:`vt_a_row_offset`,
+  :data:`VT_A_SELECTORS`); P is the K-major B operand exactly as the mode-4 loop stores it (tokens in
+  :data:`~tokenspeed_jax.kernels.sm90.fp8_operands.P8_TOKEN_ORDER` inside each 16-token group, which is the
+  order the ``ldmatrix.trans`` words come in).  Each warpgroup still owns 256 output features: 4 m64nNk32
+  QGMMAs (one per 64 features, N the query rows, below) per 32 tokens.
+* The A fragment's row ``q`` of a warp's 16 is feature ``2q``, row ``q + 8`` feature ``2q + 1`` (a fixed row
+  permutation of ``O^T``): both features of a pair sit in one thread, and the epilogue stores them as one
+  bf16x2 (fp32x2 for split partials) straight from the accumulators.
+* The O rescales are per column of ``O^T``: each thread reads the scales of its columns from the row scales the
+  seesaw already shares in shared memory, and skips the multiplies when all of its warp's are 1 (the steady state).
+* No ``V^T`` copy, so the staging must live until both warpgroups' PVs read it, half an iteration longer than
+  in mode 4.  The 32 KB per slot that ``V^T`` took pay for two staging buffers per warpgroup: 4 x (36 KB
+  staging + 4 KB P) + 36 KB Q = 196 KB.  Pair ``j`` uses buffers ``2 (j % 2) + {0, 1}``; the producer
+  warpgroup refills them with pair ``j + 2`` once both PVs of pair ``j`` retired, about as early as mode 4's
+  early refill.
+* Barriers (all named, ids of :class:`~tokenspeed_jax.kernels.sm90.helpers.Barrier`): SCALE0 / SCALE1 /
+  P0_READY / P1_READY and TAIL as in mode 4.  SLOT0_FREE and SLOT1_FREE (160 threads: warpgroup 1 arrives,
+  the producer's warp syncs): warpgroup 1 knows when both PVs of a buffer retired: of slot 0 after its cross
+  PV (warpgroup 0's own PV retired before its P0_READY, which that cross PV waited for); of slot 1 after its
+  own PV and a sync on VT1_FREE, which warpgroup 0 arrives at once its cross PV of slot 1 retired.  Warpgroup 1
+  arrives for pair ``j`` only after its wait for pair ``j + 1`` landed, which the producer loaded after it
+  synced on pair ``j - 1``'s arrivals: no arrival can overtake the producer's sync of the previous one.  Each
+  warpgroup also waits on the (completed) mbarrier phase of the other warpgroup's tile before its ``ldmatrix``
+  reads it, and fences (proxy) its reads before the arrivals that let the TMA overwrite them.
+* Registers: query rows S x H <= 32 only (one row block).  The PVs' N is the rows rounded up to 16 or 32
+  (:attr:`pv_n`): the padded rows need no P V, and the ``O^T`` accumulators take 32 or 64 registers instead of 128.
+  With 64 rows warpgroup 0 holds 128 accumulators, 32 of P and 32 of ``V^T`` at once, and ptxas spilled about 130
+  values a loop iteration in its 240 registers (variants that loaded ``V^T`` one k32 step at a time, parked P in
+  shared memory or retired the cross PV before the next QK still spilled 40-180; docs/sm90_decode.md), so 64 rows
+  are refused and the backend runs mode 4 for them.  The QK still runs on 64 padded rows.
+
+Same contract, grid, plan, split-KV partials and combine kernel as the seesaw loop; FP8 (e4m3) only, TMA
+refills with pages >= 32, the producer warpgroup and the L2 prefetch of the mode-4 loop.  P is rounded to e4m3
+as ``2^8 p`` there, the row sums stay over the unrounded P (the same precision as mode 4).
+
+Status (2026-12-01): compiled and checked on the CPU only (``tests/test_compile_sm90_decode.py``: the fragment
+mapping on a model of ``ldmatrix`` / ``prmt`` / the QGMMA A layout, instruction counts, the TV layouts, no spills).
+Not yet run on a GPU: opt-in (``TOKENSPEED_SM90_DECODE_FP8_PV=5``) until the H200 check and A/B in
+docs/sm90_decode.md ("O^T schedule") pass.
+"""
+
+from __future__ import annotations
+
+import cutlass
+import cutlass.utils.hopper_helpers as sm90_utils
+from cutlass import Float32, Int32, Int64, cute
+from cutlass.cute.nvgpu import cpasync, warpgroup
+from cutlass.tensor_utils import LayoutEnum
+
+from tokenspeed_jax.kernels.sm90.fp8_operands import _ldsm4t, _prmt, sw64
+from tokenspeed_jax.kernels.sm90.helpers import LN_2, LOG2_E, Barrier, quad_sum, row_ptr
+from tokenspeed_jax.kernels.sm90.mla_decode_seesaw import MlaDecodeSeesawSm90
+
+_F8 = cutlass.Float8E4M3FN
+_CHUNK = 64  # features per e4m3 staging chunk (64-byte rows)
+_CHUNK_BYTES = 64 * _CHUNK  # 64 tokens x 64 bytes
+_P_BYTES = 64 * 64  # the e4m3 P tile of a buffer (64 rows x 64 tokens)
+_STG_BYTES = 9 * _CHUNK_BYTES  # the e4m3 staging of a 64-token tile (576 columns)
+_BUF_BYTES = _P_BYTES + _STG_BYTES  # one buffer: [P | staging]; 40960, a multiple of the swizzle's 512
+_NBUF = 4  # two per warpgroup (pair j: buffers 2 (j % 2) + {0, 1})
+_ALL_CHUNKS = (0, 1, 2, 3, 4, 5, 6, 7, 8)
+_MIN_PAGE = 32  # the producer's coordinates (pages of 16: 4 boxes per chunk) spill in its 24 registers
+_MAX_ROWS = 32  # query rows S x H (module docstring, "Registers")
+
+# prmt.b32 selectors turning a thread's ldmatrix.trans pair (tokens 2c, 2c+1 | 2c+8, 2c+9 of feature pair q) into
+# the words of feature 2q (bytes 0 and 2 of each) and feature 2q + 1 (bytes 1 and 3)
+VT_A_SELECTORS = (0x6420, 0x7531)
+
+
+def vt_a_row_offset(lane, warp, kb):
+    """Byte offset (swizzled, inside a 4 KB staging chunk) of the row lane ``lane`` of warp ``warp`` addresses in
+    the ``ldmatrix.x4.trans`` of k32 step ``kb``: token ``32 kb + lane`` (matrix ``lane // 8`` = tokens
+    ``32 kb + 8 m ..``), the warp's 16 features (bytes ``16 warp ..`` of the 64-byte row).  Python ints (tests)
+    and DSL Int32 alike."""
+    return sw64((32 * kb + lane) * _CHUNK + 16 * warp)
+
+
+def ot_feature(wg, mb, warp, row):
+    """Output feature of accumulator row ``row`` (0..15) of warp ``warp`` in m-block ``mb`` of warpgroup ``wg``:
+    the A fragment's row ``q`` holds feature ``2q``, row ``q + 8`` feature ``2q + 1`` of the warp's 16."""
+    return 256 * wg + 64 * mb + 16 * warp + 2 * (row % 8) + row // 8
+
+
+class MlaDecodeOtSm90(MlaDecodeSeesawSm90):
+    """FP8 MLA decode with ``O^T = V^T P^T`` (module docstring).  Same arguments as the seesaw class; FP8 only."""
+
+    def __init__(self, **kw):
+        for k in ("qk_fp8", "pv_fp8", "early_refill", "vt_packed", "tma_producer", "kv_load"):
+            kw.pop(k, None)
+        super().__init__(qk_fp8=True, pv_fp8=True, early_refill=True, vt_packed=True, tma_producer=True,
+                         kv_load="tma", **kw)
+        if not self.fp8:
+            raise ValueError(f"the O^T schedule (FP8 P V mode 5) needs float8_e4m3fn inputs, got {self.dtype}")
+        if self.page_size < _MIN_PAGE:
+            raise ValueError(f"the O^T schedule (FP8 P V mode 5) needs page_size >= {_MIN_PAGE}, got {self.page_size}")
+        if self.trace:
+            raise ValueError("the O^T schedule has no debug trace build")
+        self.schedule = "seesaw-ot"
+        # query rows the PVs compute (the O^T accumulators' N): a request's rows S x H fill one 64-row block or less;
+        # with R <= 32 the padded rows need no P V (tensor work and O^T registers halve, or quarter with R <= 16)
+        self.pv_n = 16 if self.R <= 16 else 32
+        if self.R > _MAX_ROWS:
+            raise ValueError(f"the O^T schedule (FP8 P V mode 5) needs S x H <= {_MAX_ROWS}, got {self.R}: with 64 query "
+                             "rows its warpgroup 0 needs more than its 240 registers (ptxas spilled about 130 values a "
+                             "loop iteration on 2026-12-01)")
+
+    # ------------------------------------------------------------------------------------------ host
+    @cute.jit
+    def __call__(self, stream, q: cute.Tensor, kv: cute.Tensor, block_table: cute.Tensor, seq_lens: cute.Tensor,
+                 softmax_scale: cute.Tensor, output_scale: cute.Tensor, out: cute.Tensor, lse: cute.Tensor,
+                 o_accum: cute.Tensor = None, lse_accum: cute.Tensor = None):
+        K = warpgroup.OperandMajorMode.K
+        q_layout = sm90_utils.make_smem_layout_a(LayoutEnum.ROW_MAJOR, (self.block_m, self.block_n, self.D), _F8, 1)
+        qk_mma = sm90_utils.make_trivial_tiled_mma(_F8, _F8, K, K, Float32, (1, 1, 1), (self.block_m, self.block_n))
+        # O^T (features x rows) += V^T (registers) P^T (smem, K-major): one m64n64k32 per 64 features and 32 tokens
+        pv_mma = sm90_utils.make_trivial_tiled_mma(_F8, _F8, K, K, Float32, (1, 1, 1), (_CHUNK, self.pv_n),
+                                                   a_source=warpgroup.OperandSource.RMEM)
+        self.pv_mma_repr = str(pv_mma)  # (its TV layouts, which load_vt / scale_ot / epilogue_ot assume: the CPU test)
+        kv_t = cute.make_tensor(kv.iterator, cute.select(kv.layout, mode=[1, 2, 0]))  # (page_size, 576, pages)
+        box = cute.select(sm90_utils.make_smem_layout_b(LayoutEnum.ROW_MAJOR, (self.block_m, self.box_rows, _CHUNK),
+                                                        _F8, 1), mode=[0, 1])
+        tma_atom, tma_kv = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), kv_t, box,
+                                                       (self.box_rows, _CHUNK))
+
+        @cute.struct
+        class Storage:
+            mbar: cute.struct.MemRange[Int64, _NBUF]  # one per buffer
+            row_max: cute.struct.MemRange[Float32, 64]
+            scale0: cute.struct.MemRange[Float32, 64]
+            scale1: cute.struct.MemRange[Float32, 64]
+            row_sum: cute.struct.MemRange[Float32, 2 * 64]
+            sQ: cute.struct.Align[cute.struct.MemRange[_F8, cute.cosize(q_layout)], 1024]
+            bufs: cute.struct.Align[cute.struct.MemRange[_F8, _NBUF * _BUF_BYTES], 1024]
+            zero_row: cute.struct.Align[cute.struct.MemRange[Int32, 4], 16]  # V rows past the split
+
+        self.ot_kernel(qk_mma, pv_mma, q, kv, block_table, seq_lens, softmax_scale, output_scale, out, lse, o_accum,
+                       lse_accum, q_layout, tma_atom, tma_kv, Storage).launch(
+            grid=(self.num_m_blocks, self.num_splits, q.shape[0]), block=(self.cta_threads, 1, 1),
+            smem=Storage.size_in_bytes(), stream=stream, min_blocks_per_mp=1)
+        if cutlass.const_expr(self.num_splits > 1):
+            self.launch_combine(stream, o_accum, lse_accum, output_scale, out, lse, q.shape[0])
+
+    # ---------------------------------------------------------------------------------------- device
+    def _swz(self):
+        return sm90_utils.make_smem_layout_b(LayoutEnum.ROW_MAJOR, (self.block_m, self.block_n, _CHUNK), _F8, 1).inner
+
+    def stg_view(self, bufs_ptr, k):
+        """e4m3 staging ``(64 tokens, (64, 9 chunks))`` of buffer ``k`` (static or dynamic): the QGMMA B layout
+        the TMA boxes land in (64-byte rows, 64-byte swizzle), chunks 4 KB apart."""
+        layout = cute.make_layout((self.block_n, (_CHUNK, self.D // _CHUNK)), stride=(_CHUNK, (1, _CHUNK_BYTES)))
+        return cute.make_tensor(cute.recast_ptr(bufs_ptr + (k * _BUF_BYTES + _P_BYTES), self._swz()), layout)
+
+    def p_views(self, bufs_ptr, k):
+        """The e4m3 P tile of buffer ``k``: ``(store view, operand view)``.  The QK accumulator is stored through
+        the first (tokens in P8_TOKEN_ORDER inside each 16-token group), the PV reads the second as its K-major
+        B operand ``(pv_n rows, 64 token positions)``."""
+        ptr = cute.recast_ptr(bufs_ptr + k * _BUF_BYTES, self._swz())
+        store = cute.make_layout((self.block_m, (2, 4, 2, self.block_n // 16)), stride=(self.block_n, (1, 4, 2, 16)))
+        return (cute.make_tensor(ptr, store),
+                cute.make_tensor(ptr, cute.make_layout((self.pv_n, self.block_n), stride=(self.block_n, 1))))
+
+    def p_store(self, qk_thr, bufs, k):
+        """The QK accumulator's partition of buffer ``k``'s P tile (store view)."""
+        return qk_thr.partition_C(self.p_views(bufs, k)[0])
+
+    def p_operand(self, pv_thr, bufs, k):
+        """The PV's B operand (``P^T``, K-major) of buffer ``k``'s P tile.  (Built where it is used: made at the top
+        of the iteration, the descriptors stayed live through the softmax and pushed it into spills.)"""
+        return pv_thr.make_fragment_B(pv_thr.partition_B(self.p_views(bufs, k)[1]))
+
+    @cute.jit
+    def load_vt(self, a: cute.Tensor, stg: Int32, zero: Int32, tile_start: Int32, split_end: Int32, wg: Int32,
+                wtid: Int32):
+        """The warpgroup's ``V^T`` A fragments of one tile (``a``: 32 words, word ``4 mb + 16 kb + r`` = register
+        ``a_r`` of m-block ``mb`` (64 features) and k32 step ``kb``) from the e4m3 staging at shared address
+        ``stg``: per (mb, kb) one ``ldmatrix.x4.trans`` (:func:`vt_a_row_offset`) and 4 ``prmt``.  A lane whose
+        token is at or past ``split_end`` reads the 16-byte zero row at ``zero`` instead: those V rows may hold
+        anything (page tails, unowned NaN pages) and P is 0 there."""
+        lane = wtid % 32
+        warp = wtid // 32
+        s0, s1 = Int32(VT_A_SELECTORS[0]), Int32(VT_A_SELECTORS[1])
+        for kb in cutlass.range_constexpr(2):
+            addr = stg + vt_a_row_offset(lane, warp, kb) + 4 * wg * _CHUNK_BYTES
+            step = Int32(_CHUNK_BYTES)
+            if 32 * kb + lane >= split_end - tile_start:
+                addr, step = zero, Int32(0)
+            for mb in cutlass.range_constexpr(4):
+                r = _ldsm4t(addr + mb * step)
+                w = 4 * mb + 16 * kb
+                a[w + 0] = _prmt(r[0], r[1], s0)
+                a[w + 1] = _prmt(r[0], r[1], s1)
+                a[w + 2] = _prmt(r[2], r[3], s0)
+                a[w + 3] = _prmt(r[2], r[3], s1)
+
+    @cute.jit
+    def pv_ot(self, mma: cute.TiledMma, acc: cute.Tensor, tA: cute.Tensor, tB: cute.Tensor):
+        """Issue ``O^T += V^T P^T`` for one tile (no commit): 2 k32 steps x 4 m-blocks."""
+        warpgroup.fence()
+        for kb in cutlass.range_constexpr(self.block_n // 32):
+            cute.gemm(mma, acc, tA[None, None, kb], tB[None, None, kb], acc)
+
+    @cute.jit
+    def scale_ot(self, acc: cute.Tensor, sa: cute.Tensor, sb: cute.Tensor, wtid: Int32):
+        """``O^T[:, n] *= sa[n] (* sb[n])`` for this thread's ``pv_n / 4`` columns ``n = 8 v2 + 2 (wtid % 4) + v0``
+        (the accumulator layout ``((2, 2, pv_n / 8), 4 m-blocks)``: element ``e`` is ``v0 = e % 2``,
+        ``v2 = (e // 4) % (pv_n / 8)``); nothing when every scale of the warp is 1 (no row max of the warp grew)."""
+        c2 = 2 * (wtid % 4)
+        s = cute.make_rmem_tensor((self.pv_n // 4,), Float32)
+        for i in cutlass.range_constexpr(self.pv_n // 4):
+            n = 8 * (i // 2) + c2 + i % 2
+            if cutlass.const_expr(sb is None):
+                s[i] = sa[n]
+            else:
+                s[i] = sa[n] * sb[n]
+        one = s[0] == 1.0
+        for i in cutlass.range_constexpr(1, self.pv_n // 4):
+            one = one & (s[i] == 1.0)
+        if not cute.arch.vote_all_sync(one):
+            for e in cutlass.range_constexpr(cute.size(acc)):
+                acc[e] = acc[e] * s[e % 2 + 2 * ((e // 4) % (self.pv_n // 8))]
+
+    @cute.kernel
+    def ot_kernel(self, qk_mma: cute.TiledMma, pv_mma: cute.TiledMma, mQ: cute.Tensor, mKV: cute.Tensor,
+                  mBT: cute.Tensor, mSeq: cute.Tensor, mSS: cute.Tensor, mOS: cute.Tensor, mOut: cute.Tensor,
+                  mLse: cute.Tensor, mOacc: cute.Tensor, mLacc: cute.Tensor, q_layout: cute.ComposedLayout,
+                  tma_atom: cute.CopyAtom, tma_kv: cute.Tensor, Storage: cutlass.Constexpr):
+        tid, _, _ = cute.arch.thread_idx()
+        mblk, split, b = cute.arch.block_idx()
+        self.allow_combine_launch()
+        wg = cute.arch.make_warp_uniform(tid // 128)
+        wtid = tid % 128
+        bn = self.block_n
+        smem = cutlass.utils.SmemAllocator()
+        st = smem.allocate(Storage)
+        sQ = st.sQ.get_tensor(q_layout.outer, swizzle=q_layout.inner)
+        sM = st.row_max.get_tensor(cute.make_layout(64))
+        mbar = st.mbar.data_ptr()
+        bufs = st.bufs.data_ptr()
+
+        num_pages = mKV.shape[0]
+        seq, split_start, split_end = self.split_range(mBT, mSeq, b, split)
+        n_pairs = Int32(0)
+        if split_end > split_start:
+            n_pairs = (split_end - split_start + 2 * bn - 1) // (2 * bn)
+        if tid == 0:
+            for i in cutlass.range_constexpr(_NBUF):
+                cute.arch.mbarrier_init(mbar + i, 1)
+            cpasync.prefetch_descriptor(tma_atom)
+        if tid < 64:
+            sM[tid] = -Float32.inf
+        if tid < 4:
+            st.zero_row.get_tensor(cute.make_layout(4))[tid] = Int32(0)
+        cute.arch.mbarrier_init_fence()
+        if wg < 2:  # the e4m3 q tile, by the computing warpgroups
+            self.load_q_tile(sQ[None, None, 0], mQ, mblk, b, tid)
+        cute.arch.barrier()  # mbarriers initialised before any arrive
+
+        gKV = cute.group_modes(cute.local_tile(tma_kv, (self.box_rows, _CHUNK), (None, None, None)), 0, 2)
+        tAs = []
+        for k in cutlass.range_constexpr(_NBUF):
+            t, tAg = cpasync.tma_partition(tma_atom, 0, cute.make_layout(1), cute.group_modes(
+                cute.local_tile(self.stg_view(bufs, k), (self.box_rows, _CHUNK), (None, None)), 0, 2), gKV)
+            tAs.append(t)
+        if n_pairs > 0:
+            if wg == 2:  # the producer loads pairs 0 and 1 into buffers 0..3
+                for k in cutlass.range_constexpr(_NBUF):
+                    t0 = split_start + k * bn
+                    if k < 2 or n_pairs > 1:
+                        crd = self.coords(mBT, b, t0, split_end, num_pages, wtid)
+                        self.refill(None, tAs[k], tAg, tma_atom, mbar + k, mKV, crd, t0, split_end, num_pages, wg,
+                                    wtid, _ALL_CHUNKS, None)
+            if cutlass.const_expr(self.l2_prefetch != "off"):  # the first pair not loaded here into L2
+                pf = split_start + 2 * (self.pf_ahead - 1) * bn
+                if pf < split_end:
+                    crd0 = self.tma_coords(mBT, b, pf, split_end, num_pages)
+                    crd1 = self.tma_coords(mBT, b, pf + bn, split_end, num_pages)
+                    if tid + mblk == 0:
+                        self.l2_prefetch_pair(mKV, crd0, crd1, pf, split_end)
+        cute.arch.fence_view_async_shared()  # q (generic stores) before the QGMMAs read it
+        cute.arch.barrier()
+
+        if wg == 2:
+            cute.arch.setmaxregister_decrease(self.producer_regs)
+            if wtid < 32:
+                # pair j's buffers 2 (j % 2) + g, once both PVs of pair j retired (SLOT*_FREE), with pair j + 2 (the
+                # TMA destination of buffers 2 + g: buffer g's, 2 buffers further; unrolled by pairs instead, the
+                # loop spilled a register of the 24)
+                for j in cutlass.range(n_pairs - 2, unroll=1):
+                    u = j % 2
+                    for g in cutlass.range_constexpr(2):
+                        t0 = split_start + (2 * j + 4 + g) * bn
+                        crd = self.coords(mBT, b, t0, split_end, num_pages, wtid)
+                        dst = cute.make_tensor(tAs[g].iterator + u * (2 * _BUF_BYTES), tAs[g].layout)
+                        cute.arch.barrier(barrier_id=int(Barrier.SLOT0_FREE) + g, number_of_threads=160)
+                        self.refill(None, dst, tAg, tma_atom, mbar + 2 * u + g, mKV, crd, t0, split_end, num_pages, wg,
+                                    wtid, _ALL_CHUNKS, None)
+            cute.arch.barrier()  # the consumers' barrier before their epilogue
+        else:
+            cute.arch.setmaxregister_increase(self.consumer_regs)
+            self.consume_ot(qk_mma, pv_mma, sQ, st, bufs, wg, wtid, mblk, split, b, seq, split_start, split_end,
+                            n_pairs, mbar, mSS[0] * LOG2_E, mOS[0], mBT, mKV, num_pages, mOut, mLse, mOacc, mLacc)
+
+    @cute.jit
+    def consume_ot(self, qk_mma, pv_mma, sQ, st, bufs, wg, wtid, mblk, split, b, seq, split_start, split_end, n_pairs,
+                   mbar, scale_log2, out_scale, mBT, mKV, num_pages, mOut, mLse, mOacc, mLacc):
+        """The two computing warpgroups: first QK, the seesaw loop (module docstring), epilogue."""
+        bn = self.block_n
+        sM = st.row_max.get_tensor(cute.make_layout(64))
+        sSc0 = st.scale0.get_tensor(cute.make_layout(64))
+        sSc1 = st.scale1.get_tensor(cute.make_layout(64))
+        sSum = st.row_sum.get_tensor(cute.make_layout(128))
+        zero = st.zero_row.data_ptr().toint()
+        stg0 = bufs.toint() + _P_BYTES  # shared address of buffer 0's staging
+        qk_thr = qk_mma.get_slice(wtid)
+        pv_thr = pv_mma.get_slice(wtid)
+        tSrQ = qk_thr.make_fragment_A(qk_thr.partition_A(sQ[None, None, 0]))
+        acc_s = qk_thr.make_fragment_C(qk_thr.partition_shape_C((self.block_m, bn)))
+        tScS = qk_thr.partition_C(cute.make_identity_tensor((self.block_m, bn)))
+        acc = pv_thr.make_fragment_C(pv_thr.partition_shape_C((self.DV // 2, self.pv_n)))  # O^T, 256 features
+        acc.fill(0.0)
+        a_layout = pv_thr.make_fragment_A(pv_thr.partition_shape_A((self.DV // 2, bn))).layout
+        # the V^T fragments of the own tile and of the other one (32 registers each: both PVs may be in flight)
+        a_own = cute.make_rmem_tensor((32,), Int32)
+        a_x = cute.make_rmem_tensor((32,), Int32)
+        tA_own = cute.make_tensor(cute.recast_ptr(a_own.iterator, dtype=_F8), a_layout)
+        tA_x = cute.make_tensor(cute.recast_ptr(a_x.iterator, dtype=_F8), a_layout)
+        qk_mma.set(warpgroup.Field.ACCUMULATE, True)
+        pv_mma.set(warpgroup.Field.ACCUMULATE, True)
+
+        row_in, lim = self.row_limits(tScS, mblk, seq, split_end)
+        row_l = cute.make_rmem_tensor((2,), Float32)
+        row_l[0] = 0.0
+        row_l[1] = 0.0
+        ref = cute.make_rmem_tensor((2,), Float32)
+        sc = cute.make_rmem_tensor((2,), Float32)
+
+        if n_pairs > 0:  # first QK: pair 0, buffer wg
+            self.landed(mbar + wg, 0)
+            tSrK = qk_thr.make_fragment_B(qk_thr.partition_B(self.stg_view(bufs, wg)))
+            self.qk_chunks(qk_mma, acc_s, tSrQ, tSrK, _ALL_CHUNKS, True)
+            warpgroup.commit_group()
+            warpgroup.wait_group(0)
+
+        if wg == 0:
+            for j in cutlass.range(n_pairs, unroll=1):
+                u = j % 2
+                more = j + 1 < n_pairs
+                refill = j + 2 < n_pairs  # the producer refills this pair's buffers with pair j + 2
+                t0 = split_start + 2 * j * bn
+                # 1. fold tile 2j into the shared max; P0; publish
+                mx = self.scaled_tile_max(acc_s, tScS, lim, t0, scale_log2)
+                for h in cutlass.range_constexpr(2):
+                    m_new, ref[h], sc[h] = self.fold_max(sM[row_in[h]], mx[h])
+                    row_l[h] = row_l[h] * sc[h]
+                    if wtid % 4 == 0:
+                        sM[row_in[h]] = m_new
+                        sSc0[row_in[h]] = sc[h]
+                self.exp_rows(acc_s, ref, row_l)
+                cute.arch.barrier_arrive(barrier_id=int(Barrier.SCALE0), number_of_threads=self.num_threads)
+                # 2. P0 -> smem; O^T *= scale0 (all rows' scales: after the warpgroup's barrier); O^T += V0^T P0^T
+                self.store_p8(acc_s, self.p_store(qk_thr, bufs, 2 * u))
+                cute.arch.barrier(barrier_id=int(Barrier.TAIL), number_of_threads=128)
+                self.scale_ot(acc, sSc0, None, wtid)
+                self.load_vt(a_own, stg0 + 2 * u * _BUF_BYTES, zero, t0, split_end, 0, wtid)
+                self.pv_ot(pv_mma, acc, tA_own, self.p_operand(pv_thr, bufs, 2 * u))
+                warpgroup.commit_group()
+                warpgroup.wait_group(0)
+                # (the L2 prefetch's coordinates, for the end of the iteration)
+                pf = split_start + 2 * (j + self.pf_ahead) * bn
+                crdP0, crdP1 = None, None
+                if cutlass.const_expr(self.l2_prefetch != "off"):
+                    crdP0 = self.tma_coords(mBT, b, cutlass.min(pf, split_end - 1), split_end, num_pages)
+                    crdP1 = self.tma_coords(mBT, b, cutlass.min(pf + bn, split_end - 1), split_end, num_pages)
+                # 3. WG1 folded tile 2j+1: rescale P0 (-> smem for WG1), l and O^T by scale1
+                cute.arch.barrier(barrier_id=int(Barrier.SCALE1), number_of_threads=self.num_threads)
+                for h in cutlass.range_constexpr(2):
+                    sc[h] = sSc1[row_in[h]]
+                    row_l[h] = row_l[h] * sc[h]
+                for e in cutlass.range_constexpr(cute.size(acc_s)):
+                    acc_s[e] = acc_s[e] * sc[(e // 2) % 2]
+                self.store_p8(acc_s, self.p_store(qk_thr, bufs, 2 * u))  # (the own PV, which read it, retired)
+                cute.arch.barrier_arrive(barrier_id=int(Barrier.P0_READY), number_of_threads=self.num_threads)
+                self.scale_ot(acc, sSc1, None, wtid)
+                # 4. O^T += V1^T P1^T (P1 from WG1).  WG1 waited for that tile's landing; this warpgroup waits on the
+                #    same (completed) phase before it reads the TMA's bytes with ldmatrix
+                self.landed(mbar + 2 * u + 1, (j // 2) % 2)
+                self.load_vt(a_x, stg0 + (2 * u + 1) * _BUF_BYTES, zero, t0 + bn, split_end, 0, wtid)
+                cute.arch.barrier(barrier_id=int(Barrier.P1_READY), number_of_threads=self.num_threads)
+                self.pv_ot(pv_mma, acc, tA_x, self.p_operand(pv_thr, bufs, 2 * u + 1))
+                warpgroup.commit_group()
+                # 5. next QK (pair j + 1, buffer 2 (1 - u)) behind the cross PV; once that retired, WG1 may free slot 1
+                if more:
+                    self.landed(mbar + 2 * (1 - u), ((j + 1) // 2) % 2)
+                    tSrK = qk_thr.make_fragment_B(qk_thr.partition_B(self.stg_view(bufs, 2 * (1 - u))))
+                    self.qk_chunks(qk_mma, acc_s, tSrQ, tSrK, _ALL_CHUNKS, True)
+                    warpgroup.commit_group()
+                    warpgroup.wait_group(1)
+                    if refill:
+                        cute.arch.fence_view_async_shared()  # (the ldmatrix reads before the refill's TMA writes)
+                        cute.arch.barrier_arrive(barrier_id=int(Barrier.VT1_FREE), number_of_threads=self.num_threads)
+                if cutlass.const_expr(self.l2_prefetch != "off"):  # noqa: SIM102 (static + dynamic test)
+                    if wtid + mblk == 0:
+                        self.l2_prefetch_pair(mKV, crdP0, crdP1, pf, split_end)
+                warpgroup.wait_group(0)
+        else:
+            for j in cutlass.range(n_pairs, unroll=1):
+                u = j % 2
+                more = j + 1 < n_pairs
+                refill = j + 2 < n_pairs
+                t1 = split_start + (2 * j + 1) * bn
+                # 1. after WG0: fold tile 2j+1 into the shared max; P1; publish
+                cute.arch.barrier(barrier_id=int(Barrier.SCALE0), number_of_threads=self.num_threads)
+                mx = self.scaled_tile_max(acc_s, tScS, lim, t1, scale_log2)
+                for h in cutlass.range_constexpr(2):
+                    m_new, ref[h], s1 = self.fold_max(sM[row_in[h]], mx[h])
+                    sc[h] = sSc0[row_in[h]] * s1
+                    row_l[h] = row_l[h] * sc[h]
+                    if wtid % 4 == 0:
+                        sM[row_in[h]] = m_new
+                        sSc1[row_in[h]] = s1
+                cute.arch.barrier_arrive(barrier_id=int(Barrier.SCALE1), number_of_threads=self.num_threads)
+                self.exp_rows(acc_s, ref, row_l)
+                # 2. P1 -> smem (both PVs read it); O^T *= scale0 * scale1; O^T += V1^T P1^T
+                self.store_p8(acc_s, self.p_store(qk_thr, bufs, 2 * u + 1))
+                cute.arch.barrier(barrier_id=int(Barrier.TAIL) + 1, number_of_threads=128)
+                self.scale_ot(acc, sSc0, sSc1, wtid)
+                self.load_vt(a_own, stg0 + (2 * u + 1) * _BUF_BYTES, zero, t1, split_end, 1, wtid)
+                self.pv_ot(pv_mma, acc, tA_own, self.p_operand(pv_thr, bufs, 2 * u + 1))
+                warpgroup.commit_group()
+                # 3. O^T += V0^T P0^T (P0 from WG0; the tile's landing as in WG0), then release P1 to WG0
+                self.landed(mbar + 2 * u, (j // 2) % 2)
+                self.load_vt(a_x, stg0 + 2 * u * _BUF_BYTES, zero, t1 - bn, split_end, 1, wtid)
+                cute.arch.barrier(barrier_id=int(Barrier.P0_READY), number_of_threads=self.num_threads)
+                self.pv_ot(pv_mma, acc, tA_x, self.p_operand(pv_thr, bufs, 2 * u))
+                warpgroup.commit_group()
+                cute.arch.barrier_arrive(barrier_id=int(Barrier.P1_READY), number_of_threads=self.num_threads)
+                # 4. both PVs retired: slot 0's buffer is free (WG0's own PV retired before its P0_READY), announced
+                #    once the next pair landed (module docstring); then the next QK; slot 1's buffer once WG0's cross
+                #    PV retired too (VT1_FREE)
+                warpgroup.wait_group(0)
+                if more:
+                    self.landed(mbar + 2 * (1 - u) + 1, ((j + 1) // 2) % 2)
+                    if refill:
+                        cute.arch.fence_view_async_shared()
+                        cute.arch.barrier_arrive(barrier_id=int(Barrier.SLOT0_FREE), number_of_threads=160)
+                    tSrK = qk_thr.make_fragment_B(qk_thr.partition_B(self.stg_view(bufs, 2 * (1 - u) + 1)))
+                    self.qk_chunks(qk_mma, acc_s, tSrQ, tSrK, _ALL_CHUNKS, True)
+                    warpgroup.commit_group()
+                    warpgroup.wait_group(0)
+                    if refill:
+                        cute.arch.barrier(barrier_id=int(Barrier.VT1_FREE), number_of_threads=self.num_threads)
+                        cute.arch.barrier_arrive(barrier_id=int(Barrier.SLOT1_FREE), number_of_threads=160)
+
+        # ---- epilogue: both warpgroups' O^T and l are relative to the final shared max (its 2^8 P bias taken out
+        #      of the max for the LSE)
+        cute.arch.barrier()
+        self.epilogue_ot(acc, sM, row_l, row_in, sSum, mOut, mLse, mOacc, mLacc, out_scale, mblk, split, b, wg, wtid)
+
+    @cute.jit
+    def epilogue_ot(self, acc, sM, row_l, row_in, sSum, mOut, mLse, mOacc, mLacc, out_scale, mblk, split, b, wg,
+                    wtid):
+        """Row sums across both warpgroups, the LSE (by the threads that own a row's sum, as the seesaw epilogue),
+        and ``O = O^T^T / l`` straight from the accumulators: thread ``(warp w, lane 4q + c)`` holds features
+        ``f, f + 1`` (:func:`ot_feature`) of rows ``n = 8 v2 + 2c + v0`` (``n < pv_n``), one 2-element store each."""
+        for h in cutlass.range_constexpr(2):
+            row_l[h] = quad_sum(row_l[h])
+            if wtid % 4 == 0:
+                sSum[wg * 64 + row_in[h]] = row_l[h]
+        cute.arch.barrier(barrier_id=int(Barrier.ROW_SUM), number_of_threads=self.num_threads)
+        direct = cutlass.const_expr(self.num_splits == 1)
+        if wg == 0 and wtid % 4 == 0:
+            for h in cutlass.range_constexpr(2):
+                r = mblk * self.block_m + row_in[h]
+                l_tot = sSum[row_in[h]] + sSum[64 + row_in[h]]
+                lse = -Float32.inf
+                if l_tot > 0.0:
+                    lse = (sM[row_in[h]] - self.p8_bias + cute.math.log2(l_tot, fastmath=False)) * LN_2
+                if r < self.R:
+                    idx = Int64(b) * self.R + r
+                    dst = mLse
+                    if cutlass.const_expr(not direct):
+                        idx = (Int64(b) * self.num_splits + split) * self.R + r
+                        dst = mLacc
+                    cute.make_tensor(dst.iterator + idx, cute.make_layout(1))[0] = lse
+        lane = wtid % 32
+        c2 = 2 * (lane % 4)
+        for i in cutlass.range_constexpr(self.pv_n // 4):
+            n = 8 * (i // 2) + c2 + i % 2
+            r = mblk * self.block_m + n
+            l_tot = sSum[n] + sSum[64 + n]
+            inv = Float32(0.0)
+            if l_tot > 0.0:
+                inv = 1.0 / l_tot
+            if r < self.R:
+                for mb in cutlass.range_constexpr(4):
+                    f = ot_feature(wg, mb, wtid // 32, lane // 4)  # and f + 1 (accumulator row q + 8)
+                    e = i % 2 + 4 * (i // 2) + (self.pv_n // 2) * mb
+                    if cutlass.const_expr(direct):
+                        o = cute.make_rmem_tensor((2,), self.out_dtype)
+                        o[0] = (acc[e] * (inv * out_scale)).to(self.out_dtype)
+                        o[1] = (acc[e + 2] * (inv * out_scale)).to(self.out_dtype)
+                        dst = cute.make_tensor(row_ptr(mOut, Int64(b) * self.R + r, f, self.DV, 4),
+                                               cute.make_layout(2))
+                        cute.autovec_copy(o, dst)
+                    else:
+                        o = cute.make_rmem_tensor((2,), Float32)
+                        o[0] = acc[e] * inv
+                        o[1] = acc[e + 2] * inv
+                        dst = cute.make_tensor(
+                            row_ptr(mOacc, (Int64(b) * self.num_splits + split) * self.R + r, f, self.DV, 8),
+                            cute.make_layout(2))
+                        cute.autovec_copy(o, dst)
+
+
+
+@cute.jit
+def launch_mla_decode_ot(stream, q: cute.Tensor, kv: cute.Tensor, block_table: cute.Tensor, seq_lens: cute.Tensor,
+                         softmax_scale: cute.Tensor, output_scale: cute.Tensor, out: cute.Tensor, lse: cute.Tensor,
+                         o_accum: cute.Tensor = None, lse_accum: cute.Tensor = None, *, dtype: cutlass.Constexpr,
+                         num_heads: cutlass.Constexpr, q_len: cutlass.Constexpr, page_size: cutlass.Constexpr,
+                         causal: cutlass.Constexpr, num_splits: cutlass.Constexpr,
+                         tokens_per_split: cutlass.Constexpr, block_n: cutlass.Constexpr = 64,
+                         schedule: cutlass.Constexpr = "seesaw", pdl: cutlass.Constexpr = True,
+                         l2_prefetch: cutlass.Constexpr = "late"):
+    """FFI launch function of the O^T schedule (FP8 P V mode "5"; same ABI as ``launch_mla_decode_seesaw``;
+    ``schedule`` is the backend's, always "seesaw" here)."""
+    MlaDecodeOtSm90(dtype=dtype, num_heads=num_heads, q_len=q_len, page_size=page_size, causal=causal,
+                    num_splits=num_splits, tokens_per_split=tokens_per_split, block_n=block_n, pdl=pdl,
+                    l2_prefetch=l2_prefetch)(
+        stream, q, kv, block_table, seq_lens, softmax_scale, output_scale, out, lse, o_accum, lse_accum)
+
+
+__all__ = ["VT_A_SELECTORS", "MlaDecodeOtSm90", "launch_mla_decode_ot", "ot_feature", "vt_a_row_offset"]
