@@ -250,9 +250,7 @@ class MlaDecodeOtSm90(MlaDecodeSeesawSm90):
 
         num_pages = mKV.shape[0]
         seq, split_start, split_end = self.split_range(mBT, mSeq, b, split)
-        n_pairs = Int32(0)
-        if split_end > split_start:
-            n_pairs = (split_end - split_start + 2 * bn - 1) // (2 * bn)
+        n_pairs = self.num_pairs(split_start, split_end)
         if tid == 0:
             for i in cutlass.range_constexpr(_NBUF):
                 cute.arch.mbarrier_init(mbar + i, 1)
@@ -359,14 +357,7 @@ class MlaDecodeOtSm90(MlaDecodeSeesawSm90):
                 refill = j + 2 < n_pairs  # the producer refills this pair's buffers with pair j + 2
                 t0 = split_start + 2 * j * bn
                 # 1. fold tile 2j into the shared max; P0; publish
-                mx = self.scaled_tile_max(acc_s, tScS, lim, t0, scale_log2)
-                for h in cutlass.range_constexpr(2):
-                    m_new, ref[h], sc[h] = self.fold_max(sM[row_in[h]], mx[h])
-                    row_l[h] = row_l[h] * sc[h]
-                    if wtid % 4 == 0:
-                        sM[row_in[h]] = m_new
-                        sSc0[row_in[h]] = sc[h]
-                self.exp_rows(acc_s, ref, row_l)
+                self.fold_first(acc_s, tScS, lim, t0, scale_log2, sM, sSc0, row_in, row_l, ref, sc, wtid)
                 cute.arch.barrier_arrive(barrier_id=int(Barrier.SCALE0), number_of_threads=self.num_threads)
                 # 2. P0 -> smem; O^T *= scale0 (all rows' scales: after the warpgroup's barrier); O^T += V0^T P0^T
                 self.store_p8(acc_s, self.p_store(qk_thr, bufs, 2 * u))
@@ -421,16 +412,7 @@ class MlaDecodeOtSm90(MlaDecodeSeesawSm90):
                 t1 = split_start + (2 * j + 1) * bn
                 # 1. after WG0: fold tile 2j+1 into the shared max; P1; publish
                 cute.arch.barrier(barrier_id=int(Barrier.SCALE0), number_of_threads=self.num_threads)
-                mx = self.scaled_tile_max(acc_s, tScS, lim, t1, scale_log2)
-                for h in cutlass.range_constexpr(2):
-                    m_new, ref[h], s1 = self.fold_max(sM[row_in[h]], mx[h])
-                    sc[h] = sSc0[row_in[h]] * s1
-                    row_l[h] = row_l[h] * sc[h]
-                    if wtid % 4 == 0:
-                        sM[row_in[h]] = m_new
-                        sSc1[row_in[h]] = s1
-                cute.arch.barrier_arrive(barrier_id=int(Barrier.SCALE1), number_of_threads=self.num_threads)
-                self.exp_rows(acc_s, ref, row_l)
+                self.fold_second(acc_s, tScS, lim, t1, scale_log2, sM, sSc0, sSc1, row_in, row_l, ref, sc, wtid)
                 # 2. P1 -> smem (both PVs read it); O^T *= scale0 * scale1; O^T += V1^T P1^T
                 self.store_p8(acc_s, self.p_store(qk_thr, bufs, 2 * u + 1))
                 cute.arch.barrier(barrier_id=int(Barrier.TAIL) + 1, number_of_threads=128)

@@ -282,6 +282,14 @@ class MlaDecodeSeesawSm90(Fp8OperandsMixin, MlaDecodeSm90):
 
     # ---------------------------------------------------------------------------------------- device
     @cute.jit
+    def num_pairs(self, split_start: Int32, split_end: Int32):
+        """Tile pairs (2 x 64 tokens) of the split ``[split_start, split_end)``, 0 if it is empty."""
+        n = Int32(0)
+        if split_end > split_start:
+            n = (split_end - split_start + 2 * self.block_n - 1) // (2 * self.block_n)
+        return n
+
+    @cute.jit
     def page_ids(self, mBT: cute.Tensor, b: Int32, tile_start: Int32, split_end: Int32, wtid: Int32):
         """Raw block-table entries of the rows this thread copies in :meth:`load_cols` (tokens
         ``tile_start + wtid//8 + 16m``, m < 4, clamped into the split), loaded ahead of the refill so the
@@ -601,6 +609,36 @@ class MlaDecodeSeesawSm90(Fp8OperandsMixin, MlaDecodeSm90):
             row_l[h] = row_l[h] + p
 
     @cute.jit
+    def fold_first(self, acc_s, tScS, lim, tile_start, scale_log2, sM, sSc0, row_in, row_l, ref, sc, wtid):
+        """Warpgroup 0, first thing of an iteration: fold its tile (keys from ``tile_start``) into the shared row max
+        ``sM``; ``sc`` = its scale (also published in ``sSc0``), the row sums rescaled by it; then ``P`` (in place
+        of ``acc_s``) against ``ref`` and the row sums."""
+        mx = self.scaled_tile_max(acc_s, tScS, lim, tile_start, scale_log2)
+        for h in cutlass.range_constexpr(2):
+            m_new, ref[h], sc[h] = self.fold_max(sM[row_in[h]], mx[h])
+            row_l[h] = row_l[h] * sc[h]
+            if wtid % 4 == 0:
+                sM[row_in[h]] = m_new
+                sSc0[row_in[h]] = sc[h]
+        self.exp_rows(acc_s, ref, row_l)
+
+    @cute.jit
+    def fold_second(self, acc_s, tScS, lim, tile_start, scale_log2, sM, sSc0, sSc1, row_in, row_l, ref, sc, wtid):
+        """Warpgroup 1, after SCALE0: fold its tile into the shared row max; ``sc`` = scale0 x its own scale (which
+        it publishes in ``sSc1`` before arriving on SCALE1), the row sums rescaled by it; then ``P`` as
+        :meth:`fold_first`."""
+        mx = self.scaled_tile_max(acc_s, tScS, lim, tile_start, scale_log2)
+        for h in cutlass.range_constexpr(2):
+            m_new, ref[h], s1 = self.fold_max(sM[row_in[h]], mx[h])
+            sc[h] = sSc0[row_in[h]] * s1
+            row_l[h] = row_l[h] * sc[h]
+            if wtid % 4 == 0:
+                sM[row_in[h]] = m_new
+                sSc1[row_in[h]] = s1
+        cute.arch.barrier_arrive(barrier_id=int(Barrier.SCALE1), number_of_threads=self.num_threads)
+        self.exp_rows(acc_s, ref, row_l)
+
+    @cute.jit
     def scale_o(self, acc_o: cute.Tensor, s: cute.Tensor):
         for e in cutlass.range_constexpr(cute.size(acc_o)):
             acc_o[e] = acc_o[e] * s[(e // 2) % 2]
@@ -633,9 +671,7 @@ class MlaDecodeSeesawSm90(Fp8OperandsMixin, MlaDecodeSm90):
         out_scale = mOS[0]
         num_pages = mKV.shape[0]
         seq, split_start, split_end = self.split_range(mBT, mSeq, b, split)
-        n_pairs = Int32(0)
-        if split_end > split_start:
-            n_pairs = (split_end - split_start + 2 * bn - 1) // (2 * bn)
+        n_pairs = self.num_pairs(split_start, split_end)
 
         if tid == 0:
             for i in cutlass.range_constexpr(4):
@@ -852,14 +888,7 @@ class MlaDecodeSeesawSm90(Fp8OperandsMixin, MlaDecodeSm90):
                 if cutlass.const_expr(self.use_tma and not self.pv8):  # (transpose_v zeroes them with FP8 P V)
                     self.zero_tail(sK0, t0, split_end, wg, wtid)
                 # 1. fold tile 2j into the shared max; P0; O_L *= scale0; publish
-                mx = self.scaled_tile_max(acc_s, tScS, lim, t0, scale_log2)
-                for h in cutlass.range_constexpr(2):
-                    m_new, ref[h], sc[h] = self.fold_max(sM[row_in[h]], mx[h])
-                    row_l[h] = row_l[h] * sc[h]
-                    if wtid % 4 == 0:
-                        sM[row_in[h]] = m_new
-                        sSc0[row_in[h]] = sc[h]
-                self.exp_rows(acc_s, ref, row_l)
+                self.fold_first(acc_s, tScS, lim, t0, scale_log2, sM, sSc0, row_in, row_l, ref, sc, wtid)
                 self.scale_o(acc_o, sc)
                 cute.arch.barrier_arrive(barrier_id=int(Barrier.SCALE0), number_of_threads=self.num_threads)
                 self.mark(mTrace, cta, wg, wtid, j, 1)
@@ -957,16 +986,7 @@ class MlaDecodeSeesawSm90(Fp8OperandsMixin, MlaDecodeSm90):
                 # 1. after WG0: fold tile 2j+1 into the shared max; P1; O_R *= scale0*scale1; publish
                 cute.arch.barrier(barrier_id=int(Barrier.SCALE0), number_of_threads=self.num_threads)
                 self.mark(mTrace, cta, wg, wtid, j, 1)
-                mx = self.scaled_tile_max(acc_s, tScS, lim, t1, scale_log2)
-                for h in cutlass.range_constexpr(2):
-                    m_new, ref[h], s1 = self.fold_max(sM[row_in[h]], mx[h])
-                    sc[h] = sSc0[row_in[h]] * s1
-                    row_l[h] = row_l[h] * sc[h]
-                    if wtid % 4 == 0:
-                        sM[row_in[h]] = m_new
-                        sSc1[row_in[h]] = s1
-                cute.arch.barrier_arrive(barrier_id=int(Barrier.SCALE1), number_of_threads=self.num_threads)
-                self.exp_rows(acc_s, ref, row_l)
+                self.fold_second(acc_s, tScS, lim, t1, scale_log2, sM, sSc0, sSc1, row_in, row_l, ref, sc, wtid)
                 self.scale_o(acc_o, sc)
                 self.mark(mTrace, cta, wg, wtid, j, 2)
                 # 2. P1 -> smem (for WG0), O_R += P1 V1_R (RS)
