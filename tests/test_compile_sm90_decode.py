@@ -773,9 +773,11 @@ def test_fp8_ot_switch(monkeypatch):
     import jax.numpy as jnp
 
     from tokenspeed_jax.backends import sm90_decode as m
+    from tokenspeed_jax.kernels.sm90 import mla_decode_ot
     from tokenspeed_jax.kernels.sm90.mla_decode_ot import launch_mla_decode_ot
     from tokenspeed_jax.kernels.sm90.mla_decode_seesaw import launch_mla_decode_seesaw
 
+    assert m._MAX_OT_ROWS == mla_decode_ot._MAX_ROWS  # (the backend's copy: it imports no cutlass at module level)
     seen = {}
 
     def fake_call(target, launch, *, outputs, compile_key, **kw):
