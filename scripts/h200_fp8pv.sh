@@ -2,12 +2,14 @@
 # The H200 runs behind the FP8 P V on FP8 tensor cores (TOKENSPEED_SM90_DECODE_FP8_PV), one device call each
 # (carry [".device"]; 2026-12-01 wall times, warm machine):
 #   source .device/bootstrap.sh && M=4 AB="3 4" NCU= bash scripts/h200_fp8pv.sh check   # ~3 min (ncu off)
+#   source .device/bootstrap.sh && M=5 EXTRA=6 AB="4 5 6" NCU= bash scripts/h200_fp8pv.sh check   # modes 5 and 6
 #   source .device/bootstrap.sh && M=4 bash scripts/h200_fp8pv.sh profile               # ~5 min
 #   source .device/bootstrap.sh && M=4 bash scripts/h200_fp8pv.sh bench                 # ~1.5-6 min
 #   source .device/bootstrap.sh && M=4 AB="0 1" W=<switch> DT=float8_e4m3fn bash scripts/h200_fp8pv.sh ab   # ~1 min
 # check: the configurations compile on the CPU; then in the background the compute-sanitizer memcheck test with
 #   FP8_PV=$M; the FP8 cases of the check matrix (and two BF16 ones) with FP8_PV=$M against the fp32 reference
-#   (benchmarks.decode.check, the FP8_P_ROUND tolerance); the interleaved A/B of FP8_PV over the values $AB on the
+#   (benchmarks.decode.check, the FP8_P_ROUND tolerance), and the FP8 cases with each mode of $EXTRA (check_<mode>.json);
+#   the interleaved A/B of FP8_PV over the values $AB on the
 #   13 shapes of the issue matrix in FP8.  Files: memcheck.log, check.log, check.json, ab.log, ab_fp8pv.json
 # profile: the memcheck test alone with FP8_PV=$M; ncu (raw metrics of 4 sections: stall reasons, pipes, issue) of
 #   our kernel at B64/K16384 H32/S4 and H16/S1, FP8 with FP8_PV 0 and $M, and BF16 next to FlashMLA BF16
@@ -37,8 +39,9 @@ import dataclasses
 from benchmarks.decode import BENCH, CHECK, bench_case, prewarm
 from benchmarks.harness import scoped_env
 cases = [dataclasses.replace(bench_case(*s), dtype='float8_e4m3fn') for s in BENCH]
-with scoped_env('$V', '$M'):
-    prewarm([c for c in CHECK if c.dtype == 'float8_e4m3fn'], 14)
+for m in '$M ${EXTRA:-}'.split():
+    with scoped_env('$V', m):
+        prewarm([c for c in CHECK if c.dtype == 'float8_e4m3fn'], 14)
 for v in '$AB'.split():
     with scoped_env('$V', v):
         prewarm(cases, 14)
@@ -46,6 +49,10 @@ for v in '$AB'.split():
   memcheck_start 170 $V=$M
   stamp "check FP8_PV=$M"
   check_cases 150 $V $M "c.dtype == 'float8_e4m3fn' or c.name in ('s2h32p64_garbage', 'b1s1h16p64_short')" check
+  for m in ${EXTRA:-}; do  # more modes, on the FP8 cases (e.g. EXTRA=6 with M=5: the O^T loop's two variants)
+    stamp "check FP8_PV=$m"
+    check_cases 120 $V $m "c.dtype == 'float8_e4m3fn'" "check_$m"
+  done
   memcheck_wait
   stamp "A/B $V $AB (FP8)"
   timeout 200 python scripts/decode_ab.py $V $AB --dtype float8_e4m3fn --cases matrix --out "$OUT/ab_fp8pv.json" \

@@ -121,6 +121,24 @@ _SCRIPT = textwrap.dedent(
     except ValueError as e:
         res["ot_r64"] = str(e)
     optx, osass = own(before, ".ptx"), own(before, ".sass")
+    res["ot_pre"] = (optx, osass)  # (this compile's dump, counted below)
+    # ... mode 6, the QK transposed too (16 rows over S = 2, page 64, one split: the direct epilogue)
+    before = set(glob.glob(d + "/*"))
+    kt = MlaDecodeOtSm90(dtype="float8_e4m3fn", num_heads=8, q_len=2, page_size=64, causal=True, num_splits=1,
+                         tokens_per_split=4096, block_n=64, l2_prefetch="late", qk_t=True)
+    cute.compile(kt, rt.make_fake_stream(), f(f8, (2, 2, 8, 576), assumed_align=16),
+                 f(f8, (50, 64, 576), assumed_align=16), f(cutlass.Int32, (2, 24)), f(cutlass.Int32, (2,)),
+                 f(cutlass.Float32, (1,)), f(cutlass.Float32, (1,)), f(cutlass.BFloat16, (2, 2, 8, 512), assumed_align=16),
+                 f(cutlass.Float32, (2, 2, 8)))
+    tptx, tsass = own(before, ".ptx"), own(before, ".sass")
+    res["ot_t"] = dict(n16=len(re.findall(r"wgmma.mma_async.sync.aligned.m64n16k32.f32.e4m3.e4m3", tptx)),
+                       n64=len(re.findall(r"wgmma.mma_async.sync.aligned.m64n64k32", tptx)),
+                       qgmma_r=len(re.findall(r"QGMMA\\.64x16x32\\.F32\\.E4M3\\.E4M3 R\\d+, R\\d+", tsass)),
+                       qgmma=len(re.findall(r"QGMMA\\.64x16x32\\.F32\\.E4M3\\.E4M3", tsass)),
+                       ldsm=len(re.findall(r"ldmatrix\\.sync\\.aligned\\.m8n8\\.x4\\.trans", tptx)),
+                       spill=len(re.findall(r"\\b(STL|LDL)\\b", tsass)),
+                       depbar=len(re.findall(r"WARPGROUP\\.DEPBAR", tsass)), sass=bool(tsass))
+    optx, osass = res.pop("ot_pre")
     ot = {n: len(re.findall(pat, optx if src == "ptx" else osass)) for n, (pat, src) in dict(
         qk8=(r"wgmma.mma_async.sync.aligned.m64n64k32.f32.e4m3.e4m3", "ptx"),
         pv8=(r"wgmma.mma_async.sync.aligned.m64n32k32.f32.e4m3.e4m3", "ptx"),
@@ -321,6 +339,12 @@ def test_sm90_decode_compiles_for_sm90a(tmp_path):
     assert f"TV Layout A:     {OT_TV_A}" in r["ot_tv"] and f"TV Layout C:     {OT_TV_C}" in r["ot_tv"], r["ot_tv"]
     assert "S x H <= 32" in r["ot_r64"], r["ot_r64"]
     assert r["ot_lower"] == {"targets": ["tokenspeed_mla_decode_sm90"], "entry": True}, r["ot_lower"]
+    # mode 6 (the QK transposed too; 16 rows): all 54 + 32 QGMMAs m64n16k32 (S^T = K Q^T with the rows as N, and the
+    # PVs), the PVs' with V^T from registers; no spill
+    x = r["ot_t"]
+    assert x["n16"] == 18 * 3 + 32 and x["n64"] == 0 and x["ldsm"] == 32, x
+    if x["sass"]:
+        assert x["qgmma"] == 18 * 3 + 32 and x["qgmma_r"] == 32 and x["depbar"] <= 12 and x["spill"] == 0, x
     if x["sass"]:
         assert x["qgmma"] == 18 * 3 and x["qgmma_r"] == 32 and x["depbar"] <= 12 and x["spill"] == 0, x
     # ptxas must not serialize the wgmmas (C7520 "wgmma.mma_async instructions are serialized": a
@@ -387,7 +411,7 @@ def test_fp8_pv_switch(monkeypatch):
     for v in m.FP8_PV_MODES:
         monkeypatch.setenv(m.FP8_PV_ENV, v)
         assert m.resolve_fp8_pv() == v
-    for bad in ("on", "true", "6"):
+    for bad in ("on", "true", "7"):
         monkeypatch.setenv(m.FP8_PV_ENV, bad)
         with pytest.raises(ValueError, match=m.FP8_PV_ENV):
             m.resolve_fp8_pv()
@@ -395,7 +419,8 @@ def test_fp8_pv_switch(monkeypatch):
     k = ("k", "float8_e4m3fn", 16, 1, 64, True, 1, 64, 64, "seesaw", True, True, "late")
     assert len({m.DecodeKernelKey(*k), m.DecodeKernelKey(*k, True), m.DecodeKernelKey(*k, True, True),
                 m.DecodeKernelKey(*k, True, True, True), m.DecodeKernelKey(*k, True, True, True, True),
-                m.DecodeKernelKey(*k, True, True, True, True, True)}) == 6
+                m.DecodeKernelKey(*k, True, True, True, True, True),
+                m.DecodeKernelKey(*k, True, True, True, True, True, True)}) == 7
 
 
 def test_producer16_switch(monkeypatch):
@@ -767,8 +792,9 @@ def test_fp8_ot_vt_fragment_mapping():
 
 
 def test_fp8_ot_switch(monkeypatch):
-    """FP8 P V mode 5 runs the O^T schedule's launch function (keyed ``pv_ot``) for S x H <= 32 with pages >= 32,
-    and otherwise what mode 4 runs (its loop; with 16-token pages its fallback)."""
+    """FP8 P V modes 5 and 6 run the O^T schedule's launch function (keyed ``pv_ot``; 6 with the transposed QK,
+    ``qk_t``) for S x H <= 32 with pages >= 32, and otherwise what mode 4 runs (its loop; with 16-token pages its
+    fallback)."""
     pytest.importorskip("cutlass")
     import jax.numpy as jnp
 
@@ -788,7 +814,8 @@ def test_fp8_ot_switch(monkeypatch):
     f8 = jnp.float8_e4m3fn
     q = jnp.zeros((2, 1, 16, 576), f8)
     bt, sl = jnp.zeros((2, 8), jnp.int32), jnp.full((2,), 100, jnp.int32)
-    for mode, page, ot in (("5", 64, True), ("5", 32, True), ("5", 16, False), ("4", 64, False)):
+    for mode, page, ot in (("5", 64, True), ("5", 32, True), ("5", 16, False), ("4", 64, False), ("6", 64, True),
+                           ("6", 16, False)):
         monkeypatch.setenv(m.FP8_PV_ENV, mode)
         kv = jnp.zeros((16, page, 576), f8)
         m.decode(_problem(batch=2, q_len=1, page_size=page, num_pages=16, max_pages=8, dtype="float8_e4m3fn"),
@@ -796,6 +823,7 @@ def test_fp8_ot_switch(monkeypatch):
         assert seen["key"].pv_ot is ot and (seen["launch"] is launch_mla_decode_ot) is ot, (mode, page)
         if ot:
             assert "pv_fp8" not in seen["kw"] and seen["kw"]["l2_prefetch"] == m.L2_PREFETCH_DEFAULT, seen["kw"]
+            assert seen["kw"]["qk_t"] is (mode == "6") and seen["key"].qk_t is (mode == "6"), seen["kw"]
         else:
             assert seen["launch"] is launch_mla_decode_seesaw and seen["kw"]["vt_packed"] is True, (mode, page)
     # more than 32 query rows (S x H = 64): mode 4's loop

@@ -56,13 +56,14 @@ def test_sm90_decode_matches_reference(case, rng):
 
 @pytest.mark.parametrize("case", [c for c in _cases() if c.dtype == "float8_e4m3fn" and c.S * c.H <= 32
                                   and c.page >= 32], ids=lambda c: c.name)
-def test_sm90_decode_fp8_ot_matches_reference(case, rng, monkeypatch):
-    """FP8 P V mode 5 (the O^T loop, opt-in: ``kernels/sm90/mla_decode_ot.py``) on the check cases it runs (S x H
-    <= 32, pages >= 32), against the fp32 reference with the FP8 P V tolerance."""
+@pytest.mark.parametrize("mode", ["5", "6"])
+def test_sm90_decode_fp8_ot_matches_reference(case, mode, rng, monkeypatch):
+    """FP8 P V modes 5 and 6 (the O^T loop, opt-in: ``kernels/sm90/mla_decode_ot.py``; 6 with the transposed QK) on
+    the check cases they run (S x H <= 32, pages >= 32), against the fp32 reference with the FP8 P V tolerance."""
     from benchmarks.decode import check
     from tokenspeed_jax.backends import sm90_decode
 
-    monkeypatch.setenv(sm90_decode.FP8_PV_ENV, "5")
+    monkeypatch.setenv(sm90_decode.FP8_PV_ENV, mode)
     (r,) = check([case], int(rng.integers(0, 2**31 - 1)))
     assert r["ok"] and r["fp8_pv"], r
 

@@ -69,9 +69,10 @@ FP8_QK_ENV = "TOKENSPEED_SM90_DECODE_FP8_QK"
 # warpgroup"; 16-token pages run "1" packed).  "5" (opt-in, not yet run on a GPU) is "4" except for S x H <= 32
 # query rows with pages >= 32: there the O^T = V^T P^T loop runs, V^T the register A operand loaded straight from the
 # e4m3 staging (no V^T copy in shared memory, 4 staging buffers; kernels/sm90/mla_decode_ot.py, docs/sm90_decode.md,
-# "O^T schedule").  Needs the QGMMA QK.  Read at trace time; part of the compile key.
+# "O^T schedule").  "6" (opt-in, not yet run on a GPU either) is "5" with the QK transposed there too, S^T = K Q^T
+# with the query rows as N.  Needs the QGMMA QK.  Read at trace time; part of the compile key.
 FP8_PV_ENV = "TOKENSPEED_SM90_DECODE_FP8_PV"
-FP8_PV_MODES = ("0", "1", "2", "3", "4", "5")
+FP8_PV_MODES = ("0", "1", "2", "3", "4", "5", "6")
 FP8_PV_DEFAULT = "4"
 # "1" (default since 2026-12-01 evening: 1.055x on 5 BF16 shapes of the issue matrix, bitwise equal) gives the 16-bit
 # seesaw loop (pages >= 32, TMA refills) a producer warpgroup that issues its four column-group refills
@@ -115,7 +116,8 @@ class DecodeKernelKey:
     early_refill: bool = False  # ... whole-slot refills after the V transpose ($TOKENSPEED_SM90_DECODE_FP8_PV 2, 3)
     vt_packed: bool = False  # ... with packed slots ($TOKENSPEED_SM90_DECODE_FP8_PV 3, 4)
     tma_producer: bool = False  # a producer warpgroup ($TOKENSPEED_SM90_DECODE_FP8_PV 4; 16-bit: ..._PRODUCER16)
-    pv_ot: bool = False  # FP8: the O^T = V^T P^T loop ($TOKENSPEED_SM90_DECODE_FP8_PV 5)
+    pv_ot: bool = False  # FP8: the O^T = V^T P^T loop ($TOKENSPEED_SM90_DECODE_FP8_PV 5, 6)
+    qk_t: bool = False  # ... with the transposed QK S^T = K Q^T ($TOKENSPEED_SM90_DECODE_FP8_PV 6)
 
 
 def supports(problem: DecodeProblem) -> str | None:
@@ -204,21 +206,23 @@ def decode(problem: DecodeProblem, q, kv_cache, block_table, seq_lens, softmax_s
     # mode 2 with 16-token pages (4 TMA boxes per chunk) spills about 200 bytes (CPU compile, 2026-12-01):
     # those run mode 1
     pv_fp8 = fp8_pv != "0"
-    early_refill = fp8_pv in ("2", "3", "4", "5") and problem.page_size >= _MIN_EARLY_REFILL_PAGE
-    vt_packed = fp8_pv in ("3", "4", "5")
-    # mode 5 (the O^T loop) for S x H <= 32 rows with pages >= 32; otherwise mode 4 (with 64 rows the O^T loop spilled)
-    pv_ot = fp8_pv == "5" and early_refill and S * H <= _MAX_OT_ROWS
+    early_refill = fp8_pv in ("2", "3", "4", "5", "6") and problem.page_size >= _MIN_EARLY_REFILL_PAGE
+    vt_packed = fp8_pv in ("3", "4", "5", "6")
+    # modes 5 and 6 (the O^T loop) for S x H <= 32 rows with pages >= 32; otherwise mode 4 (with 64 rows the O^T loop
+    # spilled)
+    pv_ot = fp8_pv in ("5", "6") and early_refill and S * H <= _MAX_OT_ROWS
+    qk_t = pv_ot and fp8_pv == "6"
     if pv_ot:
         launch = launch_mla_decode_ot
     if fp8_seesaw:
-        tma_producer = fp8_pv in ("4", "5") and early_refill
+        tma_producer = fp8_pv in ("4", "5", "6") and early_refill
     else:  # (with 16-token pages the producer's coordinates, 4 boxes per chunk, spill in its 24 registers)
         tma_producer = (seesaw and not no_tma and problem.page_size >= _MIN_EARLY_REFILL_PAGE
                         and resolve_producer16() == "1")
     l2_prefetch = resolve_l2_prefetch() if seesaw else "off"
     key = DecodeKernelKey("mla_decode_sm90.v10", problem.dtype, H, S, problem.page_size, problem.causal,
                           plan.num_splits, plan.tokens_per_split, block_n, schedule, pdl, qk_fp8, l2_prefetch, pv_fp8,
-                          early_refill, vt_packed, tma_producer, pv_ot)
+                          early_refill, vt_packed, tma_producer, pv_ot, qk_t)
     outputs = [jax.ShapeDtypeStruct((B, S, H, problem.kv_lora_rank), jnp.dtype(problem.out_dtype)),
                jax.ShapeDtypeStruct((B, S, H), jnp.float32)]
     outputs += [jax.ShapeDtypeStruct(w.shape, jnp.dtype(w.dtype)) for w in plan.workspace]
@@ -230,6 +234,7 @@ def decode(problem: DecodeProblem, q, kv_cache, block_table, seq_lens, softmax_s
                     if fp8_seesaw and not pv_ot else {}),
         **({"tma_producer": tma_producer} if seesaw and not pv_ot else {}),
         **({"l2_prefetch": l2_prefetch} if seesaw else {}),
+        **({"qk_t": qk_t} if pv_ot else {}),
     )
     res = call(q, kv_cache, block_table.astype(jnp.int32), seq_lens.astype(jnp.int32),
                ffi.scalar_operand(softmax_scale), ffi.scalar_operand(output_scale))

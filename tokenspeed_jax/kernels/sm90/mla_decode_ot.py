@@ -95,7 +95,7 @@ def ot_feature(wg, mb, warp, row):
 class MlaDecodeOtSm90(MlaDecodeSeesawSm90):
     """FP8 MLA decode with ``O^T = V^T P^T`` (module docstring).  Same arguments as the seesaw class; FP8 only."""
 
-    def __init__(self, **kw):
+    def __init__(self, *, qk_t: bool = False, **kw):
         for k in ("qk_fp8", "pv_fp8", "early_refill", "vt_packed", "tma_producer", "kv_load"):
             kw.pop(k, None)
         super().__init__(qk_fp8=True, pv_fp8=True, early_refill=True, vt_packed=True, tma_producer=True,
@@ -110,6 +110,8 @@ class MlaDecodeOtSm90(MlaDecodeSeesawSm90):
         # query rows the PVs compute (the O^T accumulators' N): a request's rows S x H fill one 64-row block or less;
         # with R <= 32 the padded rows need no P V (tensor work and O^T registers halve, or quarter with R <= 16)
         self.pv_n = 16 if self.R <= 16 else 32
+        # FP8 P V mode 6: the QK transposed too, S^T = K Q^T with the pv_n rows as N (qk_t; module docstring)
+        self.qk_t = bool(qk_t)
         if self.R > _MAX_ROWS:
             raise ValueError(f"the O^T schedule (FP8 P V mode 5) needs S x H <= {_MAX_ROWS}, got {self.R}: with 64 query "
                              "rows its warpgroup 0 needs more than its 240 registers (ptxas spilled about 130 values a "
@@ -123,6 +125,8 @@ class MlaDecodeOtSm90(MlaDecodeSeesawSm90):
         K = warpgroup.OperandMajorMode.K
         q_layout = sm90_utils.make_smem_layout_a(LayoutEnum.ROW_MAJOR, (self.block_m, self.block_n, self.D), _F8, 1)
         qk_mma = sm90_utils.make_trivial_tiled_mma(_F8, _F8, K, K, Float32, (1, 1, 1), (self.block_m, self.block_n))
+        if cutlass.const_expr(self.qk_t):  # S^T (tokens x rows) = K (staging, A) Q^T (the first pv_n q rows, B)
+            qk_mma = sm90_utils.make_trivial_tiled_mma(_F8, _F8, K, K, Float32, (1, 1, 1), (self.block_n, self.pv_n))
         # O^T (features x rows) += V^T (registers) P^T (smem, K-major): one m64n64k32 per 64 features and 32 tokens
         pv_mma = sm90_utils.make_trivial_tiled_mma(_F8, _F8, K, K, Float32, (1, 1, 1), (_CHUNK, self.pv_n),
                                                    a_source=warpgroup.OperandSource.RMEM)
@@ -143,6 +147,7 @@ class MlaDecodeOtSm90(MlaDecodeSeesawSm90):
             sQ: cute.struct.Align[cute.struct.MemRange[_F8, cute.cosize(q_layout)], 1024]
             bufs: cute.struct.Align[cute.struct.MemRange[_F8, _NBUF * _BUF_BYTES], 1024]
             zero_row: cute.struct.Align[cute.struct.MemRange[Int32, 4], 16]  # V rows past the split
+            red: cute.struct.MemRange[Float32, 2 * 4 * 32]  # S^T (qk_t): per warpgroup and warp, column maxima / sums
 
         self.ot_kernel(qk_mma, pv_mma, q, kv, block_table, seq_lens, softmax_scale, output_scale, out, lse, o_accum,
                        lse_accum, q_layout, tma_atom, tma_kv, Storage).launch(
@@ -171,8 +176,91 @@ class MlaDecodeOtSm90(MlaDecodeSeesawSm90):
                 cute.make_tensor(ptr, cute.make_layout((self.pv_n, self.block_n), stride=(self.block_n, 1))))
 
     def p_store(self, qk_thr, bufs, k):
-        """The QK accumulator's partition of buffer ``k``'s P tile (store view)."""
-        return qk_thr.partition_C(self.p_views(bufs, k)[0])
+        """The QK accumulator's partition of buffer ``k``'s P tile (store view; with ``qk_t`` the accumulator is
+        ``S^T``, (tokens, rows), and so is the view)."""
+        view = self.p_views(bufs, k)[0]
+        if cutlass.const_expr(self.qk_t):
+            ptr = cute.recast_ptr(bufs + k * _BUF_BYTES, self._swz())
+            view = cute.make_tensor(ptr, cute.make_layout(((2, 4, 2, self.block_n // 16), self.pv_n),
+                                                          stride=((1, 4, 2, 16), self.block_n)))
+        return qk_thr.partition_C(view)
+
+    def qk_tile(self, qk_mma, qk_thr, acc_s, tSrQ, bufs, k):
+        """Issue the QK of the tile in buffer ``k`` (no commit): ``S = Q K^T``, or with ``qk_t`` ``S^T = K Q^T``
+        (the staging as the A operand, q as B)."""
+        stg = self.stg_view(bufs, k)
+        if cutlass.const_expr(self.qk_t):
+            self.qk_chunks(qk_mma, acc_s, qk_thr.make_fragment_A(qk_thr.partition_A(stg)), tSrQ, _ALL_CHUNKS, True)
+        else:
+            self.qk_chunks(qk_mma, acc_s, tSrQ, qk_thr.make_fragment_B(qk_thr.partition_B(stg)), _ALL_CHUNKS, True)
+
+    def col_n(self, i, wtid):
+        """``qk_t``: the query row (column of ``S^T`` / ``O^T``) of this thread's column ``i`` (``pv_n / 4`` of them):
+        ``8 (i // 2) + 2 (lane % 4) + i % 2``; an accumulator element ``e`` belongs to column ``e % 2 + 2 (e // 4)``."""
+        return 8 * (i // 2) + 2 * (wtid % 4) + i % 2
+
+    @cute.jit
+    def col_limits(self, mblk: Int32, seq: Int32, split_end: Int32, wtid: Int32):
+        """``qk_t``: the first masked key of each of this thread's columns (as :meth:`row_limits` for rows)."""
+        lim = cute.make_rmem_tensor((self.pv_n // 4,), Int32)
+        for i in cutlass.range_constexpr(self.pv_n // 4):
+            s_tok = (mblk * self.block_m + self.col_n(i, wtid)) // self.H
+            li = seq
+            if cutlass.const_expr(self.causal):
+                li = seq - self.S + 1 + s_tok
+            lim[i] = cutlass.min(li, split_end)
+        return lim
+
+    @cute.jit
+    def fold_t(self, acc_s, tScS, lim, tile_start, scale_log2, sM, sSc_in, sSc_out, sRed, row_l, ref, sc, wg, wtid):
+        """``qk_t``: :meth:`fold_first` (``sSc_in`` None; warpgroup 0) or :meth:`fold_second` (``sSc_in``: scale0;
+        warpgroup 1, which arrives on SCALE1 after this) without the exp, for ``S^T``: a query row's keys are spread
+        over the 4 warps (tokens are M), so each warp's column maxima (over its 2 tokens, then its 8 lanes of a
+        column) go through ``sRed`` and the warpgroup's barrier (TAIL id).  The shared max is read before that
+        barrier and written after it, by warp 0's lanes 0..3 (one writer per row)."""
+        nc = self.pv_n // 4
+        lane = wtid % 32
+        warp = wtid // 32
+        mprev = cute.make_rmem_tensor((nc,), Float32)
+        mx = cute.make_rmem_tensor((nc,), Float32)
+        for i in cutlass.range_constexpr(nc):
+            mprev[i] = sM[self.col_n(i, wtid)]
+            mx[i] = -Float32.inf
+        for e in cutlass.range_constexpr(cute.size(acc_s)):
+            i = e % 2 + 2 * (e // 4)
+            v = acc_s[e] * scale_log2
+            if tile_start + tScS[e][0] >= lim[i]:
+                v = -Float32.inf
+            acc_s[e] = v
+            mx[i] = cute.arch.fmax(mx[i], v)
+        for i in cutlass.range_constexpr(nc):
+            for off in cutlass.range_constexpr(3):
+                mx[i] = cute.arch.fmax(mx[i], cute.arch.shuffle_sync_bfly(mx[i], offset=4 << off))
+            if lane < 4:
+                sRed[(4 * wg + warp) * 32 + self.col_n(i, wtid)] = mx[i]
+        cute.arch.barrier(barrier_id=int(Barrier.TAIL) + wg, number_of_threads=128)
+        for i in cutlass.range_constexpr(nc):
+            n = self.col_n(i, wtid)
+            t = sRed[4 * wg * 32 + n]
+            for w in cutlass.range_constexpr(1, 4):
+                t = cute.arch.fmax(t, sRed[(4 * wg + w) * 32 + n])
+            m_new, ref[i], s = self.fold_max(mprev[i], t)
+            sc[i] = s
+            if cutlass.const_expr(sSc_in is not None):
+                sc[i] = sSc_in[n] * s
+            row_l[i] = row_l[i] * sc[i]
+            if wtid < 4:
+                sM[n] = m_new
+                sSc_out[n] = s
+
+    @cute.jit
+    def exp_t(self, acc_s: cute.Tensor, ref: cute.Tensor, row_l: cute.Tensor):
+        """``qk_t``: :meth:`exp_rows` for ``S^T`` (per column; the 2^8 P bias)."""
+        for e in cutlass.range_constexpr(cute.size(acc_s)):
+            i = e % 2 + 2 * (e // 4)
+            p = cute.arch.exp2(acc_s[e] - (ref[i] - self.p8_bias))
+            acc_s[e] = p
+            row_l[i] = row_l[i] + p
 
     def p_operand(self, pv_thr, bufs, k):
         """The PV's B operand (``P^T``, K-major) of buffer ``k``'s P tile.  (Built where it is used: made at the top
@@ -322,9 +410,16 @@ class MlaDecodeOtSm90(MlaDecodeSeesawSm90):
         stg0 = bufs.toint() + _P_BYTES  # shared address of buffer 0's staging
         qk_thr = qk_mma.get_slice(wtid)
         pv_thr = pv_mma.get_slice(wtid)
-        tSrQ = qk_thr.make_fragment_A(qk_thr.partition_A(sQ[None, None, 0]))
-        acc_s = qk_thr.make_fragment_C(qk_thr.partition_shape_C((self.block_m, bn)))
-        tScS = qk_thr.partition_C(cute.make_identity_tensor((self.block_m, bn)))
+        sRed = st.red.get_tensor(cute.make_layout(2 * 4 * 32))
+        if cutlass.const_expr(self.qk_t):  # S^T: q (its first pv_n rows) is the B operand, (tokens, rows) accumulators
+            tSrQ = qk_thr.make_fragment_B(qk_thr.partition_B(
+                cute.local_tile(sQ[None, None, 0], (self.pv_n, self.D), (0, 0))))
+            acc_s = qk_thr.make_fragment_C(qk_thr.partition_shape_C((bn, self.pv_n)))
+            tScS = qk_thr.partition_C(cute.make_identity_tensor((bn, self.pv_n)))
+        else:
+            tSrQ = qk_thr.make_fragment_A(qk_thr.partition_A(sQ[None, None, 0]))
+            acc_s = qk_thr.make_fragment_C(qk_thr.partition_shape_C((self.block_m, bn)))
+            tScS = qk_thr.partition_C(cute.make_identity_tensor((self.block_m, bn)))
         acc = pv_thr.make_fragment_C(pv_thr.partition_shape_C((self.DV // 2, self.pv_n)))  # O^T, 256 features
         acc.fill(0.0)
         a_layout = pv_thr.make_fragment_A(pv_thr.partition_shape_A((self.DV // 2, bn))).layout
@@ -336,17 +431,22 @@ class MlaDecodeOtSm90(MlaDecodeSeesawSm90):
         qk_mma.set(warpgroup.Field.ACCUMULATE, True)
         pv_mma.set(warpgroup.Field.ACCUMULATE, True)
 
-        row_in, lim = self.row_limits(tScS, mblk, seq, split_end)
-        row_l = cute.make_rmem_tensor((2,), Float32)
-        row_l[0] = 0.0
-        row_l[1] = 0.0
-        ref = cute.make_rmem_tensor((2,), Float32)
-        sc = cute.make_rmem_tensor((2,), Float32)
+        nst = 2  # row statistics per thread: its 2 accumulator rows, or with qk_t its pv_n / 4 columns
+        row_in, lim = None, None
+        if cutlass.const_expr(self.qk_t):
+            nst = self.pv_n // 4
+            lim = self.col_limits(mblk, seq, split_end, wtid)
+        else:
+            row_in, lim = self.row_limits(tScS, mblk, seq, split_end)
+        row_l = cute.make_rmem_tensor((nst,), Float32)
+        for i in cutlass.range_constexpr(nst):
+            row_l[i] = 0.0
+        ref = cute.make_rmem_tensor((nst,), Float32)
+        sc = cute.make_rmem_tensor((nst,), Float32)
 
         if n_pairs > 0:  # first QK: pair 0, buffer wg
             self.landed(mbar + wg, 0)
-            tSrK = qk_thr.make_fragment_B(qk_thr.partition_B(self.stg_view(bufs, wg)))
-            self.qk_chunks(qk_mma, acc_s, tSrQ, tSrK, _ALL_CHUNKS, True)
+            self.qk_tile(qk_mma, qk_thr, acc_s, tSrQ, bufs, wg)
             warpgroup.commit_group()
             warpgroup.wait_group(0)
 
@@ -357,7 +457,11 @@ class MlaDecodeOtSm90(MlaDecodeSeesawSm90):
                 refill = j + 2 < n_pairs  # the producer refills this pair's buffers with pair j + 2
                 t0 = split_start + 2 * j * bn
                 # 1. fold tile 2j into the shared max; P0; publish
-                self.fold_first(acc_s, tScS, lim, t0, scale_log2, sM, sSc0, row_in, row_l, ref, sc, wtid)
+                if cutlass.const_expr(self.qk_t):
+                    self.fold_t(acc_s, tScS, lim, t0, scale_log2, sM, None, sSc0, sRed, row_l, ref, sc, 0, wtid)
+                    self.exp_t(acc_s, ref, row_l)
+                else:
+                    self.fold_first(acc_s, tScS, lim, t0, scale_log2, sM, sSc0, row_in, row_l, ref, sc, wtid)
                 cute.arch.barrier_arrive(barrier_id=int(Barrier.SCALE0), number_of_threads=self.num_threads)
                 # 2. P0 -> smem; O^T *= scale0 (all rows' scales: after the warpgroup's barrier); O^T += V0^T P0^T
                 self.store_p8(acc_s, self.p_store(qk_thr, bufs, 2 * u))
@@ -375,11 +479,18 @@ class MlaDecodeOtSm90(MlaDecodeSeesawSm90):
                     crdP1 = self.tma_coords(mBT, b, cutlass.min(pf + bn, split_end - 1), split_end, num_pages)
                 # 3. WG1 folded tile 2j+1: rescale P0 (-> smem for WG1), l and O^T by scale1
                 cute.arch.barrier(barrier_id=int(Barrier.SCALE1), number_of_threads=self.num_threads)
-                for h in cutlass.range_constexpr(2):
-                    sc[h] = sSc1[row_in[h]]
-                    row_l[h] = row_l[h] * sc[h]
-                for e in cutlass.range_constexpr(cute.size(acc_s)):
-                    acc_s[e] = acc_s[e] * sc[(e // 2) % 2]
+                if cutlass.const_expr(self.qk_t):
+                    for i in cutlass.range_constexpr(nst):
+                        sc[i] = sSc1[self.col_n(i, wtid)]
+                        row_l[i] = row_l[i] * sc[i]
+                    for e in cutlass.range_constexpr(cute.size(acc_s)):
+                        acc_s[e] = acc_s[e] * sc[e % 2 + 2 * (e // 4)]
+                else:
+                    for h in cutlass.range_constexpr(2):
+                        sc[h] = sSc1[row_in[h]]
+                        row_l[h] = row_l[h] * sc[h]
+                    for e in cutlass.range_constexpr(cute.size(acc_s)):
+                        acc_s[e] = acc_s[e] * sc[(e // 2) % 2]
                 self.store_p8(acc_s, self.p_store(qk_thr, bufs, 2 * u))  # (the own PV, which read it, retired)
                 cute.arch.barrier_arrive(barrier_id=int(Barrier.P0_READY), number_of_threads=self.num_threads)
                 self.scale_ot(acc, sSc1, None, wtid)
@@ -393,8 +504,7 @@ class MlaDecodeOtSm90(MlaDecodeSeesawSm90):
                 # 5. next QK (pair j + 1, buffer 2 (1 - u)) behind the cross PV; once that retired, WG1 may free slot 1
                 if more:
                     self.landed(mbar + 2 * (1 - u), ((j + 1) // 2) % 2)
-                    tSrK = qk_thr.make_fragment_B(qk_thr.partition_B(self.stg_view(bufs, 2 * (1 - u))))
-                    self.qk_chunks(qk_mma, acc_s, tSrQ, tSrK, _ALL_CHUNKS, True)
+                    self.qk_tile(qk_mma, qk_thr, acc_s, tSrQ, bufs, 2 * (1 - u))
                     warpgroup.commit_group()
                     warpgroup.wait_group(1)
                     if refill:
@@ -412,7 +522,12 @@ class MlaDecodeOtSm90(MlaDecodeSeesawSm90):
                 t1 = split_start + (2 * j + 1) * bn
                 # 1. after WG0: fold tile 2j+1 into the shared max; P1; publish
                 cute.arch.barrier(barrier_id=int(Barrier.SCALE0), number_of_threads=self.num_threads)
-                self.fold_second(acc_s, tScS, lim, t1, scale_log2, sM, sSc0, sSc1, row_in, row_l, ref, sc, wtid)
+                if cutlass.const_expr(self.qk_t):
+                    self.fold_t(acc_s, tScS, lim, t1, scale_log2, sM, sSc0, sSc1, sRed, row_l, ref, sc, 1, wtid)
+                    cute.arch.barrier_arrive(barrier_id=int(Barrier.SCALE1), number_of_threads=self.num_threads)
+                    self.exp_t(acc_s, ref, row_l)
+                else:
+                    self.fold_second(acc_s, tScS, lim, t1, scale_log2, sM, sSc0, sSc1, row_in, row_l, ref, sc, wtid)
                 # 2. P1 -> smem (both PVs read it); O^T *= scale0 * scale1; O^T += V1^T P1^T
                 self.store_p8(acc_s, self.p_store(qk_thr, bufs, 2 * u + 1))
                 cute.arch.barrier(barrier_id=int(Barrier.TAIL) + 1, number_of_threads=128)
@@ -436,8 +551,7 @@ class MlaDecodeOtSm90(MlaDecodeSeesawSm90):
                     if refill:
                         cute.arch.fence_view_async_shared()
                         cute.arch.barrier_arrive(barrier_id=int(Barrier.SLOT0_FREE), number_of_threads=160)
-                    tSrK = qk_thr.make_fragment_B(qk_thr.partition_B(self.stg_view(bufs, 2 * (1 - u) + 1)))
-                    self.qk_chunks(qk_mma, acc_s, tSrQ, tSrK, _ALL_CHUNKS, True)
+                    self.qk_tile(qk_mma, qk_thr, acc_s, tSrQ, bufs, 2 * (1 - u) + 1)
                     warpgroup.commit_group()
                     warpgroup.wait_group(0)
                     if refill:
@@ -447,34 +561,62 @@ class MlaDecodeOtSm90(MlaDecodeSeesawSm90):
         # ---- epilogue: both warpgroups' O^T and l are relative to the final shared max (its 2^8 P bias taken out
         #      of the max for the LSE)
         cute.arch.barrier()
-        self.epilogue_ot(acc, sM, row_l, row_in, sSum, mOut, mLse, mOacc, mLacc, out_scale, mblk, split, b, wg, wtid)
+        self.epilogue_ot(acc, sM, row_l, row_in, sSum, sRed, mOut, mLse, mOacc, mLacc, out_scale, mblk, split, b, wg,
+                         wtid)
 
     @cute.jit
-    def epilogue_ot(self, acc, sM, row_l, row_in, sSum, mOut, mLse, mOacc, mLacc, out_scale, mblk, split, b, wg,
+    def store_lse(self, mLse: cute.Tensor, mLacc: cute.Tensor, m: Float32, l_tot: Float32, r: Int32, split: Int32,
+                  b: Int32):
+        """The LSE of query row ``r`` (``m``: its final max in the exp2 domain, P's 2^8 bias in it; ``l_tot``: its
+        row sum; -inf for a row without keys) into ``lse``, or with split partials ``lse_accum``; nothing for a
+        padding row (``r >= R``)."""
+        lse = -Float32.inf
+        if l_tot > 0.0:
+            lse = (m - self.p8_bias + cute.math.log2(l_tot, fastmath=False)) * LN_2
+        if r < self.R:
+            idx = Int64(b) * self.R + r
+            dst = mLse
+            if cutlass.const_expr(self.num_splits > 1):
+                idx = (Int64(b) * self.num_splits + split) * self.R + r
+                dst = mLacc
+            cute.make_tensor(dst.iterator + idx, cute.make_layout(1))[0] = lse
+
+    @cute.jit
+    def epilogue_ot(self, acc, sM, row_l, row_in, sSum, sRed, mOut, mLse, mOacc, mLacc, out_scale, mblk, split, b, wg,
                     wtid):
-        """Row sums across both warpgroups, the LSE (by the threads that own a row's sum, as the seesaw epilogue),
-        and ``O = O^T^T / l`` straight from the accumulators: thread ``(warp w, lane 4q + c)`` holds features
+        """Row sums across both warpgroups (with ``qk_t`` across the lanes and warps of a column too), the LSE (by
+        one thread per row, :meth:`store_lse`), and ``O = O^T^T / l`` straight from the accumulators: thread ``(warp w, lane 4q + c)`` holds features
         ``f, f + 1`` (:func:`ot_feature`) of rows ``n = 8 v2 + 2c + v0`` (``n < pv_n``), one 2-element store each."""
-        for h in cutlass.range_constexpr(2):
-            row_l[h] = quad_sum(row_l[h])
-            if wtid % 4 == 0:
-                sSum[wg * 64 + row_in[h]] = row_l[h]
-        cute.arch.barrier(barrier_id=int(Barrier.ROW_SUM), number_of_threads=self.num_threads)
         direct = cutlass.const_expr(self.num_splits == 1)
-        if wg == 0 and wtid % 4 == 0:
+        if cutlass.const_expr(self.qk_t):  # column sums over the thread's tokens, its column's 8 lanes, 4 warps, 2 WGs
+            lane = wtid % 32
+            for i in cutlass.range_constexpr(self.pv_n // 4):
+                t = row_l[i]
+                for off in cutlass.range_constexpr(3):
+                    t = t + cute.arch.shuffle_sync_bfly(t, offset=4 << off)
+                if lane < 4:
+                    sRed[(4 * wg + wtid // 32) * 32 + self.col_n(i, wtid)] = t
+            cute.arch.barrier(barrier_id=int(Barrier.ROW_SUM), number_of_threads=self.num_threads)
+            if wg == 0 and wtid < 4:  # one thread a row: its total into sSum (the output loop's), and the LSE
+                for i in cutlass.range_constexpr(self.pv_n // 4):
+                    n = self.col_n(i, wtid)
+                    l_tot = sRed[n]
+                    for w in cutlass.range_constexpr(1, 8):
+                        l_tot = l_tot + sRed[w * 32 + n]
+                    sSum[n] = l_tot
+                    sSum[64 + n] = Float32(0.0)
+                    self.store_lse(mLse, mLacc, sM[n], l_tot, mblk * self.block_m + n, split, b)
+            cute.arch.barrier(barrier_id=int(Barrier.ROW_SUM), number_of_threads=self.num_threads)
+        else:
             for h in cutlass.range_constexpr(2):
-                r = mblk * self.block_m + row_in[h]
-                l_tot = sSum[row_in[h]] + sSum[64 + row_in[h]]
-                lse = -Float32.inf
-                if l_tot > 0.0:
-                    lse = (sM[row_in[h]] - self.p8_bias + cute.math.log2(l_tot, fastmath=False)) * LN_2
-                if r < self.R:
-                    idx = Int64(b) * self.R + r
-                    dst = mLse
-                    if cutlass.const_expr(not direct):
-                        idx = (Int64(b) * self.num_splits + split) * self.R + r
-                        dst = mLacc
-                    cute.make_tensor(dst.iterator + idx, cute.make_layout(1))[0] = lse
+                row_l[h] = quad_sum(row_l[h])
+                if wtid % 4 == 0:
+                    sSum[wg * 64 + row_in[h]] = row_l[h]
+            cute.arch.barrier(barrier_id=int(Barrier.ROW_SUM), number_of_threads=self.num_threads)
+            if wg == 0 and wtid % 4 == 0:
+                for h in cutlass.range_constexpr(2):
+                    self.store_lse(mLse, mLacc, sM[row_in[h]], sSum[row_in[h]] + sSum[64 + row_in[h]],
+                                   mblk * self.block_m + row_in[h], split, b)
         lane = wtid % 32
         c2 = 2 * (lane % 4)
         for i in cutlass.range_constexpr(self.pv_n // 4):
@@ -514,12 +656,12 @@ def launch_mla_decode_ot(stream, q: cute.Tensor, kv: cute.Tensor, block_table: c
                          causal: cutlass.Constexpr, num_splits: cutlass.Constexpr,
                          tokens_per_split: cutlass.Constexpr, block_n: cutlass.Constexpr = 64,
                          schedule: cutlass.Constexpr = "seesaw", pdl: cutlass.Constexpr = True,
-                         l2_prefetch: cutlass.Constexpr = "late"):
-    """FFI launch function of the O^T schedule (FP8 P V mode "5"; same ABI as ``launch_mla_decode_seesaw``;
-    ``schedule`` is the backend's, always "seesaw" here)."""
+                         l2_prefetch: cutlass.Constexpr = "late", qk_t: cutlass.Constexpr = False):
+    """FFI launch function of the O^T schedule (FP8 P V mode "5", with ``qk_t`` mode "6"; same ABI as
+    ``launch_mla_decode_seesaw``; ``schedule`` is the backend's, always "seesaw" here)."""
     MlaDecodeOtSm90(dtype=dtype, num_heads=num_heads, q_len=q_len, page_size=page_size, causal=causal,
                     num_splits=num_splits, tokens_per_split=tokens_per_split, block_n=block_n, pdl=pdl,
-                    l2_prefetch=l2_prefetch)(
+                    l2_prefetch=l2_prefetch, qk_t=qk_t)(
         stream, q, kv, block_table, seq_lens, softmax_scale, output_scale, out, lse, o_accum, lse_accum)
 
 
