@@ -122,19 +122,20 @@ _SCRIPT = textwrap.dedent(
         res["ot_r64"] = str(e)
     optx, osass = own(before, ".ptx"), own(before, ".sass")
     res["ot_pre"] = (optx, osass)  # (this compile's dump, counted below)
-    # ... mode 6, the QK transposed too (16 rows over S = 2, page 64, one split: the direct epilogue)
+    # ... mode 6, the QK transposed too (64 rows, S = 2: two 32-row tiles; page 64, one split: the direct epilogue)
     before = set(glob.glob(d + "/*"))
-    kt = MlaDecodeOtSm90(dtype="float8_e4m3fn", num_heads=8, q_len=2, page_size=64, causal=True, num_splits=1,
+    kt = MlaDecodeOtSm90(dtype="float8_e4m3fn", num_heads=32, q_len=2, page_size=64, causal=True, num_splits=1,
                          tokens_per_split=4096, block_n=64, l2_prefetch="late", qk_t=True)
-    cute.compile(kt, rt.make_fake_stream(), f(f8, (2, 2, 8, 576), assumed_align=16),
+    cute.compile(kt, rt.make_fake_stream(), f(f8, (2, 2, 32, 576), assumed_align=16),
                  f(f8, (50, 64, 576), assumed_align=16), f(cutlass.Int32, (2, 24)), f(cutlass.Int32, (2,)),
-                 f(cutlass.Float32, (1,)), f(cutlass.Float32, (1,)), f(cutlass.BFloat16, (2, 2, 8, 512), assumed_align=16),
-                 f(cutlass.Float32, (2, 2, 8)))
+                 f(cutlass.Float32, (1,)), f(cutlass.Float32, (1,)),
+                 f(cutlass.BFloat16, (2, 2, 32, 512), assumed_align=16), f(cutlass.Float32, (2, 2, 32)))
     tptx, tsass = own(before, ".ptx"), own(before, ".sass")
-    res["ot_t"] = dict(n16=len(re.findall(r"wgmma.mma_async.sync.aligned.m64n16k32.f32.e4m3.e4m3", tptx)),
+    res["ot_t"] = dict(n32=len(re.findall(r"wgmma.mma_async.sync.aligned.m64n32k32.f32.e4m3.e4m3", tptx)),
                        n64=len(re.findall(r"wgmma.mma_async.sync.aligned.m64n64k32", tptx)),
-                       qgmma_r=len(re.findall(r"QGMMA\\.64x16x32\\.F32\\.E4M3\\.E4M3 R\\d+, R\\d+", tsass)),
-                       qgmma=len(re.findall(r"QGMMA\\.64x16x32\\.F32\\.E4M3\\.E4M3", tsass)),
+                       qgmma_r=len(re.findall(r"QGMMA\\.64x32x32\\.F32\\.E4M3\\.E4M3 R\\d+, R\\d+", tsass)),
+                       qgmma=len(re.findall(r"QGMMA\\.64x32x32\\.F32\\.E4M3\\.E4M3", tsass)),
+                       tiles=[kt.block_m, kt.num_m_blocks, kt.pv_n],
                        ldsm=len(re.findall(r"ldmatrix\\.sync\\.aligned\\.m8n8\\.x4\\.trans", tptx)),
                        spill=len(re.findall(r"\\b(STL|LDL)\\b", tsass)),
                        depbar=len(re.findall(r"WARPGROUP\\.DEPBAR", tsass)), sass=bool(tsass))
@@ -339,10 +340,10 @@ def test_sm90_decode_compiles_for_sm90a(tmp_path):
     assert f"TV Layout A:     {OT_TV_A}" in r["ot_tv"] and f"TV Layout C:     {OT_TV_C}" in r["ot_tv"], r["ot_tv"]
     assert "S x H <= 32" in r["ot_r64"], r["ot_r64"]
     assert r["ot_lower"] == {"targets": ["tokenspeed_mla_decode_sm90"], "entry": True}, r["ot_lower"]
-    # mode 6 (the QK transposed too; 16 rows): all 54 + 32 QGMMAs m64n16k32 (S^T = K Q^T with the rows as N, and the
-    # PVs), the PVs' with V^T from registers; no spill
+    # mode 6 (the QK transposed too; 64 rows in two 32-row tiles): all 54 + 32 QGMMAs m64n32k32 (S^T = K Q^T with
+    # the rows as N, and the PVs), the PVs' with V^T from registers; no spill
     x = r["ot_t"]
-    assert x["n16"] == 18 * 3 + 32 and x["n64"] == 0 and x["ldsm"] == 32, x
+    assert x["n32"] == 18 * 3 + 32 and x["n64"] == 0 and x["ldsm"] == 32 and x["tiles"] == [32, 2, 32], x
     if x["sass"]:
         assert x["qgmma"] == 18 * 3 + 32 and x["qgmma_r"] == 32 and x["depbar"] <= 12 and x["spill"] == 0, x
     if x["sass"]:
@@ -470,6 +471,18 @@ def _problem(**kw):
             "target": Target("cuda", "sm_90a", 132)}
     base.update(kw)
     return DecodeProblem(**base)
+
+
+def test_sm90_plan_block_m():
+    """``block_m`` 32 (the O^T loop with the transposed QK): ``ceil(rows / 32)`` row tiles; other values and other
+    families refused, naming the argument."""
+    p = plan_mla_decode(batch=3, q_len=3, num_heads=32, max_kv_len=4096, page_size=64, block_m=32, num_sms=132)
+    assert p.block_m == 32 and p.num_m_blocks == 3 and p.grid[0] == 3
+    assert plan_mla_decode(batch=3, q_len=3, num_heads=32, max_kv_len=4096, page_size=64, num_sms=132).num_m_blocks == 2
+    with pytest.raises(ValueError, match="block_m"):
+        plan_mla_decode(batch=3, q_len=1, num_heads=16, max_kv_len=4096, page_size=64, block_m=16)
+    with pytest.raises(ValueError, match="block_m"):
+        plan_mla_decode(batch=3, q_len=1, num_heads=16, max_kv_len=4096, page_size=64, block_m=32, arch="sm_100a")
 
 
 def test_supports_reasons():
@@ -832,3 +845,14 @@ def test_fp8_ot_switch(monkeypatch):
              jnp.zeros((2, 2, 32, 576), f8), jnp.zeros((16, 64, 576), f8), bt, sl, 0.1, 1.0)
     assert seen["key"].pv_ot is False and seen["launch"] is launch_mla_decode_seesaw, seen["key"]
     assert seen["kw"]["tma_producer"] is True and seen["kw"]["vt_packed"] is True, seen["kw"]
+    # ... mode 6 runs the O^T loop for them, on its 32-row plan (a long table: the split counts of the two differ)
+    monkeypatch.setenv(m.FP8_PV_ENV, "6")
+    bt = jnp.zeros((2, 1200), jnp.int32)
+    prob = _problem(batch=2, q_len=2, num_heads=32, page_size=64, num_pages=16, max_pages=1200, dtype="float8_e4m3fn")
+    m.decode(prob, jnp.zeros((2, 2, 32, 576), f8), jnp.zeros((16, 64, 576), f8), bt, sl, 0.1, 1.0)
+    p32 = plan_mla_decode(batch=2, q_len=2, num_heads=32, max_kv_len=1200 * 64, page_size=64, block_m=32,
+                          num_sms=132)
+    assert seen["key"].pv_ot and seen["key"].qk_t and seen["launch"] is launch_mla_decode_ot, seen["key"]
+    assert (seen["key"].num_splits, seen["key"].tokens_per_split) == (p32.num_splits, p32.tokens_per_split), p32
+    assert p32.num_m_blocks == 2 and p32.num_splits != plan_mla_decode(
+        batch=2, q_len=2, num_heads=32, max_kv_len=1200 * 64, page_size=64, num_sms=132).num_splits

@@ -76,15 +76,20 @@ def _family(arch: str) -> str:
 
 
 def _plan_sm90(*, batch, q_len, num_heads, max_kv_len, page_size, dtype, kv_lora_rank, rope_dim, arch,
-               num_sms) -> DecodePlan:
+               num_sms, block_m=64) -> DecodePlan:
     """Hopper (kernel: ``tokenspeed_jax.kernels.sm90.mla_decode``): 64-row wgmma tiles over rows = S*H
     (tokens and heads packed, heads fastest), 64-token KV steps, one CTA per SM (225 KB of smem), and a
     static split-KV count chosen for whole waves: among ``splits <= ceil(num_sms / (batch * m_blocks))``
     with at least two 64-token blocks per split, the one that maximises ``ctas / (waves * num_sms)`` (``ctas = batch * m_blocks * splits``), the
     smallest on near-ties (fewer partials to combine).  Splits are fixed token ranges of the static
     capacity, so results do not depend on other requests' lengths.  Partial outputs go to fp32 workspace
-    ``o_accum [B, splits, rows, kv_lora_rank]`` and ``lse_accum [B, splits, rows]``."""
-    block_m, block_n = 64, 64
+    ``o_accum [B, splits, rows, kv_lora_rank]`` and ``lse_accum [B, splits, rows]``.
+
+    ``block_m`` 32: the row tiles of the FP8 O^T loop with the transposed QK (FP8 P V mode 6, opt-in:
+    ``kernels/sm90/mla_decode_ot.py``), which computes 32 query rows per CTA."""
+    if block_m not in (32, 64):
+        raise ValueError(f"block_m: expected 32 or 64, got {block_m!r}")
+    block_n = 64
     rows = q_len * num_heads
     m_blocks = -(-rows // block_m)
     n_blocks = max(1, -(-max_kv_len // block_n))
@@ -138,11 +143,13 @@ def plan_mla_decode(
     rope_dim: int = 64,
     arch: str = "sm_90a",
     num_sms: int | None = None,
+    block_m: int | None = None,
 ) -> DecodePlan:
     """Plan one decode call for ``arch`` (see the module docstring).
 
     ``max_kv_len`` is the static capacity of a request (``max_pages * page_size``); runtime lengths may be
-    shorter, and kernels skip the empty part of each split.
+    shorter, and kernels skip the empty part of each split.  ``block_m`` (sm90 only; default: the family's) sets
+    the rows per CTA where a kernel variant needs other than the default.
     """
     for n, v in (("batch", batch), ("q_len", q_len), ("num_heads", num_heads), ("max_kv_len", max_kv_len),
                  ("page_size", page_size), ("kv_lora_rank", kv_lora_rank), ("rope_dim", rope_dim)):
@@ -160,20 +167,24 @@ def plan_mla_decode(
         from tokenspeed_jax.runtime import _DEFAULT_SMS
 
         num_sms = _DEFAULT_SMS.get(arch, 132)
+    if block_m is not None and family != "sm90":
+        raise ValueError(f"block_m: only the sm90 planner takes it, got arch {arch!r}")
     return _PLANNERS[family](
         batch=batch, q_len=q_len, num_heads=num_heads, max_kv_len=max_kv_len, page_size=page_size,
         dtype=dtype, kv_lora_rank=kv_lora_rank, rope_dim=rope_dim, arch=arch, num_sms=num_sms,
+        **({"block_m": block_m} if block_m is not None else {}),
     )
 
 
-def plan_for_problem(problem) -> DecodePlan:
-    """The plan of a :class:`~tokenspeed_jax.problems.DecodeProblem` on its target."""
+def plan_for_problem(problem, block_m: int | None = None) -> DecodePlan:
+    """The plan of a :class:`~tokenspeed_jax.problems.DecodeProblem` on its target (``block_m``: as
+    :func:`plan_mla_decode`)."""
     t = problem.target
     return plan_mla_decode(
         batch=problem.batch, q_len=problem.q_len, num_heads=problem.num_heads,
         max_kv_len=problem.max_kv_len, page_size=problem.page_size, dtype=problem.dtype,
         kv_lora_rank=problem.kv_lora_rank, rope_dim=problem.rope_dim, arch=t.arch or "sm_90a",
-        num_sms=t.num_sms,
+        num_sms=t.num_sms, block_m=block_m,
     )
 
 

@@ -208,10 +208,13 @@ def decode(problem: DecodeProblem, q, kv_cache, block_table, seq_lens, softmax_s
     pv_fp8 = fp8_pv != "0"
     early_refill = fp8_pv in ("2", "3", "4", "5", "6") and problem.page_size >= _MIN_EARLY_REFILL_PAGE
     vt_packed = fp8_pv in ("3", "4", "5", "6")
-    # modes 5 and 6 (the O^T loop) for S x H <= 32 rows with pages >= 32; otherwise mode 4 (with 64 rows the O^T loop
-    # spilled)
-    pv_ot = fp8_pv in ("5", "6") and early_refill and S * H <= _MAX_OT_ROWS
-    qk_t = pv_ot and fp8_pv == "6"
+    # mode 5 (the O^T loop) for S x H <= 32 rows with pages >= 32, otherwise mode 4 (with 64 rows the O^T loop
+    # spilled); mode 6 (the O^T loop with the transposed QK) with pages >= 32 for any S x H, on 32-row tiles (its own
+    # plan: block_m 32)
+    qk_t = fp8_pv == "6" and early_refill
+    pv_ot = qk_t or (fp8_pv == "5" and early_refill and S * H <= _MAX_OT_ROWS)
+    if qk_t:
+        plan = plan_for_problem(problem, block_m=_MAX_OT_ROWS)
     if pv_ot:
         launch = launch_mla_decode_ot
     if fp8_seesaw:

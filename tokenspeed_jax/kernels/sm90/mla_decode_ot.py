@@ -39,6 +39,11 @@ mode "5") removes the copy:
   values a loop iteration in its 240 registers (variants that loaded ``V^T`` one k32 step at a time, parked P in
   shared memory or retired the cross PV before the next QK still spilled 40-180; docs/sm90_decode.md), so 64 rows
   are refused and the backend runs mode 4 for them.  The QK still runs on 64 padded rows.
+* ``qk_t`` (FP8 P V mode 6): the QK transposed too, ``S^T = K Q^T`` (the staging is the A operand as it lands, the
+  first ``pv_n`` q rows the B operand): its tensor work and accumulators shrink by 64 / ``pv_n``.  A query row's
+  keys then lie in all 4 warps, so the softmax exchanges each warp's column maxima through 1 KB of shared memory
+  (:meth:`fold_t`).  With it every CTA computes 32 rows (``block_m`` 32, the planner's ``block_m=32`` plan), so any
+  S x H runs, in ``ceil(S x H / 32)`` row tiles that each read the KV once (from L2 after the first).
 
 Same contract, grid, plan, split-KV partials and combine kernel as the seesaw loop; FP8 (e4m3) only, TMA
 refills with pages >= 32, the producer warpgroup and the L2 prefetch of the mode-4 loop.  P is rounded to e4m3
@@ -110,9 +115,13 @@ class MlaDecodeOtSm90(MlaDecodeSeesawSm90):
         # query rows the PVs compute (the O^T accumulators' N): a request's rows S x H fill one 64-row block or less;
         # with R <= 32 the padded rows need no P V (tensor work and O^T registers halve, or quarter with R <= 16)
         self.pv_n = 16 if self.R <= 16 else 32
-        # FP8 P V mode 6: the QK transposed too, S^T = K Q^T with the pv_n rows as N (qk_t; module docstring)
+        # FP8 P V mode 6: the QK transposed too, S^T = K Q^T with the pv_n rows as N (qk_t; module docstring), on
+        # row tiles of 32 rows (block_m; the planner's block_m=32 plan), so any S x H
         self.qk_t = bool(qk_t)
-        if self.R > _MAX_ROWS:
+        if self.qk_t:
+            self.block_m = _MAX_ROWS
+            self.num_m_blocks = -(-self.R // self.block_m)
+        elif self.R > _MAX_ROWS:
             raise ValueError(f"the O^T schedule (FP8 P V mode 5) needs S x H <= {_MAX_ROWS}, got {self.R}: with 64 query "
                              "rows its warpgroup 0 needs more than its 240 registers (ptxas spilled about 130 values a "
                              "loop iteration on 2026-12-01)")
@@ -124,9 +133,11 @@ class MlaDecodeOtSm90(MlaDecodeSeesawSm90):
                  o_accum: cute.Tensor = None, lse_accum: cute.Tensor = None):
         K = warpgroup.OperandMajorMode.K
         q_layout = sm90_utils.make_smem_layout_a(LayoutEnum.ROW_MAJOR, (self.block_m, self.block_n, self.D), _F8, 1)
-        qk_mma = sm90_utils.make_trivial_tiled_mma(_F8, _F8, K, K, Float32, (1, 1, 1), (self.block_m, self.block_n))
         if cutlass.const_expr(self.qk_t):  # S^T (tokens x rows) = K (staging, A) Q^T (the first pv_n q rows, B)
             qk_mma = sm90_utils.make_trivial_tiled_mma(_F8, _F8, K, K, Float32, (1, 1, 1), (self.block_n, self.pv_n))
+        else:
+            qk_mma = sm90_utils.make_trivial_tiled_mma(_F8, _F8, K, K, Float32, (1, 1, 1),
+                                                       (self.block_m, self.block_n))
         # O^T (features x rows) += V^T (registers) P^T (smem, K-major): one m64n64k32 per 64 features and 32 tokens
         pv_mma = sm90_utils.make_trivial_tiled_mma(_F8, _F8, K, K, Float32, (1, 1, 1), (_CHUNK, self.pv_n),
                                                    a_source=warpgroup.OperandSource.RMEM)
