@@ -2,7 +2,7 @@
 # The H200 runs behind the FP8 P V on FP8 tensor cores (TOKENSPEED_SM90_DECODE_FP8_PV), one device call each
 # (carry [".device"]; 2026-12-01 wall times, warm machine):
 #   source .device/bootstrap.sh && M=4 AB="3 4" NCU= bash scripts/h200_fp8pv.sh check   # ~3 min (ncu off)
-#   source .device/bootstrap.sh && M=5 EXTRA=6 AB="4 5 6" NCU= bash scripts/h200_fp8pv.sh check   # modes 5 and 6
+#   source .device/bootstrap.sh && M=6 EXTRA=5 AB="4 5 6" NCU= bash scripts/h200_fp8pv.sh check   # modes 5 and 6
 #   source .device/bootstrap.sh && M=4 bash scripts/h200_fp8pv.sh profile               # ~5 min
 #   source .device/bootstrap.sh && M=4 bash scripts/h200_fp8pv.sh bench                 # ~1.5-6 min
 #   source .device/bootstrap.sh && M=4 AB="0 1" W=<switch> DT=float8_e4m3fn bash scripts/h200_fp8pv.sh ab   # ~1 min
@@ -49,7 +49,7 @@ for v in '$AB'.split():
   memcheck_start 170 $V=$M
   stamp "check FP8_PV=$M"
   check_cases 150 $V $M "c.dtype == 'float8_e4m3fn' or c.name in ('s2h32p64_garbage', 'b1s1h16p64_short')" check
-  for m in ${EXTRA:-}; do  # more modes, on the FP8 cases (e.g. EXTRA=6 with M=5: the O^T loop's two variants)
+  for m in ${EXTRA:-}; do  # more modes, on the FP8 cases (e.g. EXTRA=5 with M=6: the O^T loop's two variants)
     stamp "check FP8_PV=$m"
     check_cases 120 $V $m "c.dtype == 'float8_e4m3fn'" "check_$m"
   done

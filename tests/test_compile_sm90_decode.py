@@ -29,6 +29,18 @@ _SCRIPT = textwrap.dedent(
     d = os.environ["CUTE_DSL_DUMP_DIR"]
     own = lambda before, ext: "".join(  # text of the dump files a compile added since ``before``
         open(p).read() for p in sorted(set(glob.glob(d + "/*")) - before) if p.endswith(ext))
+
+    def fake_args(k, S, H, page, splits, pages=50, table=24, B=2):
+        # the launch arguments of kernel ``k`` as fake tensors: q, cache, table, lengths, scales, out, lse (+ partials)
+        f = rt.make_fake_compact_tensor
+        dt, ot, R = k.dtype, k.out_dtype, H * S
+        a = [rt.make_fake_stream(), f(dt, (B, S, H, 576), assumed_align=16), f(dt, (pages, page, 576), assumed_align=16),
+             f(cutlass.Int32, (B, table)), f(cutlass.Int32, (B,)), f(cutlass.Float32, (1,)), f(cutlass.Float32, (1,)),
+             f(ot, (B, S, H, 512), assumed_align=16), f(cutlass.Float32, (B, S, H))]
+        if splits > 1:
+            a += [f(cutlass.Float32, (B, splits, R, 512), assumed_align=16), f(cutlass.Float32, (B, splits, R))]
+        return a
+
     from tokenspeed_jax.kernels.sm90.mla_decode_seesaw import MlaDecodeSeesawSm90
     cfgs = [("bfloat16", 16, 1, 64, 1, 4096, 64, "lockstep"), ("float16", 32, 4, 32, 3, 256, 64, "lockstep"),
             ("float8_e4m3fn", 128, 2, 128, 2, 512, 64, "lockstep"), ("bfloat16", 32, 2, 32, 3, 256, 64, "overlap"),
@@ -51,15 +63,7 @@ _SCRIPT = textwrap.dedent(
         else:
             k = MlaDecodeSm90(dtype=dtype, num_heads=H, q_len=S, page_size=page, causal=True, num_splits=splits,
                               tokens_per_split=tps, block_n=bn, schedule=sched)
-        dt, ot = k.dtype, k.out_dtype
-        B, R = 2, H * S
-        f = rt.make_fake_compact_tensor
-        args = [rt.make_fake_stream(), f(dt, (B, S, H, 576), assumed_align=16), f(dt, (50, page, 576), assumed_align=16),
-                f(cutlass.Int32, (B, 24)), f(cutlass.Int32, (B,)), f(cutlass.Float32, (1,)), f(cutlass.Float32, (1,)),
-                f(ot, (B, S, H, 512), assumed_align=16), f(cutlass.Float32, (B, S, H))]
-        if splits > 1:
-            args += [f(cutlass.Float32, (B, splits, R, 512), assumed_align=16), f(cutlass.Float32, (B, splits, R))]
-        cute.compile(k, *args)
+        cute.compile(k, *fake_args(k, S, H, page, splits))
         if splits == 16:  # combine kernel with 8 column chunks x 8 split groups, PDL after the main kernel
             cptx = own(before, ".ptx")
             comb = cptx[cptx.index(".entry kernel_cutlass_combine"):]
@@ -107,13 +111,7 @@ _SCRIPT = textwrap.dedent(
     before = set(glob.glob(d + "/*"))
     k = MlaDecodeOtSm90(dtype="float8_e4m3fn", num_heads=32, q_len=1, page_size=32, causal=True, num_splits=3,
                         tokens_per_split=256, block_n=64, l2_prefetch="late")
-    f = rt.make_fake_compact_tensor
-    f8 = cutlass.Float8E4M3FN
-    cute.compile(k, rt.make_fake_stream(), f(f8, (2, 1, 32, 576), assumed_align=16),
-                 f(f8, (50, 32, 576), assumed_align=16), f(cutlass.Int32, (2, 24)), f(cutlass.Int32, (2,)),
-                 f(cutlass.Float32, (1,)), f(cutlass.Float32, (1,)), f(cutlass.BFloat16, (2, 1, 32, 512), assumed_align=16),
-                 f(cutlass.Float32, (2, 1, 32)), f(cutlass.Float32, (2, 3, 32, 512), assumed_align=16),
-                 f(cutlass.Float32, (2, 3, 32)))
+    cute.compile(k, *fake_args(k, 1, 32, 32, 3))
     try:
         MlaDecodeOtSm90(dtype="float8_e4m3fn", num_heads=64, q_len=1, page_size=64, causal=True, num_splits=1,
                         tokens_per_split=256, block_n=64)
@@ -126,10 +124,7 @@ _SCRIPT = textwrap.dedent(
     before = set(glob.glob(d + "/*"))
     kt = MlaDecodeOtSm90(dtype="float8_e4m3fn", num_heads=32, q_len=2, page_size=64, causal=True, num_splits=1,
                          tokens_per_split=4096, block_n=64, l2_prefetch="late", qk_t=True)
-    cute.compile(kt, rt.make_fake_stream(), f(f8, (2, 2, 32, 576), assumed_align=16),
-                 f(f8, (50, 64, 576), assumed_align=16), f(cutlass.Int32, (2, 24)), f(cutlass.Int32, (2,)),
-                 f(cutlass.Float32, (1,)), f(cutlass.Float32, (1,)),
-                 f(cutlass.BFloat16, (2, 2, 32, 512), assumed_align=16), f(cutlass.Float32, (2, 2, 32)))
+    cute.compile(kt, *fake_args(kt, 2, 32, 64, 1))
     tptx, tsass = own(before, ".ptx"), own(before, ".sass")
     res["ot_t"] = dict(n32=len(re.findall(r"wgmma.mma_async.sync.aligned.m64n32k32.f32.e4m3.e4m3", tptx)),
                        n64=len(re.findall(r"wgmma.mma_async.sync.aligned.m64n64k32", tptx)),
@@ -159,13 +154,7 @@ _SCRIPT = textwrap.dedent(
     before = set(glob.glob(d + "/*"))
     k = MlaDecodeSeesawSm90(dtype="bfloat16", num_heads=16, q_len=1, page_size=64, causal=True, num_splits=2,
                             tokens_per_split=4096, block_n=64, l2_prefetch="late")
-    f = rt.make_fake_compact_tensor
-    bf = cutlass.BFloat16
-    cute.compile(k, rt.make_fake_stream(), f(bf, (2, 1, 16, 576), assumed_align=16),
-                 f(bf, (500, 64, 576), assumed_align=16), f(cutlass.Int32, (2, 400)), f(cutlass.Int32, (2,)),
-                 f(cutlass.Float32, (1,)), f(cutlass.Float32, (1,)), f(bf, (2, 1, 16, 512), assumed_align=16),
-                 f(cutlass.Float32, (2, 1, 16)), f(cutlass.Float32, (2, 2, 16, 512), assumed_align=16),
-                 f(cutlass.Float32, (2, 2, 16)))
+    cute.compile(k, *fake_args(k, 1, 16, 64, 2, pages=500, table=400))
     pptx, psass = own(before, ".ptx"), own(before, ".sass")
     from tokenspeed_jax.kernels.sm90.mla_decode_seesaw import L2_PREFETCH_MODES
     res["l2pf_modes"] = list(L2_PREFETCH_MODES)
