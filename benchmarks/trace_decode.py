@@ -2,6 +2,10 @@
 
     source .device/bootstrap.sh && python -m benchmarks.trace_decode --cases 64,16384,64,16,1 64,16384,64,32,4
     source .device/bootstrap.sh && python -m benchmarks.trace_decode --dtype bfloat16 --cases 64,16384,64,32,4
+    source .device/bootstrap.sh && TOKENSPEED_SM90_DECODE_FP8_PV=6 python -m benchmarks.trace_decode --cases ...
+
+With ``TOKENSPEED_SM90_DECODE_FP8_PV`` 5 or 6 the FP8 build is the O^T loop's (``launch_mla_decode_ot_traced``,
+its events ``TRACE_EVENTS_OT``), for the cases that mode runs it on (pages >= 32; mode 5: S x H <= 32).
 
 Runs a debug build of the kernel (``launch_mla_decode_seesaw_traced``) in which thread 0 of each warpgroup writes
 ``clock64`` at the ``TRACE_EVENTS`` points of its first ``--iters`` loop iterations, for the first ``--ctas`` CTAs,
@@ -22,16 +26,17 @@ import json
 import os
 
 
-def traced_decode(c, trace_iters: int, ctas: int, producer: bool = False):
+def traced_decode(c, trace_iters: int, ctas: int, producer: bool = False, ot: str | None = None):
     """jitted ``(q, kv, bt, sl, scale) -> (out, lse, trace)`` of the debug build, for the case ``c``; ``producer``:
     with the producer warpgroup (FP8: mode 4 of ``TOKENSPEED_SM90_DECODE_FP8_PV``, else mode 3; 16-bit:
-    ``TOKENSPEED_SM90_DECODE_PRODUCER16=1``)."""
+    ``TOKENSPEED_SM90_DECODE_PRODUCER16=1``); ``ot`` "5" or "6": the O^T loop of that FP8 P V mode instead."""
     import jax
     import jax.numpy as jnp
 
     from tokenspeed_jax import ffi
     from tokenspeed_jax.backends import sm90_decode
     from tokenspeed_jax.decode import _decode_problem
+    from tokenspeed_jax.kernels.sm90.mla_decode_ot import launch_mla_decode_ot_traced
     from tokenspeed_jax.kernels.sm90.mla_decode_seesaw import TRACE_EVENTS, launch_mla_decode_seesaw_traced
     from tokenspeed_jax.planner import plan_for_problem
 
@@ -42,31 +47,38 @@ def traced_decode(c, trace_iters: int, ctas: int, producer: bool = False):
             raise ValueError(why)
         if prob.page_size < (32 if prob.dtype == "float8_e4m3fn" else 16):
             raise ValueError("the traced build is the TMA seesaw (FP8 with early refills): page_size >= 16, FP8 >= 32")
-        plan = plan_for_problem(prob)
+        plan = plan_for_problem(prob, block_m=32 if ot == "6" else None)  # (mode 6: its 32-row tiles)
         B, S, H = prob.batch, prob.q_len, prob.num_heads
         out_dt = jnp.bfloat16 if prob.dtype == "float8_e4m3fn" else jnp.dtype(prob.dtype)
         outputs = [jax.ShapeDtypeStruct((B, S, H, 512), out_dt), jax.ShapeDtypeStruct((B, S, H), jnp.float32),
                    jax.ShapeDtypeStruct((ctas, 2, trace_iters, len(TRACE_EVENTS)), jnp.int64)]
         outputs += [jax.ShapeDtypeStruct(w.shape, jnp.dtype(w.dtype)) for w in plan.workspace]
-        key = ("mla_decode_sm90_traced.v2", prob.dtype, H, S, prob.page_size, plan.num_splits, plan.tokens_per_split,
-               trace_iters, ctas, producer)
-        call = ffi.custom_call(
-            sm90_decode.TARGET, launch_mla_decode_seesaw_traced, outputs=outputs, compile_key=key, dtype=prob.dtype,
-            num_heads=H, q_len=S, page_size=prob.page_size, causal=True, num_splits=plan.num_splits,
-            tokens_per_split=plan.tokens_per_split, trace=trace_iters, tma_producer=producer)
+        key = ("mla_decode_sm90_traced.v3", prob.dtype, H, S, prob.page_size, plan.num_splits, plan.tokens_per_split,
+               trace_iters, ctas, producer, ot)
+        common = {"outputs": outputs, "compile_key": key, "dtype": prob.dtype, "num_heads": H, "q_len": S,
+                  "page_size": prob.page_size, "causal": True, "num_splits": plan.num_splits,
+                  "tokens_per_split": plan.tokens_per_split, "trace": trace_iters}
+        if ot:
+            call = ffi.custom_call(sm90_decode.TARGET, launch_mla_decode_ot_traced, qk_t=ot == "6", **common)
+        else:
+            call = ffi.custom_call(sm90_decode.TARGET, launch_mla_decode_seesaw_traced, tma_producer=producer,
+                                   **common)
         res = call(q, kv, bt, sl, ffi.scalar_operand(scale), ffi.scalar_operand(jnp.float32(1.0)))
         return res[0], res[1], res[2]
 
     return jax.jit(g)
 
 
-def summarize(tr, skip: int = 2) -> dict:
+def summarize(tr, skip: int = 2, events=None) -> dict:
     """``tr``: int64 ``(ctas, 2, iters, events)`` timestamps -> per warpgroup and phase (the interval ending at
     each event), median / p10 / p90 cycles over CTAs and iterations ``>= skip``; intervals with a missing end
-    (0: the event was not reached, e.g. the last iteration's refill) are left out."""
+    (0: the event was not reached, e.g. the last iteration's refill) are left out.  ``events``: the names (default
+    the seesaw loop's ``TRACE_EVENTS``)."""
     import numpy as np
 
     from tokenspeed_jax.kernels.sm90.mla_decode_seesaw import TRACE_EVENTS
+
+    events = events or TRACE_EVENTS
 
     out = {}
     for wg in range(2):
@@ -74,9 +86,9 @@ def summarize(tr, skip: int = 2) -> dict:
         nxt = np.concatenate([t[:, 1:, :1], np.zeros_like(t[:, :1, :1])], axis=1)  # next iteration's top
         rows = []
         prev = t[..., 0]
-        for e in range(1, len(TRACE_EVENTS) + 1):
-            cur = t[..., e] if e < len(TRACE_EVENTS) else nxt[..., 0]
-            name = TRACE_EVENTS[e][wg] if e < len(TRACE_EVENTS) else "(to the next iteration's top)"
+        for e in range(1, len(events) + 1):
+            cur = t[..., e] if e < len(events) else nxt[..., 0]
+            name = events[e][wg] if e < len(events) else "(to the next iteration's top)"
             ok = (cur > 0) & (prev > 0)
             d = (cur - prev)[ok]
             if d.size and name != "-":
@@ -104,29 +116,34 @@ def main(argv=None):
     from benchmarks.decode import bench_case, bench_inputs, decode_fn
     from benchmarks.harness import provenance
     from tokenspeed_jax.backends import sm90_decode
+    from tokenspeed_jax.kernels.sm90.mla_decode_ot import TRACE_EVENTS_OT
     from tokenspeed_jax.kernels.sm90.mla_decode_seesaw import TRACE_EVENTS
 
     mode = sm90_decode.resolve_fp8_pv() if a.dtype == "float8_e4m3fn" else None
-    if mode not in (None, "3", "4"):
-        raise SystemExit(f"{sm90_decode.FP8_PV_ENV}={mode}: the traced FP8 build is mode 3 or 4")
+    if mode not in (None, "3", "4", "5", "6"):
+        raise SystemExit(f"{sm90_decode.FP8_PV_ENV}={mode}: the traced FP8 build is mode 3, 4, 5 or 6")
+    ot = mode if mode in ("5", "6") else None
+    events = TRACE_EVENTS_OT if ot else TRACE_EVENTS
     # the producer warpgroup itself is not traced (nor the empty refill phases it leaves)
     producer = mode == "4" if mode else sm90_decode.resolve_producer16() == "1"
     report = {"name": f"per-warpgroup timeline of the sm90 decode loop, {a.dtype} (clock64 cycles)", **provenance(),
               "fp8_pv_mode": mode, "producer": producer,
-              "events": [list(e) for e in TRACE_EVENTS], "cases": []}
+              "events": [list(e) for e in events], "cases": []}
     for spec in a.cases:
         B, K, page, H, S = (int(x) for x in spec.split(","))
         c = dataclasses.replace(bench_case(B, K, page, H, S), dtype=a.dtype)
+        if ot and (page < 32 or (ot == "5" and H * S > 32)):
+            raise SystemExit(f"{c.name}: mode {ot} runs the O^T loop on pages >= 32 (mode 5: S x H <= 32 only)")
         q, kv, bt, sl, scale = bench_inputs(c)
         q, kv = q.astype(c.dtype), kv.astype(c.dtype)
         ref = decode_fn(c, "sm90")(q, kv, bt, sl, scale)
-        f = traced_decode(c, a.iters, a.ctas, producer and page >= 32)  # (the backend's page rule for both loops)
+        f = traced_decode(c, a.iters, a.ctas, producer and page >= 32, ot)  # (the backend's page rule for both loops)
         for _ in range(3):  # the last run's timestamps (the first compiles and warms the caches)
             out, lse, tr = jax.block_until_ready(f(q, kv, bt, sl, scale))
         same = bool(np.array_equal(np.asarray(out.astype(np.float32)), np.asarray(ref[0].astype(np.float32)))
                     and np.array_equal(np.asarray(lse), np.asarray(ref[1])))
         tr = np.asarray(tr)
-        summary = summarize(tr)
+        summary = summarize(tr, events=events)
         report["cases"].append({"case": c.name, "bitwise_equal_to_normal_build": same, "summary": summary,
                                 "trace": tr.tolist()})
         print(f"{c.name}: traced output bitwise equal to the normal build: {same}")

@@ -661,15 +661,22 @@ _TRACE_SCRIPT = textwrap.dedent(
             sd((2, c.max_pages), jnp.int32), sd((2,), jnp.int32), sd((), jnp.float32)).lower(
             lowering_platforms=("cuda",)).as_text()
     print("TRACE_OUT16", bool(re.search(r"tensor<2x2x5x%dxi64>" % len(TRACE_EVENTS), txt)))
+    c = dataclasses.replace(bench_case(2, 4096, 64, 32, 2), dtype="float8_e4m3fn")  # the O^T loop, mode 6
+    with target_override("sm_90a", num_sms=132):
+        txt = traced_decode(c, 4, 3, True, "6").trace(
+            sd((2, 2, 32, 576), f8), sd((c.num_pages, 64, 576), f8), sd((2, c.max_pages), jnp.int32),
+            sd((2,), jnp.int32), sd((), jnp.float32)).lower(lowering_platforms=("cuda",)).as_text()
+    print("TRACE_OUT_OT", bool(re.search(r"tensor<3x2x4x%dxi64>" % len(TRACE_EVENTS), txt)))
     """
 )
 
 
 @pytest.mark.compile
 def test_traced_build_lowers(tmp_path):
-    """The debug builds behind benchmarks/trace_decode.py (clock64 marks, an extra int64 output), FP8 and BF16,
-    compile for sm_90a and lower as the decode custom call with the trace output.  (That a normal build carries
-    no mark, its PTX unchanged, was checked by diffing the PTX on 2026-12-01: the marks are compile-time.)"""
+    """The debug builds behind benchmarks/trace_decode.py (clock64 marks, an extra int64 output), FP8, BF16 and the
+    FP8 O^T loop (mode 6), compile for sm_90a and lower as the decode custom call with the trace output.  (That a
+    normal build carries no mark, its code unchanged, was checked by diffing the PTX (seesaw) and the SASS (O^T loop)
+    on 2026-12-01: the marks are compile-time.)"""
     pytest.importorskip("cutlass")
     env = dict(os.environ, CUTE_DSL_ARCH="sm_90a", TOKENSPEED_JAX_DISK_CACHE="0", JAX_PLATFORMS="cpu",
                PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
@@ -678,6 +685,7 @@ def test_traced_build_lowers(tmp_path):
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     assert "TARGETS ['tokenspeed_mla_decode_sm90']" in p.stdout, p.stdout[-2000:]
     assert "TRACE_OUT True" in p.stdout and "TRACE_OUT16 True" in p.stdout, p.stdout[-2000:]
+    assert "TRACE_OUT_OT True" in p.stdout, p.stdout[-2000:]
 
 
 def test_trace_summary():

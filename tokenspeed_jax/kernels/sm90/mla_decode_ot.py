@@ -65,7 +65,7 @@ from cutlass.tensor_utils import LayoutEnum
 
 from tokenspeed_jax.kernels.sm90.fp8_operands import _ldsm4t, _prmt, sw64
 from tokenspeed_jax.kernels.sm90.helpers import LN_2, LOG2_E, Barrier, quad_sum, row_ptr
-from tokenspeed_jax.kernels.sm90.mla_decode_seesaw import MlaDecodeSeesawSm90
+from tokenspeed_jax.kernels.sm90.mla_decode_seesaw import TRACE_EVENTS, MlaDecodeSeesawSm90
 
 _F8 = cutlass.Float8E4M3FN
 _CHUNK = 64  # features per e4m3 staging chunk (64-byte rows)
@@ -77,6 +77,26 @@ _NBUF = 4  # two per warpgroup (pair j: buffers 2 (j % 2) + {0, 1})
 _ALL_CHUNKS = (0, 1, 2, 3, 4, 5, 6, 7, 8)
 _MIN_PAGE = 32  # the producer's coordinates (pages of 16: 4 boxes per chunk) spill in its 24 registers
 _MAX_ROWS = 32  # query rows S x H (module docstring, "Registers")
+
+# MlaDecodeSeesawSm90.mark points of an iteration of this loop (debug builds, benchmarks/trace_decode.py): per
+# warpgroup, what the time since the previous event was spent on; as many slots as the mode-4 loop's TRACE_EVENTS
+# (the trace buffer's shape), "-" unused
+TRACE_EVENTS_OT = (
+    ("top", "top"),
+    ("softmax (fold + exp)", "wait SCALE0 (WG0's max)"),
+    ("P store + TAIL, O^T *= scale0", "softmax (fold + exp), SCALE1 out"),
+    ("own PV (V^T loads, issue, retire)", "P store + TAIL, O^T *= scales"),
+    ("wait SCALE1 (WG1's max)", "own PV (V^T loads, issue)"),
+    ("rescale + store P, O^T *= scale1", "cross V^T loads + wait P0_READY"),
+    ("cross V^T loads + wait P1_READY", "cross PV issue, P1_READY out"),
+    ("cross PV issue + wait next pair landed", "own + cross PV retired"),
+    ("QK issue + cross PV retired", "wait next pair landed, SLOT0_FREE out"),
+    ("QK retired", "QK issue + retired"),
+    ("-", "wait VT1_FREE, SLOT1_FREE out"),
+    ("-", "-"),
+    ("-", "-"),
+)
+assert len(TRACE_EVENTS_OT) == len(TRACE_EVENTS)
 
 # prmt.b32 selectors turning a thread's ldmatrix.trans pair (tokens 2c, 2c+1 | 2c+8, 2c+9 of feature pair q) into
 # the words of feature 2q (bytes 0 and 2 of each) and feature 2q + 1 (bytes 1 and 3)
@@ -109,8 +129,6 @@ class MlaDecodeOtSm90(MlaDecodeSeesawSm90):
             raise ValueError(f"the O^T schedule (FP8 P V mode 5) needs float8_e4m3fn inputs, got {self.dtype}")
         if self.page_size < _MIN_PAGE:
             raise ValueError(f"the O^T schedule (FP8 P V mode 5) needs page_size >= {_MIN_PAGE}, got {self.page_size}")
-        if self.trace:
-            raise ValueError("the O^T schedule has no debug trace build")
         self.schedule = "seesaw-ot"
         # query rows the PVs compute (the O^T accumulators' N): a request's rows S x H fill one 64-row block or less;
         # with R <= 32 the padded rows need no P V (tensor work and O^T registers halve, or quarter with R <= 16)
@@ -130,7 +148,7 @@ class MlaDecodeOtSm90(MlaDecodeSeesawSm90):
     @cute.jit
     def __call__(self, stream, q: cute.Tensor, kv: cute.Tensor, block_table: cute.Tensor, seq_lens: cute.Tensor,
                  softmax_scale: cute.Tensor, output_scale: cute.Tensor, out: cute.Tensor, lse: cute.Tensor,
-                 o_accum: cute.Tensor = None, lse_accum: cute.Tensor = None):
+                 o_accum: cute.Tensor = None, lse_accum: cute.Tensor = None, trace_buf: cute.Tensor = None):
         K = warpgroup.OperandMajorMode.K
         q_layout = sm90_utils.make_smem_layout_a(LayoutEnum.ROW_MAJOR, (self.block_m, self.block_n, self.D), _F8, 1)
         if cutlass.const_expr(self.qk_t):  # S^T (tokens x rows) = K (staging, A) Q^T (the first pv_n q rows, B)
@@ -161,7 +179,7 @@ class MlaDecodeOtSm90(MlaDecodeSeesawSm90):
             red: cute.struct.MemRange[Float32, 2 * 4 * 32]  # S^T (qk_t): per warpgroup and warp, column maxima / sums
 
         self.ot_kernel(qk_mma, pv_mma, q, kv, block_table, seq_lens, softmax_scale, output_scale, out, lse, o_accum,
-                       lse_accum, q_layout, tma_atom, tma_kv, Storage).launch(
+                       lse_accum, trace_buf, q_layout, tma_atom, tma_kv, Storage).launch(
             grid=(self.num_m_blocks, self.num_splits, q.shape[0]), block=(self.cta_threads, 1, 1),
             smem=Storage.size_in_bytes(), stream=stream, min_blocks_per_mp=1)
         if cutlass.const_expr(self.num_splits > 1):
@@ -332,8 +350,9 @@ class MlaDecodeOtSm90(MlaDecodeSeesawSm90):
     @cute.kernel
     def ot_kernel(self, qk_mma: cute.TiledMma, pv_mma: cute.TiledMma, mQ: cute.Tensor, mKV: cute.Tensor,
                   mBT: cute.Tensor, mSeq: cute.Tensor, mSS: cute.Tensor, mOS: cute.Tensor, mOut: cute.Tensor,
-                  mLse: cute.Tensor, mOacc: cute.Tensor, mLacc: cute.Tensor, q_layout: cute.ComposedLayout,
-                  tma_atom: cute.CopyAtom, tma_kv: cute.Tensor, Storage: cutlass.Constexpr):
+                  mLse: cute.Tensor, mOacc: cute.Tensor, mLacc: cute.Tensor, mTrace: cute.Tensor,
+                  q_layout: cute.ComposedLayout, tma_atom: cute.CopyAtom, tma_kv: cute.Tensor,
+                  Storage: cutlass.Constexpr):
         tid, _, _ = cute.arch.thread_idx()
         mblk, split, b = cute.arch.block_idx()
         self.allow_combine_launch()
@@ -405,14 +424,18 @@ class MlaDecodeOtSm90(MlaDecodeSeesawSm90):
             cute.arch.barrier()  # the consumers' barrier before their epilogue
         else:
             cute.arch.setmaxregister_increase(self.consumer_regs)
+            cta = (b * self.num_splits + split) * self.num_m_blocks + mblk  # (debug traces: mark)
             self.consume_ot(qk_mma, pv_mma, sQ, st, bufs, wg, wtid, mblk, split, b, seq, split_start, split_end,
-                            n_pairs, mbar, mSS[0] * LOG2_E, mOS[0], mBT, mKV, num_pages, mOut, mLse, mOacc, mLacc)
+                            n_pairs, mbar, mSS[0] * LOG2_E, mOS[0], mBT, mKV, num_pages, mOut, mLse, mOacc, mLacc,
+                            (mTrace, cta))
 
     @cute.jit
     def consume_ot(self, qk_mma, pv_mma, sQ, st, bufs, wg, wtid, mblk, split, b, seq, split_start, split_end, n_pairs,
-                   mbar, scale_log2, out_scale, mBT, mKV, num_pages, mOut, mLse, mOacc, mLacc):
-        """The two computing warpgroups: first QK, the seesaw loop (module docstring), epilogue."""
+                   mbar, scale_log2, out_scale, mBT, mKV, num_pages, mOut, mLse, mOacc, mLacc, tr):
+        """The two computing warpgroups: first QK, the seesaw loop (module docstring), epilogue.  ``tr``: ``(mTrace,
+        cta)`` for :meth:`mark` (debug builds; the events are :data:`TRACE_EVENTS_OT`)."""
         bn = self.block_n
+        mTrace, cta = tr
         sM = st.row_max.get_tensor(cute.make_layout(64))
         sSc0 = st.scale0.get_tensor(cute.make_layout(64))
         sSc1 = st.scale1.get_tensor(cute.make_layout(64))
@@ -467,6 +490,7 @@ class MlaDecodeOtSm90(MlaDecodeSeesawSm90):
                 more = j + 1 < n_pairs
                 refill = j + 2 < n_pairs  # the producer refills this pair's buffers with pair j + 2
                 t0 = split_start + 2 * j * bn
+                self.mark(mTrace, cta, 0, wtid, j, 0)
                 # 1. fold tile 2j into the shared max; P0; publish
                 if cutlass.const_expr(self.qk_t):
                     self.fold_t(acc_s, tScS, lim, t0, scale_log2, sM, None, sSc0, sRed, row_l, ref, sc, 0, wtid)
@@ -474,14 +498,17 @@ class MlaDecodeOtSm90(MlaDecodeSeesawSm90):
                 else:
                     self.fold_first(acc_s, tScS, lim, t0, scale_log2, sM, sSc0, row_in, row_l, ref, sc, wtid)
                 cute.arch.barrier_arrive(barrier_id=int(Barrier.SCALE0), number_of_threads=self.num_threads)
+                self.mark(mTrace, cta, 0, wtid, j, 1)
                 # 2. P0 -> smem; O^T *= scale0 (all rows' scales: after the warpgroup's barrier); O^T += V0^T P0^T
                 self.store_p8(acc_s, self.p_store(qk_thr, bufs, 2 * u))
                 cute.arch.barrier(barrier_id=int(Barrier.TAIL), number_of_threads=128)
                 self.scale_ot(acc, sSc0, None, wtid)
+                self.mark(mTrace, cta, 0, wtid, j, 2)
                 self.load_vt(a_own, stg0 + 2 * u * _BUF_BYTES, zero, t0, split_end, 0, wtid)
                 self.pv_ot(pv_mma, acc, tA_own, self.p_operand(pv_thr, bufs, 2 * u))
                 warpgroup.commit_group()
                 warpgroup.wait_group(0)
+                self.mark(mTrace, cta, 0, wtid, j, 3)
                 # (the L2 prefetch's coordinates, for the end of the iteration)
                 pf = split_start + 2 * (j + self.pf_ahead) * bn
                 crdP0, crdP1 = None, None
@@ -490,6 +517,7 @@ class MlaDecodeOtSm90(MlaDecodeSeesawSm90):
                     crdP1 = self.tma_coords(mBT, b, cutlass.min(pf + bn, split_end - 1), split_end, num_pages)
                 # 3. WG1 folded tile 2j+1: rescale P0 (-> smem for WG1), l and O^T by scale1
                 cute.arch.barrier(barrier_id=int(Barrier.SCALE1), number_of_threads=self.num_threads)
+                self.mark(mTrace, cta, 0, wtid, j, 4)
                 if cutlass.const_expr(self.qk_t):
                     for i in cutlass.range_constexpr(nst):
                         sc[i] = sSc1[self.col_n(i, wtid)]
@@ -505,19 +533,23 @@ class MlaDecodeOtSm90(MlaDecodeSeesawSm90):
                 self.store_p8(acc_s, self.p_store(qk_thr, bufs, 2 * u))  # (the own PV, which read it, retired)
                 cute.arch.barrier_arrive(barrier_id=int(Barrier.P0_READY), number_of_threads=self.num_threads)
                 self.scale_ot(acc, sSc1, None, wtid)
+                self.mark(mTrace, cta, 0, wtid, j, 5)
                 # 4. O^T += V1^T P1^T (P1 from WG1).  WG1 waited for that tile's landing; this warpgroup waits on the
                 #    same (completed) phase before it reads the TMA's bytes with ldmatrix
                 self.landed(mbar + 2 * u + 1, (j // 2) % 2)
                 self.load_vt(a_x, stg0 + (2 * u + 1) * _BUF_BYTES, zero, t0 + bn, split_end, 0, wtid)
                 cute.arch.barrier(barrier_id=int(Barrier.P1_READY), number_of_threads=self.num_threads)
+                self.mark(mTrace, cta, 0, wtid, j, 6)
                 self.pv_ot(pv_mma, acc, tA_x, self.p_operand(pv_thr, bufs, 2 * u + 1))
                 warpgroup.commit_group()
                 # 5. next QK (pair j + 1, buffer 2 (1 - u)) behind the cross PV; once that retired, WG1 may free slot 1
                 if more:
                     self.landed(mbar + 2 * (1 - u), ((j + 1) // 2) % 2)
+                    self.mark(mTrace, cta, 0, wtid, j, 7)
                     self.qk_tile(qk_mma, qk_thr, acc_s, tSrQ, bufs, 2 * (1 - u))
                     warpgroup.commit_group()
                     warpgroup.wait_group(1)
+                    self.mark(mTrace, cta, 0, wtid, j, 8)
                     if refill:
                         cute.arch.fence_view_async_shared()  # (the ldmatrix reads before the refill's TMA writes)
                         cute.arch.barrier_arrive(barrier_id=int(Barrier.VT1_FREE), number_of_threads=self.num_threads)
@@ -525,49 +557,61 @@ class MlaDecodeOtSm90(MlaDecodeSeesawSm90):
                     if wtid + mblk == 0:
                         self.l2_prefetch_pair(mKV, crdP0, crdP1, pf, split_end)
                 warpgroup.wait_group(0)
+                self.mark(mTrace, cta, 0, wtid, j, 9)
         else:
             for j in cutlass.range(n_pairs, unroll=1):
                 u = j % 2
                 more = j + 1 < n_pairs
                 refill = j + 2 < n_pairs
                 t1 = split_start + (2 * j + 1) * bn
+                self.mark(mTrace, cta, 1, wtid, j, 0)
                 # 1. after WG0: fold tile 2j+1 into the shared max; P1; publish
                 cute.arch.barrier(barrier_id=int(Barrier.SCALE0), number_of_threads=self.num_threads)
+                self.mark(mTrace, cta, 1, wtid, j, 1)
                 if cutlass.const_expr(self.qk_t):
                     self.fold_t(acc_s, tScS, lim, t1, scale_log2, sM, sSc0, sSc1, sRed, row_l, ref, sc, 1, wtid)
                     cute.arch.barrier_arrive(barrier_id=int(Barrier.SCALE1), number_of_threads=self.num_threads)
                     self.exp_t(acc_s, ref, row_l)
                 else:
                     self.fold_second(acc_s, tScS, lim, t1, scale_log2, sM, sSc0, sSc1, row_in, row_l, ref, sc, wtid)
+                self.mark(mTrace, cta, 1, wtid, j, 2)
                 # 2. P1 -> smem (both PVs read it); O^T *= scale0 * scale1; O^T += V1^T P1^T
                 self.store_p8(acc_s, self.p_store(qk_thr, bufs, 2 * u + 1))
                 cute.arch.barrier(barrier_id=int(Barrier.TAIL) + 1, number_of_threads=128)
                 self.scale_ot(acc, sSc0, sSc1, wtid)
+                self.mark(mTrace, cta, 1, wtid, j, 3)
                 self.load_vt(a_own, stg0 + (2 * u + 1) * _BUF_BYTES, zero, t1, split_end, 1, wtid)
                 self.pv_ot(pv_mma, acc, tA_own, self.p_operand(pv_thr, bufs, 2 * u + 1))
                 warpgroup.commit_group()
+                self.mark(mTrace, cta, 1, wtid, j, 4)
                 # 3. O^T += V0^T P0^T (P0 from WG0; the tile's landing as in WG0), then release P1 to WG0
                 self.landed(mbar + 2 * u, (j // 2) % 2)
                 self.load_vt(a_x, stg0 + 2 * u * _BUF_BYTES, zero, t1 - bn, split_end, 1, wtid)
                 cute.arch.barrier(barrier_id=int(Barrier.P0_READY), number_of_threads=self.num_threads)
+                self.mark(mTrace, cta, 1, wtid, j, 5)
                 self.pv_ot(pv_mma, acc, tA_x, self.p_operand(pv_thr, bufs, 2 * u))
                 warpgroup.commit_group()
                 cute.arch.barrier_arrive(barrier_id=int(Barrier.P1_READY), number_of_threads=self.num_threads)
+                self.mark(mTrace, cta, 1, wtid, j, 6)
                 # 4. both PVs retired: slot 0's buffer is free (WG0's own PV retired before its P0_READY), announced
                 #    once the next pair landed (module docstring); then the next QK; slot 1's buffer once WG0's cross
                 #    PV retired too (VT1_FREE)
                 warpgroup.wait_group(0)
+                self.mark(mTrace, cta, 1, wtid, j, 7)
                 if more:
                     self.landed(mbar + 2 * (1 - u) + 1, ((j + 1) // 2) % 2)
                     if refill:
                         cute.arch.fence_view_async_shared()
                         cute.arch.barrier_arrive(barrier_id=int(Barrier.SLOT0_FREE), number_of_threads=160)
+                    self.mark(mTrace, cta, 1, wtid, j, 8)
                     self.qk_tile(qk_mma, qk_thr, acc_s, tSrQ, bufs, 2 * (1 - u) + 1)
                     warpgroup.commit_group()
                     warpgroup.wait_group(0)
+                    self.mark(mTrace, cta, 1, wtid, j, 9)
                     if refill:
                         cute.arch.barrier(barrier_id=int(Barrier.VT1_FREE), number_of_threads=self.num_threads)
                         cute.arch.barrier_arrive(barrier_id=int(Barrier.SLOT1_FREE), number_of_threads=160)
+                    self.mark(mTrace, cta, 1, wtid, j, 10)
 
         # ---- epilogue: both warpgroups' O^T and l are relative to the final shared max (its 2^8 P bias taken out
         #      of the max for the LSE)
@@ -676,4 +720,24 @@ def launch_mla_decode_ot(stream, q: cute.Tensor, kv: cute.Tensor, block_table: c
         stream, q, kv, block_table, seq_lens, softmax_scale, output_scale, out, lse, o_accum, lse_accum)
 
 
-__all__ = ["VT_A_SELECTORS", "MlaDecodeOtSm90", "launch_mla_decode_ot", "ot_feature", "vt_a_row_offset"]
+@cute.jit
+def launch_mla_decode_ot_traced(stream, q: cute.Tensor, kv: cute.Tensor, block_table: cute.Tensor,
+                                seq_lens: cute.Tensor, softmax_scale: cute.Tensor, output_scale: cute.Tensor,
+                                out: cute.Tensor, lse: cute.Tensor, trace_buf: cute.Tensor, o_accum: cute.Tensor = None,
+                                lse_accum: cute.Tensor = None, *, dtype: cutlass.Constexpr,
+                                num_heads: cutlass.Constexpr, q_len: cutlass.Constexpr, page_size: cutlass.Constexpr,
+                                causal: cutlass.Constexpr, num_splits: cutlass.Constexpr,
+                                tokens_per_split: cutlass.Constexpr, trace: cutlass.Constexpr,
+                                pdl: cutlass.Constexpr = True, l2_prefetch: cutlass.Constexpr = "late",
+                                qk_t: cutlass.Constexpr = False):
+    """Debug build of the O^T loop (FP8 P V mode 5, with ``qk_t`` mode 6) with :meth:`MlaDecodeSeesawSm90.mark`
+    timestamps at the :data:`TRACE_EVENTS_OT` points in ``trace_buf`` (int64 ``(ctas, 2, trace, len(TRACE_EVENTS))``),
+    an extra output after ``lse`` (benchmarks/trace_decode.py)."""
+    MlaDecodeOtSm90(dtype=dtype, num_heads=num_heads, q_len=q_len, page_size=page_size, causal=causal,
+                    num_splits=num_splits, tokens_per_split=tokens_per_split, block_n=64, pdl=pdl,
+                    l2_prefetch=l2_prefetch, qk_t=qk_t, trace=trace)(
+        stream, q, kv, block_table, seq_lens, softmax_scale, output_scale, out, lse, o_accum, lse_accum, trace_buf)
+
+
+__all__ = ["TRACE_EVENTS_OT", "VT_A_SELECTORS", "MlaDecodeOtSm90", "launch_mla_decode_ot", "launch_mla_decode_ot_traced",
+           "ot_feature", "vt_a_row_offset"]
