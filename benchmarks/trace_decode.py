@@ -4,8 +4,9 @@
     source .device/bootstrap.sh && python -m benchmarks.trace_decode --dtype bfloat16 --cases 64,16384,64,32,4
     source .device/bootstrap.sh && TOKENSPEED_SM90_DECODE_FP8_PV=6 python -m benchmarks.trace_decode --cases ...
 
-With ``TOKENSPEED_SM90_DECODE_FP8_PV`` 5 or 6 the FP8 build is the O^T loop's (``launch_mla_decode_ot_traced``,
-its events ``TRACE_EVENTS_OT``), for the cases that mode runs it on (pages >= 32; mode 5: S x H <= 32).
+With ``TOKENSPEED_SM90_DECODE_FP8_PV`` 5, 6 (the default) or 7 the FP8 build is the O^T loop's
+(``launch_mla_decode_ot_traced``, its events ``TRACE_EVENTS_OT``), for the cases that mode runs it on (pages >= 32;
+modes 5 and 6: S x H <= 32); mode 4's loop otherwise (``TOKENSPEED_SM90_DECODE_FP8_PV=4``).
 
 Runs a debug build of the kernel (``launch_mla_decode_seesaw_traced``) in which thread 0 of each warpgroup writes
 ``clock64`` at the ``TRACE_EVENTS`` points of its first ``--iters`` loop iterations, for the first ``--ctas`` CTAs,
@@ -29,7 +30,7 @@ import os
 def traced_decode(c, trace_iters: int, ctas: int, producer: bool = False, ot: str | None = None):
     """jitted ``(q, kv, bt, sl, scale) -> (out, lse, trace)`` of the debug build, for the case ``c``; ``producer``:
     with the producer warpgroup (FP8: mode 4 of ``TOKENSPEED_SM90_DECODE_FP8_PV``, else mode 3; 16-bit:
-    ``TOKENSPEED_SM90_DECODE_PRODUCER16=1``); ``ot`` "5" or "6": the O^T loop of that FP8 P V mode instead."""
+    ``TOKENSPEED_SM90_DECODE_PRODUCER16=1``); ``ot`` "5", "6" or "7": the O^T loop of that FP8 P V mode instead."""
     import jax
     import jax.numpy as jnp
 
@@ -47,7 +48,7 @@ def traced_decode(c, trace_iters: int, ctas: int, producer: bool = False, ot: st
             raise ValueError(why)
         if prob.page_size < (32 if prob.dtype == "float8_e4m3fn" else 16):
             raise ValueError("the traced build is the TMA seesaw (FP8 with early refills): page_size >= 16, FP8 >= 32")
-        plan = plan_for_problem(prob, block_m=32 if ot == "6" else None)  # (mode 6: its 32-row tiles)
+        plan = plan_for_problem(prob, block_m=32 if ot in ("6", "7") else None)  # (the transposed QK: 32-row tiles)
         B, S, H = prob.batch, prob.q_len, prob.num_heads
         out_dt = jnp.bfloat16 if prob.dtype == "float8_e4m3fn" else jnp.dtype(prob.dtype)
         outputs = [jax.ShapeDtypeStruct((B, S, H, 512), out_dt), jax.ShapeDtypeStruct((B, S, H), jnp.float32),
@@ -59,7 +60,7 @@ def traced_decode(c, trace_iters: int, ctas: int, producer: bool = False, ot: st
                   "page_size": prob.page_size, "causal": True, "num_splits": plan.num_splits,
                   "tokens_per_split": plan.tokens_per_split, "trace": trace_iters}
         if ot:
-            call = ffi.custom_call(sm90_decode.TARGET, launch_mla_decode_ot_traced, qk_t=ot == "6", **common)
+            call = ffi.custom_call(sm90_decode.TARGET, launch_mla_decode_ot_traced, qk_t=ot != "5", **common)
         else:
             call = ffi.custom_call(sm90_decode.TARGET, launch_mla_decode_seesaw_traced, tma_producer=producer,
                                    **common)
@@ -120,20 +121,21 @@ def main(argv=None):
     from tokenspeed_jax.kernels.sm90.mla_decode_seesaw import TRACE_EVENTS
 
     mode = sm90_decode.resolve_fp8_pv() if a.dtype == "float8_e4m3fn" else None
-    if mode not in (None, "3", "4", "5", "6"):
-        raise SystemExit(f"{sm90_decode.FP8_PV_ENV}={mode}: the traced FP8 build is mode 3, 4, 5 or 6")
-    ot = mode if mode in ("5", "6") else None
+    if mode not in (None, "3", "4", "5", "6", "7"):
+        raise SystemExit(f"{sm90_decode.FP8_PV_ENV}={mode}: the traced FP8 build is mode 3, 4, 5, 6 or 7")
+    ot = mode if mode in ("5", "6", "7") else None
     events = TRACE_EVENTS_OT if ot else TRACE_EVENTS
     # the producer warpgroup itself is not traced (nor the empty refill phases it leaves)
-    producer = mode == "4" if mode else sm90_decode.resolve_producer16() == "1"
+    producer = mode in ("4", "5", "6", "7") if mode else sm90_decode.resolve_producer16() == "1"
     report = {"name": f"per-warpgroup timeline of the sm90 decode loop, {a.dtype} (clock64 cycles)", **provenance(),
               "fp8_pv_mode": mode, "producer": producer,
               "events": [list(e) for e in events], "cases": []}
     for spec in a.cases:
         B, K, page, H, S = (int(x) for x in spec.split(","))
         c = dataclasses.replace(bench_case(B, K, page, H, S), dtype=a.dtype)
-        if ot and (page < 32 or (ot == "5" and H * S > 32)):
-            raise SystemExit(f"{c.name}: mode {ot} runs the O^T loop on pages >= 32 (mode 5: S x H <= 32 only)")
+        if ot and (page < 32 or (ot != "7" and H * S > 32)):
+            raise SystemExit(f"{c.name}: mode {ot} runs the O^T loop on pages >= 32 (modes 5, 6: S x H <= 32 only; "
+                             f"{sm90_decode.FP8_PV_ENV}=4 traces mode 4's loop)")
         q, kv, bt, sl, scale = bench_inputs(c)
         q, kv = q.astype(c.dtype), kv.astype(c.dtype)
         ref = decode_fn(c, "sm90")(q, kv, bt, sl, scale)

@@ -397,11 +397,11 @@ def test_fp8_pv_switch(monkeypatch):
     from tokenspeed_jax.backends import sm90_decode as m
 
     monkeypatch.delenv(m.FP8_PV_ENV, raising=False)
-    assert m.resolve_fp8_pv() == m.FP8_PV_DEFAULT == "4"
+    assert m.resolve_fp8_pv() == m.FP8_PV_DEFAULT == "6"
     for v in m.FP8_PV_MODES:
         monkeypatch.setenv(m.FP8_PV_ENV, v)
         assert m.resolve_fp8_pv() == v
-    for bad in ("on", "true", "7"):
+    for bad in ("on", "true", "8"):
         monkeypatch.setenv(m.FP8_PV_ENV, bad)
         with pytest.raises(ValueError, match=m.FP8_PV_ENV):
             m.resolve_fp8_pv()
@@ -661,9 +661,9 @@ _TRACE_SCRIPT = textwrap.dedent(
             sd((2, c.max_pages), jnp.int32), sd((2,), jnp.int32), sd((), jnp.float32)).lower(
             lowering_platforms=("cuda",)).as_text()
     print("TRACE_OUT16", bool(re.search(r"tensor<2x2x5x%dxi64>" % len(TRACE_EVENTS), txt)))
-    c = dataclasses.replace(bench_case(2, 4096, 64, 32, 2), dtype="float8_e4m3fn")  # the O^T loop, mode 6
+    c = dataclasses.replace(bench_case(2, 4096, 64, 32, 2), dtype="float8_e4m3fn")  # the O^T loop, mode 7
     with target_override("sm_90a", num_sms=132):
-        txt = traced_decode(c, 4, 3, True, "6").trace(
+        txt = traced_decode(c, 4, 3, True, "7").trace(
             sd((2, 2, 32, 576), f8), sd((c.num_pages, 64, 576), f8), sd((2, c.max_pages), jnp.int32),
             sd((2,), jnp.int32), sd((), jnp.float32)).lower(lowering_platforms=("cuda",)).as_text()
     print("TRACE_OUT_OT", bool(re.search(r"tensor<3x2x4x%dxi64>" % len(TRACE_EVENTS), txt)))
@@ -804,7 +804,7 @@ def test_fp8_ot_vt_fragment_mapping():
 def test_fp8_ot_switch(monkeypatch):
     """FP8 P V modes 5 and 6 run the O^T schedule's launch function (keyed ``pv_ot``; 6 with the transposed QK,
     ``qk_t``) for S x H <= 32 with pages >= 32, and otherwise what mode 4 runs (its loop; with 16-token pages its
-    fallback)."""
+    fallback); mode 7 runs mode 6's loop for any S x H, on the 32-row plan."""
     pytest.importorskip("cutlass")
     import jax.numpy as jnp
 
@@ -825,7 +825,7 @@ def test_fp8_ot_switch(monkeypatch):
     q = jnp.zeros((2, 1, 16, 576), f8)
     bt, sl = jnp.zeros((2, 8), jnp.int32), jnp.full((2,), 100, jnp.int32)
     for mode, page, ot in (("5", 64, True), ("5", 32, True), ("5", 16, False), ("4", 64, False), ("6", 64, True),
-                           ("6", 16, False)):
+                           ("6", 16, False), ("7", 64, True)):
         monkeypatch.setenv(m.FP8_PV_ENV, mode)
         kv = jnp.zeros((16, page, 576), f8)
         m.decode(_problem(batch=2, q_len=1, page_size=page, num_pages=16, max_pages=8, dtype="float8_e4m3fn"),
@@ -833,17 +833,19 @@ def test_fp8_ot_switch(monkeypatch):
         assert seen["key"].pv_ot is ot and (seen["launch"] is launch_mla_decode_ot) is ot, (mode, page)
         if ot:
             assert "pv_fp8" not in seen["kw"] and seen["kw"]["l2_prefetch"] == m.L2_PREFETCH_DEFAULT, seen["kw"]
-            assert seen["kw"]["qk_t"] is (mode == "6") and seen["key"].qk_t is (mode == "6"), seen["kw"]
+            assert seen["kw"]["qk_t"] is (mode != "5") and seen["key"].qk_t is (mode != "5"), seen["kw"]
         else:
             assert seen["launch"] is launch_mla_decode_seesaw and seen["kw"]["vt_packed"] is True, (mode, page)
-    # more than 32 query rows (S x H = 64): mode 4's loop
-    monkeypatch.setenv(m.FP8_PV_ENV, "5")
-    m.decode(_problem(batch=2, q_len=2, num_heads=32, page_size=64, num_pages=16, max_pages=8, dtype="float8_e4m3fn"),
-             jnp.zeros((2, 2, 32, 576), f8), jnp.zeros((16, 64, 576), f8), bt, sl, 0.1, 1.0)
-    assert seen["key"].pv_ot is False and seen["launch"] is launch_mla_decode_seesaw, seen["key"]
-    assert seen["kw"]["tma_producer"] is True and seen["kw"]["vt_packed"] is True, seen["kw"]
-    # ... mode 6 runs the O^T loop for them, on its 32-row plan (a long table: the split counts of the two differ)
-    monkeypatch.setenv(m.FP8_PV_ENV, "6")
+    # more than 32 query rows (S x H = 64): mode 4's loop with modes 5 and 6
+    for mode in ("5", "6"):
+        monkeypatch.setenv(m.FP8_PV_ENV, mode)
+        m.decode(_problem(batch=2, q_len=2, num_heads=32, page_size=64, num_pages=16, max_pages=8,
+                          dtype="float8_e4m3fn"), jnp.zeros((2, 2, 32, 576), f8), jnp.zeros((16, 64, 576), f8), bt, sl,
+                 0.1, 1.0)
+        assert seen["key"].pv_ot is False and seen["launch"] is launch_mla_decode_seesaw, (mode, seen["key"])
+        assert seen["kw"]["tma_producer"] is True and seen["kw"]["vt_packed"] is True, seen["kw"]
+    # ... mode 7 runs the O^T loop for them, on its 32-row plan (a long table: the split counts of the two differ)
+    monkeypatch.setenv(m.FP8_PV_ENV, "7")
     bt = jnp.zeros((2, 1200), jnp.int32)
     prob = _problem(batch=2, q_len=2, num_heads=32, page_size=64, num_pages=16, max_pages=1200, dtype="float8_e4m3fn")
     m.decode(prob, jnp.zeros((2, 2, 32, 576), f8), jnp.zeros((16, 64, 576), f8), bt, sl, 0.1, 1.0)

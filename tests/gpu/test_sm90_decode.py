@@ -54,13 +54,13 @@ def test_sm90_decode_matches_reference(case, rng):
     assert r["ok"], r
 
 
-@pytest.mark.parametrize("mode,case", [(m, c) for m in ("5", "6") for c in _cases() if c.dtype == "float8_e4m3fn"
-                                       and c.page >= 32 and (m == "6" or c.S * c.H <= 32)],
+@pytest.mark.parametrize("mode,case", [(m, c) for m in ("5", "7") for c in _cases() if c.dtype == "float8_e4m3fn"
+                                       and c.page >= 32 and (m == "7" or c.S * c.H <= 32)],
                          ids=lambda x: x if isinstance(x, str) else x.name)
 def test_sm90_decode_fp8_ot_matches_reference(mode, case, rng, monkeypatch):
-    """FP8 P V modes 5 and 6 (the O^T loop, opt-in: ``kernels/sm90/mla_decode_ot.py``; 6 with the transposed QK on
-    32-row tiles) on the check cases they run (pages >= 32; mode 5: S x H <= 32), against the fp32 reference with
-    the FP8 P V tolerance."""
+    """FP8 P V modes 5 and 7 (the O^T loop, ``kernels/sm90/mla_decode_ot.py``; 7: with the transposed QK, on 32-row
+    tiles for every S x H, so it covers the default mode 6's loop and more) on the check cases they run (pages >= 32;
+    mode 5: S x H <= 32), against the fp32 reference with the FP8 P V tolerance."""
     from benchmarks.decode import check
     from tokenspeed_jax.backends import sm90_decode
 

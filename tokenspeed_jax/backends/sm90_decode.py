@@ -66,14 +66,16 @@ FP8_QK_ENV = "TOKENSPEED_SM90_DECODE_FP8_QK"
 # [V^T | P | staging] (PVs as QGMMA m64n256k32, the transpose on ldmatrix.trans / stmatrix; 16-token pages run
 # "1" packed), 10.3% faster than "2" on the H200; "4" (the default since 2026-12-01 evening, 10.8% faster than
 # "3") is "3" with a third, producer warpgroup that issues the TMA refills (docs/sm90_decode.md, "Producer
-# warpgroup"; 16-token pages run "1" packed).  "5" (opt-in, not yet run on a GPU) is "4" except for S x H <= 32
-# query rows with pages >= 32: there the O^T = V^T P^T loop runs, V^T the register A operand loaded straight from the
-# e4m3 staging (no V^T copy in shared memory, 4 staging buffers; kernels/sm90/mla_decode_ot.py, docs/sm90_decode.md,
-# "O^T schedule").  "6" (opt-in, not yet run on a GPU either) is "5" with the QK transposed there too, S^T = K Q^T
-# with the query rows as N.  Needs the QGMMA QK.  Read at trace time; part of the compile key.
+# warpgroup"; 16-token pages run "1" packed).  "5" is "4" except for S x H <= 32 query rows with pages >= 32: there
+# the O^T = V^T P^T loop runs, V^T the register A operand loaded straight from the e4m3 staging (no V^T copy in shared
+# memory, 4 staging buffers; kernels/sm90/mla_decode_ot.py, docs/sm90_decode.md, "O^T schedule").  "6" (the default
+# since 2026-12-01 21:50 UTC) is "5" with the QK transposed too, S^T = K Q^T with the query rows as N: 1.06-1.52x mode
+# 4 on the 4 shapes of the issue matrix it runs (S x H <= 32), the others run "4".  "7" runs that loop for every S x H
+# on 32-row tiles (its own plan): 0.64-0.79x mode 4 where S x H >= 64 (H200, 2026-12-01), kept opt-in.  Needs the
+# QGMMA QK.  Read at trace time; part of the compile key.
 FP8_PV_ENV = "TOKENSPEED_SM90_DECODE_FP8_PV"
-FP8_PV_MODES = ("0", "1", "2", "3", "4", "5", "6")
-FP8_PV_DEFAULT = "4"
+FP8_PV_MODES = ("0", "1", "2", "3", "4", "5", "6", "7")
+FP8_PV_DEFAULT = "6"
 # "1" (default since 2026-12-01 evening: 1.055x on 5 BF16 shapes of the issue matrix, bitwise equal) gives the 16-bit
 # seesaw loop (pages >= 32, TMA refills) a producer warpgroup that issues its four column-group refills
 # (docs/sm90_decode.md, "Producer warpgroup"), like FP8 mode "4"; "0" without.  Read at trace time; part of the
@@ -116,8 +118,8 @@ class DecodeKernelKey:
     early_refill: bool = False  # ... whole-slot refills after the V transpose ($TOKENSPEED_SM90_DECODE_FP8_PV 2, 3)
     vt_packed: bool = False  # ... with packed slots ($TOKENSPEED_SM90_DECODE_FP8_PV 3, 4)
     tma_producer: bool = False  # a producer warpgroup ($TOKENSPEED_SM90_DECODE_FP8_PV 4; 16-bit: ..._PRODUCER16)
-    pv_ot: bool = False  # FP8: the O^T = V^T P^T loop ($TOKENSPEED_SM90_DECODE_FP8_PV 5, 6)
-    qk_t: bool = False  # ... with the transposed QK S^T = K Q^T ($TOKENSPEED_SM90_DECODE_FP8_PV 6)
+    pv_ot: bool = False  # FP8: the O^T = V^T P^T loop ($TOKENSPEED_SM90_DECODE_FP8_PV 5, 6, 7)
+    qk_t: bool = False  # ... with the transposed QK S^T = K Q^T ($TOKENSPEED_SM90_DECODE_FP8_PV 6, 7)
 
 
 def supports(problem: DecodeProblem) -> str | None:
@@ -206,19 +208,20 @@ def decode(problem: DecodeProblem, q, kv_cache, block_table, seq_lens, softmax_s
     # mode 2 with 16-token pages (4 TMA boxes per chunk) spills about 200 bytes (CPU compile, 2026-12-01):
     # those run mode 1
     pv_fp8 = fp8_pv != "0"
-    early_refill = fp8_pv in ("2", "3", "4", "5", "6") and problem.page_size >= _MIN_EARLY_REFILL_PAGE
-    vt_packed = fp8_pv in ("3", "4", "5", "6")
-    # mode 5 (the O^T loop) for S x H <= 32 rows with pages >= 32, otherwise mode 4 (with 64 rows the O^T loop
-    # spilled); mode 6 (the O^T loop with the transposed QK) with pages >= 32 for any S x H, on 32-row tiles (its own
-    # plan: block_m 32)
-    qk_t = fp8_pv == "6" and early_refill
-    pv_ot = qk_t or (fp8_pv == "5" and early_refill and S * H <= _MAX_OT_ROWS)
+    early_refill = fp8_pv in ("2", "3", "4", "5", "6", "7") and problem.page_size >= _MIN_EARLY_REFILL_PAGE
+    vt_packed = fp8_pv in ("3", "4", "5", "6", "7")
+    # modes 5 and 6 (the O^T loop; 6 with the transposed QK) for S x H <= 32 rows with pages >= 32, otherwise mode 4
+    # (mode 5's loop spilled with 64 rows; mode 6's 32-row tiles were slower there); mode 7 runs mode 6's loop for any
+    # S x H, on 32-row tiles (its own plan: block_m 32)
+    small = S * H <= _MAX_OT_ROWS
+    qk_t = early_refill and (fp8_pv == "7" or (fp8_pv == "6" and small))
+    pv_ot = qk_t or (fp8_pv == "5" and early_refill and small)
     if qk_t:
         plan = plan_for_problem(problem, block_m=_MAX_OT_ROWS)
     if pv_ot:
         launch = launch_mla_decode_ot
     if fp8_seesaw:
-        tma_producer = fp8_pv in ("4", "5", "6") and early_refill
+        tma_producer = fp8_pv in ("4", "5", "6", "7") and early_refill
     else:  # (with 16-token pages the producer's coordinates, 4 boxes per chunk, spill in its 24 registers)
         tma_producer = (seesaw and not no_tma and problem.page_size >= _MIN_EARLY_REFILL_PAGE
                         and resolve_producer16() == "1")
