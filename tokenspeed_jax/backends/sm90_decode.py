@@ -7,11 +7,12 @@ the split-KV partials are XLA-owned extra outputs of the custom call, sized exac
 
 FP8 (``float8_e4m3fn`` q and cache, scales folded into ``softmax_scale`` / ``output_scale`` as the decode
 contract says) reads half the bytes.  In the seesaw loop (page sizes >= 16) QK^T runs on FP8 tensor cores
-(QGMMA) straight from the landed e4m3 tiles, and so does P V (``TOKENSPEED_SM90_DECODE_FP8_PV``, default
-``3``): P is rounded to e4m3 and V transposed in shared memory (``ldmatrix.trans`` / ``stmatrix`` into a packed
-slot, one QGMMA m64n256k32 per PV k-step), and each warpgroup refills its whole KV slot right after that
-transpose (1.22x the speed of ``0`` on the H200, 2026-12-01; ``2``, the previous slot layout, 1.10x; output
-errors 7-13x the bf16 output rounding, within the bound the check states; ``docs/sm90_decode.md``).  ``=0``
+(QGMMA) straight from the landed e4m3 tiles, and so does P V (``TOKENSPEED_SM90_DECODE_FP8_PV``, default ``6``,
+its modes at :data:`FP8_PV_ENV`): P is rounded to e4m3; for 64 or more query rows V is transposed in shared memory
+(``ldmatrix.trans`` / ``stmatrix`` into a packed slot, one QGMMA m64n256k32 per PV k-step; mode ``4``), for 32 or
+fewer the O^T loop takes ``V^T`` as a register operand straight from the staging and transposes the QK
+(``kernels/sm90/mla_decode_ot.py``; 1.06-1.52x mode 4 there).  Output errors 7-13x the bf16 output rounding, within
+the bound the check states (``docs/sm90_decode.md``).  ``=0``
 keeps P V exact on fp16 operands (V upcast in shared memory); ``TOKENSPEED_SM90_DECODE_FP8_QK=0`` also runs the
 QK on fp16 operands.  The lockstep loop (page 8) upcasts to bf16 in shared memory.  bf16 output.
 
