@@ -207,11 +207,12 @@ class MlaDecodeOtSm90(MlaDecodeSeesawSm90):
     def p_store(self, qk_thr, bufs, k):
         """The QK accumulator's partition of buffer ``k``'s P tile (store view; with ``qk_t`` the accumulator is
         ``S^T``, (tokens, rows), and so is the view)."""
-        view = self.p_views(bufs, k)[0]
         if cutlass.const_expr(self.qk_t):
             ptr = cute.recast_ptr(bufs + k * _BUF_BYTES, self._swz())
             view = cute.make_tensor(ptr, cute.make_layout(((2, 4, 2, self.block_n // 16), self.pv_n),
                                                           stride=((1, 4, 2, 16), self.block_n)))
+        else:
+            view = self.p_views(bufs, k)[0]
         return qk_thr.partition_C(view)
 
     def qk_tile(self, qk_mma, qk_thr, acc_s, tSrQ, bufs, k):
@@ -353,14 +354,8 @@ class MlaDecodeOtSm90(MlaDecodeSeesawSm90):
                   mLse: cute.Tensor, mOacc: cute.Tensor, mLacc: cute.Tensor, mTrace: cute.Tensor,
                   q_layout: cute.ComposedLayout, tma_atom: cute.CopyAtom, tma_kv: cute.Tensor,
                   Storage: cutlass.Constexpr):
-        tid, _, _ = cute.arch.thread_idx()
-        mblk, split, b = cute.arch.block_idx()
-        self.allow_combine_launch()
-        wg = cute.arch.make_warp_uniform(tid // 128)
-        wtid = tid % 128
+        tid, mblk, split, b, wg, wtid, st = self.cta_start(Storage)
         bn = self.block_n
-        smem = cutlass.utils.SmemAllocator()
-        st = smem.allocate(Storage)
         sQ = st.sQ.get_tensor(q_layout.outer, swizzle=q_layout.inner)
         sM = st.row_max.get_tensor(cute.make_layout(64))
         mbar = st.mbar.data_ptr()

@@ -282,6 +282,17 @@ class MlaDecodeSeesawSm90(Fp8OperandsMixin, MlaDecodeSm90):
 
     # ---------------------------------------------------------------------------------------- device
     @cute.jit
+    def cta_start(self, Storage: cutlass.Constexpr):
+        """First thing of a main kernel (this loop's and the O^T loop's): ``(tid, row block, split, request,
+        warpgroup, thread in the warpgroup, shared storage)``, after the combine's PDL trigger."""
+        tid, _, _ = cute.arch.thread_idx()
+        mblk, split, b = cute.arch.block_idx()
+        self.allow_combine_launch()
+        wg = cute.arch.make_warp_uniform(tid // 128)
+        st = cutlass.utils.SmemAllocator().allocate(Storage)
+        return tid, mblk, split, b, wg, tid % 128, st
+
+    @cute.jit
     def num_pairs(self, split_start: Int32, split_end: Int32):
         """Tile pairs (2 x 64 tokens) of the split ``[split_start, split_end)``, 0 if it is empty."""
         n = Int32(0)
@@ -651,14 +662,8 @@ class MlaDecodeSeesawSm90(Fp8OperandsMixin, MlaDecodeSm90):
                       q_layout: cute.ComposedLayout, k_layout: cute.ComposedLayout, v_layout: cute.ComposedLayout,
                       p_layout: cute.ComposedLayout, tma_atom: cute.CopyAtom, tma_kv: cute.Tensor,
                       Storage: cutlass.Constexpr):
-        tid, _, _ = cute.arch.thread_idx()
-        mblk, split, b = cute.arch.block_idx()
-        self.allow_combine_launch()
-        wg = cute.arch.make_warp_uniform(tid // 128)
-        wtid = tid % 128
+        tid, mblk, split, b, wg, wtid, st = self.cta_start(Storage)
         bn = self.block_n
-        smem = cutlass.utils.SmemAllocator()
-        st = smem.allocate(Storage)
         sQ = st.sQ.get_tensor(q_layout.outer, swizzle=q_layout.inner)
         sK = st.sK.get_tensor(k_layout.outer, swizzle=k_layout.inner)
         sM = st.row_max.get_tensor(cute.make_layout(64))
