@@ -134,6 +134,30 @@ _SCRIPT = textwrap.dedent(
                        ldsm=len(re.findall(r"ldmatrix\\.sync\\.aligned\\.m8n8\\.x4\\.trans", tptx)),
                        spill=len(re.findall(r"\\b(STL|LDL)\\b", tsass)),
                        depbar=len(re.findall(r"WARPGROUP\\.DEPBAR", tsass)), sass=bool(tsass))
+    # FP8 P V mode 8, the row-split loop (S x H = 128: two 64-row blocks; page 32: 2 boxes per chunk; 3 splits)
+    from tokenspeed_jax.kernels.sm90.mla_decode_rs import MlaDecodeRsSm90
+    before = set(glob.glob(d + "/*"))
+    kr = MlaDecodeRsSm90(dtype="float8_e4m3fn", num_heads=32, q_len=4, page_size=32, causal=True, num_splits=3,
+                         tokens_per_split=256, block_n=64)
+    cute.compile(kr, *fake_args(kr, 4, 32, 32, 3))
+    rptx, rsass = own(before, ".ptx"), own(before, ".sass")
+    res["rs"] = dict(n32=len(re.findall(r"wgmma.mma_async.sync.aligned.m64n32k32.f32.e4m3.e4m3", rptx)),
+                     other=len(re.findall(r"wgmma.mma_async.sync.aligned.m64n(?!32k32)", rptx)),
+                     qgmma=len(re.findall(r"QGMMA\\.64x32x32\\.F32\\.E4M3\\.E4M3", rsass)),
+                     qgmma_r=len(re.findall(r"QGMMA\\.64x32x32\\.F32\\.E4M3\\.E4M3 R\\d+, R\\d+", rsass)),
+                     ldsm=len(re.findall(r"ldmatrix\\.sync\\.aligned\\.m8n8\\.x4\\.trans", rptx)),
+                     tma=len(re.findall(r"cp\\.async\\.bulk\\.tensor\\.3d\\.shared::\\w+\\.global\\.tile\\.mbarrier", rptx)),
+                     maxnreg=len(re.findall(r"setmaxnreg\\.(?:inc|dec)\\.sync\\.aligned\\.u32\\s+(?:240|24);", rptx)),
+                     empty=len(re.findall(r"mbarrier\\.arrive(?!\\.expect_tx)[\\w.:]*\\s", rptx)),
+                     tiles=[kr.block_m, kr.num_m_blocks, kr.pv_n, kr.stages],
+                     spill=len(re.findall(r"\\b(STL|LDL)\\b", rsass)),
+                     depbar=len(re.findall(r"WARPGROUP\\.DEPBAR", rsass)), sass=bool(rsass))
+    try:
+        MlaDecodeRsSm90(dtype="float8_e4m3fn", num_heads=32, q_len=4, page_size=32, causal=True, num_splits=1,
+                        tokens_per_split=256, block_n=64, stages=6)
+        res["rs_stages6"] = "accepted"
+    except ValueError as e:
+        res["rs_stages6"] = str(e)
     optx, osass = res.pop("ot_pre")
     ot = {n: len(re.findall(pat, optx if src == "ptx" else osass)) for n, (pat, src) in dict(
         qk8=(r"wgmma.mma_async.sync.aligned.m64n64k32.f32.e4m3.e4m3", "ptx"),
@@ -200,19 +224,21 @@ _SCRIPT = textwrap.dedent(
                                sd((2, 40), jnp.int32), sd((2,), jnp.int32), sd((), jnp.float32),
                                sd((), jnp.float32)).lower(lowering_platforms=("cuda",)).as_text()
     res["ov_targets"] = sorted(set(re.findall(r"custom_call @(\\w+)", txt)))
-    # FP8 P V mode 5 through the public op: 16 query rows run the O^T kernel (its entry in this lowering's PTX)
+    # FP8 P V modes 5 and 8 through the public op: 16 query rows run the O^T kernel, 64 (mode 8) the row-split
+    # kernel (each kernel's entry in its lowering's PTX)
     from tokenspeed_jax.backends.sm90_decode import FP8_PV_ENV
     del os.environ[SCHEDULE_ENV]
-    os.environ[FP8_PV_ENV] = "5"
-    before = set(glob.glob(d + "/*"))
     f8 = jnp.float8_e4m3fn
-    with target_override("sm_90a"):
-        txt = jax.jit(f).trace(sd((3, 1, 16, 576), f8), sd((200, 64, 576), f8), sd((3, 40), jnp.int32),
-                               sd((3,), jnp.int32), sd((), jnp.float32),
-                               sd((), jnp.float32)).lower(lowering_platforms=("cuda",)).as_text()
-    res["ot_lower"] = dict(targets=sorted(set(re.findall(r"custom_call @(\\w+)", txt))),
-                           entry=bool(re.search(r"\\.entry kernel_cutlass_ot_kernel\\w*MlaDecodeOtSm90",
-                                                own(before, ".ptx"))))
+    for mode, S, H, name, entry in (("5", 1, 16, "ot_lower", "ot_kernel\\w*MlaDecodeOtSm90"),
+                                    ("8", 2, 32, "rs_lower", "rs_kernel\\w*MlaDecodeRsSm90")):
+        os.environ[FP8_PV_ENV] = mode
+        before = set(glob.glob(d + "/*"))
+        with target_override("sm_90a"):
+            txt = jax.jit(f).trace(sd((3, S, H, 576), f8), sd((200, 64, 576), f8), sd((3, 40), jnp.int32),
+                                   sd((3,), jnp.int32), sd((), jnp.float32),
+                                   sd((), jnp.float32)).lower(lowering_platforms=("cuda",)).as_text()
+        res[name] = dict(targets=sorted(set(re.findall(r"custom_call @(\\w+)", txt))),
+                         entry=bool(re.search(r"\\.entry kernel_cutlass_" + entry, own(before, ".ptx"))))
     print("RESULT " + json.dumps(res))
     """
 )
@@ -337,6 +363,19 @@ def test_sm90_decode_compiles_for_sm90a(tmp_path):
         assert x["qgmma"] == 18 * 3 + 32 and x["qgmma_r"] == 32 and x["depbar"] <= 12 and x["spill"] == 0, x
     if x["sass"]:
         assert x["qgmma"] == 18 * 3 and x["qgmma_r"] == 32 and x["depbar"] <= 12 and x["spill"] == 0, x
+    # mode 8 (the row-split loop; 128 rows, page 32, 3 splits): only m64n32k32 QGMMAs: the QK (S^T = K Q_w^T, the
+    # warpgroup's 32 rows as N) of the first tile and of the loop's next tile, 18 each, and the PV in 4 sets of 2
+    # m-blocks x 2 k32 steps with V^T from registers (2 ldmatrix.x4.trans per set and k32 step); TMA: the ring's 4
+    # tiles in the prologue and 1 per tile in the producer's loop, x 9 chunks x 2 boxes; each warp releases a buffer
+    # on its empty mbarrier (1 arrive site); the producer's setmaxnreg; no spill, and no serialized wgmma (a few
+    # explicit waits: the prologue, the step's 2, the PV's 2, after the loop)
+    x = r["rs"]
+    assert x["n32"] == 18 * 2 + 16 and x["other"] == 0 and x["ldsm"] == 16 and x["tma"] == (4 + 1) * 18, x
+    assert x["maxnreg"] == 2 and x["empty"] == 1 and x["tiles"] == [64, 2, 32, 4], x
+    if x["sass"]:
+        assert x["qgmma"] == 52 and x["qgmma_r"] == 16 and x["spill"] == 0 and x["depbar"] <= 8, x
+    assert "stages" in r["rs_stages6"], r["rs_stages6"]
+    assert r["rs_lower"] == {"targets": ["tokenspeed_mla_decode_sm90"], "entry": True}, r["rs_lower"]
     # ptxas must not serialize the wgmmas (C7520 "wgmma.mma_async instructions are serialized": a
     # WARPGROUP.DEPBAR after every one, 105 in the FP8 P V kernel of commit e9c62ec, measured on the H200 in that
     # state); the loops wait explicitly at about 7 places
@@ -401,7 +440,7 @@ def test_fp8_pv_switch(monkeypatch):
     for v in m.FP8_PV_MODES:
         monkeypatch.setenv(m.FP8_PV_ENV, v)
         assert m.resolve_fp8_pv() == v
-    for bad in ("on", "true", "8"):
+    for bad in ("on", "true", "9"):
         monkeypatch.setenv(m.FP8_PV_ENV, bad)
         with pytest.raises(ValueError, match=m.FP8_PV_ENV):
             m.resolve_fp8_pv()
@@ -410,7 +449,11 @@ def test_fp8_pv_switch(monkeypatch):
     assert len({m.DecodeKernelKey(*k), m.DecodeKernelKey(*k, True), m.DecodeKernelKey(*k, True, True),
                 m.DecodeKernelKey(*k, True, True, True), m.DecodeKernelKey(*k, True, True, True, True),
                 m.DecodeKernelKey(*k, True, True, True, True, True),
-                m.DecodeKernelKey(*k, True, True, True, True, True, True)}) == 7
+                m.DecodeKernelKey(*k, True, True, True, True, True, True),
+                m.DecodeKernelKey(*k, True, True, True, True, True, True, 4)}) == 8
+    assert m.RS_STAGES_ENV in m.TRACE_ENV
+    monkeypatch.delenv(m.RS_STAGES_ENV, raising=False)
+    assert m.resolve_rs_stages() == int(m.RS_STAGES_DEFAULT) == 4
 
 
 def test_producer16_switch(monkeypatch):
@@ -804,7 +847,8 @@ def test_fp8_ot_vt_fragment_mapping():
 def test_fp8_ot_switch(monkeypatch):
     """FP8 P V modes 5 and 6 run the O^T schedule's launch function (keyed ``pv_ot``; 6 with the transposed QK,
     ``qk_t``) for S x H <= 32 with pages >= 32, and otherwise what mode 4 runs (its loop; with 16-token pages its
-    fallback); mode 7 runs mode 6's loop for any S x H, on the 32-row plan."""
+    fallback); mode 7 runs mode 6's loop for any S x H, on the 32-row plan; mode 8 the row-split loop for more than
+    32 rows."""
     pytest.importorskip("cutlass")
     import jax.numpy as jnp
 
@@ -855,3 +899,27 @@ def test_fp8_ot_switch(monkeypatch):
     assert (seen["key"].num_splits, seen["key"].tokens_per_split) == (p32.num_splits, p32.tokens_per_split), p32
     assert p32.num_m_blocks == 2 and p32.num_splits != plan_mla_decode(
         batch=2, q_len=2, num_heads=32, max_kv_len=1200 * 64, page_size=64, num_sms=132).num_splits
+
+    # mode 8: the row-split launch for S x H > 32 with pages >= 32, on the default plan (64-row blocks), with
+    # $TOKENSPEED_SM90_DECODE_RS_STAGES KV buffers; mode 6's O^T loop for S x H <= 32; mode 4's loop for 16-token pages
+    from tokenspeed_jax.kernels.sm90.mla_decode_rs import launch_mla_decode_rs
+
+    monkeypatch.setenv(m.FP8_PV_ENV, "8")
+    p64 = plan_mla_decode(batch=2, q_len=2, num_heads=32, max_kv_len=1200 * 64, page_size=64, num_sms=132)
+    for stages in ("", "2", "5"):
+        monkeypatch.setenv(m.RS_STAGES_ENV, stages)
+        m.decode(prob, jnp.zeros((2, 2, 32, 576), f8), jnp.zeros((16, 64, 576), f8), bt, sl, 0.1, 1.0)
+        want = int(stages or m.RS_STAGES_DEFAULT)
+        assert seen["launch"] is launch_mla_decode_rs and seen["key"].rs_stages == want, seen["key"]
+        assert seen["kw"]["stages"] == want and "l2_prefetch" not in seen["kw"] and "qk_t" not in seen["kw"], seen["kw"]
+        assert (seen["key"].num_splits, seen["key"].tokens_per_split) == (p64.num_splits, p64.tokens_per_split)
+    monkeypatch.setenv(m.RS_STAGES_ENV, "6")
+    with pytest.raises(ValueError, match=m.RS_STAGES_ENV):
+        m.decode(prob, jnp.zeros((2, 2, 32, 576), f8), jnp.zeros((16, 64, 576), f8), bt, sl, 0.1, 1.0)
+    monkeypatch.delenv(m.RS_STAGES_ENV)
+    m.decode(_problem(batch=2, q_len=1, page_size=64, num_pages=16, max_pages=8, dtype="float8_e4m3fn"),
+             jnp.zeros((2, 1, 16, 576), f8), jnp.zeros((16, 64, 576), f8), bt[:, :8], sl, 0.1, 1.0)
+    assert seen["launch"] is launch_mla_decode_ot and seen["key"].qk_t and seen["key"].rs_stages == 0, seen["key"]
+    m.decode(_problem(batch=2, q_len=2, num_heads=32, page_size=16, num_pages=16, max_pages=8, dtype="float8_e4m3fn"),
+             jnp.zeros((2, 2, 32, 576), f8), jnp.zeros((16, 16, 576), f8), bt[:, :8], sl, 0.1, 1.0)
+    assert seen["launch"] is launch_mla_decode_seesaw and seen["key"].rs_stages == 0, seen["key"]

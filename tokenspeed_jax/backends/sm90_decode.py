@@ -73,9 +73,12 @@ FP8_QK_ENV = "TOKENSPEED_SM90_DECODE_FP8_QK"
 # since 2026-12-01 21:50 UTC) is "5" with the QK transposed too, S^T = K Q^T with the query rows as N: 1.06-1.52x mode
 # 4 on the 4 shapes of the issue matrix it runs (S x H <= 32), the others run "4".  "7" runs that loop for every S x H
 # on 32-row tiles (its own plan): 0.64-0.79x mode 4 where S x H >= 64 (H200, 2026-12-01), kept opt-in.  Needs the
-# QGMMA QK.  Read at trace time; part of the compile key.
+# QGMMA QK.  "8" is "6" except for S x H > 32 rows with pages >= 32: there the row-split loop runs (each warpgroup
+# 32 query rows and all 512 features, O^T = V^T P^T and S^T = K Q^T, a ring of KV buffers;
+# kernels/sm90/mla_decode_rs.py, docs/sm90_decode.md, "Row-split loop"): 0.80-0.92x mode 4 there (H200, 2026-12-01),
+# kept opt-in.  Read at trace time; part of the compile key.
 FP8_PV_ENV = "TOKENSPEED_SM90_DECODE_FP8_PV"
-FP8_PV_MODES = ("0", "1", "2", "3", "4", "5", "6", "7")
+FP8_PV_MODES = ("0", "1", "2", "3", "4", "5", "6", "7", "8")
 FP8_PV_DEFAULT = "6"
 # "1" (default since 2026-12-01 evening: 1.055x on 5 BF16 shapes of the issue matrix, bitwise equal) gives the 16-bit
 # seesaw loop (pages >= 32, TMA refills) a producer warpgroup that issues its four column-group refills
@@ -90,7 +93,11 @@ L2_PREFETCH_MODES = ("off", "late", "early")  # the kernel's (no cutlass import 
 L2_PREFETCH_DEFAULT = "late"
 # The environment switches this module reads at trace time: ``mla_decode`` keys its per-problem trace cache
 # on their values (``Backend.trace_env``), so a switch changed between two traces takes effect.
-TRACE_ENV = (SCHEDULE_ENV, PDL_ENV, FP8_QK_ENV, FP8_PV_ENV, L2_PREFETCH_ENV, PRODUCER16_ENV)
+# KV ring buffers of the row-split loop (FP8 P V mode "8"): 2..5, default 4.  Read at trace time; part of the compile
+# key.
+RS_STAGES_ENV = "TOKENSPEED_SM90_DECODE_RS_STAGES"
+RS_STAGES_DEFAULT = "4"
+TRACE_ENV = (SCHEDULE_ENV, PDL_ENV, FP8_QK_ENV, FP8_PV_ENV, L2_PREFETCH_ENV, PRODUCER16_ENV, RS_STAGES_ENV)
 SCHEDULES = ("auto", "seesaw", "seesaw-cpasync", "lockstep", "overlap")  # module docstring (no cutlass import here)
 _MIN_PAGE = 8
 _MIN_FP8_SEESAW_PAGE = 16  # the FP8 seesaw needs TMA refills (the kernel's _MIN_TMA_PAGE; no cutlass import here)
@@ -121,6 +128,7 @@ class DecodeKernelKey:
     tma_producer: bool = False  # a producer warpgroup ($TOKENSPEED_SM90_DECODE_FP8_PV 4; 16-bit: ..._PRODUCER16)
     pv_ot: bool = False  # FP8: the O^T = V^T P^T loop ($TOKENSPEED_SM90_DECODE_FP8_PV 5, 6, 7)
     qk_t: bool = False  # ... with the transposed QK S^T = K Q^T ($TOKENSPEED_SM90_DECODE_FP8_PV 6, 7)
+    rs_stages: int = 0  # FP8: the row-split loop with this many KV buffers ($TOKENSPEED_SM90_DECODE_FP8_PV 8); 0: not
 
 
 def supports(problem: DecodeProblem) -> str | None:
@@ -172,6 +180,11 @@ def resolve_producer16() -> str:
     return _choice(os.environ.get(PRODUCER16_ENV, "") or PRODUCER16_DEFAULT, ("0", "1"), PRODUCER16_ENV)
 
 
+def resolve_rs_stages() -> int:
+    """``$TOKENSPEED_SM90_DECODE_RS_STAGES`` (the row-split loop's KV buffers, "2".."5", default "4"), validated."""
+    return int(_choice(os.environ.get(RS_STAGES_ENV, "") or RS_STAGES_DEFAULT, ("2", "3", "4", "5"), RS_STAGES_ENV))
+
+
 def decode(problem: DecodeProblem, q, kv_cache, block_table, seq_lens, softmax_scale, output_scale, *,
            kv_step: int | None = None, schedule: str | None = None):
     """Run the kernel; returns ``(out [B,S,H,512], lse [B,S,H] | None)``.
@@ -182,6 +195,7 @@ def decode(problem: DecodeProblem, q, kv_cache, block_table, seq_lens, softmax_s
     from tokenspeed_jax import ffi
     from tokenspeed_jax.kernels.sm90.mla_decode import launch_mla_decode
     from tokenspeed_jax.kernels.sm90.mla_decode_ot import launch_mla_decode_ot
+    from tokenspeed_jax.kernels.sm90.mla_decode_rs import launch_mla_decode_rs
     from tokenspeed_jax.kernels.sm90.mla_decode_seesaw import launch_mla_decode_seesaw
 
     why = supports(problem)
@@ -209,27 +223,31 @@ def decode(problem: DecodeProblem, q, kv_cache, block_table, seq_lens, softmax_s
     # mode 2 with 16-token pages (4 TMA boxes per chunk) spills about 200 bytes (CPU compile, 2026-12-01):
     # those run mode 1
     pv_fp8 = fp8_pv != "0"
-    early_refill = fp8_pv in ("2", "3", "4", "5", "6", "7") and problem.page_size >= _MIN_EARLY_REFILL_PAGE
-    vt_packed = fp8_pv in ("3", "4", "5", "6", "7")
+    early_refill = fp8_pv in ("2", "3", "4", "5", "6", "7", "8") and problem.page_size >= _MIN_EARLY_REFILL_PAGE
+    vt_packed = fp8_pv in ("3", "4", "5", "6", "7", "8")
     # modes 5 and 6 (the O^T loop; 6 with the transposed QK) for S x H <= 32 rows with pages >= 32, otherwise mode 4
     # (mode 5's loop spilled with 64 rows; mode 6's 32-row tiles were slower there); mode 7 runs mode 6's loop for any
     # S x H, on 32-row tiles (its own plan: block_m 32)
+    # mode 8: mode 6 for S x H <= 32, the row-split loop (the default plan's 64-row blocks) for more rows
     small = S * H <= _MAX_OT_ROWS
-    qk_t = early_refill and (fp8_pv == "7" or (fp8_pv == "6" and small))
+    rs_stages = resolve_rs_stages() if early_refill and fp8_pv == "8" and not small else 0
+    qk_t = early_refill and (fp8_pv == "7" or (fp8_pv in ("6", "8") and small))
     pv_ot = qk_t or (fp8_pv == "5" and early_refill and small)
     if qk_t:
         plan = plan_for_problem(problem, block_m=_MAX_OT_ROWS)
     if pv_ot:
         launch = launch_mla_decode_ot
+    if rs_stages:
+        launch = launch_mla_decode_rs
     if fp8_seesaw:
-        tma_producer = fp8_pv in ("4", "5", "6", "7") and early_refill
+        tma_producer = fp8_pv in ("4", "5", "6", "7", "8") and early_refill
     else:  # (with 16-token pages the producer's coordinates, 4 boxes per chunk, spill in its 24 registers)
         tma_producer = (seesaw and not no_tma and problem.page_size >= _MIN_EARLY_REFILL_PAGE
                         and resolve_producer16() == "1")
     l2_prefetch = resolve_l2_prefetch() if seesaw else "off"
     key = DecodeKernelKey("mla_decode_sm90.v10", problem.dtype, H, S, problem.page_size, problem.causal,
                           plan.num_splits, plan.tokens_per_split, block_n, schedule, pdl, qk_fp8, l2_prefetch, pv_fp8,
-                          early_refill, vt_packed, tma_producer, pv_ot, qk_t)
+                          early_refill, vt_packed, tma_producer, pv_ot, qk_t, rs_stages)
     outputs = [jax.ShapeDtypeStruct((B, S, H, problem.kv_lora_rank), jnp.dtype(problem.out_dtype)),
                jax.ShapeDtypeStruct((B, S, H), jnp.float32)]
     outputs += [jax.ShapeDtypeStruct(w.shape, jnp.dtype(w.dtype)) for w in plan.workspace]
@@ -238,10 +256,11 @@ def decode(problem: DecodeProblem, q, kv_cache, block_table, seq_lens, softmax_s
         dtype=problem.dtype, num_heads=H, q_len=S, page_size=problem.page_size, causal=problem.causal,
         num_splits=plan.num_splits, tokens_per_split=plan.tokens_per_split, block_n=block_n, schedule=schedule,
         pdl=pdl, **({"qk_fp8": qk_fp8, "pv_fp8": pv_fp8, "early_refill": early_refill, "vt_packed": vt_packed}
-                    if fp8_seesaw and not pv_ot else {}),
-        **({"tma_producer": tma_producer} if seesaw and not pv_ot else {}),
-        **({"l2_prefetch": l2_prefetch} if seesaw else {}),
+                    if fp8_seesaw and not pv_ot and not rs_stages else {}),
+        **({"tma_producer": tma_producer} if seesaw and not pv_ot and not rs_stages else {}),
+        **({"l2_prefetch": l2_prefetch} if seesaw and not rs_stages else {}),
         **({"qk_t": qk_t} if pv_ot else {}),
+        **({"stages": rs_stages} if rs_stages else {}),
     )
     res = call(q, kv_cache, block_table.astype(jnp.int32), seq_lens.astype(jnp.int32),
                ffi.scalar_operand(softmax_scale), ffi.scalar_operand(output_scale))

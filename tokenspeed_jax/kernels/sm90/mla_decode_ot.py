@@ -160,11 +160,7 @@ class MlaDecodeOtSm90(MlaDecodeSeesawSm90):
         pv_mma = sm90_utils.make_trivial_tiled_mma(_F8, _F8, K, K, Float32, (1, 1, 1), (_CHUNK, self.pv_n),
                                                    a_source=warpgroup.OperandSource.RMEM)
         self.pv_mma_repr = str(pv_mma)  # (its TV layouts, which load_vt / scale_ot / epilogue_ot assume: the CPU test)
-        kv_t = cute.make_tensor(kv.iterator, cute.select(kv.layout, mode=[1, 2, 0]))  # (page_size, 576, pages)
-        box = cute.select(sm90_utils.make_smem_layout_b(LayoutEnum.ROW_MAJOR, (self.block_m, self.box_rows, _CHUNK),
-                                                        _F8, 1), mode=[0, 1])
-        tma_atom, tma_kv = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), kv_t, box,
-                                                       (self.box_rows, _CHUNK))
+        tma_atom, tma_kv = self.kv_tma(kv)
 
         @cute.struct
         class Storage:
@@ -184,6 +180,14 @@ class MlaDecodeOtSm90(MlaDecodeSeesawSm90):
             smem=Storage.size_in_bytes(), stream=stream, min_blocks_per_mp=1)
         if cutlass.const_expr(self.num_splits > 1):
             self.launch_combine(stream, o_accum, lse_accum, output_scale, out, lse, q.shape[0])
+
+    def kv_tma(self, kv: cute.Tensor):
+        """``(atom, tensor)`` of the TMA loads of the e4m3 cache (traced in ``__call__``): the (page_size, 576,
+        pages) view, one box = ``box_rows`` x 64 columns in the QGMMA layout of the staging (64-byte swizzle)."""
+        kv_t = cute.make_tensor(kv.iterator, cute.select(kv.layout, mode=[1, 2, 0]))
+        box = cute.select(sm90_utils.make_smem_layout_b(LayoutEnum.ROW_MAJOR, (self.block_m, self.box_rows, _CHUNK),
+                                                        _F8, 1), mode=[0, 1])
+        return cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), kv_t, box, (self.box_rows, _CHUNK))
 
     # ---------------------------------------------------------------------------------------- device
     def _swz(self):
@@ -298,24 +302,25 @@ class MlaDecodeOtSm90(MlaDecodeSeesawSm90):
         return pv_thr.make_fragment_B(pv_thr.partition_B(self.p_views(bufs, k)[1]))
 
     @cute.jit
-    def load_vt(self, a: cute.Tensor, stg: Int32, zero: Int32, tile_start: Int32, split_end: Int32, wg: Int32,
-                wtid: Int32):
-        """The warpgroup's ``V^T`` A fragments of one tile (``a``: 32 words, word ``4 mb + 16 kb + r`` = register
-        ``a_r`` of m-block ``mb`` (64 features) and k32 step ``kb``) from the e4m3 staging at shared address
-        ``stg``: per (mb, kb) one ``ldmatrix.x4.trans`` (:func:`vt_a_row_offset`) and 4 ``prmt``.  A lane whose
-        token is at or past ``split_end`` reads the 16-byte zero row at ``zero`` instead: those V rows may hold
+    def load_vt(self, a: cute.Tensor, stg: Int32, zero: Int32, tile_start: Int32, split_end: Int32,
+                chunk0: cutlass.Constexpr, wtid: Int32, n_mb: cutlass.Constexpr = 4):
+        """``V^T`` A fragments of ``n_mb`` m-blocks (64 features each) from feature ``64 chunk0`` on, of one tile
+        (``a``: ``8 n_mb`` words, word ``4 mb + 4 n_mb kb + r`` = register ``a_r`` of m-block ``mb`` and k32 step
+        ``kb``; this loop: a warpgroup's 256 features, ``chunk0`` 4 x warpgroup) from the e4m3 staging at shared
+        address ``stg``: per (mb, kb) one ``ldmatrix.x4.trans`` (:func:`vt_a_row_offset`) and 4 ``prmt``.  A lane
+        whose token is at or past ``split_end`` reads the 16-byte zero row at ``zero`` instead: those V rows may hold
         anything (page tails, unowned NaN pages) and P is 0 there."""
         lane = wtid % 32
         warp = wtid // 32
         s0, s1 = Int32(VT_A_SELECTORS[0]), Int32(VT_A_SELECTORS[1])
         for kb in cutlass.range_constexpr(2):
-            addr = stg + vt_a_row_offset(lane, warp, kb) + 4 * wg * _CHUNK_BYTES
+            addr = stg + vt_a_row_offset(lane, warp, kb) + chunk0 * _CHUNK_BYTES
             step = Int32(_CHUNK_BYTES)
             if 32 * kb + lane >= split_end - tile_start:
                 addr, step = zero, Int32(0)
-            for mb in cutlass.range_constexpr(4):
+            for mb in cutlass.range_constexpr(n_mb):
                 r = _ldsm4t(addr + mb * step)
-                w = 4 * mb + 16 * kb
+                w = 4 * mb + 4 * n_mb * kb
                 a[w + 0] = _prmt(r[0], r[1], s0)
                 a[w + 1] = _prmt(r[0], r[1], s1)
                 a[w + 2] = _prmt(r[2], r[3], s0)
@@ -575,13 +580,13 @@ class MlaDecodeOtSm90(MlaDecodeSeesawSm90):
                 cute.arch.barrier(barrier_id=int(Barrier.TAIL) + 1, number_of_threads=128)
                 self.scale_ot(acc, sSc0, sSc1, wtid)
                 self.mark(mTrace, cta, 1, wtid, j, 3)
-                self.load_vt(a_own, stg0 + (2 * u + 1) * _BUF_BYTES, zero, t1, split_end, 1, wtid)
+                self.load_vt(a_own, stg0 + (2 * u + 1) * _BUF_BYTES, zero, t1, split_end, 4, wtid)
                 self.pv_ot(pv_mma, acc, tA_own, self.p_operand(pv_thr, bufs, 2 * u + 1))
                 warpgroup.commit_group()
                 self.mark(mTrace, cta, 1, wtid, j, 4)
                 # 3. O^T += V0^T P0^T (P0 from WG0; the tile's landing as in WG0), then release P1 to WG0
                 self.landed(mbar + 2 * u, (j // 2) % 2)
-                self.load_vt(a_x, stg0 + 2 * u * _BUF_BYTES, zero, t1 - bn, split_end, 1, wtid)
+                self.load_vt(a_x, stg0 + 2 * u * _BUF_BYTES, zero, t1 - bn, split_end, 4, wtid)
                 cute.arch.barrier(barrier_id=int(Barrier.P0_READY), number_of_threads=self.num_threads)
                 self.mark(mTrace, cta, 1, wtid, j, 5)
                 self.pv_ot(pv_mma, acc, tA_x, self.p_operand(pv_thr, bufs, 2 * u))
@@ -637,7 +642,6 @@ class MlaDecodeOtSm90(MlaDecodeSeesawSm90):
         """Row sums across both warpgroups (with ``qk_t`` across the lanes and warps of a column too), the LSE (by
         one thread per row, :meth:`store_lse`), and ``O = O^T^T / l`` straight from the accumulators: thread ``(warp w, lane 4q + c)`` holds features
         ``f, f + 1`` (:func:`ot_feature`) of rows ``n = 8 v2 + 2c + v0`` (``n < pv_n``), one 2-element store each."""
-        direct = cutlass.const_expr(self.num_splits == 1)
         if cutlass.const_expr(self.qk_t):  # column sums over the thread's tokens, its column's 8 lanes, 4 warps, 2 WGs
             lane = wtid % 32
             for i in cutlass.range_constexpr(self.pv_n // 4):
@@ -679,22 +683,28 @@ class MlaDecodeOtSm90(MlaDecodeSeesawSm90):
             if r < self.R:
                 for mb in cutlass.range_constexpr(4):
                     f = ot_feature(wg, mb, wtid // 32, lane // 4)  # and f + 1 (accumulator row q + 8)
-                    e = i % 2 + 4 * (i // 2) + (self.pv_n // 2) * mb
-                    if cutlass.const_expr(direct):
-                        o = cute.make_rmem_tensor((2,), self.out_dtype)
-                        o[0] = (acc[e] * (inv * out_scale)).to(self.out_dtype)
-                        o[1] = (acc[e + 2] * (inv * out_scale)).to(self.out_dtype)
-                        dst = cute.make_tensor(row_ptr(mOut, Int64(b) * self.R + r, f, self.DV, 4),
-                                               cute.make_layout(2))
-                        cute.autovec_copy(o, dst)
-                    else:
-                        o = cute.make_rmem_tensor((2,), Float32)
-                        o[0] = acc[e] * inv
-                        o[1] = acc[e + 2] * inv
-                        dst = cute.make_tensor(
-                            row_ptr(mOacc, (Int64(b) * self.num_splits + split) * self.R + r, f, self.DV, 8),
-                            cute.make_layout(2))
-                        cute.autovec_copy(o, dst)
+                    self.store_ot_pair(acc, i % 2 + 4 * (i // 2) + (self.pv_n // 2) * mb, inv, out_scale, mOut, mOacc,
+                                       b, split, r, f)
+
+    @cute.jit
+    def store_ot_pair(self, acc: cute.Tensor, e: cutlass.Constexpr, inv: Float32, out_scale: Float32,
+                      mOut: cute.Tensor, mOacc: cute.Tensor, b: Int32, split: Int32, r: Int32, f: Int32):
+        """Output features ``f, f + 1`` of query row ``r``: accumulator elements ``e`` and ``e + 2`` (rows ``q`` and
+        ``q + 8`` of the A fragment) times ``inv`` (1 / the row sum), one bf16x2 store into ``out`` (times
+        ``out_scale``), or with split partials one fp32x2 store into ``o_accum``."""
+        if cutlass.const_expr(self.num_splits == 1):
+            o = cute.make_rmem_tensor((2,), self.out_dtype)
+            o[0] = (acc[e] * (inv * out_scale)).to(self.out_dtype)
+            o[1] = (acc[e + 2] * (inv * out_scale)).to(self.out_dtype)
+            dst = cute.make_tensor(row_ptr(mOut, Int64(b) * self.R + r, f, self.DV, 4), cute.make_layout(2))
+            cute.autovec_copy(o, dst)
+        else:
+            o = cute.make_rmem_tensor((2,), Float32)
+            o[0] = acc[e] * inv
+            o[1] = acc[e + 2] * inv
+            dst = cute.make_tensor(row_ptr(mOacc, (Int64(b) * self.num_splits + split) * self.R + r, f, self.DV, 8),
+                                   cute.make_layout(2))
+            cute.autovec_copy(o, dst)
 
 
 
