@@ -152,6 +152,17 @@ _SCRIPT = textwrap.dedent(
                      tiles=[kr.block_m, kr.num_m_blocks, kr.pv_n, kr.stages],
                      spill=len(re.findall(r"\\b(STL|LDL)\\b", rsass)),
                      depbar=len(re.findall(r"WARPGROUP\\.DEPBAR", rsass)), sass=bool(rsass))
+    # ... with S x H <= 32: one computing warpgroup and the producer (256 threads, no setmaxnreg), 5 buffers
+    before = set(glob.glob(d + "/*"))
+    k1 = MlaDecodeRsSm90(dtype="float8_e4m3fn", num_heads=16, q_len=1, page_size=64, causal=True, num_splits=2,
+                         tokens_per_split=512, block_n=64, stages=5)
+    cute.compile(k1, *fake_args(k1, 1, 16, 64, 2))
+    rptx, rsass = own(before, ".ptx"), own(before, ".sass")
+    res["rs1"] = dict(n32=len(re.findall(r"wgmma.mma_async.sync.aligned.m64n32k32.f32.e4m3.e4m3", rptx)),
+                      maxnreg=len(re.findall(r"setmaxnreg", rptx)), threads=k1.cta_threads,
+                      tma=len(re.findall(r"cp\\.async\\.bulk\\.tensor", rptx)),
+                      spill=len(re.findall(r"\\b(STL|LDL)\\b", rsass)),
+                      depbar=len(re.findall(r"WARPGROUP\\.DEPBAR", rsass)), sass=bool(rsass))
     try:
         MlaDecodeRsSm90(dtype="float8_e4m3fn", num_heads=32, q_len=4, page_size=32, causal=True, num_splits=1,
                         tokens_per_split=256, block_n=64, stages=6)
@@ -374,6 +385,10 @@ def test_sm90_decode_compiles_for_sm90a(tmp_path):
     assert x["maxnreg"] == 2 and x["empty"] == 1 and x["tiles"] == [64, 2, 32, 4], x
     if x["sass"]:
         assert x["qgmma"] == 52 and x["qgmma_r"] == 16 and x["spill"] == 0 and x["depbar"] <= 8, x
+    x = r["rs1"]  # one computing warpgroup (16 rows): the same QGMMAs, 5 + 1 tile loads, 256 threads, no setmaxnreg
+    assert x["n32"] == 52 and x["maxnreg"] == 0 and x["threads"] == 256 and x["tma"] == 6 * 9, x
+    if x["sass"]:
+        assert x["spill"] == 0 and x["depbar"] <= 8, x
     assert "stages" in r["rs_stages6"], r["rs_stages6"]
     assert r["rs_lower"] == {"targets": ["tokenspeed_mla_decode_sm90"], "entry": True}, r["rs_lower"]
     # ptxas must not serialize the wgmmas (C7520 "wgmma.mma_async instructions are serialized": a
@@ -440,7 +455,7 @@ def test_fp8_pv_switch(monkeypatch):
     for v in m.FP8_PV_MODES:
         monkeypatch.setenv(m.FP8_PV_ENV, v)
         assert m.resolve_fp8_pv() == v
-    for bad in ("on", "true", "9"):
+    for bad in ("on", "true", "10"):
         monkeypatch.setenv(m.FP8_PV_ENV, bad)
         with pytest.raises(ValueError, match=m.FP8_PV_ENV):
             m.resolve_fp8_pv()
@@ -847,8 +862,8 @@ def test_fp8_ot_vt_fragment_mapping():
 def test_fp8_ot_switch(monkeypatch):
     """FP8 P V modes 5 and 6 run the O^T schedule's launch function (keyed ``pv_ot``; 6 with the transposed QK,
     ``qk_t``) for S x H <= 32 with pages >= 32, and otherwise what mode 4 runs (its loop; with 16-token pages its
-    fallback); mode 7 runs mode 6's loop for any S x H, on the 32-row plan; mode 8 the row-split loop for more than
-    32 rows."""
+    fallback); mode 7 runs mode 6's loop for any S x H, on the 32-row plan; mode 8 the row-split loop for any S x H,
+    mode 9 for S x H <= 32."""
     pytest.importorskip("cutlass")
     import jax.numpy as jnp
 
@@ -900,8 +915,9 @@ def test_fp8_ot_switch(monkeypatch):
     assert p32.num_m_blocks == 2 and p32.num_splits != plan_mla_decode(
         batch=2, q_len=2, num_heads=32, max_kv_len=1200 * 64, page_size=64, num_sms=132).num_splits
 
-    # mode 8: the row-split launch for S x H > 32 with pages >= 32, on the default plan (64-row blocks), with
-    # $TOKENSPEED_SM90_DECODE_RS_STAGES KV buffers; mode 6's O^T loop for S x H <= 32; mode 4's loop for 16-token pages
+    # mode 8: the row-split launch for every S x H with pages >= 32, on the default plan (64-row blocks), with
+    # $TOKENSPEED_SM90_DECODE_RS_STAGES KV buffers; mode 9 the same for S x H <= 32 and mode 4's loop for more rows;
+    # mode 4's loop for 16-token pages
     from tokenspeed_jax.kernels.sm90.mla_decode_rs import launch_mla_decode_rs
 
     monkeypatch.setenv(m.FP8_PV_ENV, "8")
@@ -917,9 +933,14 @@ def test_fp8_ot_switch(monkeypatch):
     with pytest.raises(ValueError, match=m.RS_STAGES_ENV):
         m.decode(prob, jnp.zeros((2, 2, 32, 576), f8), jnp.zeros((16, 64, 576), f8), bt, sl, 0.1, 1.0)
     monkeypatch.delenv(m.RS_STAGES_ENV)
-    m.decode(_problem(batch=2, q_len=1, page_size=64, num_pages=16, max_pages=8, dtype="float8_e4m3fn"),
-             jnp.zeros((2, 1, 16, 576), f8), jnp.zeros((16, 64, 576), f8), bt[:, :8], sl, 0.1, 1.0)
-    assert seen["launch"] is launch_mla_decode_ot and seen["key"].qk_t and seen["key"].rs_stages == 0, seen["key"]
-    m.decode(_problem(batch=2, q_len=2, num_heads=32, page_size=16, num_pages=16, max_pages=8, dtype="float8_e4m3fn"),
-             jnp.zeros((2, 2, 32, 576), f8), jnp.zeros((16, 16, 576), f8), bt[:, :8], sl, 0.1, 1.0)
-    assert seen["launch"] is launch_mla_decode_seesaw and seen["key"].rs_stages == 0, seen["key"]
+    small = _problem(batch=2, q_len=1, page_size=64, num_pages=16, max_pages=8, dtype="float8_e4m3fn")
+    for mode in ("8", "9"):
+        monkeypatch.setenv(m.FP8_PV_ENV, mode)
+        m.decode(small, jnp.zeros((2, 1, 16, 576), f8), jnp.zeros((16, 64, 576), f8), bt[:, :8], sl, 0.1, 1.0)
+        assert seen["launch"] is launch_mla_decode_rs and not seen["key"].qk_t and seen["key"].rs_stages == 4, mode
+        m.decode(_problem(batch=2, q_len=2, num_heads=32, page_size=16, num_pages=16, max_pages=8,
+                          dtype="float8_e4m3fn"),
+                 jnp.zeros((2, 2, 32, 576), f8), jnp.zeros((16, 16, 576), f8), bt[:, :8], sl, 0.1, 1.0)
+        assert seen["launch"] is launch_mla_decode_seesaw and seen["key"].rs_stages == 0, seen["key"]
+    m.decode(prob, jnp.zeros((2, 2, 32, 576), f8), jnp.zeros((16, 64, 576), f8), bt, sl, 0.1, 1.0)  # mode 9, 64 rows
+    assert seen["launch"] is launch_mla_decode_seesaw and seen["kw"]["tma_producer"] and seen["kw"]["vt_packed"]

@@ -73,12 +73,13 @@ FP8_QK_ENV = "TOKENSPEED_SM90_DECODE_FP8_QK"
 # since 2026-12-01 21:50 UTC) is "5" with the QK transposed too, S^T = K Q^T with the query rows as N: 1.06-1.52x mode
 # 4 on the 4 shapes of the issue matrix it runs (S x H <= 32), the others run "4".  "7" runs that loop for every S x H
 # on 32-row tiles (its own plan): 0.64-0.79x mode 4 where S x H >= 64 (H200, 2026-12-01), kept opt-in.  Needs the
-# QGMMA QK.  "8" is "6" except for S x H > 32 rows with pages >= 32: there the row-split loop runs (each warpgroup
-# 32 query rows and all 512 features, O^T = V^T P^T and S^T = K Q^T, a ring of KV buffers;
-# kernels/sm90/mla_decode_rs.py, docs/sm90_decode.md, "Row-split loop"): 0.80-0.92x mode 4 there (H200, 2026-12-01),
-# kept opt-in.  Read at trace time; part of the compile key.
+# QGMMA QK.  "8" runs the row-split loop for every S x H with pages >= 32 (each computing warpgroup 32 query rows and all
+# 512 features, O^T = V^T P^T and S^T = K Q^T, a ring of KV buffers; one computing warpgroup for S x H <= 32;
+# kernels/sm90/mla_decode_rs.py, docs/sm90_decode.md, "Row-split loop"): 0.81-0.94x mode 4 with more than 32 rows,
+# 0.94-1.03x mode 6 with fewer (H200, 2026-12-02).  "9" runs it for S x H <= 32 and mode 4 for more rows.  Read at
+# trace time; part of the compile key.
 FP8_PV_ENV = "TOKENSPEED_SM90_DECODE_FP8_PV"
-FP8_PV_MODES = ("0", "1", "2", "3", "4", "5", "6", "7", "8")
+FP8_PV_MODES = ("0", "1", "2", "3", "4", "5", "6", "7", "8", "9")
 FP8_PV_DEFAULT = "6"
 # "1" (default since 2026-12-01 evening: 1.055x on 5 BF16 shapes of the issue matrix, bitwise equal) gives the 16-bit
 # seesaw loop (pages >= 32, TMA refills) a producer warpgroup that issues its four column-group refills
@@ -223,15 +224,16 @@ def decode(problem: DecodeProblem, q, kv_cache, block_table, seq_lens, softmax_s
     # mode 2 with 16-token pages (4 TMA boxes per chunk) spills about 200 bytes (CPU compile, 2026-12-01):
     # those run mode 1
     pv_fp8 = fp8_pv != "0"
-    early_refill = fp8_pv in ("2", "3", "4", "5", "6", "7", "8") and problem.page_size >= _MIN_EARLY_REFILL_PAGE
-    vt_packed = fp8_pv in ("3", "4", "5", "6", "7", "8")
+    early_refill = fp8_pv in ("2", "3", "4", "5", "6", "7", "8", "9") and problem.page_size >= _MIN_EARLY_REFILL_PAGE
+    vt_packed = fp8_pv in ("3", "4", "5", "6", "7", "8", "9")
     # modes 5 and 6 (the O^T loop; 6 with the transposed QK) for S x H <= 32 rows with pages >= 32, otherwise mode 4
     # (mode 5's loop spilled with 64 rows; mode 6's 32-row tiles were slower there); mode 7 runs mode 6's loop for any
     # S x H, on 32-row tiles (its own plan: block_m 32)
-    # mode 8: mode 6 for S x H <= 32, the row-split loop (the default plan's 64-row blocks) for more rows
+    # mode 8: the row-split loop (the default plan's 64-row blocks; one computing warpgroup for S x H <= 32) for every
+    # S x H; mode 9: that loop for S x H <= 32, mode 4 for more rows
     small = S * H <= _MAX_OT_ROWS
-    rs_stages = resolve_rs_stages() if early_refill and fp8_pv == "8" and not small else 0
-    qk_t = early_refill and (fp8_pv == "7" or (fp8_pv in ("6", "8") and small))
+    rs_stages = resolve_rs_stages() if early_refill and (fp8_pv == "8" or (fp8_pv == "9" and small)) else 0
+    qk_t = early_refill and (fp8_pv == "7" or (fp8_pv == "6" and small))
     pv_ot = qk_t or (fp8_pv == "5" and early_refill and small)
     if qk_t:
         plan = plan_for_problem(problem, block_m=_MAX_OT_ROWS)
@@ -240,7 +242,7 @@ def decode(problem: DecodeProblem, q, kv_cache, block_table, seq_lens, softmax_s
     if rs_stages:
         launch = launch_mla_decode_rs
     if fp8_seesaw:
-        tma_producer = fp8_pv in ("4", "5", "6", "7", "8") and early_refill
+        tma_producer = fp8_pv in ("4", "5", "6", "7", "8", "9") and early_refill
     else:  # (with 16-token pages the producer's coordinates, 4 boxes per chunk, spill in its 24 registers)
         tma_producer = (seesaw and not no_tma and problem.page_size >= _MIN_EARLY_REFILL_PAGE
                         and resolve_producer16() == "1")

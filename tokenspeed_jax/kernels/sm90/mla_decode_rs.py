@@ -37,14 +37,15 @@ of column statistics.  The contract, grid (64-row blocks), plan, split-KV partia
 masked in S with a select, V rows past the split read from a zero row) are the O^T loop's.  FP8 (e4m3) only,
 TMA refills with pages >= 32.
 
-Status (H200, 2026-12-01, docs/sm90_decode.md, "Row-split loop"): correct on its first GPU run (the check matrix's FP8
-cases, compute-sanitizer memcheck 0 errors, the GPU tests of modes 5/7/8) and **slower than mode 4**: 0.80-0.92x on the
-9 shapes of the issue matrix with 64 or more rows, unchanged by the ping-pong turns, the ring depth (2, 4, 5) or the
-intra-warpgroup overlap, i.e. bound by a throughput, not a latency: shared-memory bandwidth.  Both warpgroups read
+Status (H200, 2026-12-01/02, docs/sm90_decode.md, "Row-split loop"): correct on its first GPU run (the check matrix's
+FP8 cases, compute-sanitizer memcheck 0 errors, the GPU tests of modes 5/7/8) and **slower than mode 4**: 0.81-0.94x on
+the 9 shapes of the issue matrix with more than 32 rows (one computing warpgroup for S x H <= 32: 0.94-1.03x mode 6's
+O^T loop), unchanged by the ping-pong turns, the ring depth (2, 4, 5) or the intra-warpgroup overlap, i.e. bound by a
+throughput, not a latency: shared-memory bandwidth.  Both warpgroups read
 the whole K and V tile (and the QK's SS QGMMA with N = 32 reads 3 KB of operands per instruction), about 250 KB per
 64-row tile against mode 4's 215 KB, and the issue-rate benchmark (``benchmarks/qgmma_rate.py``) shows QGMMA operand
 reads and ``ldmatrix`` sharing 80-100 bytes per cycle in such mixes.  So it is opt-in
-(``TOKENSPEED_SM90_DECODE_FP8_PV=8``), not the default.
+(``TOKENSPEED_SM90_DECODE_FP8_PV=8``, or ``9`` for S x H <= 32 only), not the default.
 """
 
 from __future__ import annotations
@@ -85,6 +86,10 @@ class MlaDecodeRsSm90(MlaDecodeOtSm90):
         if stages not in (2, 3, 4, 5):
             raise ValueError(f"stages: expected 2..5 KV buffers, got {stages}")
         self.stages = stages
+        # computing warpgroups: with S x H <= 32 the second one's rows would all be padding, so it is left out (the
+        # CTA is warpgroup 0 and the producer; no setmaxnreg: 256 threads have all the registers they can use)
+        self.consumers = 1 if self.R <= _ROWS else 2
+        self.cta_threads = 128 * (self.consumers + 1)
 
     # ------------------------------------------------------------------------------------------ host
     @cute.jit
@@ -105,7 +110,7 @@ class MlaDecodeRsSm90(MlaDecodeOtSm90):
         @cute.struct
         class Storage:
             full: cute.struct.MemRange[Int64, self.stages]  # a tile landed (TMA transaction bytes)
-            empty: cute.struct.MemRange[Int64, self.stages]  # both warpgroups read it (8 warps arrive)
+            empty: cute.struct.MemRange[Int64, self.stages]  # the computing warpgroups read it (their warps arrive)
             red: cute.struct.MemRange[Float32, 2 * 2 * 4 * 32]  # per warpgroup, tile parity, warp: column maxima / sums
             sQ: cute.struct.Align[cute.struct.MemRange[_F8, cute.cosize(q_layout)], 1024]
             stg: cute.struct.Align[cute.struct.MemRange[_F8, self.stages * _STG_BYTES], 1024]
@@ -231,19 +236,19 @@ class MlaDecodeRsSm90(MlaDecodeOtSm90):
         if tid == 0:
             for i in cutlass.range_constexpr(ns):
                 cute.arch.mbarrier_init(full + i, 1)
-                cute.arch.mbarrier_init(empty + i, 8)
+                cute.arch.mbarrier_init(empty + i, 4 * self.consumers)
             cpasync.prefetch_descriptor(tma_atom)
         if tid < 4:
             st.zero_row.get_tensor(cute.make_layout(4))[tid] = Int32(0)
         cute.arch.mbarrier_init_fence()
-        if wg < 2:  # the e4m3 q tile (64 rows), by the computing warpgroups
+        if wg < 2:  # the e4m3 q tile (64 rows), by the first 256 threads (with one computing warpgroup, the producer too)
             self.load_q_tile(sQ[None, None, 0], mQ, mblk, b, tid)
         cute.arch.barrier()  # mbarriers initialised before any arrive
 
         gKV = cute.group_modes(cute.local_tile(tma_kv, (self.box_rows, _CHUNK), (None, None, None)), 0, 2)
         tAs, tAg = cpasync.tma_partition(tma_atom, 0, cute.make_layout(1), cute.group_modes(
             cute.local_tile(self.stg_at(stg, 0), (self.box_rows, _CHUNK), (None, None)), 0, 2), gKV)
-        if wg == 2:  # the producer fills the ring
+        if wg == self.consumers:  # the producer fills the ring
             for k in cutlass.range_constexpr(ns):
                 if k < n_tiles:
                     t0 = split_start + k * bn
@@ -254,9 +259,10 @@ class MlaDecodeRsSm90(MlaDecodeOtSm90):
         cute.arch.fence_view_async_shared()  # q (generic stores) before the QGMMAs read it
         cute.arch.barrier()
 
-        if wg == 2:
-            cute.arch.setmaxregister_decrease(self.producer_regs)
-            if wtid < 32:  # tile i into buffer i % ns once both warpgroups released tile i - ns
+        if wg == self.consumers:
+            if cutlass.const_expr(self.consumers == 2):
+                cute.arch.setmaxregister_decrease(self.producer_regs)
+            if wtid < 32:  # tile i into buffer i % ns once the computing warpgroups released tile i - ns
                 for j in cutlass.range(n_tiles - ns, unroll=1):
                     i = j + ns
                     k = i % ns
@@ -267,7 +273,8 @@ class MlaDecodeRsSm90(MlaDecodeOtSm90):
                     self.refill(None, dst, tAg, tma_atom, full + k, mKV, crd, t0, split_end, num_pages, wg, wtid,
                                 _ALL_CHUNKS, None)
         else:
-            cute.arch.setmaxregister_increase(self.consumer_regs)
+            if cutlass.const_expr(self.consumers == 2):
+                cute.arch.setmaxregister_increase(self.consumer_regs)
             self.consume_rs(qk_mma, qk_mma0, pv_mma, sQ, st, wg, wtid, mblk, split, b, seq, split_start, split_end, n_tiles,
                             full, empty, mSS[0] * LOG2_E, mOS[0], mOut, mLse, mOacc, mLacc)
 
