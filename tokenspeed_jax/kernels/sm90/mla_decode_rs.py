@@ -22,13 +22,15 @@ This loop (FP8 P V mode "8") keeps a 64-row block per CTA and one KV stream, and
   The two warpgroups run independently otherwise: turns on the tensor cores (FA3's ping-pong, two named barriers)
   measured no faster on the H200 and were dropped.
 * KV: a ring of :attr:`stages` e4m3 staging buffers (36 KB each) with a full and an empty mbarrier each.  The
-  producer warpgroup (24 registers) loads tile ``i`` into buffer ``i % stages`` once both warpgroups released
-  tile ``i - stages``: each warp's lane 0 arrives on the empty mbarrier once the warpgroup's QK of that tile retired
+  producer warpgroup (24 registers, ``setmaxnreg``) loads tile ``i`` into buffer ``i % stages`` once the computing
+  warpgroups released tile ``i - stages``: each warp's lane 0 arrives on the empty mbarrier once the warpgroup's QK of that tile retired
   and its PV was issued (the PV reads ``V^T`` from registers and P from its own tile, not the staging), behind a
   proxy fence for its ``ldmatrix`` reads.  With 4 stages an SM has up to 4 tiles (144 KB) in
   flight, where the seesaw loops free both slots in the same iteration (docs/sm90_decode.md, "Gaps", item 1).
 * No L2 prefetch: the ring already loads 3 tiles ahead.
 * Masking without per-column limits (:meth:`key_ok`): 8 limits live through the loop made ptxas spill.
+* With S x H <= 32 the second warpgroup's rows would all be padding: the CTA is then warpgroup 0 and the producer
+  (256 threads, no ``setmaxnreg``; :attr:`consumers`).
 
 Per tile the tensor work is mode 4's (the QK on 64 x 64 x 576, the PV on 64 x 512 x 64), without the ``V^T``
 transposes and without the seesaw's cross-warpgroup barriers.  Shared memory: Q 36 KB + 4 x 36 KB + P 4 KB + 2 KB
