@@ -17,8 +17,10 @@ GPU only (torch for the buffers and the timing, CUDA events); not part of the te
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import os
+import sys
 
 os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
 
@@ -142,8 +144,11 @@ def main(argv=None):
              "cycles_per_qgmma_per_sm": ms * 1e-3 * a.clock_ghz * 1e9 / inst}
         rows.append(r)
         print(json.dumps({k2: round(v, 2) if isinstance(v, float) else v for k2, v in r.items()}), flush=True)
+    head = {"command": " ".join(["python", "-m", "benchmarks.qgmma_rate", *(argv or sys.argv[1:])]),
+            "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
+            "device": torch.cuda.get_device_name()}
     with open(a.out, "w") as fh:
-        json.dump({"iters": a.iters, "clock_ghz": a.clock_ghz, "rows": rows}, fh, indent=1)
+        json.dump({**head, "iters": a.iters, "clock_ghz": a.clock_ghz, "rows": rows}, fh, indent=1)
 
 
 if __name__ == "__main__":
