@@ -41,6 +41,31 @@ _SCRIPT = textwrap.dedent(
             a += [f(cutlass.Float32, (B, splits, R, 512), assumed_align=16), f(cutlass.Float32, (B, splits, R))]
         return a
 
+    # the O^T and row-split compiles' counts: name -> (pattern, "ptx" or "sass")
+    PATS = dict(
+        n32=(r"wgmma.mma_async.sync.aligned.m64n32k32.f32.e4m3.e4m3", "ptx"),
+        n64=(r"wgmma.mma_async.sync.aligned.m64n64k32", "ptx"),
+        qk8=(r"wgmma.mma_async.sync.aligned.m64n64k32.f32.e4m3.e4m3", "ptx"),
+        not32=(r"wgmma.mma_async.sync.aligned.m64n(?!32k32)", "ptx"),
+        qgmma32=(r"QGMMA\\.64x32x32\\.F32\\.E4M3\\.E4M3", "sass"),
+        qgmma32_r=(r"QGMMA\\.64x32x32\\.F32\\.E4M3\\.E4M3 R\\d+, R\\d+", "sass"),
+        qgmma64=(r"QGMMA\\.64x64x32\\.F32\\.E4M3\\.E4M3", "sass"),
+        ldsm=(r"ldmatrix\\.sync\\.aligned\\.m8n8\\.x4\\.trans\\.shared\\.b16", "ptx"),
+        stsm=(r"stmatrix", "ptx"), prmt=(r"prmt\\.b32", "ptx"),
+        tma=(r"cp\\.async\\.bulk\\.tensor\\.3d\\.shared::\\w+\\.global\\.tile\\.mbarrier", "ptx"),
+        tma_any=(r"cp\\.async\\.bulk\\.tensor", "ptx"),
+        maxnreg=(r"setmaxnreg\\.(?:inc|dec)\\.sync\\.aligned\\.u32\\s+(?:240|24);", "ptx"),
+        setmaxnreg=(r"setmaxnreg", "ptx"),
+        slot_free=(r"bar\\.(?:sync|arrive)\\s+(?:12|13),\\s*160;", "ptx"),
+        l2pf=(r"cp\\.async\\.bulk\\.prefetch\\.L2\\.global", "ptx"),
+        empty=(r"mbarrier\\.arrive(?!\\.expect_tx)[\\w.:]*\\s", "ptx"),
+        spill=(r"\\b(STL|LDL)\\b", "sass"), depbar=(r"WARPGROUP\\.DEPBAR", "sass"))
+
+    def dump_counts(ptx, sass, **names):
+        # {result key: number of matches of pattern PATS[name]} in a compile's dump, plus whether it has SASS
+        return dict({k: len(re.findall(PATS[n][0], ptx if PATS[n][1] == "ptx" else sass)) for k, n in names.items()},
+                    sass=bool(sass))
+
     from tokenspeed_jax.kernels.sm90.mla_decode_seesaw import MlaDecodeSeesawSm90
     cfgs = [("bfloat16", 16, 1, 64, 1, 4096, 64, "lockstep"), ("float16", 32, 4, 32, 3, 256, 64, "lockstep"),
             ("float8_e4m3fn", 128, 2, 128, 2, 512, 64, "lockstep"), ("bfloat16", 32, 2, 32, 3, 256, 64, "overlap"),
@@ -126,14 +151,9 @@ _SCRIPT = textwrap.dedent(
                          tokens_per_split=4096, block_n=64, l2_prefetch="late", qk_t=True)
     cute.compile(kt, *fake_args(kt, 2, 32, 64, 1))
     tptx, tsass = own(before, ".ptx"), own(before, ".sass")
-    res["ot_t"] = dict(n32=len(re.findall(r"wgmma.mma_async.sync.aligned.m64n32k32.f32.e4m3.e4m3", tptx)),
-                       n64=len(re.findall(r"wgmma.mma_async.sync.aligned.m64n64k32", tptx)),
-                       qgmma_r=len(re.findall(r"QGMMA\\.64x32x32\\.F32\\.E4M3\\.E4M3 R\\d+, R\\d+", tsass)),
-                       qgmma=len(re.findall(r"QGMMA\\.64x32x32\\.F32\\.E4M3\\.E4M3", tsass)),
-                       tiles=[kt.block_m, kt.num_m_blocks, kt.pv_n],
-                       ldsm=len(re.findall(r"ldmatrix\\.sync\\.aligned\\.m8n8\\.x4\\.trans", tptx)),
-                       spill=len(re.findall(r"\\b(STL|LDL)\\b", tsass)),
-                       depbar=len(re.findall(r"WARPGROUP\\.DEPBAR", tsass)), sass=bool(tsass))
+    res["ot_t"] = dict(dump_counts(tptx, tsass, n32="n32", n64="n64", qgmma_r="qgmma32_r", qgmma="qgmma32",
+                                   ldsm="ldsm", spill="spill", depbar="depbar"),
+                       tiles=[kt.block_m, kt.num_m_blocks, kt.pv_n])
     # FP8 P V mode 8, the row-split loop (S x H = 128: two 64-row blocks; page 32: 2 boxes per chunk; 3 splits)
     from tokenspeed_jax.kernels.sm90.mla_decode_rs import MlaDecodeRsSm90
     before = set(glob.glob(d + "/*"))
@@ -141,28 +161,18 @@ _SCRIPT = textwrap.dedent(
                          tokens_per_split=256, block_n=64)
     cute.compile(kr, *fake_args(kr, 4, 32, 32, 3))
     rptx, rsass = own(before, ".ptx"), own(before, ".sass")
-    res["rs"] = dict(n32=len(re.findall(r"wgmma.mma_async.sync.aligned.m64n32k32.f32.e4m3.e4m3", rptx)),
-                     other=len(re.findall(r"wgmma.mma_async.sync.aligned.m64n(?!32k32)", rptx)),
-                     qgmma=len(re.findall(r"QGMMA\\.64x32x32\\.F32\\.E4M3\\.E4M3", rsass)),
-                     qgmma_r=len(re.findall(r"QGMMA\\.64x32x32\\.F32\\.E4M3\\.E4M3 R\\d+, R\\d+", rsass)),
-                     ldsm=len(re.findall(r"ldmatrix\\.sync\\.aligned\\.m8n8\\.x4\\.trans", rptx)),
-                     tma=len(re.findall(r"cp\\.async\\.bulk\\.tensor\\.3d\\.shared::\\w+\\.global\\.tile\\.mbarrier", rptx)),
-                     maxnreg=len(re.findall(r"setmaxnreg\\.(?:inc|dec)\\.sync\\.aligned\\.u32\\s+(?:240|24);", rptx)),
-                     empty=len(re.findall(r"mbarrier\\.arrive(?!\\.expect_tx)[\\w.:]*\\s", rptx)),
-                     tiles=[kr.block_m, kr.num_m_blocks, kr.pv_n, kr.stages],
-                     spill=len(re.findall(r"\\b(STL|LDL)\\b", rsass)),
-                     depbar=len(re.findall(r"WARPGROUP\\.DEPBAR", rsass)), sass=bool(rsass))
+    res["rs"] = dict(dump_counts(rptx, rsass, n32="n32", other="not32", qgmma="qgmma32", qgmma_r="qgmma32_r",
+                                 ldsm="ldsm", tma="tma", maxnreg="maxnreg", empty="empty", spill="spill",
+                                 depbar="depbar"),
+                     tiles=[kr.block_m, kr.num_m_blocks, kr.pv_n, kr.stages])
     # ... with S x H <= 32: one computing warpgroup and the producer (256 threads, no setmaxnreg), 5 buffers
     before = set(glob.glob(d + "/*"))
     k1 = MlaDecodeRsSm90(dtype="float8_e4m3fn", num_heads=16, q_len=1, page_size=64, causal=True, num_splits=2,
                          tokens_per_split=512, block_n=64, stages=5)
     cute.compile(k1, *fake_args(k1, 1, 16, 64, 2))
     rptx, rsass = own(before, ".ptx"), own(before, ".sass")
-    res["rs1"] = dict(n32=len(re.findall(r"wgmma.mma_async.sync.aligned.m64n32k32.f32.e4m3.e4m3", rptx)),
-                      maxnreg=len(re.findall(r"setmaxnreg", rptx)), threads=k1.cta_threads,
-                      tma=len(re.findall(r"cp\\.async\\.bulk\\.tensor", rptx)),
-                      spill=len(re.findall(r"\\b(STL|LDL)\\b", rsass)),
-                      depbar=len(re.findall(r"WARPGROUP\\.DEPBAR", rsass)), sass=bool(rsass))
+    res["rs1"] = dict(dump_counts(rptx, rsass, n32="n32", maxnreg="setmaxnreg", tma="tma_any", spill="spill",
+                                  depbar="depbar"), threads=k1.cta_threads)
     try:
         MlaDecodeRsSm90(dtype="float8_e4m3fn", num_heads=32, q_len=4, page_size=32, causal=True, num_splits=1,
                         tokens_per_split=256, block_n=64, stages=6)
@@ -170,19 +180,9 @@ _SCRIPT = textwrap.dedent(
     except ValueError as e:
         res["rs_stages6"] = str(e)
     optx, osass = res.pop("ot_pre")
-    ot = {n: len(re.findall(pat, optx if src == "ptx" else osass)) for n, (pat, src) in dict(
-        qk8=(r"wgmma.mma_async.sync.aligned.m64n64k32.f32.e4m3.e4m3", "ptx"),
-        pv8=(r"wgmma.mma_async.sync.aligned.m64n32k32.f32.e4m3.e4m3", "ptx"),
-        qgmma=(r"QGMMA\\.64x64x32\\.F32\\.E4M3\\.E4M3", "sass"),
-        qgmma_r=(r"QGMMA\\.64x32x32\\.F32\\.E4M3\\.E4M3 R\\d+, R\\d+", "sass"),
-        ldsm=(r"ldmatrix\\.sync\\.aligned\\.m8n8\\.x4\\.trans\\.shared\\.b16", "ptx"),
-        stsm=(r"stmatrix", "ptx"), prmt=(r"prmt\\.b32", "ptx"),
-        tma=(r"cp\\.async\\.bulk\\.tensor\\.3d\\.shared::\\w+\\.global\\.tile\\.mbarrier", "ptx"),
-        maxnreg=(r"setmaxnreg\\.(?:inc|dec)\\.sync\\.aligned\\.u32\\s+(?:240|24);", "ptx"),
-        slot_free=(r"bar\\.(?:sync|arrive)\\s+(?:12|13),\\s*160;", "ptx"),
-        l2pf=(r"cp\\.async\\.bulk\\.prefetch\\.L2\\.global", "ptx"),
-        spill=(r"\\b(STL|LDL)\\b", "sass"), depbar=(r"WARPGROUP\\.DEPBAR", "sass")).items()}
-    res["ot"] = dict(ot, sass=bool(osass))
+    res["ot"] = dump_counts(optx, osass, qk8="qk8", pv8="n32", qgmma="qgmma64", qgmma_r="qgmma32_r", ldsm="ldsm",
+                            stsm="stsm", prmt="prmt", tma="tma", maxnreg="maxnreg", slot_free="slot_free", l2pf="l2pf",
+                            spill="spill", depbar="depbar")
     res["ot_tv"] = k.pv_mma_repr  # the register-A QGMMA of the O^T PV, as traced
     # L2 prefetch one tile pair ahead (page 64, a table long enough that no prefetch is provably past the
     # split): pair 1 in the prologue, then one pair per iteration of WG0's loop, one bulk prefetch per tile
