@@ -65,6 +65,12 @@ CHECK = [
     Case("s4h16p64_noncausal", "bfloat16", 3, 4, 16, 64, 40, (0, 5, 2000), causal=False),
     Case("s2h32p64_garbage", "bfloat16", 3, 2, 32, 64, 16, (300, 10**7, 64), garbage=True),
     Case("b1s1h16p64_short", "bfloat16", 1, 1, 16, 64, 4, (70,)),
+    # 16-bit with S x H <= 32 and pages >= 32 (the transposed loop of TOKENSPEED_SM90_DECODE_T16): 32 rows over S = 2
+    # with garbage tables and a seq_len beyond the table, 15 rows in fp16 on 128-token pages, one request split many
+    # ways (the combine's partials)
+    Case("s2h16p32_garbage", "bfloat16", 3, 2, 16, 32, 32, (1, 33, 10**6), garbage=True),
+    Case("s3h5p128_f16", "float16", 3, 3, 5, 128, 20, (2, 129, 2500)),
+    Case("b1s1h32p64_16k", "bfloat16", 1, 1, 32, 64, 256, (16384,)),
     Case("fp8_s1h16p64", "float8_e4m3fn", 3, 1, 16, 64, 40, (0, 65, 2500)),
     Case("fp8_s4h128p64", "float8_e4m3fn", 3, 4, 128, 64, 40, (3, 64, 2000)),
     Case("fp8_s2h32p32_garbage", "float8_e4m3fn", 3, 2, 32, 32, 32, (1, 33, 10**6), garbage=True),

@@ -54,8 +54,11 @@ def traced_decode(c, trace_iters: int, ctas: int, producer: bool = False, ot: st
         outputs = [jax.ShapeDtypeStruct((B, S, H, 512), out_dt), jax.ShapeDtypeStruct((B, S, H), jnp.float32),
                    jax.ShapeDtypeStruct((ctas, 2, trace_iters, len(TRACE_EVENTS)), jnp.int64)]
         outputs += [jax.ShapeDtypeStruct(w.shape, jnp.dtype(w.dtype)) for w in plan.workspace]
-        key = ("mla_decode_sm90_traced.v3", prob.dtype, H, S, prob.page_size, plan.num_splits, plan.tokens_per_split,
-               trace_iters, ctas, producer, ot)
+        # the 16-bit loop's cross-PV order and the KV loads' eviction hint as the backend would run them
+        cross_first = prob.dtype != "float8_e4m3fn" and sm90_decode.resolve_cross_first()
+        kv_evict = sm90_decode.resolve_kv_evict()
+        key = ("mla_decode_sm90_traced.v4", prob.dtype, H, S, prob.page_size, plan.num_splits, plan.tokens_per_split,
+               trace_iters, ctas, producer, ot, cross_first, kv_evict)
         common = {"outputs": outputs, "compile_key": key, "dtype": prob.dtype, "num_heads": H, "q_len": S,
                   "page_size": prob.page_size, "causal": True, "num_splits": plan.num_splits,
                   "tokens_per_split": plan.tokens_per_split, "trace": trace_iters}
@@ -63,7 +66,7 @@ def traced_decode(c, trace_iters: int, ctas: int, producer: bool = False, ot: st
             call = ffi.custom_call(sm90_decode.TARGET, launch_mla_decode_ot_traced, qk_t=ot != "5", **common)
         else:
             call = ffi.custom_call(sm90_decode.TARGET, launch_mla_decode_seesaw_traced, tma_producer=producer,
-                                   **common)
+                                   cross_first=cross_first, kv_evict=kv_evict, **common)
         res = call(q, kv, bt, sl, ffi.scalar_operand(scale), ffi.scalar_operand(jnp.float32(1.0)))
         return res[0], res[1], res[2]
 

@@ -5,8 +5,14 @@ are bitwise equal.
     source .device/bootstrap.sh && python scripts/decode_ab.py TOKENSPEED_SM90_DECODE_PDL 1 0
     python scripts/decode_ab.py TOKENSPEED_SM90_DECODE_PDL 1 0 --cases 1,81920,64,16,1 64,81920,64,16,1
 
+With ``var`` ``-`` each value is a set of switches, ``NAME=VALUE[,NAME=VALUE...]`` with ``NAME`` after the
+``TOKENSPEED_SM90_DECODE_`` prefix (``-`` alone: none set), so several switches and their combinations run in one
+interleaved A/B:
+
+    python scripts/decode_ab.py - - CROSS_FIRST=1 KV_EVICT=first CROSS_FIRST=1,KV_EVICT=first --cases matrix
+
 Cases are ``B,K,page,H,S`` (``--dtype``, default bfloat16, every request at full length; default: 4 shapes
-with split-KV or not; ``--cases matrix``: the 13 shapes of ``benchmarks.decode.BENCH``).  ``--prewarm N``
+with split-KV or not; ``matrix`` among them: the 13 shapes of ``benchmarks.decode.BENCH``).  ``--prewarm N``
 first compiles every (case, value) configuration in N CPU worker processes (``benchmarks.decode.prewarm``;
 each value's workers see the switch in their environment), so the timed process only loads cached objects.
 Writes ``--out`` (default ``$OUT/decode_ab.json``).  ``lowering_equal: true`` means the switch did not reach
@@ -14,6 +20,7 @@ the kernel (the A/B compared a kernel with itself: docs/sm90_decode.md, the with
 2026-11-30).
 """
 import argparse
+import contextlib
 import dataclasses
 import json
 import os
@@ -23,6 +30,23 @@ import numpy as np
 
 from benchmarks.decode import BENCH, bench_case, bench_inputs, decode_fn, est_us, prewarm
 from benchmarks.harness import interleaved, provenance, scoped_env
+
+PREFIX = "TOKENSPEED_SM90_DECODE_"
+
+
+@contextlib.contextmanager
+def switches(var: str, value: str):
+    """``var=value`` set inside the block; with ``var`` ``-``, the ``NAME=VALUE`` pairs of ``value`` (module
+    docstring)."""
+    pairs = [(var, value)] if var != "-" else [
+        (PREFIX + kv.split("=", 1)[0], kv.split("=", 1)[1]) for kv in value.split(",") if kv != "-"]
+    for name, v in pairs:
+        if not name.startswith(PREFIX) or not v:
+            raise ValueError(f"switch {name}={v!r}: expected {PREFIX}NAME=VALUE")
+    with contextlib.ExitStack() as st:
+        for name, v in pairs:
+            st.enter_context(scoped_env(name, v))
+        yield
 
 
 def main() -> None:
@@ -36,11 +60,11 @@ def main() -> None:
     ap.add_argument("--prewarm", type=int, default=0, help="CPU worker processes compiling every config first")
     ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "/tmp"), "decode_ab.json"))
     a = ap.parse_args()
-    specs = [tuple(int(x) for x in s.split(",")) for s in a.cases] if a.cases != ["matrix"] else BENCH
+    specs = [spec for s in a.cases for spec in (BENCH if s == "matrix" else [tuple(int(x) for x in s.split(","))])]
     cases = [dataclasses.replace(bench_case(*s), dtype=a.dtype) for s in specs]
     if a.prewarm:
         for v in a.values:
-            with scoped_env(a.var, v):
+            with switches(a.var, v):
                 prewarm(cases, a.prewarm)
     res = []
     for c in cases:
@@ -48,7 +72,7 @@ def main() -> None:
         q, kv = q.astype(a.dtype), kv.astype(a.dtype)
         fns, outs, hlo = {}, {}, {}
         for v in a.values:
-            with scoped_env(a.var, v):
+            with switches(a.var, v):
                 f = decode_fn(c, "sm90")
                 outs[v] = np.asarray(f(q, kv, bt, sl, scale)[0].astype(jnp.float32))  # traced here, with the switch
                 hlo[v] = f.lower(q, kv, bt, sl, scale).as_text()

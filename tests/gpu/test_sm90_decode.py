@@ -70,6 +70,19 @@ def test_sm90_decode_fp8_ot_matches_reference(mode, case, rng, monkeypatch):
     assert r["ok"] and r["fp8_pv"], r
 
 
+@pytest.mark.parametrize("case", [c for c in _cases() if c.dtype != "float8_e4m3fn" and c.page >= 32
+                                  and c.S * c.H <= 32], ids=lambda c: c.name)
+def test_sm90_decode_t16_matches_reference(case, rng, monkeypatch):
+    """The transposed 16-bit loop (``TOKENSPEED_SM90_DECODE_T16=1``, ``kernels/sm90/mla_decode_ot16.py``) on the 16-bit
+    check cases it runs (S x H <= 32, pages >= 32), against the fp32 reference with the 16-bit tolerances."""
+    from benchmarks.decode import check
+    from tokenspeed_jax.backends import sm90_decode
+
+    monkeypatch.setenv(sm90_decode.T16_ENV, "1")
+    (r,) = check([case], int(rng.integers(0, 2**31 - 1)))
+    assert r["ok"], r
+
+
 def test_new_scale_does_not_recompile(rng):
     import jax
     import jax.numpy as jnp
@@ -101,7 +114,8 @@ def test_memcheck_small_shapes():
     exe = shutil.which("compute-sanitizer")
     if exe is None:
         pytest.skip("compute-sanitizer not found")
-    names = ("s2h32p64_garbage", "fp8_s2h32p32_garbage", "b1s1h16p64_short", "s4h32p32", "fp8_s1h32p32_garbage")
+    names = ("s2h32p64_garbage", "fp8_s2h32p32_garbage", "b1s1h16p64_short", "s4h32p32", "fp8_s1h32p32_garbage",
+             "s2h16p32_garbage")
     code = ("import sys; from benchmarks.decode import CHECK, check; "
             f"r = check([c for c in CHECK if c.name in {names!r}], 5); "
             "sys.exit(0 if r and all(x['ok'] for x in r) else 3)")

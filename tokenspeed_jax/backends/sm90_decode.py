@@ -35,6 +35,11 @@ The seesaw loop with TMA refills also prefetches the KV tile pair after the next
 (``TOKENSPEED_SM90_DECODE_L2_PREFETCH`` = ``"late"`` (default), ``"early"`` or ``"off"``; measured in
 ``docs/sm90_decode.md``, section "L2 prefetch").
 
+Opt-in switches measured on 2026-12-02 and left off (``docs/sm90_decode.md``, "The BF16 memory-bound gap"):
+``TOKENSPEED_SM90_DECODE_KV_EVICT`` (evict-first L2 hint on the KV loads), ``TOKENSPEED_SM90_DECODE_CROSS_FIRST``
+(16-bit: warpgroup 1's cross PV first), ``TOKENSPEED_SM90_DECODE_T16`` (16-bit with S x H <= 32: the transposed loop of
+``kernels/sm90/mla_decode_ot16.py``) and ``TOKENSPEED_SM90_DECODE_PDL_MAIN`` (the main kernel launched with PDL too).
+
 ``"auto"`` picks seesaw; FP8 with 8-token pages (no TMA refills) or ``"seesaw-cpasync"`` runs lockstep.
 Chosen by ``decode(..., schedule=...)`` or, when that is None, by the environment variable
 ``TOKENSPEED_SM90_DECODE_SCHEDULE`` (read when the call is traced; a jitted function keeps the schedule it
@@ -98,7 +103,29 @@ L2_PREFETCH_DEFAULT = "late"
 # key.
 RS_STAGES_ENV = "TOKENSPEED_SM90_DECODE_RS_STAGES"
 RS_STAGES_DEFAULT = "4"
-TRACE_ENV = (SCHEDULE_ENV, PDL_ENV, FP8_QK_ENV, FP8_PV_ENV, L2_PREFETCH_ENV, PRODUCER16_ENV, RS_STAGES_ENV)
+# The L2 eviction hint of the seesaw-family loops' KV TMA loads: "normal" (no hint) or "first" (evict-first, as
+# FlashMLA's loads do; docs/sm90_decode.md, "KV eviction hint").  Read at trace time; part of the compile key.
+KV_EVICT_ENV = "TOKENSPEED_SM90_DECODE_KV_EVICT"
+KV_EVICT_CHOICES = ("normal", "first")  # the kernel's KV_EVICT_MODES (no cutlass import here)
+KV_EVICT_DEFAULT = "normal"
+# "1": the 16-bit seesaw loop's warpgroup 1 issues its cross PV before its own PV and publishes its P at once, so the
+# slot-0 refill warpgroup 0's next QK waits for goes out one PV earlier (docs/sm90_decode.md, "Cross PV first");
+# "0": own PV first.  Read at trace time; part of the compile key.
+CROSS_FIRST_ENV = "TOKENSPEED_SM90_DECODE_CROSS_FIRST"
+CROSS_FIRST_DEFAULT = "0"
+# "1": 16-bit inputs with S x H <= 32 query rows (pages >= 32, TMA refills, the producer warpgroup) run the seesaw loop
+# with both matmuls transposed, S^T = K Q^T and O^T = V^T P^T on the real rows instead of 64 padded ones
+# (kernels/sm90/mla_decode_ot16.py; docs/sm90_decode.md, "Transposed 16-bit loop"); "0": the seesaw loop.  Read at trace
+# time; part of the compile key.
+T16_ENV = "TOKENSPEED_SM90_DECODE_T16"
+T16_DEFAULT = "0"
+# "1": the main decode kernel is launched with programmatic dependent launch as well (its CTAs take SMs while the
+# previous kernel of the stream drains, then wait for it before reading anything; the main and combine kernels let
+# the next kernel launch at their start).  "0": only the combine kernel is.  Read at trace time; part of the compile key.
+PDL_MAIN_ENV = "TOKENSPEED_SM90_DECODE_PDL_MAIN"
+PDL_MAIN_DEFAULT = "0"
+TRACE_ENV = (SCHEDULE_ENV, PDL_ENV, FP8_QK_ENV, FP8_PV_ENV, L2_PREFETCH_ENV, PRODUCER16_ENV, RS_STAGES_ENV,
+             KV_EVICT_ENV, CROSS_FIRST_ENV, T16_ENV, PDL_MAIN_ENV)
 SCHEDULES = ("auto", "seesaw", "seesaw-cpasync", "lockstep", "overlap")  # module docstring (no cutlass import here)
 _MIN_PAGE = 8
 _MIN_FP8_SEESAW_PAGE = 16  # the FP8 seesaw needs TMA refills (the kernel's _MIN_TMA_PAGE; no cutlass import here)
@@ -130,6 +157,10 @@ class DecodeKernelKey:
     pv_ot: bool = False  # FP8: the O^T = V^T P^T loop ($TOKENSPEED_SM90_DECODE_FP8_PV 5, 6, 7)
     qk_t: bool = False  # ... with the transposed QK S^T = K Q^T ($TOKENSPEED_SM90_DECODE_FP8_PV 6, 7)
     rs_stages: int = 0  # FP8: the row-split loop with this many KV buffers ($TOKENSPEED_SM90_DECODE_FP8_PV 8); 0: not
+    kv_evict: str = "normal"  # seesaw family: L2 eviction hint of the KV loads ($TOKENSPEED_SM90_DECODE_KV_EVICT)
+    cross_first: bool = False  # 16-bit seesaw: warpgroup 1's cross PV first ($TOKENSPEED_SM90_DECODE_CROSS_FIRST)
+    t16: bool = False  # 16-bit, S x H <= 32: the transposed loop ($TOKENSPEED_SM90_DECODE_T16)
+    pdl_main: bool = False  # the main kernel launched with PDL too ($TOKENSPEED_SM90_DECODE_PDL_MAIN)
 
 
 def supports(problem: DecodeProblem) -> str | None:
@@ -186,6 +217,26 @@ def resolve_rs_stages() -> int:
     return int(_choice(os.environ.get(RS_STAGES_ENV, "") or RS_STAGES_DEFAULT, ("2", "3", "4", "5"), RS_STAGES_ENV))
 
 
+def resolve_kv_evict() -> str:
+    """``$TOKENSPEED_SM90_DECODE_KV_EVICT`` (one of :data:`KV_EVICT_CHOICES`, default :data:`KV_EVICT_DEFAULT`)."""
+    return _choice(os.environ.get(KV_EVICT_ENV, "") or KV_EVICT_DEFAULT, KV_EVICT_CHOICES, KV_EVICT_ENV)
+
+
+def resolve_cross_first() -> bool:
+    """``$TOKENSPEED_SM90_DECODE_CROSS_FIRST`` ("0" or "1", default :data:`CROSS_FIRST_DEFAULT`), validated."""
+    return _choice(os.environ.get(CROSS_FIRST_ENV, "") or CROSS_FIRST_DEFAULT, ("0", "1"), CROSS_FIRST_ENV) == "1"
+
+
+def resolve_t16() -> bool:
+    """``$TOKENSPEED_SM90_DECODE_T16`` ("0" or "1", default :data:`T16_DEFAULT`), validated."""
+    return _choice(os.environ.get(T16_ENV, "") or T16_DEFAULT, ("0", "1"), T16_ENV) == "1"
+
+
+def resolve_pdl_main() -> bool:
+    """``$TOKENSPEED_SM90_DECODE_PDL_MAIN`` ("0" or "1", default :data:`PDL_MAIN_DEFAULT`), validated."""
+    return _choice(os.environ.get(PDL_MAIN_ENV, "") or PDL_MAIN_DEFAULT, ("0", "1"), PDL_MAIN_ENV) == "1"
+
+
 def decode(problem: DecodeProblem, q, kv_cache, block_table, seq_lens, softmax_scale, output_scale, *,
            kv_step: int | None = None, schedule: str | None = None):
     """Run the kernel; returns ``(out [B,S,H,512], lse [B,S,H] | None)``.
@@ -196,6 +247,7 @@ def decode(problem: DecodeProblem, q, kv_cache, block_table, seq_lens, softmax_s
     from tokenspeed_jax import ffi
     from tokenspeed_jax.kernels.sm90.mla_decode import launch_mla_decode
     from tokenspeed_jax.kernels.sm90.mla_decode_ot import launch_mla_decode_ot
+    from tokenspeed_jax.kernels.sm90.mla_decode_ot16 import launch_mla_decode_ot16
     from tokenspeed_jax.kernels.sm90.mla_decode_rs import launch_mla_decode_rs
     from tokenspeed_jax.kernels.sm90.mla_decode_seesaw import launch_mla_decode_seesaw
 
@@ -247,9 +299,18 @@ def decode(problem: DecodeProblem, q, kv_cache, block_table, seq_lens, softmax_s
         tma_producer = (seesaw and not no_tma and problem.page_size >= _MIN_EARLY_REFILL_PAGE
                         and resolve_producer16() == "1")
     l2_prefetch = resolve_l2_prefetch() if seesaw else "off"
+    kv_evict = resolve_kv_evict() if seesaw and not no_tma else "normal"
+    # the transposed 16-bit loop: S x H <= 32, where the seesaw loop would pad its matmuls to 64 rows (it has the
+    # producer warpgroup's refills, so pages >= 32 and TMA, as the 16-bit producer itself)
+    t16 = (tma_producer and not fp8_seesaw and S * H <= _MAX_OT_ROWS and resolve_t16())
+    if t16:
+        launch = launch_mla_decode_ot16
+    cross_first = seesaw and problem.dtype != "float8_e4m3fn" and not t16 and resolve_cross_first()
+    pdl_main = resolve_pdl_main()
     key = DecodeKernelKey("mla_decode_sm90.v10", problem.dtype, H, S, problem.page_size, problem.causal,
                           plan.num_splits, plan.tokens_per_split, block_n, schedule, pdl, qk_fp8, l2_prefetch, pv_fp8,
-                          early_refill, vt_packed, tma_producer, pv_ot, qk_t, rs_stages)
+                          early_refill, vt_packed, tma_producer, pv_ot, qk_t, rs_stages, kv_evict, cross_first, t16,
+                          pdl_main)
     outputs = [jax.ShapeDtypeStruct((B, S, H, problem.kv_lora_rank), jnp.dtype(problem.out_dtype)),
                jax.ShapeDtypeStruct((B, S, H), jnp.float32)]
     outputs += [jax.ShapeDtypeStruct(w.shape, jnp.dtype(w.dtype)) for w in plan.workspace]
@@ -259,10 +320,13 @@ def decode(problem: DecodeProblem, q, kv_cache, block_table, seq_lens, softmax_s
         num_splits=plan.num_splits, tokens_per_split=plan.tokens_per_split, block_n=block_n, schedule=schedule,
         pdl=pdl, **({"qk_fp8": qk_fp8, "pv_fp8": pv_fp8, "early_refill": early_refill, "vt_packed": vt_packed}
                     if fp8_seesaw and not pv_ot and not rs_stages else {}),
-        **({"tma_producer": tma_producer} if seesaw and not pv_ot and not rs_stages else {}),
+        **({"tma_producer": tma_producer} if seesaw and not pv_ot and not rs_stages and not t16 else {}),
         **({"l2_prefetch": l2_prefetch} if seesaw and not rs_stages else {}),
         **({"qk_t": qk_t} if pv_ot else {}),
         **({"stages": rs_stages} if rs_stages else {}),
+        **({"kv_evict": kv_evict} if kv_evict != "normal" else {}),
+        **({"cross_first": True} if cross_first else {}),
+        **({"pdl_main": True} if pdl_main else {}),
     )
     res = call(q, kv_cache, block_table.astype(jnp.int32), seq_lens.astype(jnp.int32),
                ffi.scalar_operand(softmax_scale), ffi.scalar_operand(output_scale))

@@ -66,7 +66,7 @@ class MlaDecodeSm90:
 
     def __init__(self, *, dtype: str, num_heads: int, q_len: int, page_size: int, causal: bool,
                  num_splits: int, tokens_per_split: int, block_n: int = 64, head_dim: int = 576,
-                 kv_lora_rank: int = 512, schedule: str = "lockstep", pdl: bool = True):
+                 kv_lora_rank: int = 512, schedule: str = "lockstep", pdl: bool = True, pdl_main: bool = False):
         why = self.can_implement(dtype=dtype, num_heads=num_heads, q_len=q_len, page_size=page_size,
                                  tokens_per_split=tokens_per_split, head_dim=head_dim,
                                  kv_lora_rank=kv_lora_rank)
@@ -101,6 +101,9 @@ class MlaDecodeSm90:
         self.defer_pv = self.overlap and not self.fp8
         # split-KV: launch the combine kernel with programmatic dependent launch (see combine_kernel)
         self.pdl = bool(pdl)
+        # the main kernel itself launched with PDL too (:meth:`allow_combine_launch`): its CTAs may take SMs while the
+        # previous kernel of the stream drains, and wait for it to complete before their first global read
+        self.pdl_main = bool(pdl_main)
 
     @staticmethod
     def can_implement(*, dtype, num_heads, q_len, page_size, tokens_per_split, head_dim, kv_lora_rank):
@@ -157,7 +160,7 @@ class MlaDecodeSm90:
         self.kernel(qk_mma, pv_mma, q, kv, block_table, seq_lens, softmax_scale, output_scale, out, lse, o_accum, lse_accum,
                     q_layout, k_layout, v_layout, p_layout, st_layout, Storage).launch(
             grid=(self.num_m_blocks, self.num_splits, q.shape[0]), block=(self.num_threads, 1, 1),
-            smem=Storage.size_in_bytes(), stream=stream, min_blocks_per_mp=1)
+            smem=Storage.size_in_bytes(), stream=stream, min_blocks_per_mp=1, use_pdl=self.pdl_main)
         if cutlass.const_expr(self.num_splits > 1):
             self.launch_combine(stream, o_accum, lse_accum, output_scale, out, lse, q.shape[0])
 
@@ -635,10 +638,14 @@ class MlaDecodeSm90:
 
     @cute.jit
     def allow_combine_launch(self):
-        """Main kernels, first thing: with PDL the combine grid may be launched now (it waits for this grid
-        to complete before reading; :meth:`combine_kernel`)."""
-        if cutlass.const_expr(self.num_splits > 1 and self.pdl):
+        """Main kernels, first thing: with PDL the combine grid (or with :attr:`pdl_main` the next kernel of the
+        stream) may be launched now (it waits for this grid to complete before reading; :meth:`combine_kernel`).
+        With :attr:`pdl_main` this grid was launched early too: it waits here, before any global memory access,
+        until the previous kernel of the stream completed and its writes are visible."""
+        if cutlass.const_expr((self.num_splits > 1 and self.pdl) or self.pdl_main):
             cute.arch.griddepcontrol_launch_dependents()
+        if cutlass.const_expr(self.pdl_main):
+            cute.arch.griddepcontrol_wait()
 
     def combine_shape(self):
         """``(C, G)`` of the combine kernel: each CTA merges ``DV / C`` columns of one row; its 128
@@ -695,6 +702,8 @@ class MlaDecodeSm90:
         ``griddepcontrol.launch_dependents`` at its start, so this grid is launched while the main grid
         runs and its CTAs take SMs as main CTAs retire; ``griddepcontrol.wait`` holds every thread until
         the main grid has completed and its writes are visible."""
+        if cutlass.const_expr(self.pdl_main):  # the next main kernel may launch (it waits for this grid)
+            cute.arch.griddepcontrol_launch_dependents()
         if cutlass.const_expr(self.pdl):
             cute.arch.griddepcontrol_wait()
         tid, _, _ = cute.arch.thread_idx()
@@ -770,11 +779,12 @@ def launch_mla_decode(stream, q: cute.Tensor, kv: cute.Tensor, block_table: cute
                       dtype: cutlass.Constexpr, num_heads: cutlass.Constexpr, q_len: cutlass.Constexpr,
                       page_size: cutlass.Constexpr, causal: cutlass.Constexpr, num_splits: cutlass.Constexpr,
                       tokens_per_split: cutlass.Constexpr, block_n: cutlass.Constexpr = 64,
-                      schedule: cutlass.Constexpr = "lockstep", pdl: cutlass.Constexpr = True):
+                      schedule: cutlass.Constexpr = "lockstep", pdl: cutlass.Constexpr = True,
+                      pdl_main: cutlass.Constexpr = False):
     """FFI launch function (``tokenspeed_jax.ffi`` ABI): inputs, outputs, then the split-KV workspace."""
     MlaDecodeSm90(dtype=dtype, num_heads=num_heads, q_len=q_len, page_size=page_size, causal=causal,
                   num_splits=num_splits, tokens_per_split=tokens_per_split, block_n=block_n,
-                  schedule=schedule, pdl=pdl)(
+                  schedule=schedule, pdl=pdl, pdl_main=pdl_main)(
         stream, q, kv, block_table, seq_lens, softmax_scale, output_scale, out, lse, o_accum, lse_accum)
 
 

@@ -177,7 +177,7 @@ class MlaDecodeOtSm90(MlaDecodeSeesawSm90):
         self.ot_kernel(qk_mma, pv_mma, q, kv, block_table, seq_lens, softmax_scale, output_scale, out, lse, o_accum,
                        lse_accum, trace_buf, q_layout, tma_atom, tma_kv, Storage).launch(
             grid=(self.num_m_blocks, self.num_splits, q.shape[0]), block=(self.cta_threads, 1, 1),
-            smem=Storage.size_in_bytes(), stream=stream, min_blocks_per_mp=1)
+            smem=Storage.size_in_bytes(), stream=stream, min_blocks_per_mp=1, use_pdl=self.pdl_main)
         if cutlass.const_expr(self.num_splits > 1):
             self.launch_combine(stream, o_accum, lse_accum, output_scale, out, lse, q.shape[0])
 
@@ -682,9 +682,15 @@ class MlaDecodeOtSm90(MlaDecodeSeesawSm90):
                 inv = 1.0 / l_tot
             if r < self.R:
                 for mb in cutlass.range_constexpr(4):
-                    f = ot_feature(wg, mb, wtid // 32, lane // 4)  # and f + 1 (accumulator row q + 8)
+                    f = self.acc_feature(wg, mb, wtid // 32, lane // 4)  # and f + 1 (accumulator row q + 8)
                     self.store_ot_pair(acc, i % 2 + 4 * (i // 2) + (self.pv_n // 2) * mb, inv, out_scale, mOut, mOacc,
                                        b, split, r, f)
+
+    def acc_feature(self, wg, mb, warp, q):
+        """Output feature of the ``O^T`` accumulator row ``q`` (0..7; row ``q + 8`` is :meth:`store_ot_pair`'s
+        second) of warp ``warp`` in m-block ``mb`` of warpgroup ``wg``: :func:`ot_feature` (the register ``V^T``'s
+        row permutation)."""
+        return ot_feature(wg, mb, warp, q)
 
     @cute.jit
     def store_ot_pair(self, acc: cute.Tensor, e: cutlass.Constexpr, inv: Float32, out_scale: Float32,
@@ -716,12 +722,13 @@ def launch_mla_decode_ot(stream, q: cute.Tensor, kv: cute.Tensor, block_table: c
                          causal: cutlass.Constexpr, num_splits: cutlass.Constexpr,
                          tokens_per_split: cutlass.Constexpr, block_n: cutlass.Constexpr = 64,
                          schedule: cutlass.Constexpr = "seesaw", pdl: cutlass.Constexpr = True,
-                         l2_prefetch: cutlass.Constexpr = "late", qk_t: cutlass.Constexpr = False):
+                         l2_prefetch: cutlass.Constexpr = "late", qk_t: cutlass.Constexpr = False,
+                         kv_evict: cutlass.Constexpr = "normal", pdl_main: cutlass.Constexpr = False):
     """FFI launch function of the O^T schedule (FP8 P V mode "5", with ``qk_t`` mode "6"; same ABI as
     ``launch_mla_decode_seesaw``; ``schedule`` is the backend's, always "seesaw" here)."""
     MlaDecodeOtSm90(dtype=dtype, num_heads=num_heads, q_len=q_len, page_size=page_size, causal=causal,
                     num_splits=num_splits, tokens_per_split=tokens_per_split, block_n=block_n, pdl=pdl,
-                    l2_prefetch=l2_prefetch, qk_t=qk_t)(
+                    l2_prefetch=l2_prefetch, qk_t=qk_t, kv_evict=kv_evict, pdl_main=pdl_main)(
         stream, q, kv, block_table, seq_lens, softmax_scale, output_scale, out, lse, o_accum, lse_accum)
 
 

@@ -122,7 +122,7 @@ class MlaDecodeRsSm90(MlaDecodeOtSm90):
         self.rs_kernel(qk_mma, qk_mma0, pv_mma, q, kv, block_table, seq_lens, softmax_scale, output_scale, out, lse, o_accum,
                        lse_accum, q_layout, tma_atom, tma_kv, Storage).launch(
             grid=(self.num_m_blocks, self.num_splits, q.shape[0]), block=(self.cta_threads, 1, 1),
-            smem=Storage.size_in_bytes(), stream=stream, min_blocks_per_mp=1)
+            smem=Storage.size_in_bytes(), stream=stream, min_blocks_per_mp=1, use_pdl=self.pdl_main)
         if cutlass.const_expr(self.num_splits > 1):
             self.launch_combine(stream, o_accum, lse_accum, output_scale, out, lse, q.shape[0])
 
@@ -419,12 +419,13 @@ def launch_mla_decode_rs(stream, q: cute.Tensor, kv: cute.Tensor, block_table: c
                          causal: cutlass.Constexpr, num_splits: cutlass.Constexpr,
                          tokens_per_split: cutlass.Constexpr, block_n: cutlass.Constexpr = 64,
                          schedule: cutlass.Constexpr = "seesaw", pdl: cutlass.Constexpr = True,
-                         stages: cutlass.Constexpr = 4):
+                         stages: cutlass.Constexpr = 4, kv_evict: cutlass.Constexpr = "normal",
+                         pdl_main: cutlass.Constexpr = False):
     """FFI launch function of the row-split loop (FP8 P V mode "8"; same ABI as ``launch_mla_decode_seesaw``;
     ``schedule`` is the backend's, always "seesaw" here)."""
     MlaDecodeRsSm90(dtype=dtype, num_heads=num_heads, q_len=q_len, page_size=page_size, causal=causal,
                     num_splits=num_splits, tokens_per_split=tokens_per_split, block_n=block_n, pdl=pdl,
-                    l2_prefetch="off", stages=stages)(
+                    l2_prefetch="off", stages=stages, kv_evict=kv_evict, pdl_main=pdl_main)(
         stream, q, kv, block_table, seq_lens, softmax_scale, output_scale, out, lse, o_accum, lse_accum)
 
 

@@ -123,6 +123,9 @@ TRACE_EVENTS = (
     ("refill issue", "-"),
 )
 L2_PREFETCH_MODES = ("off", "late", "early")  # MlaDecodeSeesawSm90.l2_prefetch_tile
+# MlaDecodeSeesawSm90(kv_evict=...): the L2 cache policy operand of the KV TMA loads (None: no hint); the values are
+# the createpolicy encodings CUTLASS uses for its TMA cache hints (cute/arch/copy_sm90_tma.hpp, CacheHintSm90)
+KV_EVICT_MODES = {"normal": None, "first": 0x12F0000000000000}
 
 
 def acc_to_a_layout(acc_layout: cute.Layout) -> cute.Layout:
@@ -143,7 +146,7 @@ class MlaDecodeSeesawSm90(Fp8OperandsMixin, MlaDecodeSm90):
 
     def __init__(self, *, kv_load: str = "auto", qk_fp8: bool = True, pv_fp8: bool = False,
                  early_refill: bool = False, vt_packed: bool = False, tma_producer: bool = False, expand_group: int = 4,
-                 l2_prefetch: str = "off", trace: int = 0, **kw):
+                 l2_prefetch: str = "off", kv_evict: str = "normal", cross_first: bool = False, trace: int = 0, **kw):
         kw["schedule"] = "lockstep"
         super().__init__(**kw)
         # FP8: QK^T on FP8 tensor cores (e4m3 x e4m3 -> fp32, QGMMA k32) straight from the raw q tile and the
@@ -208,6 +211,19 @@ class MlaDecodeSeesawSm90(Fp8OperandsMixin, MlaDecodeSm90):
         if trace < 0:
             raise ValueError(f"trace: expected the number of iterations to time (0: a normal build), got {trace}")
         self.trace = int(trace)
+        # L2 eviction priority of the KV cache's TMA loads (:data:`KV_EVICT_MODES`): "first" marks the lines a refill
+        # read as the first to evict (each is read once per row block, and the row blocks of a request read it at about
+        # the same time), so they do not push out the rows the L2 prefetch brought in for later; "normal" sets no hint
+        if kv_evict not in KV_EVICT_MODES:
+            raise ValueError(f"kv_evict: expected one of {tuple(KV_EVICT_MODES)}, got {kv_evict!r}")
+        self.kv_evict = kv_evict
+        # 16-bit loop: warpgroup 1 issues its cross PV (slot 0, P0 from smem) before its own (slot 1, P1 from registers)
+        # and publishes P1 as soon as it is stored, so slot 0's refill B0, which warpgroup 0's next QK waits for, is
+        # issued one PV earlier (docs/sm90_decode.md, "Cross PV first"); with the producer warpgroup each of its warps
+        # issues one refill group, so no group waits behind one issued later
+        if cross_first and self.fp8:
+            raise ValueError("cross_first: only the 16-bit loop (FP8 runs its own P V order)")
+        self.cross_first = bool(cross_first)
         self.box_rows = min(self.page_size, self.block_n)  # rows of one TMA box (one page or one tile)
         self.subs = self.block_n // self.box_rows  # boxes per 64-token tile and 64-column chunk
         self.schedule = "seesaw"
@@ -276,7 +292,7 @@ class MlaDecodeSeesawSm90(Fp8OperandsMixin, MlaDecodeSm90):
                            lse, o_accum, lse_accum, trace_buf, q_layout, k_layout, v_layout, p_layout, tma_atom,
                            tma_kv, Storage).launch(
             grid=(self.num_m_blocks, self.num_splits, q.shape[0]), block=(self.cta_threads, 1, 1),
-            smem=Storage.size_in_bytes(), stream=stream, min_blocks_per_mp=1)
+            smem=Storage.size_in_bytes(), stream=stream, min_blocks_per_mp=1, use_pdl=self.pdl_main)
         if cutlass.const_expr(self.num_splits > 1):
             self.launch_combine(stream, o_accum, lse_accum, output_scale, out, lse, q.shape[0])
 
@@ -398,10 +414,13 @@ class MlaDecodeSeesawSm90(Fp8OperandsMixin, MlaDecodeSm90):
                 if wtid == 0:
                     cute.arch.mbarrier_arrive_and_expect_tx(mbar_ptr, len(chunks) * self.block_n * _CHUNK
                                                             * (self.dtype.width // 8))
+                hint = {}
+                if cutlass.const_expr(KV_EVICT_MODES[self.kv_evict] is not None):
+                    hint["cache_policy"] = Int64(KV_EVICT_MODES[self.kv_evict])
                 for c in cutlass.range_constexpr(len(chunks)):
                     for sb in cutlass.range_constexpr(self.subs):
                         cute.copy(tma_atom, tAg[None, pgs[sb, 1], chunks[c], pgs[sb, 0]], tAs[None, sb, chunks[c]],
-                                  tma_bar_ptr=mbar_ptr)
+                                  tma_bar_ptr=mbar_ptr, **hint)
         else:
             self.fill(sKs, mbar_ptr, mKV, pgs, tile_start, split_end, num_pages, wtid, chunks)
 
@@ -480,13 +499,27 @@ class MlaDecodeSeesawSm90(Fp8OperandsMixin, MlaDecodeSm90):
             # 0 cols 0..255, after WG0's own PV), B1 (slot 1 cols 256..511, WG1's own PV), B0 (slot 0 cols 256..575,
             # WG1's cross PV), A1 (slot 1 cols 0..255 + rope, WG0's cross PV); each site's warpgroup arrives on its
             # REFILL_* barrier.  No site waits for a later refill of the same pair, so the fixed order cannot block.
-            if wtid < 32:
+            groups = ((Barrier.REFILL_A0, 0, 0, (0, 1, 2, 3)),
+                      (Barrier.REFILL_B1, 1, 3, (4, 5, 6, 7)),
+                      (Barrier.REFILL_B0, 0, 1, (4, 5, 6, 7, 8)),
+                      (Barrier.REFILL_A1, 1, 2, (0, 1, 2, 3, 8)))
+            if cutlass.const_expr(self.cross_first):
+                # warpgroup 1 reaches B0 before B1 here, and warpgroup 0's A1 may come before either: warp g issues
+                # group g alone, so each refill goes out as soon as its site is reached
+                warp = cute.arch.make_warp_uniform(wtid // 32)
+                for g in cutlass.range_constexpr(4):
+                    if warp == g:
+                        bar, s, m, chunks = groups[g]
+                        for j in cutlass.range(n_pairs - 1, unroll=1):
+                            t = split_start + (2 * j + 2 + s) * bn
+                            crd = self.coords(mBT, b, t, split_end, num_pages, wtid)
+                            cute.arch.barrier(barrier_id=int(bar), number_of_threads=160)
+                            self.refill((sK0, sK1)[s], (tAs0, tAs1)[s], tAg, tma_atom, mbar + m, mKV, crd, t,
+                                        split_end, num_pages, 2, wtid % 32, chunks, None)
+            elif wtid < 32:
                 for j in cutlass.range(n_pairs - 1, unroll=1):
                     t2 = split_start + (2 * j + 2) * bn
-                    for bar, s, m, chunks in ((Barrier.REFILL_A0, 0, 0, (0, 1, 2, 3)),
-                                              (Barrier.REFILL_B1, 1, 3, (4, 5, 6, 7)),
-                                              (Barrier.REFILL_B0, 0, 1, (4, 5, 6, 7, 8)),
-                                              (Barrier.REFILL_A1, 1, 2, (0, 1, 2, 3, 8))):
+                    for bar, s, m, chunks in groups:
                         t = t2 + s * bn
                         # loaded before the wait, one tile's at a time (24 registers: pages of 16 / 32 spilled
                         # with two tiles' coordinates live)
@@ -1001,13 +1034,18 @@ class MlaDecodeSeesawSm90(Fp8OperandsMixin, MlaDecodeSm90):
                     self.mark(mTrace, cta, wg, wtid, j, 3)
                     self.pv(pv8, acc_o8, tOsP8_1, tOrVt1, _K32)
                     warpgroup.commit_group()
+                elif cutlass.const_expr(self.cross_first):  # P1 published now, its PV issued after the cross PV
+                    rP.store(acc_s.load().to(self.mma_dtype))
+                    cute.autovec_copy(rP, tSsP1)
+                    cute.arch.fence_view_async_shared()
+                    cute.arch.barrier_arrive(barrier_id=int(Barrier.P1_READY), number_of_threads=self.num_threads)
                 else:
                     rP.store(acc_s.load().to(self.mma_dtype))
                     cute.autovec_copy(rP, tSsP1)
                     self.pv(pv_rs, acc_o, tOrP, tOrV1)
                     warpgroup.commit_group()
                     cute.arch.fence_view_async_shared()
-                # 3. O_R += P0 V0_R (SS; P0 from WG0's smem), then release P1 to WG0
+                # 3. O_R += P0 V0_R (SS; P0 from WG0's smem), then release P1 to WG0 (cross_first: then the own PV)
                 cute.arch.barrier(barrier_id=int(Barrier.P0_READY), number_of_threads=self.num_threads)
                 self.mark(mTrace, cta, wg, wtid, j, 4)
                 if cutlass.const_expr(self.pv8):
@@ -1015,15 +1053,23 @@ class MlaDecodeSeesawSm90(Fp8OperandsMixin, MlaDecodeSm90):
                 else:
                     self.pv(pv_ss, acc_o, tOsP0, tOrV0)
                 warpgroup.commit_group()
-                cute.arch.barrier_arrive(barrier_id=int(Barrier.P1_READY), number_of_threads=self.num_threads)
+                if cutlass.const_expr(self.cross_first):
+                    self.pv(pv_rs, acc_o, tOrP, tOrV1)
+                    warpgroup.commit_group()
+                else:
+                    cute.arch.barrier_arrive(barrier_id=int(Barrier.P1_READY), number_of_threads=self.num_threads)
                 self.mark(mTrace, cta, wg, wtid, j, 5)
                 # 4. refills as the PVs retire: slot 1 cols 256..511 (own PV), slot 0 cols 256..575 (cross PV,
-                #    which also read P0 in slot 0's rope columns)
+                #    which also read P0 in slot 0's rope columns); cross_first: the other way round
                 warpgroup.wait_group(1)
                 if cutlass.const_expr(not self.early):  # noqa: SIM102 (static + dynamic test)
                     if more:
-                        self.refill(sK1, tAs1, tAg, tma_atom, mbar + 3, mKV, pgB1, t1 + 2 * bn, split_end, num_pages,
-                                    wg, wtid, (4, 5, 6, 7), Barrier.REFILL_B1)
+                        if cutlass.const_expr(self.cross_first):
+                            self.refill(sK0, tAs0, tAg, tma_atom, mbar + 1, mKV, pgB0, t1 + bn, split_end, num_pages,
+                                        wg, wtid, (4, 5, 6, 7, 8), Barrier.REFILL_B0)
+                        else:
+                            self.refill(sK1, tAs1, tAg, tma_atom, mbar + 3, mKV, pgB1, t1 + 2 * bn, split_end,
+                                        num_pages, wg, wtid, (4, 5, 6, 7), Barrier.REFILL_B1)
                 warpgroup.wait_group(0)
                 self.mark(mTrace, cta, wg, wtid, j, 6)
                 if cutlass.const_expr(self.early):
@@ -1034,8 +1080,12 @@ class MlaDecodeSeesawSm90(Fp8OperandsMixin, MlaDecodeSm90):
                         self.qk_chunks(qk_mma, acc_s, tSrQ, tSrK1, _ALL_CHUNKS, True)
                         warpgroup.commit_group()
                 elif more:
-                    self.refill(sK0, tAs0, tAg, tma_atom, mbar + 1, mKV, pgB0, t1 + bn, split_end, num_pages, wg,
-                                wtid, (4, 5, 6, 7, 8), Barrier.REFILL_B0)
+                    if cutlass.const_expr(self.cross_first):
+                        self.refill(sK1, tAs1, tAg, tma_atom, mbar + 3, mKV, pgB1, t1 + 2 * bn, split_end, num_pages,
+                                    wg, wtid, (4, 5, 6, 7), Barrier.REFILL_B1)
+                    else:
+                        self.refill(sK0, tAs0, tAg, tma_atom, mbar + 1, mKV, pgB0, t1 + bn, split_end, num_pages, wg,
+                                    wtid, (4, 5, 6, 7, 8), Barrier.REFILL_B0)
                     # 5. next QK on slot 1: own columns first, then WG0's refill (cols 0..255 + rope)
                     self.landed(mbar + 3, ph)
                     self.mark(mTrace, cta, wg, wtid, j, 7)
@@ -1074,16 +1124,20 @@ def launch_mla_decode_seesaw(stream, q: cute.Tensor, kv: cute.Tensor, block_tabl
                              schedule: cutlass.Constexpr = "seesaw", pdl: cutlass.Constexpr = True,
                              qk_fp8: cutlass.Constexpr = True, pv_fp8: cutlass.Constexpr = False,
                              early_refill: cutlass.Constexpr = False, vt_packed: cutlass.Constexpr = False,
-                             tma_producer: cutlass.Constexpr = False, l2_prefetch: cutlass.Constexpr = "off"):
+                             tma_producer: cutlass.Constexpr = False, l2_prefetch: cutlass.Constexpr = "off",
+                             kv_evict: cutlass.Constexpr = "normal", cross_first: cutlass.Constexpr = False,
+                             pdl_main: cutlass.Constexpr = False):
     """FFI launch function of schedule "seesaw" (same ABI as ``launch_mla_decode``); ``"seesaw-cpasync"``
     forces the cp.async refills where TMA would be used; ``qk_fp8=False`` runs an FP8 QK on fp16 operands;
     ``pv_fp8=True`` runs the FP8 P V on FP8 tensor cores (P rounded to e4m3; :meth:`MlaDecodeSeesawSm90.transpose_v`);
-    ``l2_prefetch``: the L2 prefetch mode ("off", "late", "early"; :meth:`MlaDecodeSeesawSm90.l2_prefetch_tile`)."""
+    ``l2_prefetch``: the L2 prefetch mode ("off", "late", "early"; :meth:`MlaDecodeSeesawSm90.l2_prefetch_tile`);
+    ``kv_evict``: the KV loads' L2 eviction hint (:data:`KV_EVICT_MODES`); ``cross_first``: the 16-bit loop's
+    warpgroup 1 runs its cross PV first."""
     MlaDecodeSeesawSm90(dtype=dtype, num_heads=num_heads, q_len=q_len, page_size=page_size, causal=causal,
                         num_splits=num_splits, tokens_per_split=tokens_per_split, block_n=block_n,
                         kv_load="cp.async" if schedule == "seesaw-cpasync" else "auto", pdl=pdl, qk_fp8=qk_fp8,
                         pv_fp8=pv_fp8, early_refill=early_refill, vt_packed=vt_packed, tma_producer=tma_producer,
-                        l2_prefetch=l2_prefetch)(
+                        l2_prefetch=l2_prefetch, kv_evict=kv_evict, cross_first=cross_first, pdl_main=pdl_main)(
         stream, q, kv, block_table, seq_lens, softmax_scale, output_scale, out, lse, o_accum, lse_accum)
 
 
@@ -1096,7 +1150,9 @@ def launch_mla_decode_seesaw_traced(stream, q: cute.Tensor, kv: cute.Tensor, blo
                                     page_size: cutlass.Constexpr, causal: cutlass.Constexpr,
                                     num_splits: cutlass.Constexpr, tokens_per_split: cutlass.Constexpr,
                                     trace: cutlass.Constexpr, pdl: cutlass.Constexpr = True,
-                                    l2_prefetch: cutlass.Constexpr = "late", tma_producer: cutlass.Constexpr = False):
+                                    l2_prefetch: cutlass.Constexpr = "late", tma_producer: cutlass.Constexpr = False,
+                                    kv_evict: cutlass.Constexpr = "normal", cross_first: cutlass.Constexpr = False,
+                             pdl_main: cutlass.Constexpr = False):
     """Debug build of the seesaw loop as the backend runs it (FP8: packed slots, early refills, pages >= 32;
     ``tma_producer``: with the producer warpgroup, FP8 mode 4 or the 16-bit default) with
     :meth:`MlaDecodeSeesawSm90.mark` timestamps in ``trace_buf`` (int64 ``(ctas, 2, trace,
@@ -1106,9 +1162,9 @@ def launch_mla_decode_seesaw_traced(stream, q: cute.Tensor, kv: cute.Tensor, blo
     MlaDecodeSeesawSm90(dtype=dtype, num_heads=num_heads, q_len=q_len, page_size=page_size, causal=causal,
                         num_splits=num_splits, tokens_per_split=tokens_per_split, block_n=64, pdl=pdl, qk_fp8=True,
                         pv_fp8=fp8, early_refill=fp8, vt_packed=fp8, tma_producer=tma_producer, l2_prefetch=l2_prefetch,
-                        trace=trace)(
+                        kv_evict=kv_evict, cross_first=cross_first, trace=trace)(
         stream, q, kv, block_table, seq_lens, softmax_scale, output_scale, out, lse, o_accum, lse_accum, trace_buf)
 
 
-__all__ = ["L2_PREFETCH_MODES", "TRACE_EVENTS", "MlaDecodeSeesawSm90", "acc_to_a_layout", "launch_mla_decode_seesaw",
+__all__ = ["KV_EVICT_MODES", "L2_PREFETCH_MODES", "TRACE_EVENTS", "MlaDecodeSeesawSm90", "acc_to_a_layout", "launch_mla_decode_seesaw",
            "launch_mla_decode_seesaw_traced"]

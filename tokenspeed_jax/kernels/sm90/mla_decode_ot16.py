@@ -1,0 +1,334 @@
+"""16-bit MLA decode for Hopper with both matmuls transposed, for S x H <= 32 query rows: ``S^T = K Q^T``, ``O^T = V^T P^T``.
+
+The 16-bit seesaw loop (:class:`~tokenspeed_jax.kernels.sm90.mla_decode_seesaw.MlaDecodeSeesawSm90`) runs every matmul
+on 64 query rows, padded when a request has fewer (B64/K81920/H16/S1 has 16).  On the memory-bound shapes its
+tensor work is what the KV refills wait behind: the H200 timeline of that shape (2026-12-02, ``python -m
+benchmarks.trace_decode --dtype bfloat16 --cases 64,81920,64,16,1``) spends about 2600 of the ~7000 cycles of an
+iteration in the two concurrent QKs and about 1600 waiting for KV, and a refill group is issued only once the PV
+that last read it retired.  This loop (TOKENSPEED_SM90_DECODE_T16) keeps that loop's structure, buffers, refill
+groups, producer warpgroup, L2 prefetch and barriers, and shrinks the matmuls to the real rows:
+
+* ``S^T (64 tokens x N) = K Q^T``: the KV slot is the K-major A operand as it lands, the first ``N`` q rows the
+  K-major B operand (``N`` = :attr:`pv_n`, the rows rounded up to 16 or 32); 36 m64nNk16 per tile instead of 36
+  m64n64k16, and 8 or 16 accumulator registers instead of 32.
+* The softmax is per column of ``S^T`` (a query row's 64 keys lie in all 4 warps): the O^T loop's :meth:`fold_t`
+  (column maxima through 1 KB of shared memory and the warpgroup's barrier) and :meth:`exp_t`.
+* ``P^T`` (N rows x 64 tokens, K-major, 2 or 4 KB) goes to the rope columns of its slot, where the seesaw loop keeps
+  P: only the QK reads them, and it retired.  Both PVs read it from there (SS); warpgroup 0 stores its P twice, as the
+  seesaw loop does (before its own PV, and rescaled by scale1 for the cross PV once its own PV retired).
+* ``O^T (256 features x N) += V^T P^T`` per warpgroup: ``V^T`` is the slot read as an MN-major A operand (16-bit
+  wgmmas take either major mode, so unlike FP8 no copy and no register path), 4 m-blocks of 64 features;
+  4 x (N / 2) accumulator registers instead of 128.  The O rescales are per column (:meth:`scale_ot`).
+* The epilogue is the O^T loop's (:meth:`epilogue_ot`), with the natural feature order: accumulator row ``q`` of a
+  warp's 16 is feature ``q``, row ``q + 8`` feature ``q + 8``.
+
+Same contract, plan (one 64-row block: S x H <= 32), split-KV partials and combine kernel as the seesaw loop; 16-bit
+dtypes, TMA refills with pages >= 32 and the producer warpgroup (the backend's 16-bit default there).  Numerics: the
+same fp32 accumulation and statistics as the seesaw loop, and P rounded to the input dtype the same way; the sums run
+in another order (bitwise different, within the check's tolerances).
+"""
+
+from __future__ import annotations
+
+import cutlass
+import cutlass.utils.hopper_helpers as sm90_utils
+from cutlass import Float32, Int32, Int64, cute
+from cutlass.cute.nvgpu import warpgroup
+from cutlass.tensor_utils import LayoutEnum
+
+from tokenspeed_jax.kernels.sm90.helpers import Barrier, row_ptr
+from tokenspeed_jax.kernels.sm90.mla_decode_ot import MlaDecodeOtSm90
+from tokenspeed_jax.kernels.sm90.mla_decode_seesaw import MlaDecodeSeesawSm90
+
+_MAX_ROWS = 32  # query rows S x H (pv_n 16 or 32; the O^T loop's limit)
+_MIN_PAGE = 32  # the producer warpgroup's (its coordinates of 16-token pages spill in 24 registers)
+_QK_CHUNKS_A = (0, 1, 2, 3)  # the column groups of the seesaw loop's refills (module docstring there)
+_QK_CHUNKS_B = (4, 5, 6, 7, 8)
+
+
+class MlaDecodeOt16Sm90(MlaDecodeOtSm90):
+    """16-bit MLA decode with ``S^T = K Q^T`` and ``O^T = V^T P^T`` (module docstring).  Same arguments as the seesaw
+    class; 16-bit dtypes, S x H <= 32, page_size >= 32."""
+
+    def __init__(self, **kw):
+        for k in ("qk_fp8", "pv_fp8", "early_refill", "vt_packed", "tma_producer", "kv_load", "qk_t", "cross_first"):
+            kw.pop(k, None)
+        if kw.get("dtype") not in ("bfloat16", "float16"):
+            raise ValueError(f"the transposed 16-bit loop needs bfloat16 or float16 inputs, got {kw.get('dtype')}")
+        MlaDecodeSeesawSm90.__init__(self, tma_producer=True, kv_load="tma", **kw)
+        if self.page_size < _MIN_PAGE:
+            raise ValueError(f"the transposed 16-bit loop needs page_size >= {_MIN_PAGE}, got {self.page_size}")
+        if self.R > _MAX_ROWS:
+            raise ValueError(f"the transposed 16-bit loop needs S x H <= {_MAX_ROWS}, got {self.R}")
+        self.schedule = "seesaw-t16"
+        self.qk_t = True  # (the O^T loop's column-statistics paths: fold_t, col_limits, epilogue_ot)
+        self.pv_n = 16 if self.R <= 16 else 32
+
+    # ------------------------------------------------------------------------------------------ host
+    @cute.jit
+    def __call__(self, stream, q: cute.Tensor, kv: cute.Tensor, block_table: cute.Tensor, seq_lens: cute.Tensor,
+                 softmax_scale: cute.Tensor, output_scale: cute.Tensor, out: cute.Tensor, lse: cute.Tensor,
+                 o_accum: cute.Tensor = None, lse_accum: cute.Tensor = None, trace_buf: cute.Tensor = None):
+        dt = self.mma_dtype
+        q_layout, k_layout, v_layout, p_layout = self._seesaw_layouts()
+        K, MN = warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.MN
+        # S^T (tokens x pv_n) = K (slot, A, K-major) Q^T (q rows, B, K-major)
+        qk_mma = sm90_utils.make_trivial_tiled_mma(dt, dt, K, K, Float32, (1, 1, 1), (self.block_n, self.pv_n))
+        # O^T (features x pv_n) += V^T (slot, A, MN-major) P^T (rope columns, B, K-major), per 64 features
+        pv_mma = sm90_utils.make_trivial_tiled_mma(dt, dt, MN, K, Float32, (1, 1, 1), (64, self.pv_n))
+        kv_t = cute.make_tensor(kv.iterator, cute.select(kv.layout, mode=[1, 2, 0]))
+        box = cute.select(sm90_utils.make_smem_layout_b(LayoutEnum.ROW_MAJOR, (self.block_m, self.box_rows, 64), dt, 1),
+                          mode=[0, 1])
+        tma_atom, tma_kv = cute.nvgpu.cpasync.make_tiled_tma_atom(cute.nvgpu.cpasync.CopyBulkTensorTileG2SOp(), kv_t,
+                                                                  box, (self.box_rows, 64))
+
+        @cute.struct
+        class Storage:
+            mbar: cute.struct.MemRange[Int64, 4]  # A0, B0, A1, B1 (the seesaw loop's)
+            row_max: cute.struct.MemRange[Float32, 64]
+            scale0: cute.struct.MemRange[Float32, 64]
+            scale1: cute.struct.MemRange[Float32, 64]
+            row_sum: cute.struct.MemRange[Float32, 2 * 64]
+            sQ: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(q_layout)], 1024]
+            sK: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(k_layout)], 1024]
+            zero_row: cute.struct.Align[cute.struct.MemRange[Int32, 4], 16]
+            red: cute.struct.MemRange[Float32, 2 * 4 * 32]  # fold_t / epilogue_ot: per warpgroup and warp, columns
+
+        self.seesaw_kernel(qk_mma, pv_mma, None, None, q, kv, block_table, seq_lens, softmax_scale, output_scale, out,
+                           lse, o_accum, lse_accum, trace_buf, q_layout, k_layout, v_layout, p_layout, tma_atom,
+                           tma_kv, Storage).launch(
+            grid=(self.num_m_blocks, self.num_splits, q.shape[0]), block=(self.cta_threads, 1, 1),
+            smem=Storage.size_in_bytes(), stream=stream, min_blocks_per_mp=1, use_pdl=self.pdl_main)
+        if cutlass.const_expr(self.num_splits > 1):
+            self.launch_combine(stream, o_accum, lse_accum, output_scale, out, lse, q.shape[0])
+
+    # ---------------------------------------------------------------------------------------- device
+    def acc_feature(self, wg, mb, warp, q):
+        """Output feature of ``O^T`` accumulator row ``q`` (0..7) of warp ``warp``, m-block ``mb``, warpgroup ``wg``:
+        the natural order (``V^T`` comes straight from shared memory); row ``q + 8`` is feature ``+ 8``."""
+        return 256 * wg + 64 * mb + 16 * warp + q
+
+    @cute.jit
+    def store_ot_pair(self, acc: cute.Tensor, e: cutlass.Constexpr, inv: Float32, out_scale: Float32,
+                      mOut: cute.Tensor, mOacc: cute.Tensor, b: Int32, split: Int32, r: Int32, f: Int32):
+        """Output features ``f`` and ``f + 8`` of query row ``r`` (accumulator elements ``e`` and ``e + 2``, rows ``q``
+        and ``q + 8``) times ``inv``: into ``out`` (times ``out_scale``), or with split partials into ``o_accum``."""
+        for h in cutlass.range_constexpr(2):
+            if cutlass.const_expr(self.num_splits == 1):
+                dst = cute.make_tensor(row_ptr(mOut, Int64(b) * self.R + r, f + 8 * h, self.DV, 2), cute.make_layout(1))
+                dst[0] = (acc[e + 2 * h] * (inv * out_scale)).to(self.out_dtype)
+            else:
+                dst = cute.make_tensor(row_ptr(mOacc, (Int64(b) * self.num_splits + split) * self.R + r, f + 8 * h,
+                                               self.DV, 4), cute.make_layout(1))
+                dst[0] = acc[e + 2 * h] * inv
+
+    @cute.jit
+    def consume(self, ctx):
+        """The two computing warpgroups: first QK, the loop (the seesaw loop's order, module docstring), epilogue."""
+        (qk_mma, pv_mma, _, _, sQ, sK0, sK1, _, _, st, _, v_layout, _, wg, wtid, mblk,
+         split, b, seq, split_start, split_end, n_pairs, sM, sSc0, sSc1, sSum, mbar, scale_log2, out_scale, mBT,
+         mKV, num_pages, tAs0, tAs1, tAg, tma_atom, _, mTrace, cta, mOut, mLse, mOacc, mLacc) = ctx
+        bn = self.block_n
+        dt = self.mma_dtype
+        qk_thr = qk_mma.get_slice(wtid)
+        pv_thr = pv_mma.get_slice(wtid)
+        sRed = st.red.get_tensor(cute.make_layout(2 * 4 * 32))
+        # S^T = K Q^T: the slot as A, q's first pv_n rows as B
+        tSrQ = qk_thr.make_fragment_B(qk_thr.partition_B(cute.local_tile(sQ[None, None, 0], (self.pv_n, self.D),
+                                                                         (0, 0))))
+        tSrK0 = qk_thr.make_fragment_A(qk_thr.partition_A(sK0))
+        tSrK1 = qk_thr.make_fragment_A(qk_thr.partition_A(sK1))
+        acc_s = qk_thr.make_fragment_C(qk_thr.partition_shape_C((bn, self.pv_n)))
+        tScS = qk_thr.partition_C(cute.make_identity_tensor((bn, self.pv_n)))
+        # O^T = V^T P^T: the slot's (features, tokens) MN-major view (the seesaw loop's V operand layout), this
+        # warpgroup's 256 features; P^T in the slot's rope columns, (pv_n rows, 64 tokens) K-major, stored through
+        # its (tokens, rows) transpose from the S^T accumulators
+        acc = pv_thr.make_fragment_C(pv_thr.partition_shape_C((self.DV // 2, self.pv_n)))
+        acc.fill(0.0)
+        sV0 = cute.make_tensor(cute.recast_ptr(sK0.iterator, v_layout.inner), v_layout.outer)
+        sV1 = cute.make_tensor(cute.recast_ptr(sK1.iterator, v_layout.inner), v_layout.outer)
+        tOrVt0 = pv_thr.make_fragment_A(pv_thr.partition_A(
+            cute.local_tile(sV0[None, None, 0], (self.DV // 2, bn), (wg, 0))))
+        tOrVt1 = pv_thr.make_fragment_A(pv_thr.partition_A(
+            cute.local_tile(sV1[None, None, 0], (self.DV // 2, bn), (wg, 0))))
+        pt_layout = sm90_utils.make_smem_layout_b(LayoutEnum.ROW_MAJOR, (64, self.pv_n, bn), dt, 1)
+        pt_store = cute.select(pt_layout.outer, mode=[1, 0, 2])
+        tOsPt0 = pv_thr.make_fragment_B(pv_thr.partition_B(cute.make_tensor(
+            cute.recast_ptr(sK0.iterator + self.DV * bn, pt_layout.inner), pt_layout.outer)[None, None, 0]))
+        tOsPt1 = pv_thr.make_fragment_B(pv_thr.partition_B(cute.make_tensor(
+            cute.recast_ptr(sK1.iterator + self.DV * bn, pt_layout.inner), pt_layout.outer)[None, None, 0]))
+        tSsP0 = qk_thr.partition_C(cute.make_tensor(cute.recast_ptr(sK0.iterator + self.DV * bn, pt_layout.inner),
+                                                    pt_store)[None, None, 0])
+        tSsP1 = qk_thr.partition_C(cute.make_tensor(cute.recast_ptr(sK1.iterator + self.DV * bn, pt_layout.inner),
+                                                    pt_store)[None, None, 0])
+        rP = cute.make_rmem_tensor_like(acc_s, dt)
+        qk_mma.set(warpgroup.Field.ACCUMULATE, True)
+        pv_mma.set(warpgroup.Field.ACCUMULATE, True)
+
+        nst = self.pv_n // 4  # columns (query rows) of S^T / O^T per thread
+        lim = self.col_limits(mblk, seq, split_end, wtid)
+        row_l = cute.make_rmem_tensor((nst,), Float32)
+        for i in cutlass.range_constexpr(nst):
+            row_l[i] = 0.0
+        ref = cute.make_rmem_tensor((nst,), Float32)
+        sc = cute.make_rmem_tensor((nst,), Float32)
+
+        # ---- first QK of each warpgroup (pair 0; the producer loaded all four column groups, completion 0)
+        if n_pairs > 0:
+            if wg == 0:
+                self.landed(mbar + 0, 0)
+                self.landed(mbar + 1, 0)
+                self.qk_chunks(qk_mma, acc_s, tSrK0, tSrQ, _QK_CHUNKS_A + _QK_CHUNKS_B, True)
+            else:
+                self.landed(mbar + 2, 0)
+                self.landed(mbar + 3, 0)
+                self.qk_chunks(qk_mma, acc_s, tSrK1, tSrQ, _QK_CHUNKS_A + _QK_CHUNKS_B, True)
+            warpgroup.commit_group()
+            warpgroup.wait_group(0)
+
+        if wg == 0:
+            for j in cutlass.range(n_pairs, unroll=1):
+                t0 = split_start + 2 * j * bn
+                more = j + 1 < n_pairs
+                ph = (j + 1) % 2
+                self.mark(mTrace, cta, wg, wtid, j, 0)
+                pf = t0 + 2 * self.pf_ahead * bn
+                crdP0, crdP1 = None, None
+                if cutlass.const_expr(self.l2_prefetch != "off"):
+                    crdP0 = self.tma_coords(mBT, b, cutlass.min(pf, split_end - 1), split_end, num_pages)
+                    crdP1 = self.tma_coords(mBT, b, cutlass.min(pf + bn, split_end - 1), split_end, num_pages)
+                self.zero_tail(sK0, t0, split_end, wg, wtid)
+                # 1. fold tile 2j into the shared max; P0^T; publish
+                self.fold_t(acc_s, tScS, lim, t0, scale_log2, sM, None, sSc0, sRed, row_l, ref, sc, 0, wtid)
+                self.exp_t(acc_s, ref, row_l)
+                cute.arch.barrier_arrive(barrier_id=int(Barrier.SCALE0), number_of_threads=self.num_threads)
+                self.mark(mTrace, cta, wg, wtid, j, 1)
+                # 2. P0^T -> rope columns of slot 0 (all 128 threads' parts: the warpgroup's barrier, which also
+                #    publishes scale0 of every column); O^T *= scale0; O^T += V0^T P0^T; refill slot 0 cols 0..255
+                rP.store(acc_s.load().to(dt))
+                cute.autovec_copy(rP, tSsP0)
+                cute.arch.fence_view_async_shared()
+                cute.arch.barrier(barrier_id=int(Barrier.TAIL) + wg, number_of_threads=128)
+                self.scale_ot(acc, sSc0, None, wtid)
+                self.mark(mTrace, cta, wg, wtid, j, 2)
+                self.pv(pv_mma, acc, tOrVt0, tOsPt0)
+                warpgroup.commit_group()
+                warpgroup.wait_group(0)
+                self.mark(mTrace, cta, wg, wtid, j, 3)
+                if more:
+                    self.refill(sK0, tAs0, tAg, tma_atom, mbar + 0, mKV, None, t0 + 2 * bn, split_end, num_pages, wg,
+                                wtid, _QK_CHUNKS_A, Barrier.REFILL_A0)
+                # 3. WG1 folded tile 2j+1: rescale P0^T (-> smem for WG1; the own PV that read it retired), l, O^T
+                cute.arch.barrier(barrier_id=int(Barrier.SCALE1), number_of_threads=self.num_threads)
+                self.mark(mTrace, cta, wg, wtid, j, 4)
+                for i in cutlass.range_constexpr(nst):
+                    sc[i] = sSc1[self.col_n(i, wtid)]
+                    row_l[i] = row_l[i] * sc[i]
+                for e in cutlass.range_constexpr(cute.size(acc_s)):
+                    acc_s[e] = acc_s[e] * sc[e % 2 + 2 * (e // 4)]
+                rP.store(acc_s.load().to(dt))
+                cute.autovec_copy(rP, tSsP0)
+                cute.arch.fence_view_async_shared()
+                cute.arch.barrier_arrive(barrier_id=int(Barrier.P0_READY), number_of_threads=self.num_threads)
+                self.scale_ot(acc, sSc1, None, wtid)
+                self.mark(mTrace, cta, wg, wtid, j, 5)
+                # 4. O^T += V1^T P1^T (P1^T from WG1)
+                cute.arch.barrier(barrier_id=int(Barrier.P1_READY), number_of_threads=self.num_threads)
+                self.mark(mTrace, cta, wg, wtid, j, 6)
+                self.pv(pv_mma, acc, tOrVt1, tOsPt1)
+                warpgroup.commit_group()
+                # 5. next QK on slot 0: this warpgroup's refill first, then (after the cross PV retired, refilling
+                #    slot 1's cols 0..255 + rope) WG1's refill of cols 256..575
+                if more:
+                    self.landed(mbar + 0, ph)
+                    self.mark(mTrace, cta, wg, wtid, j, 7)
+                    self.qk_chunks(qk_mma, acc_s, tSrK0, tSrQ, _QK_CHUNKS_A, True)
+                    warpgroup.commit_group()
+                    warpgroup.wait_group(1)
+                    self.mark(mTrace, cta, wg, wtid, j, 8)
+                    self.refill(sK1, tAs1, tAg, tma_atom, mbar + 2, mKV, None, t0 + 3 * bn, split_end, num_pages, wg,
+                                wtid, _QK_CHUNKS_A + (8,), Barrier.REFILL_A1)
+                    self.landed(mbar + 1, ph)
+                    self.qk_chunks(qk_mma, acc_s, tSrK0, tSrQ, _QK_CHUNKS_B, False)
+                    warpgroup.commit_group()
+                if cutlass.const_expr(self.l2_prefetch == "late"):  # noqa: SIM102 (static + dynamic test)
+                    if wtid + mblk == 0:
+                        self.l2_prefetch_pair(mKV, crdP0, crdP1, pf, split_end)
+                warpgroup.wait_group(0)
+                self.mark(mTrace, cta, wg, wtid, j, 9)
+        else:
+            for j in cutlass.range(n_pairs, unroll=1):
+                t1 = split_start + (2 * j + 1) * bn
+                more = j + 1 < n_pairs
+                ph = (j + 1) % 2
+                self.mark(mTrace, cta, wg, wtid, j, 0)
+                self.zero_tail(sK1, t1, split_end, wg, wtid)
+                # 1. after WG0: fold tile 2j+1 into the shared max (scale = scale0 x its own); P1^T; publish
+                cute.arch.barrier(barrier_id=int(Barrier.SCALE0), number_of_threads=self.num_threads)
+                self.mark(mTrace, cta, wg, wtid, j, 1)
+                self.fold_t(acc_s, tScS, lim, t1, scale_log2, sM, sSc0, sSc1, sRed, row_l, ref, sc, 1, wtid)
+                cute.arch.barrier_arrive(barrier_id=int(Barrier.SCALE1), number_of_threads=self.num_threads)
+                self.exp_t(acc_s, ref, row_l)
+                self.mark(mTrace, cta, wg, wtid, j, 2)
+                # 2. P1^T -> rope columns of slot 1 (for both PVs); O^T *= scale0 x scale1; O^T += V1^T P1^T
+                rP.store(acc_s.load().to(dt))
+                cute.autovec_copy(rP, tSsP1)
+                cute.arch.fence_view_async_shared()
+                cute.arch.barrier(barrier_id=int(Barrier.TAIL) + wg, number_of_threads=128)
+                self.scale_ot(acc, sSc0, sSc1, wtid)
+                self.mark(mTrace, cta, wg, wtid, j, 3)
+                self.pv(pv_mma, acc, tOrVt1, tOsPt1)
+                warpgroup.commit_group()
+                # 3. O^T += V0^T P0^T (P0^T from WG0), then release P1^T to WG0
+                cute.arch.barrier(barrier_id=int(Barrier.P0_READY), number_of_threads=self.num_threads)
+                self.mark(mTrace, cta, wg, wtid, j, 4)
+                self.pv(pv_mma, acc, tOrVt0, tOsPt0)
+                warpgroup.commit_group()
+                cute.arch.barrier_arrive(barrier_id=int(Barrier.P1_READY), number_of_threads=self.num_threads)
+                self.mark(mTrace, cta, wg, wtid, j, 5)
+                # 4. refills as the PVs retire: slot 1 cols 256..511 (own PV), slot 0 cols 256..575 (cross PV,
+                #    which also read P0^T in slot 0's rope columns)
+                warpgroup.wait_group(1)
+                if more:
+                    self.refill(sK1, tAs1, tAg, tma_atom, mbar + 3, mKV, None, t1 + 2 * bn, split_end, num_pages, wg,
+                                wtid, (4, 5, 6, 7), Barrier.REFILL_B1)
+                warpgroup.wait_group(0)
+                self.mark(mTrace, cta, wg, wtid, j, 6)
+                if more:
+                    self.refill(sK0, tAs0, tAg, tma_atom, mbar + 1, mKV, None, t1 + bn, split_end, num_pages, wg,
+                                wtid, _QK_CHUNKS_B, Barrier.REFILL_B0)
+                    # 5. next QK on slot 1: own columns first, then WG0's refill (cols 0..255 + rope)
+                    self.landed(mbar + 3, ph)
+                    self.mark(mTrace, cta, wg, wtid, j, 7)
+                    self.qk_chunks(qk_mma, acc_s, tSrK1, tSrQ, (4, 5, 6, 7), True)
+                    self.landed(mbar + 2, ph)
+                    self.qk_chunks(qk_mma, acc_s, tSrK1, tSrQ, _QK_CHUNKS_A + (8,), False)
+                    warpgroup.commit_group()
+                warpgroup.wait_group(0)
+                self.mark(mTrace, cta, wg, wtid, j, 8)
+
+        # ---- epilogue: both warpgroups' O^T and l are relative to the final shared max
+        cute.arch.barrier()
+        self.epilogue_ot(acc, sM, row_l, None, sSum, sRed, mOut, mLse, mOacc, mLacc, out_scale, mblk, split, b, wg,
+                         wtid)
+
+
+@cute.jit
+def launch_mla_decode_ot16(stream, q: cute.Tensor, kv: cute.Tensor, block_table: cute.Tensor, seq_lens: cute.Tensor,
+                           softmax_scale: cute.Tensor, output_scale: cute.Tensor, out: cute.Tensor, lse: cute.Tensor,
+                           o_accum: cute.Tensor = None, lse_accum: cute.Tensor = None, *, dtype: cutlass.Constexpr,
+                           num_heads: cutlass.Constexpr, q_len: cutlass.Constexpr, page_size: cutlass.Constexpr,
+                           causal: cutlass.Constexpr, num_splits: cutlass.Constexpr,
+                           tokens_per_split: cutlass.Constexpr, block_n: cutlass.Constexpr = 64,
+                           schedule: cutlass.Constexpr = "seesaw", pdl: cutlass.Constexpr = True,
+                           l2_prefetch: cutlass.Constexpr = "late", kv_evict: cutlass.Constexpr = "normal",
+                           pdl_main: cutlass.Constexpr = False):
+    """FFI launch function of the transposed 16-bit loop (``TOKENSPEED_SM90_DECODE_T16``; same ABI as
+    ``launch_mla_decode_seesaw``; ``schedule`` is the backend's, always "seesaw" here)."""
+    MlaDecodeOt16Sm90(dtype=dtype, num_heads=num_heads, q_len=q_len, page_size=page_size, causal=causal,
+                      num_splits=num_splits, tokens_per_split=tokens_per_split, block_n=block_n, pdl=pdl,
+                      l2_prefetch=l2_prefetch, kv_evict=kv_evict, pdl_main=pdl_main)(
+        stream, q, kv, block_table, seq_lens, softmax_scale, output_scale, out, lse, o_accum, lse_accum)
+
+
+__all__ = ["MlaDecodeOt16Sm90", "launch_mla_decode_ot16"]
