@@ -558,13 +558,7 @@ def test_producer16_switch(monkeypatch):
     from tokenspeed_jax.backends import sm90_decode as m
 
     assert m.PRODUCER16_ENV in m.TRACE_ENV and m.PRODUCER16_DEFAULT == "1"
-    seen = {}
-
-    def fake_call(target, launch, *, outputs, compile_key, **kw):
-        seen["key"], seen["kw"] = compile_key, kw
-        return lambda *a: [jnp.zeros(o.shape, o.dtype) for o in outputs]
-
-    monkeypatch.setattr("tokenspeed_jax.ffi.custom_call", fake_call)
+    seen = _record_custom_calls(monkeypatch)
     q = jnp.zeros((2, 1, 16, 576), jnp.bfloat16)
     bt, sl = jnp.zeros((2, 8), jnp.int32), jnp.full((2,), 100, jnp.int32)
     for page, env, want in ((64, None, True), (32, "1", True), (64, "0", False), (16, "1", False)):
@@ -591,13 +585,7 @@ def test_kv_evict_and_cross_first_switches(monkeypatch):
     from tokenspeed_jax.backends import sm90_decode as m
 
     assert m.KV_EVICT_ENV in m.TRACE_ENV and m.CROSS_FIRST_ENV in m.TRACE_ENV
-    seen = {}
-
-    def fake_call(target, launch, *, outputs, compile_key, **kw):
-        seen["key"], seen["kw"], seen["launch"] = compile_key, kw, launch.__name__
-        return lambda *a: [jnp.zeros(o.shape, o.dtype) for o in outputs]
-
-    monkeypatch.setattr("tokenspeed_jax.ffi.custom_call", fake_call)
+    seen = _record_custom_calls(monkeypatch)
     bt, sl = jnp.zeros((2, 8), jnp.int32), jnp.full((2,), 100, jnp.int32)
     for dtype, page, evict, cross, want_evict, want_cross in (
             ("bfloat16", 64, None, None, "normal", False), ("bfloat16", 64, "first", "1", "first", True),
@@ -634,13 +622,7 @@ def test_t16_and_pdl_main_switches(monkeypatch):
 
     assert m.T16_ENV in m.TRACE_ENV and m.PDL_MAIN_ENV in m.TRACE_ENV
     assert m.T16_DEFAULT == "0" and m.PDL_MAIN_DEFAULT == "0"
-    seen = {}
-
-    def fake_call(target, launch, *, outputs, compile_key, **kw):
-        seen["key"], seen["kw"], seen["launch"] = compile_key, kw, launch.__name__
-        return lambda *a: [jnp.zeros(o.shape, o.dtype) for o in outputs]
-
-    monkeypatch.setattr("tokenspeed_jax.ffi.custom_call", fake_call)
+    seen = _record_custom_calls(monkeypatch)
     bt, sl = jnp.zeros((2, 8), jnp.int32), jnp.full((2,), 100, jnp.int32)
     for env in (m.T16_ENV, m.PDL_MAIN_ENV, m.PRODUCER16_ENV, m.FP8_PV_ENV):
         monkeypatch.delenv(env, raising=False)
@@ -650,7 +632,7 @@ def test_t16_and_pdl_main_switches(monkeypatch):
         kv = jnp.zeros((16, page, 576), dtype)
         m.decode(_problem(batch=2, q_len=S, num_heads=H, page_size=page, num_pages=16, max_pages=8, dtype=dtype),
                  q, kv, bt, sl, 0.1, 1.0)
-        return seen["launch"], seen["key"].t16, seen["key"].pdl_main, dict(seen["kw"])
+        return seen["launch"].__name__, seen["key"].t16, seen["key"].pdl_main, dict(seen["kw"])
 
     assert run()[:3] == ("launch_mla_decode_seesaw", False, False)  # the defaults
     monkeypatch.setenv(m.T16_ENV, "1")
@@ -672,6 +654,22 @@ def test_t16_and_pdl_main_switches(monkeypatch):
         with pytest.raises(ValueError, match=env):
             run()
         monkeypatch.delenv(env)
+
+
+def _record_custom_calls(monkeypatch) -> dict:
+    """Replace ``tokenspeed_jax.ffi.custom_call`` by a recorder: the backend's last call leaves its ``launch``
+    function, ``key`` (compile key) and ``kw`` (the launch's static arguments) in the returned dict, and the call
+    returns zeros of the declared outputs (no compile)."""
+    import jax.numpy as jnp
+
+    seen = {}
+
+    def fake_call(target, launch, *, outputs, compile_key, **kw):
+        seen["launch"], seen["key"], seen["kw"] = launch, compile_key, kw
+        return lambda *a: [jnp.zeros(o.shape, o.dtype) for o in outputs]
+
+    monkeypatch.setattr("tokenspeed_jax.ffi.custom_call", fake_call)
+    return seen
 
 
 def _nvdisasm_wheel() -> bool:
@@ -1048,13 +1046,7 @@ def test_fp8_ot_switch(monkeypatch):
     from tokenspeed_jax.kernels.sm90.mla_decode_seesaw import launch_mla_decode_seesaw
 
     assert m._MAX_OT_ROWS == mla_decode_ot._MAX_ROWS  # (the backend's copy: it imports no cutlass at module level)
-    seen = {}
-
-    def fake_call(target, launch, *, outputs, compile_key, **kw):
-        seen["launch"], seen["key"], seen["kw"] = launch, compile_key, kw
-        return lambda *a: [jnp.zeros(o.shape, o.dtype) for o in outputs]
-
-    monkeypatch.setattr("tokenspeed_jax.ffi.custom_call", fake_call)
+    seen = _record_custom_calls(monkeypatch)
     f8 = jnp.float8_e4m3fn
     q = jnp.zeros((2, 1, 16, 576), f8)
     bt, sl = jnp.zeros((2, 8), jnp.int32), jnp.full((2,), 100, jnp.int32)

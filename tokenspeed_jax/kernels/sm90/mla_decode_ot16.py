@@ -1,12 +1,12 @@
 """16-bit MLA decode for Hopper with both matmuls transposed, for S x H <= 32 query rows: ``S^T = K Q^T``, ``O^T = V^T P^T``.
 
 The 16-bit seesaw loop (:class:`~tokenspeed_jax.kernels.sm90.mla_decode_seesaw.MlaDecodeSeesawSm90`) runs every matmul
-on 64 query rows, padded when a request has fewer (B64/K81920/H16/S1 has 16).  On the memory-bound shapes its
-tensor work is what the KV refills wait behind: the H200 timeline of that shape (2026-12-02, ``python -m
-benchmarks.trace_decode --dtype bfloat16 --cases 64,81920,64,16,1``) spends about 2600 of the ~7000 cycles of an
-iteration in the two concurrent QKs and about 1600 waiting for KV, and a refill group is issued only once the PV
-that last read it retired.  This loop (TOKENSPEED_SM90_DECODE_T16) keeps that loop's structure, buffers, refill
-groups, producer warpgroup, L2 prefetch and barriers, and shrinks the matmuls to the real rows:
+on 64 query rows, padded when a request has fewer (B64/K81920/H16/S1 has 16).  This loop (TOKENSPEED_SM90_DECODE_T16,
+opt-in) was built to test whether that tensor work is what the memory-bound shapes wait behind.  It keeps the seesaw
+loop's structure, buffers, refill groups, producer warpgroup, L2 prefetch and barriers, and shrinks the matmuls to the
+real rows.  Measured on the H200 (2026-12-02, docs/sm90_decode.md, "The BF16 memory-bound gap"): correct and
+memcheck-clean, and 0.98-1.02x the seesaw loop on those shapes with a quarter to half of its multiply-adds, so they are
+not bound by tensor work:
 
 * ``S^T (64 tokens x N) = K Q^T``: the KV slot is the K-major A operand as it lands, the first ``N`` q rows the
   K-major B operand (``N`` = :attr:`pv_n`, the rows rounded up to 16 or 32); 36 m64nNk16 per tile instead of 36
@@ -50,6 +50,11 @@ class MlaDecodeOt16Sm90(MlaDecodeOtSm90):
     """16-bit MLA decode with ``S^T = K Q^T`` and ``O^T = V^T P^T`` (module docstring).  Same arguments as the seesaw
     class; 16-bit dtypes, S x H <= 32, page_size >= 32."""
 
+    red_floats = 2 * 4 * 32  # the seesaw storage's column statistics: per warpgroup and warp, 32 columns (fold_t)
+    # the seesaw loop's host side (layouts, TMA atom, storage, launch; the MMAs from :meth:`seesaw_mmas`), not the
+    # FP8 O^T loop's, which this class inherits its column-statistics and epilogue methods from
+    __call__ = MlaDecodeSeesawSm90.__call__
+
     def __init__(self, **kw):
         for k in ("qk_fp8", "pv_fp8", "early_refill", "vt_packed", "tma_producer", "kv_load", "qk_t", "cross_first"):
             kw.pop(k, None)
@@ -65,42 +70,15 @@ class MlaDecodeOt16Sm90(MlaDecodeOtSm90):
         self.pv_n = 16 if self.R <= 16 else 32
 
     # ------------------------------------------------------------------------------------------ host
-    @cute.jit
-    def __call__(self, stream, q: cute.Tensor, kv: cute.Tensor, block_table: cute.Tensor, seq_lens: cute.Tensor,
-                 softmax_scale: cute.Tensor, output_scale: cute.Tensor, out: cute.Tensor, lse: cute.Tensor,
-                 o_accum: cute.Tensor = None, lse_accum: cute.Tensor = None, trace_buf: cute.Tensor = None):
+    def seesaw_mmas(self):
+        """The seesaw loop's ``(qk_mma, pv_ss, pv_rs, pv8)`` slots, transposed: ``S^T (tokens x pv_n) = K Q^T`` (the
+        slot as the K-major A operand, q rows as the K-major B operand) and ``O^T (features x pv_n) += V^T P^T`` (the
+        slot as the MN-major A operand, P^T in the rope columns as the K-major B operand, per 64 features)."""
         dt = self.mma_dtype
-        q_layout, k_layout, v_layout, p_layout = self._seesaw_layouts()
         K, MN = warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.MN
-        # S^T (tokens x pv_n) = K (slot, A, K-major) Q^T (q rows, B, K-major)
         qk_mma = sm90_utils.make_trivial_tiled_mma(dt, dt, K, K, Float32, (1, 1, 1), (self.block_n, self.pv_n))
-        # O^T (features x pv_n) += V^T (slot, A, MN-major) P^T (rope columns, B, K-major), per 64 features
         pv_mma = sm90_utils.make_trivial_tiled_mma(dt, dt, MN, K, Float32, (1, 1, 1), (64, self.pv_n))
-        kv_t = cute.make_tensor(kv.iterator, cute.select(kv.layout, mode=[1, 2, 0]))
-        box = cute.select(sm90_utils.make_smem_layout_b(LayoutEnum.ROW_MAJOR, (self.block_m, self.box_rows, 64), dt, 1),
-                          mode=[0, 1])
-        tma_atom, tma_kv = cute.nvgpu.cpasync.make_tiled_tma_atom(cute.nvgpu.cpasync.CopyBulkTensorTileG2SOp(), kv_t,
-                                                                  box, (self.box_rows, 64))
-
-        @cute.struct
-        class Storage:
-            mbar: cute.struct.MemRange[Int64, 4]  # A0, B0, A1, B1 (the seesaw loop's)
-            row_max: cute.struct.MemRange[Float32, 64]
-            scale0: cute.struct.MemRange[Float32, 64]
-            scale1: cute.struct.MemRange[Float32, 64]
-            row_sum: cute.struct.MemRange[Float32, 2 * 64]
-            sQ: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(q_layout)], 1024]
-            sK: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(k_layout)], 1024]
-            zero_row: cute.struct.Align[cute.struct.MemRange[Int32, 4], 16]
-            red: cute.struct.MemRange[Float32, 2 * 4 * 32]  # fold_t / epilogue_ot: per warpgroup and warp, columns
-
-        self.seesaw_kernel(qk_mma, pv_mma, None, None, q, kv, block_table, seq_lens, softmax_scale, output_scale, out,
-                           lse, o_accum, lse_accum, trace_buf, q_layout, k_layout, v_layout, p_layout, tma_atom,
-                           tma_kv, Storage).launch(
-            grid=(self.num_m_blocks, self.num_splits, q.shape[0]), block=(self.cta_threads, 1, 1),
-            smem=Storage.size_in_bytes(), stream=stream, min_blocks_per_mp=1, use_pdl=self.pdl_main)
-        if cutlass.const_expr(self.num_splits > 1):
-            self.launch_combine(stream, o_accum, lse_accum, output_scale, out, lse, q.shape[0])
+        return qk_mma, pv_mma, None, None
 
     # ---------------------------------------------------------------------------------------- device
     def acc_feature(self, wg, mb, warp, q):

@@ -239,12 +239,14 @@ class MlaDecodeSeesawSm90(Fp8OperandsMixin, MlaDecodeSm90):
                                                  dt, 1)
         return q_layout, k_layout, v_layout, p_layout
 
-    @cute.jit
-    def __call__(self, stream, q: cute.Tensor, kv: cute.Tensor, block_table: cute.Tensor, seq_lens: cute.Tensor,
-                 softmax_scale: cute.Tensor, output_scale: cute.Tensor, out: cute.Tensor, lse: cute.Tensor,
-                 o_accum: cute.Tensor = None, lse_accum: cute.Tensor = None, trace_buf: cute.Tensor = None):
+    # floats of shared memory for column statistics in the loop's storage (``Storage.red``): none used here (4, the
+    # smallest field); the transposed 16-bit loop's fold_t / epilogue_ot need 2 x 4 x 32
+    red_floats = 4
+
+    def seesaw_mmas(self):
+        """``(qk_mma, pv_ss, pv_rs, pv8)`` of the loop (traced in ``__call__``): the QK, the P V with P from shared
+        memory and from registers, and with FP8 P V the e4m3 P V (else None)."""
         dt = self.mma_dtype
-        q_layout, k_layout, v_layout, p_layout = self._seesaw_layouts()
         K, MN = warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.MN
         qk_dt = _F8 if cutlass.const_expr(self.qk8) else dt
         qk_mma = sm90_utils.make_trivial_tiled_mma(qk_dt, qk_dt, K, K, Float32, (1, 1, 1),
@@ -258,7 +260,15 @@ class MlaDecodeSeesawSm90(Fp8OperandsMixin, MlaDecodeSm90):
         if cutlass.const_expr(self.pv8):  # packed V^T: one instruction spans the warpgroup's 256 features
             pv8 = sm90_utils.make_trivial_tiled_mma(_F8, _F8, K, K, Float32, (1, 1, 1),
                                                     (self.block_m, self.DV // 2 if self.vt_packed else _CHUNK))
+        return qk_mma, pv_ss, pv_rs, pv8
 
+    @cute.jit
+    def __call__(self, stream, q: cute.Tensor, kv: cute.Tensor, block_table: cute.Tensor, seq_lens: cute.Tensor,
+                 softmax_scale: cute.Tensor, output_scale: cute.Tensor, out: cute.Tensor, lse: cute.Tensor,
+                 o_accum: cute.Tensor = None, lse_accum: cute.Tensor = None, trace_buf: cute.Tensor = None):
+        dt = self.mma_dtype
+        q_layout, k_layout, v_layout, p_layout = self._seesaw_layouts()
+        qk_mma, pv_ss, pv_rs, pv8 = self.seesaw_mmas()
         tma_atom, tma_kv = None, None
         if cutlass.const_expr(self.use_tma):
             # (page_size, 576, num_pages) view of the cache; one box = box_rows x 64 columns, SW128 like a
@@ -276,6 +286,7 @@ class MlaDecodeSeesawSm90(Fp8OperandsMixin, MlaDecodeSm90):
                                   mode=[0, 1])
             tma_atom, tma_kv = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), kv_t, box,
                                                            (self.box_rows, _CHUNK))
+        qk_dt = _F8 if cutlass.const_expr(self.qk8) else dt
 
         @cute.struct
         class Storage:
@@ -287,6 +298,7 @@ class MlaDecodeSeesawSm90(Fp8OperandsMixin, MlaDecodeSm90):
             sQ: cute.struct.Align[cute.struct.MemRange[qk_dt, cute.cosize(q_layout)], 1024]
             sK: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(k_layout)], 1024]
             zero_row: cute.struct.Align[cute.struct.MemRange[Int32, 4], 16]  # packed transpose: rows past the split
+            red: cute.struct.MemRange[Float32, self.red_floats]  # column statistics (the transposed loops)
 
         self.seesaw_kernel(qk_mma, pv_ss, pv_rs, pv8, q, kv, block_table, seq_lens, softmax_scale, output_scale, out,
                            lse, o_accum, lse_accum, trace_buf, q_layout, k_layout, v_layout, p_layout, tma_atom,
