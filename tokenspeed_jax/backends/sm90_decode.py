@@ -104,24 +104,26 @@ L2_PREFETCH_DEFAULT = "late"
 RS_STAGES_ENV = "TOKENSPEED_SM90_DECODE_RS_STAGES"
 RS_STAGES_DEFAULT = "4"
 # The L2 eviction hint of the seesaw-family loops' KV TMA loads: "normal" (no hint) or "first" (evict-first, as
-# FlashMLA's loads do; docs/sm90_decode.md, "KV eviction hint").  Read at trace time; part of the compile key.
+# FlashMLA's loads do).  Measured 1.009x BF16 / 1.005x FP8 (geometric means, H200 2026-12-02; docs/sm90_decode.md,
+# "The BF16 memory-bound gap", item 1), so off.  Read at trace time; part of the compile key.
 KV_EVICT_ENV = "TOKENSPEED_SM90_DECODE_KV_EVICT"
 KV_EVICT_CHOICES = ("normal", "first")  # the kernel's KV_EVICT_MODES (no cutlass import here)
 KV_EVICT_DEFAULT = "normal"
 # "1": the 16-bit seesaw loop's warpgroup 1 issues its cross PV before its own PV and publishes its P at once, so the
-# slot-0 refill warpgroup 0's next QK waits for goes out one PV earlier (docs/sm90_decode.md, "Cross PV first");
-# "0": own PV first.  Read at trace time; part of the compile key.
+# slot-0 refill warpgroup 0's next QK waits for goes out one PV earlier; "0": own PV first.  Measured 0.993x (item 2
+# of the same section), so off.  Read at trace time; part of the compile key.
 CROSS_FIRST_ENV = "TOKENSPEED_SM90_DECODE_CROSS_FIRST"
 CROSS_FIRST_DEFAULT = "0"
 # "1": 16-bit inputs with S x H <= 32 query rows (pages >= 32, TMA refills, the producer warpgroup) run the seesaw loop
 # with both matmuls transposed, S^T = K Q^T and O^T = V^T P^T on the real rows instead of 64 padded ones
-# (kernels/sm90/mla_decode_ot16.py; docs/sm90_decode.md, "Transposed 16-bit loop"); "0": the seesaw loop.  Read at trace
-# time; part of the compile key.
+# (kernels/sm90/mla_decode_ot16.py; docs/sm90_decode.md, "Transposed 16-bit loop"); "0": the seesaw loop.  Measured
+# 0.98-1.02x (item 3), so off.  Read at trace time; part of the compile key.
 T16_ENV = "TOKENSPEED_SM90_DECODE_T16"
 T16_DEFAULT = "0"
 # "1": the main decode kernel is launched with programmatic dependent launch as well (its CTAs take SMs while the
 # previous kernel of the stream drains, then wait for it before reading anything; the main and combine kernels let
-# the next kernel launch at their start).  "0": only the combine kernel is.  Read at trace time; part of the compile key.
+# the next kernel launch at their start).  "0": only the combine kernel is.  Measured BF16 1.023x, FP8 0.998x with one
+# shape at 0.86x (item 4), so off.  Read at trace time; part of the compile key.
 PDL_MAIN_ENV = "TOKENSPEED_SM90_DECODE_PDL_MAIN"
 PDL_MAIN_DEFAULT = "0"
 TRACE_ENV = (SCHEDULE_ENV, PDL_ENV, FP8_QK_ENV, FP8_PV_ENV, L2_PREFETCH_ENV, PRODUCER16_ENV, RS_STAGES_ENV,

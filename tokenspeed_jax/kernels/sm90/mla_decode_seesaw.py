@@ -219,8 +219,8 @@ class MlaDecodeSeesawSm90(Fp8OperandsMixin, MlaDecodeSm90):
         self.kv_evict = kv_evict
         # 16-bit loop: warpgroup 1 issues its cross PV (slot 0, P0 from smem) before its own (slot 1, P1 from registers)
         # and publishes P1 as soon as it is stored, so slot 0's refill B0, which warpgroup 0's next QK waits for, is
-        # issued one PV earlier (docs/sm90_decode.md, "Cross PV first"); with the producer warpgroup each of its warps
-        # issues one refill group, so no group waits behind one issued later
+        # issued one PV earlier (docs/sm90_decode.md, "The BF16 memory-bound gap", item 2: no faster); with the
+        # producer warpgroup each of its warps issues one refill group, so no group waits behind one issued later
         if cross_first and self.fp8:
             raise ValueError("cross_first: only the 16-bit loop (FP8 runs its own P V order)")
         self.cross_first = bool(cross_first)
@@ -1163,8 +1163,7 @@ def launch_mla_decode_seesaw_traced(stream, q: cute.Tensor, kv: cute.Tensor, blo
                                     num_splits: cutlass.Constexpr, tokens_per_split: cutlass.Constexpr,
                                     trace: cutlass.Constexpr, pdl: cutlass.Constexpr = True,
                                     l2_prefetch: cutlass.Constexpr = "late", tma_producer: cutlass.Constexpr = False,
-                                    kv_evict: cutlass.Constexpr = "normal", cross_first: cutlass.Constexpr = False,
-                             pdl_main: cutlass.Constexpr = False):
+                                    kv_evict: cutlass.Constexpr = "normal", cross_first: cutlass.Constexpr = False):
     """Debug build of the seesaw loop as the backend runs it (FP8: packed slots, early refills, pages >= 32;
     ``tma_producer``: with the producer warpgroup, FP8 mode 4 or the 16-bit default) with
     :meth:`MlaDecodeSeesawSm90.mark` timestamps in ``trace_buf`` (int64 ``(ctas, 2, trace,
@@ -1178,5 +1177,5 @@ def launch_mla_decode_seesaw_traced(stream, q: cute.Tensor, kv: cute.Tensor, blo
         stream, q, kv, block_table, seq_lens, softmax_scale, output_scale, out, lse, o_accum, lse_accum, trace_buf)
 
 
-__all__ = ["KV_EVICT_MODES", "L2_PREFETCH_MODES", "TRACE_EVENTS", "MlaDecodeSeesawSm90", "acc_to_a_layout", "launch_mla_decode_seesaw",
-           "launch_mla_decode_seesaw_traced"]
+__all__ = ["KV_EVICT_MODES", "L2_PREFETCH_MODES", "TRACE_EVENTS", "MlaDecodeSeesawSm90", "acc_to_a_layout",
+           "launch_mla_decode_seesaw", "launch_mla_decode_seesaw_traced"]
