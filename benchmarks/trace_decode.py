@@ -3,6 +3,11 @@
     source .device/bootstrap.sh && python -m benchmarks.trace_decode --cases 64,16384,64,16,1 64,16384,64,32,4
     source .device/bootstrap.sh && python -m benchmarks.trace_decode --dtype bfloat16 --cases 64,16384,64,32,4
     source .device/bootstrap.sh && TOKENSPEED_SM90_DECODE_FP8_PV=6 python -m benchmarks.trace_decode --cases ...
+    source .device/bootstrap.sh && python -m benchmarks.trace_decode --dtype bfloat16 --sustain 3 --cases 64,81920,64,16,1
+
+``--sustain S`` runs the normal build back to back for S seconds and queues the traced run right behind it, so its
+timeline is taken at the clocks of sustained load (memory-bound shapes sit at the H200's 700 W power cap there, about
+1.41 GHz; docs/sm90_decode.md, "The BF16 memory-bound gap"), to compare with the one-launch timeline.
 
 With ``TOKENSPEED_SM90_DECODE_FP8_PV`` 5, 6 (the default) or 7 the FP8 build is the O^T loop's
 (``launch_mla_decode_ot_traced``, its events ``TRACE_EVENTS_OT``), for the cases that mode runs it on (pages >= 32;
@@ -25,6 +30,7 @@ import argparse
 import dataclasses
 import json
 import os
+import time
 
 
 def traced_decode(c, trace_iters: int, ctas: int, producer: bool = False, ot: str | None = None):
@@ -111,6 +117,9 @@ def main(argv=None):
     ap.add_argument("--iters", type=int, default=24, help="loop iterations traced per CTA")
     ap.add_argument("--ctas", type=int, default=16, help="CTAs traced (the first, in (b, split, row block) order)")
     ap.add_argument("--dtype", default="float8_e4m3fn", choices=("float8_e4m3fn", "bfloat16", "float16"))
+    ap.add_argument("--sustain", type=float, default=0.0,
+                    help="seconds of back-to-back normal calls right before the traced run (the clocks of sustained "
+                         "load, e.g. the 700 W power cap of memory-bound shapes; 0: one traced launch alone)")
     ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "/tmp"), "decode_trace.json"))
     a = ap.parse_args(argv)
     os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
@@ -131,7 +140,7 @@ def main(argv=None):
     # the producer warpgroup itself is not traced (nor the empty refill phases it leaves)
     producer = mode in ("4", "5", "6", "7") if mode else sm90_decode.resolve_producer16() == "1"
     report = {"name": f"per-warpgroup timeline of the sm90 decode loop, {a.dtype} (clock64 cycles)", **provenance(),
-              "fp8_pv_mode": mode, "producer": producer,
+              "fp8_pv_mode": mode, "producer": producer, "sustain_s": a.sustain,
               "events": [list(e) for e in events], "cases": []}
     for spec in a.cases:
         B, K, page, H, S = (int(x) for x in spec.split(","))
@@ -144,6 +153,13 @@ def main(argv=None):
         ref = decode_fn(c, "sm90")(q, kv, bt, sl, scale)
         f = traced_decode(c, a.iters, a.ctas, producer and page >= 32, ot)  # (the backend's page rule for both loops)
         for _ in range(3):  # the last run's timestamps (the first compiles and warms the caches)
+            out, lse, tr = jax.block_until_ready(f(q, kv, bt, sl, scale))
+        if a.sustain > 0:  # the normal build back to back first, the traced run queued right behind it
+            g = decode_fn(c, "sm90")
+            t0 = time.perf_counter()
+            while time.perf_counter() - t0 < a.sustain:
+                for _ in range(10):
+                    g(q, kv, bt, sl, scale)
             out, lse, tr = jax.block_until_ready(f(q, kv, bt, sl, scale))
         same = bool(np.array_equal(np.asarray(out.astype(np.float32)), np.asarray(ref[0].astype(np.float32)))
                     and np.array_equal(np.asarray(lse), np.asarray(ref[1])))
