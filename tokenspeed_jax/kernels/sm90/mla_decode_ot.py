@@ -120,6 +120,8 @@ def ot_feature(wg, mb, warp, row):
 class MlaDecodeOtSm90(MlaDecodeSeesawSm90):
     """FP8 MLA decode with ``O^T = V^T P^T`` (module docstring).  Same arguments as the seesaw class; FP8 only."""
 
+    pair_step = 1  # output features of an O^T accumulator row pair q, q + 8 (store_ot_pair): f and f + 1
+
     def __init__(self, *, qk_t: bool = False, **kw):
         for k in ("qk_fp8", "pv_fp8", "early_refill", "vt_packed", "tma_producer", "kv_load"):
             kw.pop(k, None)
@@ -695,22 +697,32 @@ class MlaDecodeOtSm90(MlaDecodeSeesawSm90):
     @cute.jit
     def store_ot_pair(self, acc: cute.Tensor, e: cutlass.Constexpr, inv: Float32, out_scale: Float32,
                       mOut: cute.Tensor, mOacc: cute.Tensor, b: Int32, split: Int32, r: Int32, f: Int32):
-        """Output features ``f, f + 1`` of query row ``r``: accumulator elements ``e`` and ``e + 2`` (rows ``q`` and
-        ``q + 8`` of the A fragment) times ``inv`` (1 / the row sum), one bf16x2 store into ``out`` (times
-        ``out_scale``), or with split partials one fp32x2 store into ``o_accum``."""
-        if cutlass.const_expr(self.num_splits == 1):
-            o = cute.make_rmem_tensor((2,), self.out_dtype)
-            o[0] = (acc[e] * (inv * out_scale)).to(self.out_dtype)
-            o[1] = (acc[e + 2] * (inv * out_scale)).to(self.out_dtype)
-            dst = cute.make_tensor(row_ptr(mOut, Int64(b) * self.R + r, f, self.DV, 4), cute.make_layout(2))
-            cute.autovec_copy(o, dst)
+        """Output features ``f`` and ``f + pair_step`` of query row ``r`` (:attr:`pair_step`: 1 here, the register
+        ``V^T``'s row permutation puts both features of a pair in one thread): accumulator elements ``e`` and ``e + 2``
+        (rows ``q`` and ``q + 8`` of the A fragment) times ``inv`` (1 / the row sum), into ``out`` (times
+        ``out_scale``; one bf16x2 store for adjacent features), or with split partials into ``o_accum`` (one fp32x2)."""
+        direct = cutlass.const_expr(self.num_splits == 1)
+        dt = self.out_dtype if direct else Float32
+        scale = inv * out_scale if direct else inv
+        if cutlass.const_expr(self.pair_step == 1):
+            o = cute.make_rmem_tensor((2,), dt)
+            o[0] = (acc[e] * scale).to(dt)
+            o[1] = (acc[e + 2] * scale).to(dt)
+            cute.autovec_copy(o, cute.make_tensor(self.out_ptr(mOut, mOacc, b, split, r, f, 2), cute.make_layout(2)))
         else:
-            o = cute.make_rmem_tensor((2,), Float32)
-            o[0] = acc[e] * inv
-            o[1] = acc[e + 2] * inv
-            dst = cute.make_tensor(row_ptr(mOacc, (Int64(b) * self.num_splits + split) * self.R + r, f, self.DV, 8),
-                                   cute.make_layout(2))
-            cute.autovec_copy(o, dst)
+            for h in cutlass.range_constexpr(2):
+                dst = cute.make_tensor(self.out_ptr(mOut, mOacc, b, split, r, f + self.pair_step * h, 1),
+                                       cute.make_layout(1))
+                dst[0] = (acc[e + 2 * h] * scale).to(dt)
+
+    @cute.jit
+    def out_ptr(self, mOut: cute.Tensor, mOacc: cute.Tensor, b: Int32, split: Int32, r: Int32, f: Int32,
+                n: cutlass.Constexpr):
+        """Pointer to feature ``f`` of query row ``r`` in ``out``, or with split partials in ``o_accum``, aligned
+        for ``n`` elements."""
+        if cutlass.const_expr(self.num_splits == 1):
+            return row_ptr(mOut, Int64(b) * self.R + r, f, self.DV, n * (self.out_dtype.width // 8))
+        return row_ptr(mOacc, (Int64(b) * self.num_splits + split) * self.R + r, f, self.DV, 4 * n)
 
 
 

@@ -32,11 +32,11 @@ from __future__ import annotations
 
 import cutlass
 import cutlass.utils.hopper_helpers as sm90_utils
-from cutlass import Float32, Int32, Int64, cute
+from cutlass import Float32, cute
 from cutlass.cute.nvgpu import warpgroup
 from cutlass.tensor_utils import LayoutEnum
 
-from tokenspeed_jax.kernels.sm90.helpers import Barrier, row_ptr
+from tokenspeed_jax.kernels.sm90.helpers import Barrier
 from tokenspeed_jax.kernels.sm90.mla_decode_ot import MlaDecodeOtSm90
 from tokenspeed_jax.kernels.sm90.mla_decode_seesaw import MlaDecodeSeesawSm90
 
@@ -51,6 +51,7 @@ class MlaDecodeOt16Sm90(MlaDecodeOtSm90):
     class; 16-bit dtypes, S x H <= 32, page_size >= 32."""
 
     red_floats = 2 * 4 * 32  # the seesaw storage's column statistics: per warpgroup and warp, 32 columns (fold_t)
+    pair_step = 8  # accumulator rows q and q + 8 are features f and f + 8 (natural order; store_ot_pair)
     # the seesaw loop's host side (layouts, TMA atom, storage, launch; the MMAs from :meth:`seesaw_mmas`), not the
     # FP8 O^T loop's, which this class inherits its column-statistics and epilogue methods from
     __call__ = MlaDecodeSeesawSm90.__call__
@@ -87,20 +88,6 @@ class MlaDecodeOt16Sm90(MlaDecodeOtSm90):
         return 256 * wg + 64 * mb + 16 * warp + q
 
     @cute.jit
-    def store_ot_pair(self, acc: cute.Tensor, e: cutlass.Constexpr, inv: Float32, out_scale: Float32,
-                      mOut: cute.Tensor, mOacc: cute.Tensor, b: Int32, split: Int32, r: Int32, f: Int32):
-        """Output features ``f`` and ``f + 8`` of query row ``r`` (accumulator elements ``e`` and ``e + 2``, rows ``q``
-        and ``q + 8``) times ``inv``: into ``out`` (times ``out_scale``), or with split partials into ``o_accum``."""
-        for h in cutlass.range_constexpr(2):
-            if cutlass.const_expr(self.num_splits == 1):
-                dst = cute.make_tensor(row_ptr(mOut, Int64(b) * self.R + r, f + 8 * h, self.DV, 2), cute.make_layout(1))
-                dst[0] = (acc[e + 2 * h] * (inv * out_scale)).to(self.out_dtype)
-            else:
-                dst = cute.make_tensor(row_ptr(mOacc, (Int64(b) * self.num_splits + split) * self.R + r, f + 8 * h,
-                                               self.DV, 4), cute.make_layout(1))
-                dst[0] = acc[e + 2 * h] * inv
-
-    @cute.jit
     def consume(self, ctx):
         """The two computing warpgroups: first QK, the loop (the seesaw loop's order, module docstring), epilogue."""
         (qk_mma, pv_mma, _, _, sQ, sK0, sK1, _, _, st, _, v_layout, _, wg, wtid, mblk,
@@ -123,12 +110,8 @@ class MlaDecodeOt16Sm90(MlaDecodeOtSm90):
         # its (tokens, rows) transpose from the S^T accumulators
         acc = pv_thr.make_fragment_C(pv_thr.partition_shape_C((self.DV // 2, self.pv_n)))
         acc.fill(0.0)
-        sV0 = cute.make_tensor(cute.recast_ptr(sK0.iterator, v_layout.inner), v_layout.outer)
-        sV1 = cute.make_tensor(cute.recast_ptr(sK1.iterator, v_layout.inner), v_layout.outer)
-        tOrVt0 = pv_thr.make_fragment_A(pv_thr.partition_A(
-            cute.local_tile(sV0[None, None, 0], (self.DV // 2, bn), (wg, 0))))
-        tOrVt1 = pv_thr.make_fragment_A(pv_thr.partition_A(
-            cute.local_tile(sV1[None, None, 0], (self.DV // 2, bn), (wg, 0))))
+        tOrVt0 = pv_thr.make_fragment_A(pv_thr.partition_A(self.v_half(sK0, v_layout, wg)))
+        tOrVt1 = pv_thr.make_fragment_A(pv_thr.partition_A(self.v_half(sK1, v_layout, wg)))
         pt_layout = sm90_utils.make_smem_layout_b(LayoutEnum.ROW_MAJOR, (64, self.pv_n, bn), dt, 1)
         pt_store = cute.select(pt_layout.outer, mode=[1, 0, 2])
         tOsPt0 = pv_thr.make_fragment_B(pv_thr.partition_B(cute.make_tensor(

@@ -694,6 +694,12 @@ class MlaDecodeSeesawSm90(Fp8OperandsMixin, MlaDecodeSm90):
         cute.arch.barrier_arrive(barrier_id=int(Barrier.SCALE1), number_of_threads=self.num_threads)
         self.exp_rows(acc_s, ref, row_l)
 
+    def v_half(self, sKs: cute.Tensor, v_layout: cute.ComposedLayout, wg):
+        """Warpgroup ``wg``'s 256 V features of slot ``sKs`` as a ``(features, tokens)`` MN-major view (``v_layout``:
+        :meth:`_seesaw_layouts`): the P V's B operand here, the transposed 16-bit loop's ``V^T`` A operand."""
+        sV = cute.make_tensor(cute.recast_ptr(sKs.iterator, v_layout.inner), v_layout.outer)
+        return cute.local_tile(sV[None, None, 0], (self.DV // 2, self.block_n), (wg, 0))
+
     @cute.jit
     def scale_o(self, acc_o: cute.Tensor, s: cute.Tensor):
         for e in cutlass.range_constexpr(cute.size(acc_o)):
@@ -849,12 +855,8 @@ class MlaDecodeSeesawSm90(Fp8OperandsMixin, MlaDecodeSm90):
         tSsP1 = qk_thr.partition_C(sP1[None, None, 0])
         tOsP0 = ss_thr.make_fragment_A(ss_thr.partition_A(sP0[None, None, 0]))
         tOsP1 = ss_thr.make_fragment_A(ss_thr.partition_A(sP1[None, None, 0]))
-        sV0 = cute.make_tensor(cute.recast_ptr(sK0.iterator, v_layout.inner), v_layout.outer)
-        sV1 = cute.make_tensor(cute.recast_ptr(sK1.iterator, v_layout.inner), v_layout.outer)
-        tOrV0 = ss_thr.make_fragment_B(ss_thr.partition_B(
-            cute.local_tile(sV0[None, None, 0], (self.DV // 2, bn), (wg, 0))))
-        tOrV1 = ss_thr.make_fragment_B(ss_thr.partition_B(
-            cute.local_tile(sV1[None, None, 0], (self.DV // 2, bn), (wg, 0))))
+        tOrV0 = ss_thr.make_fragment_B(ss_thr.partition_B(self.v_half(sK0, v_layout, wg)))
+        tOrV1 = ss_thr.make_fragment_B(ss_thr.partition_B(self.v_half(sK1, v_layout, wg)))
         # FP8 P V (pv8_views): e4m3 P tiles and V^T halves as QGMMA operands; O viewed in the QGMMA's (N = 64)
         # accumulator layout, the same registers in the same order as pv_ss's
         w32, acc_o8, tSsP8_0, tSsP8_1, tOsP8_0, tOsP8_1, tOrVt0, tOrVt1 = (None,) * 8
