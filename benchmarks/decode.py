@@ -12,6 +12,10 @@ device memory before each call, LSE, -inf rows, and bitwise run-to-run determini
 ours vs FlashMLA (BF16 and the FP8 fork, from the GPU kit) vs plain XLA on the issue's matrix, each shape's
 contenders interleaved (``benchmarks.harness.interleaved``: 5 alternating rounds, the order rotating, the
 median of each contender; since 2026-11-30, before which each contender was timed on its own in turn).
+``--sustain SECS`` adds the steady-state timing of every contender but plain XLA (``benchmarks.harness.sustained``:
+SECS seconds back to back each, twice, the second half timed, with the SM clock and power polled), a second report
+``<out>_sustained.json`` / ``.png``: the interleaved rounds are 20-50 ms bursts, below the H200's 700 W power cap,
+while a serving loop runs at it, where a kernel's power draw sets its clock (docs/sm90_decode.md, "Power").
 
 ``--schedule overlap`` (an opt-in kernel schedule, ``tokenspeed_jax.backends.sm90_decode``): ``--check``
 runs the matrix on that schedule (and records whether it is bitwise equal to the default schedule, which it
@@ -82,6 +86,8 @@ CHECK = [
     Case("fp8_s2h8p64", "float8_e4m3fn", 3, 2, 8, 64, 40, (2, 63, 2500)),
     Case("fp8_s1h32p32_garbage", "float8_e4m3fn", 3, 1, 32, 32, 32, (1, 33, 10**6), garbage=True),
     Case("fp8_b1s1h16p64_16k", "float8_e4m3fn", 1, 1, 16, 64, 256, (16384,)),
+    # FP8 mode 4 with a padded row block: 72 rows, the second block 8 real rows (TOKENSPEED_SM90_DECODE_PAD_ROWS)
+    Case("fp8_s3h24p64", "float8_e4m3fn", 3, 3, 24, 64, 40, (2, 64, 2500)),
 ]
 
 BENCH = [(64, 81920, 64, H, S) for H in (16, 32, 128) for S in (1, 4, 8)] + [
@@ -316,7 +322,8 @@ def check(cases, seed: int, schedule: str | None = None) -> list[dict]:
 
 
 # -------------------------------------------------------------------------------------------- bench
-def bench(cases, report, with_xla=True, with_flashmla=True, step32=False, schedule=None) -> None:
+def bench(cases, report, with_xla=True, with_flashmla=True, step32=False, schedule=None, sustain=0.0,
+          report_sustained=None) -> None:
     fm = None
     if with_flashmla:
         try:
@@ -325,8 +332,12 @@ def bench(cases, report, with_xla=True, with_flashmla=True, step32=False, schedu
             print("flash_mla unavailable:", e)
     for (B, K, page, H, S) in cases:
         n = len(report.rows)
-        _bench_one(report, fm, bench_case(B, K, page, H, S), with_xla, step32, schedule)
+        ns = len(report_sustained.rows) if report_sustained else 0
+        _bench_one(report, fm, bench_case(B, K, page, H, S), with_xla, step32, schedule,
+                   sustain=sustain, report_sustained=report_sustained)
         print("\n".join(report.table().splitlines()[1 + n:]), flush=True)
+        if report_sustained:
+            print("\n".join(f"{x} (sustained)" for x in report_sustained.table().splitlines()[1 + ns:]), flush=True)
 
 
 def bench_inputs(c: Case):
@@ -352,13 +363,15 @@ def est_us(c: Case) -> float:
 
 
 def _bench_one(report, fm, c: Case, with_xla: bool, step32: bool = False, schedule: str | None = None,
-               rounds: int = 5) -> None:
+               rounds: int = 5, sustain: float = 0.0, report_sustained=None) -> None:
     """Time every contender of one shape on the same inputs, interleaved (``benchmarks.harness.interleaved``:
-    alternating rounds, the order rotating, each contender's median), then add their rows in a fixed order."""
+    alternating rounds, the order rotating, each contender's median), then add their rows in a fixed order.  With
+    ``sustain`` > 0, also time them (plain XLA aside) in steady state (``benchmarks.harness.sustained``: ``sustain``
+    seconds back to back each, twice, the second half timed, with the SM clock and power) into ``report_sustained``."""
     import jax
     import jax.numpy as jnp
 
-    from benchmarks.harness import decode_cost, interleaved
+    from benchmarks.harness import decode_cost, interleaved, sustained
 
     B, K, page, H, S = c.B, c.max_pages * c.page, c.page, c.H, c.S
     q, kv, bt, sl, scale = bench_inputs(c)
@@ -427,6 +440,13 @@ def _bench_one(report, fm, c: Case, with_xla: bool, step32: bool = False, schedu
                    note=f"interleaved median of {rounds} rounds", samples_us=res[n]["samples_us"])
     for n, (why, nb) in failed.items():
         report.add(c.name, n, None, nbytes=nb, flops=flops, note=why)
+    if sustain > 0 and report_sustained is not None:
+        res = sustained({n: f for n, (f, _, _) in fns.items() if n != "plain XLA"}, sustain)
+        for n, r in res.items():
+            _, nb, fp8 = fns[n]
+            report_sustained.add(c.name, n, r, nbytes=nb, flops=flops, fp8=fp8,
+                                 note=f"sustained {sustain:g} s x {len(r['samples_us'])}, second half timed",
+                                 **{k: r[k] for k in ("samples_us", "sm_mhz", "power_w", "throttle_reasons")})
 
 
 def main(argv=None):
@@ -443,6 +463,9 @@ def main(argv=None):
     ap.add_argument("--seed", type=int, default=int(time.time()) % 100000)
     ap.add_argument("--out", default="/tmp/decode.json")
     ap.add_argument("--png", default=None)
+    ap.add_argument("--sustain", type=float, default=0.0,
+                    help="also time each contender back to back for this many seconds (twice, the second half "
+                         "timed; benchmarks.harness.sustained) into <out>_sustained.json / <png>_sustained.png")
     a = ap.parse_args(argv)
     os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
     checks = [c for c in CHECK if not a.cases or c.name in a.cases.split(",")]
@@ -463,11 +486,18 @@ def main(argv=None):
         from benchmarks.harness import Report, measure_ceilings
 
         rep = Report("mla_decode sm90", measure_ceilings())
+        rep_s = Report(f"mla_decode sm90, sustained ({a.sustain:g} s each, second half)", rep.ceilings) \
+            if a.sustain > 0 else None
         try:
-            bench(benches, rep, with_xla=not a.no_xla, step32=a.step32, schedule=a.schedule)
+            bench(benches, rep, with_xla=not a.no_xla, step32=a.step32, schedule=a.schedule, sustain=a.sustain,
+                  report_sustained=rep_s)
         finally:
             rep.write(a.out, a.png)
             print(rep.table())
+            if rep_s is not None:
+                rep_s.write(a.out.replace(".json", "_sustained.json"),
+                            a.png.replace(".png", "_sustained.png") if a.png else None)
+                print(rep_s.table())
     return 0
 
 

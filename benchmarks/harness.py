@@ -3,7 +3,11 @@
 Timing: :func:`tokenspeed_jax.timing.bench` (re-exported here): median over rounds of back-to-back
 asynchronous launches, JAX and torch contenders alike, every kernel of a call inside the timed region.
 :func:`interleaved` times several contenders against each other in alternating rounds (the decode and
-prefill benchmarks use it).
+prefill benchmarks use it).  Its rounds are bursts of 20-50 ms; :func:`sustained` instead runs each contender back to
+back for seconds and times the second half, where the H200 sits at its 700 W power cap and lowers the SM clock by
+how much power a kernel draws (docs/sm90_decode.md, "Power"): the regime of a serving loop, and one where two kernels
+of equal burst speed can differ by 10%.  :class:`GpuPoller` reads the SM clock and the power meanwhile
+(``nvidia-smi``, read only).
 
 Ceilings: :func:`measure_ceilings` measures the copy bandwidth (read + write of a large device-to-device
 copy) and the bf16 (and fp8 where supported) matmul rate on random data, once per process.  A result's
@@ -23,7 +27,9 @@ import math
 import os
 import shlex
 import statistics
+import subprocess
 import sys
+import threading
 import time
 from typing import Any
 
@@ -78,6 +84,96 @@ def interleaved(fns: dict, est_us: float, *, rounds: int = 7, warmup: int = 1) -
         }
         for name, s in samples.items()
     }
+
+
+class GpuPoller:
+    """Context manager polling ``nvidia-smi`` (SM clock, memory clock, power, temperature, clock-throttle reasons)
+    every ``period`` seconds in a thread; never changes a setting.  ``summary(since)`` gives the medians (and the
+    minimum SM clock) of the polls taken at or after ``time.perf_counter()`` value ``since``; all ``None`` where
+    ``nvidia-smi`` is missing."""
+
+    QUERY = "clocks.sm,clocks.mem,power.draw,temperature.gpu,clocks_throttle_reasons.active"
+
+    def __init__(self, period: float = 0.1):
+        self.period, self.rows = period, []  # (perf_counter, [fields])
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self):
+        while not self._stop.is_set():
+            try:
+                p = subprocess.run(["nvidia-smi", f"--query-gpu={self.QUERY}", "--format=csv,noheader,nounits"],
+                                   capture_output=True, text=True, check=False, timeout=5)
+            except (OSError, subprocess.TimeoutExpired):
+                return
+            if p.returncode == 0 and p.stdout.strip():
+                self.rows.append((time.perf_counter(), [x.strip() for x in p.stdout.strip().splitlines()[0].split(",")]))
+            time.sleep(self.period)
+
+    def __enter__(self):
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join()
+
+    def summary(self, since: float = 0.0) -> dict:
+        rows = [r for t, r in self.rows if t >= since]
+
+        def col(i):
+            return [float(r[i]) for r in rows if len(r) > i and r[i].replace(".", "").isdigit()]
+
+        sm, pw = col(0), col(2)
+        return {"sm_mhz_median": statistics.median(sm) if sm else None, "sm_mhz_min": min(sm) if sm else None,
+                "power_w_median": statistics.median(pw) if pw else None,
+                "throttle_reasons": sorted({r[4] for r in rows if len(r) > 4}), "polls": len(self.rows)}
+
+
+def sustained(fns: dict, secs: float = 2.0, *, rounds: int = 2) -> dict:
+    """Time the zero-argument callables ``fns`` (name -> fn) in steady state: in each of ``rounds`` rounds (the order
+    rotating, as :func:`interleaved`), every contender launches back to back for ``secs`` seconds, synchronising
+    about every 10 ms, and its µs per call is taken over the second half only (after the power controller settled),
+    while :class:`GpuPoller` records the SM clock and power.  Returns name -> {median_us, min_us, max_us, samples_us,
+    sm_mhz and power_w (medians over the rounds of each round's second-half median), throttle_reasons}."""
+    from tokenspeed_jax.timing import _sync
+
+    names = list(fns)
+    samples: dict = {n: [] for n in names}
+    clocks: dict = {n: [] for n in names}
+    for r in range(rounds):
+        for name in names[r % len(names):] + names[: r % len(names)]:
+            fn = fns[name]
+            t0 = time.perf_counter()
+            _sync(fn())
+            batch = max(1, min(1000, math.ceil(0.01 / max(time.perf_counter() - t0, 1e-6))))
+            marks = []  # (seconds since start, calls so far), one per synchronised batch
+            calls = 0
+            with GpuPoller() as gp:
+                start = time.perf_counter()
+                while not marks or marks[-1][0] < secs:
+                    out = None
+                    for _ in range(batch):
+                        out = fn()
+                    _sync(out)
+                    calls += batch
+                    marks.append((time.perf_counter() - start, calls))
+            half = next(m for m in marks if m[0] >= secs / 2)
+            last = marks[-1]
+            if last[1] > half[1]:
+                samples[name].append((last[0] - half[0]) / (last[1] - half[1]) * 1e6)
+            else:  # (one batch longer than half the window: the whole window)
+                samples[name].append(last[0] / last[1] * 1e6)
+            clocks[name].append(gp.summary(since=start + half[0]))
+    res = {}
+    for name, s in samples.items():
+        sm = [c["sm_mhz_median"] for c in clocks[name] if c["sm_mhz_median"] is not None]
+        pw = [c["power_w_median"] for c in clocks[name] if c["power_w_median"] is not None]
+        res[name] = {"median_us": statistics.median(s), "min_us": min(s), "max_us": max(s),
+                     "samples_us": [round(x, 1) for x in s], "sm_mhz": statistics.median(sm) if sm else None,
+                     "power_w": statistics.median(pw) if pw else None,
+                     "throttle_reasons": sorted({t for c in clocks[name] for t in c["throttle_reasons"]})}
+    return res
 
 
 @dataclasses.dataclass
@@ -140,6 +236,25 @@ def scoped_env(name: str, value: str):
             os.environ.pop(name, None)
         else:
             os.environ[name] = saved
+
+
+SWITCH_PREFIX = "TOKENSPEED_SM90_DECODE_"
+
+
+@contextlib.contextmanager
+def switches(var: str, value: str):
+    """``var=value`` set inside the block; with ``var`` ``-``, ``value`` is a set of sm90 decode switches,
+    ``NAME=VALUE[,NAME=VALUE...]`` with ``NAME`` after the ``TOKENSPEED_SM90_DECODE_`` prefix (``-`` alone: none
+    set), as ``scripts/decode_ab.py`` and ``scripts/clock_probe.py`` take them."""
+    pairs = [(var, value)] if var != "-" else [
+        (SWITCH_PREFIX + kv.partition("=")[0], kv.partition("=")[2]) for kv in value.split(",") if kv != "-"]
+    for name, v in pairs:
+        if not name.startswith(SWITCH_PREFIX) or not v:
+            raise ValueError(f"switch {name}={v!r}: expected {SWITCH_PREFIX}NAME=VALUE")
+    with contextlib.ExitStack() as st:
+        for name, v in pairs:
+            st.enter_context(scoped_env(name, v))
+        yield
 
 
 def provenance(command: str | None = None) -> dict:

@@ -1,5 +1,10 @@
 """Per-warpgroup timeline of the sm90 decode loop (seesaw; FP8: packed slots, early refills, the default path).
 
+16-bit: the seesaw loop, which the backend runs for S x H > 32 or pages < 32; for S x H <= 32 (pages >= 32) the
+default is the transposed loop (``TOKENSPEED_SM90_DECODE_T16``), which has no traced build, so the normal build
+checked against and run under ``--sustain`` is then the seesaw loop (``T16=0``), with the padding of
+``TOKENSPEED_SM90_DECODE_PAD_ROWS``.
+
     source .device/bootstrap.sh && python -m benchmarks.trace_decode --cases 64,16384,64,16,1 64,16384,64,32,4
     source .device/bootstrap.sh && python -m benchmarks.trace_decode --dtype bfloat16 --cases 64,16384,64,32,4
     source .device/bootstrap.sh && TOKENSPEED_SM90_DECODE_FP8_PV=6 python -m benchmarks.trace_decode --cases ...
@@ -63,8 +68,9 @@ def traced_decode(c, trace_iters: int, ctas: int, producer: bool = False, ot: st
         # the 16-bit loop's cross-PV order and the KV loads' eviction hint as the backend would run them
         cross_first = prob.dtype != "float8_e4m3fn" and sm90_decode.resolve_cross_first()
         kv_evict = sm90_decode.resolve_kv_evict()
-        key = ("mla_decode_sm90_traced.v4", prob.dtype, H, S, prob.page_size, plan.num_splits, plan.tokens_per_split,
-               trace_iters, ctas, producer, ot, cross_first, kv_evict)
+        pad_rows = sm90_decode.resolve_pad_rows() if not ot and S * H % 64 else "copy"
+        key = ("mla_decode_sm90_traced.v5", prob.dtype, H, S, prob.page_size, plan.num_splits, plan.tokens_per_split,
+               trace_iters, ctas, producer, ot, cross_first, kv_evict, pad_rows)
         common = {"outputs": outputs, "compile_key": key, "dtype": prob.dtype, "num_heads": H, "q_len": S,
                   "page_size": prob.page_size, "causal": True, "num_splits": plan.num_splits,
                   "tokens_per_split": plan.tokens_per_split, "trace": trace_iters}
@@ -72,7 +78,7 @@ def traced_decode(c, trace_iters: int, ctas: int, producer: bool = False, ot: st
             call = ffi.custom_call(sm90_decode.TARGET, launch_mla_decode_ot_traced, qk_t=ot != "5", **common)
         else:
             call = ffi.custom_call(sm90_decode.TARGET, launch_mla_decode_seesaw_traced, tma_producer=producer,
-                                   cross_first=cross_first, kv_evict=kv_evict, **common)
+                                   cross_first=cross_first, kv_evict=kv_evict, pad_rows=pad_rows, **common)
         res = call(q, kv, bt, sl, ffi.scalar_operand(scale), ffi.scalar_operand(jnp.float32(1.0)))
         return res[0], res[1], res[2]
 
@@ -127,7 +133,7 @@ def main(argv=None):
     import numpy as np
 
     from benchmarks.decode import bench_case, bench_inputs, decode_fn
-    from benchmarks.harness import provenance
+    from benchmarks.harness import provenance, switches
     from tokenspeed_jax.backends import sm90_decode
     from tokenspeed_jax.kernels.sm90.mla_decode_ot import TRACE_EVENTS_OT
     from tokenspeed_jax.kernels.sm90.mla_decode_seesaw import TRACE_EVENTS
@@ -150,12 +156,15 @@ def main(argv=None):
                              f"{sm90_decode.FP8_PV_ENV}=4 traces mode 4's loop)")
         q, kv, bt, sl, scale = bench_inputs(c)
         q, kv = q.astype(c.dtype), kv.astype(c.dtype)
-        ref = decode_fn(c, "sm90")(q, kv, bt, sl, scale)
+        # the normal build of the traced loop: the 16-bit seesaw, not the transposed loop the backend runs by default for
+        # S x H <= 32 (it has no traced build)
+        with switches("-", "T16=0" if c.dtype != "float8_e4m3fn" else "-"):  # (read when traced: here)
+            g = decode_fn(c, "sm90")
+            ref = g(q, kv, bt, sl, scale)
         f = traced_decode(c, a.iters, a.ctas, producer and page >= 32, ot)  # (the backend's page rule for both loops)
         for _ in range(3):  # the last run's timestamps (the first compiles and warms the caches)
             out, lse, tr = jax.block_until_ready(f(q, kv, bt, sl, scale))
         if a.sustain > 0:  # the normal build back to back first, the traced run queued right behind it
-            g = decode_fn(c, "sm90")
             t0 = time.perf_counter()
             while time.perf_counter() - t0 < a.sustain:
                 for _ in range(10):

@@ -20,7 +20,6 @@ the kernel (the A/B compared a kernel with itself: docs/sm90_decode.md, the with
 2026-11-30).
 """
 import argparse
-import contextlib
 import dataclasses
 import json
 import os
@@ -29,24 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from benchmarks.decode import BENCH, bench_case, bench_inputs, decode_fn, est_us, prewarm
-from benchmarks.harness import interleaved, provenance, scoped_env
-
-PREFIX = "TOKENSPEED_SM90_DECODE_"
-
-
-@contextlib.contextmanager
-def switches(var: str, value: str):
-    """``var=value`` set inside the block; with ``var`` ``-``, the ``NAME=VALUE`` pairs of ``value`` (module
-    docstring)."""
-    pairs = [(var, value)] if var != "-" else [
-        (PREFIX + kv.split("=", 1)[0], kv.split("=", 1)[1]) for kv in value.split(",") if kv != "-"]
-    for name, v in pairs:
-        if not name.startswith(PREFIX) or not v:
-            raise ValueError(f"switch {name}={v!r}: expected {PREFIX}NAME=VALUE")
-    with contextlib.ExitStack() as st:
-        for name, v in pairs:
-            st.enter_context(scoped_env(name, v))
-        yield
+from benchmarks.harness import interleaved, provenance, switches
 
 
 def main() -> None:

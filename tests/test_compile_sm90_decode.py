@@ -559,6 +559,7 @@ def test_producer16_switch(monkeypatch):
 
     assert m.PRODUCER16_ENV in m.TRACE_ENV and m.PRODUCER16_DEFAULT == "1"
     seen = _record_custom_calls(monkeypatch)
+    monkeypatch.setenv(m.T16_ENV, "0")  # (16 rows of 16-bit run the transposed loop by default, producer built in)
     q = jnp.zeros((2, 1, 16, 576), jnp.bfloat16)
     bt, sl = jnp.zeros((2, 8), jnp.int32), jnp.full((2,), 100, jnp.int32)
     for page, env, want in ((64, None, True), (32, "1", True), (64, "0", False), (16, "1", False)):
@@ -586,6 +587,7 @@ def test_kv_evict_and_cross_first_switches(monkeypatch):
 
     assert m.KV_EVICT_ENV in m.TRACE_ENV and m.CROSS_FIRST_ENV in m.TRACE_ENV
     seen = _record_custom_calls(monkeypatch)
+    monkeypatch.setenv(m.T16_ENV, "0")  # (16 rows of 16-bit run the transposed loop by default, no cross PV there)
     bt, sl = jnp.zeros((2, 8), jnp.int32), jnp.full((2,), 100, jnp.int32)
     for dtype, page, evict, cross, want_evict, want_cross in (
             ("bfloat16", 64, None, None, "normal", False), ("bfloat16", 64, "first", "1", "first", True),
@@ -621,7 +623,7 @@ def test_t16_and_pdl_main_switches(monkeypatch):
     from tokenspeed_jax.backends import sm90_decode as m
 
     assert m.T16_ENV in m.TRACE_ENV and m.PDL_MAIN_ENV in m.TRACE_ENV
-    assert m.T16_DEFAULT == "0" and m.PDL_MAIN_DEFAULT == "0"
+    assert m.T16_DEFAULT == "1" and m.PDL_MAIN_DEFAULT == "0"
     seen = _record_custom_calls(monkeypatch)
     bt, sl = jnp.zeros((2, 8), jnp.int32), jnp.full((2,), 100, jnp.int32)
     for env in (m.T16_ENV, m.PDL_MAIN_ENV, m.PRODUCER16_ENV, m.FP8_PV_ENV):
@@ -634,7 +636,9 @@ def test_t16_and_pdl_main_switches(monkeypatch):
                  q, kv, bt, sl, 0.1, 1.0)
         return seen["launch"].__name__, seen["key"].t16, seen["key"].pdl_main, dict(seen["kw"])
 
-    assert run()[:3] == ("launch_mla_decode_seesaw", False, False)  # the defaults
+    assert run()[:3] == ("launch_mla_decode_ot16", True, False)  # the defaults
+    monkeypatch.setenv(m.T16_ENV, "0")
+    assert run()[:3] == ("launch_mla_decode_seesaw", False, False)
     monkeypatch.setenv(m.T16_ENV, "1")
     launch, t16, _, kw = run()
     assert (launch, t16) == ("launch_mla_decode_ot16", True) and "tma_producer" not in kw and "cross_first" not in kw
@@ -654,6 +658,42 @@ def test_t16_and_pdl_main_switches(monkeypatch):
         with pytest.raises(ValueError, match=env):
             run()
         monkeypatch.delenv(env)
+
+
+def test_pad_rows_switch(monkeypatch):
+    """``TOKENSPEED_SM90_DECODE_PAD_ROWS`` reaches the seesaw launcher (16-bit and FP8 mode 4) only where a row block
+    has rows past S x H, keyed; the O^T and transposed loops (no padded rows) never get it; validated, named."""
+    pytest.importorskip("cutlass")  # (supports() refuses without it)
+    import jax.numpy as jnp
+
+    from tokenspeed_jax.backends import sm90_decode as m
+
+    assert m.PAD_ROWS_ENV in m.TRACE_ENV and m.PAD_ROWS_DEFAULT == "zero"
+    seen = _record_custom_calls(monkeypatch)
+    bt, sl = jnp.zeros((2, 8), jnp.int32), jnp.full((2,), 100, jnp.int32)
+    for env in (m.PAD_ROWS_ENV, m.T16_ENV, m.FP8_PV_ENV, m.PRODUCER16_ENV):
+        monkeypatch.delenv(env, raising=False)
+
+    def run(dtype="bfloat16", S=1, H=16):
+        q = jnp.zeros((2, S, H, 576), dtype)
+        m.decode(_problem(batch=2, q_len=S, num_heads=H, num_pages=16, max_pages=8, dtype=dtype), q,
+                 jnp.zeros((16, 64, 576), dtype), bt, sl, 0.1, 1.0)
+        return seen["launch"].__name__, seen["key"].pad_rows, seen["kw"].get("pad_rows", "copy")
+
+    monkeypatch.setenv(m.T16_ENV, "0")  # (16 rows run the transposed loop by default)
+    assert run() == ("launch_mla_decode_seesaw", "zero", "zero")  # the default; 16 rows of 64
+    monkeypatch.setenv(m.PAD_ROWS_ENV, "copy")
+    assert run() == ("launch_mla_decode_seesaw", "copy", "copy")
+    monkeypatch.setenv(m.PAD_ROWS_ENV, "zero")
+    assert run(S=3, H=32) == ("launch_mla_decode_seesaw", "zero", "zero")  # 96 rows: the second block padded
+    assert run(S=4, H=16) == ("launch_mla_decode_seesaw", "copy", "copy")  # 64 rows: nothing to pad
+    assert run(dtype="float8_e4m3fn", S=3, H=16) == ("launch_mla_decode_seesaw", "zero", "zero")  # mode 4
+    assert run(dtype="float8_e4m3fn")[1:] == ("copy", "copy")  # mode 6: the O^T loop, N = S x H
+    monkeypatch.delenv(m.T16_ENV)
+    assert run() == ("launch_mla_decode_ot16", "copy", "copy")
+    monkeypatch.setenv(m.PAD_ROWS_ENV, "nan")
+    with pytest.raises(ValueError, match=m.PAD_ROWS_ENV):
+        run()
 
 
 def _record_custom_calls(monkeypatch) -> dict:

@@ -25,6 +25,63 @@ def test_bench_one_times_every_contender(monkeypatch):
     assert np.isclose(rows["ours fp8"]["flops"], rows["ours bf16"]["flops"])
 
 
+def test_bench_one_sustained_report(monkeypatch):
+    """``--sustain``: every contender but plain XLA also lands in the second report, timed back to back
+    (``harness.sustained``: two rounds, the second half of each window), with the polled clock fields (None without
+    ``nvidia-smi``)."""
+    real = bd.decode_fn
+    monkeypatch.setattr(bd, "decode_fn", lambda c, backend, schedule=None: real(c, "xla"))
+    c = bd.bench_case(64, 128, 64, 32, 1)
+    report, rep_s = Report("decode bench (cpu)"), Report("decode bench (cpu), sustained")
+    bd._bench_one(report, None, c, with_xla=True, rounds=2, sustain=0.2, report_sustained=rep_s)
+    rows = {r["contender"]: r for r in rep_s.rows}
+    assert list(rows) == ["ours bf16", "ours fp8"]  # (plain XLA is left out)
+    for r in rows.values():
+        assert r["us"] > 0 and len(r["samples_us"]) == 2 and "sustained" in r["note"]
+        assert {"sm_mhz", "power_w", "throttle_reasons"} <= set(r)
+
+
+def test_sustained_rotates_and_times_the_second_half(monkeypatch):
+    import time
+
+    from benchmarks import harness
+
+    order = []
+
+    def make(name, dt):
+        def fn():
+            if not order or order[-1] != name:
+                order.append(name)
+            time.sleep(dt)
+
+        return fn
+
+    monkeypatch.setattr(harness.GpuPoller, "QUERY", "no.such.field")  # (nvidia-smi, if any, answers nothing usable)
+    res = harness.sustained({"a": make("a", 0.002), "b": make("b", 0.004)}, 0.15, rounds=2)
+    assert order == ["a", "b", "a"]  # round 0: a b, round 1 rotated: b a (one run of b)
+    assert 1500 < res["a"]["median_us"] < 3000 and 3500 < res["b"]["median_us"] < 5500
+    assert len(res["a"]["samples_us"]) == 2 and res["a"]["sm_mhz"] is None
+
+
+def test_switches_sets_and_restores(monkeypatch):
+    import os
+
+    from benchmarks.harness import SWITCH_PREFIX, switches
+
+    monkeypatch.delenv(SWITCH_PREFIX + "T16", raising=False)
+    monkeypatch.setenv(SWITCH_PREFIX + "PAD_ROWS", "zero")
+    with switches("-", "T16=0,PAD_ROWS=copy"):
+        assert os.environ[SWITCH_PREFIX + "T16"] == "0" and os.environ[SWITCH_PREFIX + "PAD_ROWS"] == "copy"
+    assert SWITCH_PREFIX + "T16" not in os.environ and os.environ[SWITCH_PREFIX + "PAD_ROWS"] == "zero"
+    with switches("-", "-"):
+        pass
+    try:
+        with switches("-", "T16"):
+            raise AssertionError("a switch without a value was accepted")
+    except ValueError as e:
+        assert "T16" in str(e)
+
+
 def test_fp8_p_rounding_tolerance(rng):
     """The check's FP8 P V tolerance (``FP8_P_ROUND`` x ``p_round_spread``) against the arithmetic it bounds, on
     the CPU: ``p_round_spread`` equals ``sqrt(sum p^2 v^2) / l`` computed directly in float64, and an output

@@ -72,13 +72,28 @@ def test_sm90_decode_fp8_ot_matches_reference(mode, case, rng, monkeypatch):
 
 @pytest.mark.parametrize("case", [c for c in _cases() if c.dtype != "float8_e4m3fn" and c.page >= 32
                                   and c.S * c.H <= 32], ids=lambda c: c.name)
-def test_sm90_decode_t16_matches_reference(case, rng, monkeypatch):
-    """The transposed 16-bit loop (``TOKENSPEED_SM90_DECODE_T16=1``, ``kernels/sm90/mla_decode_ot16.py``) on the 16-bit
-    check cases it runs (S x H <= 32, pages >= 32), against the fp32 reference with the 16-bit tolerances."""
+def test_sm90_decode_t16_off_matches_reference(case, rng, monkeypatch):
+    """The 16-bit check cases the transposed loop runs by default (``kernels/sm90/mla_decode_ot16.py``; S x H <= 32,
+    pages >= 32) on the seesaw loop instead (``TOKENSPEED_SM90_DECODE_T16=0``, its padded 64-row tiles with the
+    default zero padding), against the fp32 reference with the 16-bit tolerances."""
     from benchmarks.decode import check
     from tokenspeed_jax.backends import sm90_decode
 
-    monkeypatch.setenv(sm90_decode.T16_ENV, "1")
+    monkeypatch.setenv(sm90_decode.T16_ENV, "0")
+    (r,) = check([case], int(rng.integers(0, 2**31 - 1)))
+    assert r["ok"], r
+
+
+@pytest.mark.parametrize("case", [c for c in _cases() if c.S * c.H % 64], ids=lambda c: c.name)
+def test_sm90_decode_pad_rows_copy_matches_reference(case, rng, monkeypatch):
+    """``TOKENSPEED_SM90_DECODE_PAD_ROWS=copy`` (a row block's rows past S x H hold copies of the last row, as before
+    2026-12-02) with ``T16=0`` (so the 16-bit cases with S x H <= 32 have padded rows too) on the check cases with such
+    rows, against the fp32 reference (the loops that have no padded rows ignore it)."""
+    from benchmarks.decode import check
+    from tokenspeed_jax.backends import sm90_decode
+
+    monkeypatch.setenv(sm90_decode.PAD_ROWS_ENV, "copy")
+    monkeypatch.setenv(sm90_decode.T16_ENV, "0")
     (r,) = check([case], int(rng.integers(0, 2**31 - 1)))
     assert r["ok"], r
 

@@ -37,8 +37,12 @@ The seesaw loop with TMA refills also prefetches the KV tile pair after the next
 
 Opt-in switches measured on 2026-12-02 and left off (``docs/sm90_decode.md``, "The BF16 memory-bound gap"):
 ``TOKENSPEED_SM90_DECODE_KV_EVICT`` (evict-first L2 hint on the KV loads), ``TOKENSPEED_SM90_DECODE_CROSS_FIRST``
-(16-bit: warpgroup 1's cross PV first), ``TOKENSPEED_SM90_DECODE_T16`` (16-bit with S x H <= 32: the transposed loop of
-``kernels/sm90/mla_decode_ot16.py``) and ``TOKENSPEED_SM90_DECODE_PDL_MAIN`` (the main kernel launched with PDL too).
+(16-bit: warpgroup 1's cross PV first) and ``TOKENSPEED_SM90_DECODE_PDL_MAIN`` (the main kernel launched with PDL too).
+Two switches of the same day are on by default, because they draw less power per tile and so hold a higher SM clock
+under sustained load (docs, "Power"): ``TOKENSPEED_SM90_DECODE_T16`` (16-bit with S x H <= 32 and pages >= 32: the
+transposed loop of ``kernels/sm90/mla_decode_ot16.py``; ``0`` for the seesaw loop) and
+``TOKENSPEED_SM90_DECODE_PAD_ROWS`` (``"zero"``: a row block's rows past S x H are zeros with every key masked;
+``"copy"``: copies of the last row).
 
 ``"auto"`` picks seesaw; FP8 with 8-token pages (no TMA refills) or ``"seesaw-cpasync"`` runs lockstep.
 Chosen by ``decode(..., schedule=...)`` or, when that is None, by the environment variable
@@ -117,17 +121,27 @@ CROSS_FIRST_DEFAULT = "0"
 # "1": 16-bit inputs with S x H <= 32 query rows (pages >= 32, TMA refills, the producer warpgroup) run the seesaw loop
 # with both matmuls transposed, S^T = K Q^T and O^T = V^T P^T on the real rows instead of 64 padded ones
 # (kernels/sm90/mla_decode_ot16.py; docs/sm90_decode.md, "Transposed 16-bit loop"); "0": the seesaw loop.  Measured
-# 0.98-1.02x (item 3), so off.  Read at trace time; part of the compile key.
+# 0.98-1.02x in 20-50 ms bursts (item 3) but 1.08-1.10x in sustained runs, where it draws less power per tile and
+# holds an SM clock of 1.85-1.97 GHz instead of 1.38-1.49 (docs, "Power"), so on since 2026-12-02.  Read at trace
+# time; part of the compile key.
 T16_ENV = "TOKENSPEED_SM90_DECODE_T16"
-T16_DEFAULT = "0"
+T16_DEFAULT = "1"
 # "1": the main decode kernel is launched with programmatic dependent launch as well (its CTAs take SMs while the
 # previous kernel of the stream drains, then wait for it before reading anything; the main and combine kernels let
 # the next kernel launch at their start).  "0": only the combine kernel is.  Measured BF16 1.023x, FP8 0.998x with one
 # shape at 0.86x (item 4), so off.  Read at trace time; part of the compile key.
 PDL_MAIN_ENV = "TOKENSPEED_SM90_DECODE_PDL_MAIN"
 PDL_MAIN_DEFAULT = "0"
+# What the query rows past S x H of a 64-row block hold in the seesaw loop (16-bit and FP8 mode 4): "copy" (row
+# S x H - 1, its scores computed and never stored) or "zero" (zeros with every key masked: both matmuls' padded A rows
+# are zeros, the same results with less tensor-core switching).  Measured 0.98-1.08x in bursts and 1.04-1.06x in
+# sustained runs (SM clock 1.49-1.83 GHz instead of 1.38-1.49; docs/sm90_decode.md, "Power"), so "zero" since
+# 2026-12-02.  Read at trace time; part of the compile key.
+PAD_ROWS_ENV = "TOKENSPEED_SM90_DECODE_PAD_ROWS"
+PAD_ROWS_CHOICES = ("copy", "zero")  # the kernel's PAD_ROWS (no cutlass import here)
+PAD_ROWS_DEFAULT = "zero"
 TRACE_ENV = (SCHEDULE_ENV, PDL_ENV, FP8_QK_ENV, FP8_PV_ENV, L2_PREFETCH_ENV, PRODUCER16_ENV, RS_STAGES_ENV,
-             KV_EVICT_ENV, CROSS_FIRST_ENV, T16_ENV, PDL_MAIN_ENV)
+             KV_EVICT_ENV, CROSS_FIRST_ENV, T16_ENV, PDL_MAIN_ENV, PAD_ROWS_ENV)
 SCHEDULES = ("auto", "seesaw", "seesaw-cpasync", "lockstep", "overlap")  # module docstring (no cutlass import here)
 _MIN_PAGE = 8
 _MIN_FP8_SEESAW_PAGE = 16  # the FP8 seesaw needs TMA refills (the kernel's _MIN_TMA_PAGE; no cutlass import here)
@@ -163,6 +177,7 @@ class DecodeKernelKey:
     cross_first: bool = False  # 16-bit seesaw: warpgroup 1's cross PV first ($TOKENSPEED_SM90_DECODE_CROSS_FIRST)
     t16: bool = False  # 16-bit, S x H <= 32: the transposed loop ($TOKENSPEED_SM90_DECODE_T16)
     pdl_main: bool = False  # the main kernel launched with PDL too ($TOKENSPEED_SM90_DECODE_PDL_MAIN)
+    pad_rows: str = "copy"  # the rows past S x H of a row block ($TOKENSPEED_SM90_DECODE_PAD_ROWS; "copy" if none)
 
 
 def supports(problem: DecodeProblem) -> str | None:
@@ -239,6 +254,11 @@ def resolve_pdl_main() -> bool:
     return _choice(os.environ.get(PDL_MAIN_ENV, "") or PDL_MAIN_DEFAULT, ("0", "1"), PDL_MAIN_ENV) == "1"
 
 
+def resolve_pad_rows() -> str:
+    """``$TOKENSPEED_SM90_DECODE_PAD_ROWS`` (one of :data:`PAD_ROWS_CHOICES`, default :data:`PAD_ROWS_DEFAULT`)."""
+    return _choice(os.environ.get(PAD_ROWS_ENV, "") or PAD_ROWS_DEFAULT, PAD_ROWS_CHOICES, PAD_ROWS_ENV)
+
+
 def decode(problem: DecodeProblem, q, kv_cache, block_table, seq_lens, softmax_scale, output_scale, *,
            kv_step: int | None = None, schedule: str | None = None):
     """Run the kernel; returns ``(out [B,S,H,512], lse [B,S,H] | None)``.
@@ -309,10 +329,15 @@ def decode(problem: DecodeProblem, q, kv_cache, block_table, seq_lens, softmax_s
         launch = launch_mla_decode_ot16
     cross_first = seesaw and problem.dtype != "float8_e4m3fn" and not t16 and resolve_cross_first()
     pdl_main = resolve_pdl_main()
+    # (only the seesaw launcher takes it; the O^T and transposed loops run S x H <= 32 on N = S x H columns)
+    seesaw_launch = seesaw and not pv_ot and not rs_stages and not t16
+    pad_rows = resolve_pad_rows()  # (validated wherever it applies or not)
+    if not (seesaw_launch and S * H % 64):
+        pad_rows = "copy"
     key = DecodeKernelKey("mla_decode_sm90.v10", problem.dtype, H, S, problem.page_size, problem.causal,
                           plan.num_splits, plan.tokens_per_split, block_n, schedule, pdl, qk_fp8, l2_prefetch, pv_fp8,
                           early_refill, vt_packed, tma_producer, pv_ot, qk_t, rs_stages, kv_evict, cross_first, t16,
-                          pdl_main)
+                          pdl_main, pad_rows)
     outputs = [jax.ShapeDtypeStruct((B, S, H, problem.kv_lora_rank), jnp.dtype(problem.out_dtype)),
                jax.ShapeDtypeStruct((B, S, H), jnp.float32)]
     outputs += [jax.ShapeDtypeStruct(w.shape, jnp.dtype(w.dtype)) for w in plan.workspace]
@@ -322,13 +347,14 @@ def decode(problem: DecodeProblem, q, kv_cache, block_table, seq_lens, softmax_s
         num_splits=plan.num_splits, tokens_per_split=plan.tokens_per_split, block_n=block_n, schedule=schedule,
         pdl=pdl, **({"qk_fp8": qk_fp8, "pv_fp8": pv_fp8, "early_refill": early_refill, "vt_packed": vt_packed}
                     if fp8_seesaw and not pv_ot and not rs_stages else {}),
-        **({"tma_producer": tma_producer} if seesaw and not pv_ot and not rs_stages and not t16 else {}),
+        **({"tma_producer": tma_producer} if seesaw_launch else {}),
         **({"l2_prefetch": l2_prefetch} if seesaw and not rs_stages else {}),
         **({"qk_t": qk_t} if pv_ot else {}),
         **({"stages": rs_stages} if rs_stages else {}),
         **({"kv_evict": kv_evict} if kv_evict != "normal" else {}),
         **({"cross_first": True} if cross_first else {}),
         **({"pdl_main": True} if pdl_main else {}),
+        **({"pad_rows": pad_rows} if pad_rows != "copy" else {}),
     )
     res = call(q, kv_cache, block_table.astype(jnp.int32), seq_lens.astype(jnp.int32),
                ffi.scalar_operand(softmax_scale), ffi.scalar_operand(output_scale))

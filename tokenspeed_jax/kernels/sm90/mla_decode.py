@@ -50,6 +50,7 @@ from cutlass.tensor_utils import LayoutEnum
 from tokenspeed_jax.kernels.sm90.helpers import LN_2, LOG2_E, Barrier, clamp, quad_max, quad_sum, row_ptr
 
 SCHEDULES = ("lockstep", "overlap")  # this class; "seesaw" is mla_decode_seesaw.MlaDecodeSeesawSm90
+PAD_ROWS = ("copy", "zero")  # what a row block's rows past R hold (MlaDecodeSm90.pad_zero)
 _DTYPES = {"bfloat16": cutlass.BFloat16, "float16": cutlass.Float16, "float8_e4m3fn": cutlass.Float8E4M3FN}
 
 
@@ -66,7 +67,8 @@ class MlaDecodeSm90:
 
     def __init__(self, *, dtype: str, num_heads: int, q_len: int, page_size: int, causal: bool,
                  num_splits: int, tokens_per_split: int, block_n: int = 64, head_dim: int = 576,
-                 kv_lora_rank: int = 512, schedule: str = "lockstep", pdl: bool = True, pdl_main: bool = False):
+                 kv_lora_rank: int = 512, schedule: str = "lockstep", pdl: bool = True, pdl_main: bool = False,
+                 pad_rows: str = "copy"):
         why = self.can_implement(dtype=dtype, num_heads=num_heads, q_len=q_len, page_size=page_size,
                                  tokens_per_split=tokens_per_split, head_dim=head_dim,
                                  kv_lora_rank=kv_lora_rank)
@@ -78,6 +80,8 @@ class MlaDecodeSm90:
             raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
         if schedule == "overlap" and block_n != 64:
             raise ValueError(f"schedule 'overlap' needs block_n 64, got {block_n}")
+        if pad_rows not in PAD_ROWS:
+            raise ValueError(f"pad_rows: expected one of {PAD_ROWS}, got {pad_rows!r}")
         self.dtype_name = dtype
         self.dtype = _DTYPES[dtype]
         self.fp8 = dtype == "float8_e4m3fn"
@@ -104,6 +108,11 @@ class MlaDecodeSm90:
         # the main kernel itself launched with PDL too (:meth:`allow_combine_launch`): its CTAs may take SMs while the
         # previous kernel of the stream drains, and wait for it to complete before their first global read
         self.pdl_main = bool(pdl_main)
+        # the tile rows past R (a row block of R < 64 query rows): "copy" loads row R-1 into them (finite, its scores
+        # computed and never stored); "zero" loads zeros and masks every key of theirs, so the padded rows of both
+        # matmuls' A operands are zeros (q) and exact zeros (P) -- the same results, less switching in the tensor
+        # cores, which lowers the power draw and so raises the SM clock under sustained load (docs/sm90_decode.md, "Power")
+        self.pad_zero = pad_rows == "zero"
 
     @staticmethod
     def can_implement(*, dtype, num_heads, q_len, page_size, tokens_per_split, head_dim, kv_lora_rank):
@@ -190,16 +199,30 @@ class MlaDecodeSm90:
         return rows
 
     @cute.jit
-    def load_rows(self, sX: cute.Tensor, base: cute.Tensor, rows: cute.Tensor, tid: Int32):
+    def load_rows(self, sX: cute.Tensor, base: cute.Tensor, rows: cute.Tensor, tid: Int32,
+                  zero_neg: cutlass.Constexpr = False):
         """cp.async 16-bit rows: smem row 32m + t//8 <- global row ``rows[m]`` of ``base`` (row-major, D
-        wide); thread t copies the 16-byte chunks (t % 8) + 8k."""
+        wide); thread t copies the 16-byte chunks (t % 8) + 8k.  ``zero_neg``: a negative ``rows[m]`` (a padded
+        q row, :meth:`q_rows`) stores zeros instead (plain stores: the reader's proxy fence publishes them)."""
         atom, tiled = self._row_copy(self.mma_dtype, 128, 8)
         tXsX = tiled.get_slice(tid).partition_D(sX)  # (CPY, rows/32, 9)
         for m in cutlass.range_constexpr(cute.size(tXsX, mode=[1])):
             for k in cutlass.range_constexpr(cute.size(tXsX, mode=[2])):
                 dst = tXsX[None, m, k]
-                src = cute.make_tensor(row_ptr(base, rows[m], (tid % 8) * 8 + 64 * k, self.D, 16), dst.layout)
-                cute.copy(atom, src, dst)
+                if cutlass.const_expr(zero_neg):
+                    if rows[m] < 0:
+                        z = cute.make_rmem_tensor((8,), self.mma_dtype)
+                        z.fill(0.0)
+                        cute.autovec_copy(z, dst)
+                    else:
+                        self.copy_chunk(atom, base, rows[m], (tid % 8) * 8 + 64 * k, dst)
+                else:
+                    self.copy_chunk(atom, base, rows[m], (tid % 8) * 8 + 64 * k, dst)
+
+    @cute.jit
+    def copy_chunk(self, atom: cute.CopyAtom, base: cute.Tensor, row: Int64, col, dst: cute.Tensor):
+        """One 16-byte cp.async of :meth:`load_rows`: elements ``col..col+7`` of global ``row`` into ``dst``."""
+        cute.copy(atom, cute.make_tensor(row_ptr(base, row, col, self.D, 16), dst.layout), dst)
 
     @cute.jit
     def split_range(self, mBT: cute.Tensor, mSeq: cute.Tensor, b: Int32, split: Int32):
@@ -214,11 +237,15 @@ class MlaDecodeSm90:
     @cute.jit
     def q_rows(self, mblk: Int32, b: Int32, tid: Int32):
         """Global q rows ``[B*R]`` of the two tile rows ``tid//8 + 32m`` this thread loads; rows past R are
-        a clamped copy of row R-1 (finite, never stored)."""
+        a clamped copy of row R-1 (finite, never stored), or -1 (load zeros) with ``pad_rows="zero"``."""
         qrows = cute.make_rmem_tensor((2,), Int64)
         for m in cutlass.range_constexpr(2):
-            r = cutlass.min(mblk * self.block_m + tid // 8 + 32 * m, self.R - 1)
+            r0 = mblk * self.block_m + tid // 8 + 32 * m
+            r = cutlass.min(r0, self.R - 1)
             qrows[m] = Int64(b) * self.R + r
+            if cutlass.const_expr(self.pad_zero):  # noqa: SIM102 (static + dynamic test)
+                if r0 >= self.R:
+                    qrows[m] = Int64(-1)
         return qrows
 
     @cute.jit
@@ -235,6 +262,9 @@ class MlaDecodeSm90:
             if cutlass.const_expr(self.causal):
                 lim_h = seq - self.S + 1 + s_tok
             lim[h] = cutlass.min(lim_h, split_end)
+            if cutlass.const_expr(self.pad_zero):  # noqa: SIM102 (static + dynamic test)
+                if mblk * self.block_m + row_in[h] >= self.R:
+                    lim[h] = 0  # a padded row: every key masked, P exactly 0
         return row_in, lim
 
     @cute.jit
@@ -244,11 +274,17 @@ class MlaDecodeSm90:
         tXsQ = tiled.get_slice(tid).partition_D(sQ)
         for m in cutlass.range_constexpr(cute.size(tXsQ, mode=[1])):
             for k in cutlass.range_constexpr(cute.size(tXsQ, mode=[2])):
-                src = cute.make_tensor(row_ptr(mQ, rows[m], (tid % 8) * 8 + 64 * k, self.D, 8), cute.make_layout(8))
+                row = rows[m]
+                if cutlass.const_expr(self.pad_zero):
+                    row = cutlass.max(row, Int64(0))  # (-1: a zero row, q_rows; row 0 is read and replaced)
+                src = cute.make_tensor(row_ptr(mQ, row, (tid % 8) * 8 + 64 * k, self.D, 8), cute.make_layout(8))
                 f8 = cute.make_rmem_tensor((8,), cutlass.Float8E4M3FN)
                 cute.autovec_copy(src, f8)
                 b16 = cute.make_rmem_tensor((8,), self.mma_dtype)
                 b16.store(f8.load().to(self.mma_dtype))
+                if cutlass.const_expr(self.pad_zero):  # noqa: SIM102 (static + dynamic test)
+                    if rows[m] < 0:  # a zero row (q_rows)
+                        b16.fill(0.0)
                 cute.autovec_copy(b16, tXsQ[None, m, k])
 
     @cute.jit
@@ -515,7 +551,7 @@ class MlaDecodeSm90:
         if cutlass.const_expr(self.fp8):
             self.load_q_fp8(sQ[None, None, 0], mQ, qrows, tid)
         else:
-            self.load_rows(sQ[None, None, 0], mQ, qrows, tid)
+            self.load_rows(sQ[None, None, 0], mQ, qrows, tid, zero_neg=self.pad_zero)
         # ---- prologue: tiles 0 .. P-2 in flight, one commit group each (Q joins group 0)
         for j in cutlass.range_constexpr(P - 1):
             if j < n_tiles:

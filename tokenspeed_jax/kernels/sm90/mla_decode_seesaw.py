@@ -453,7 +453,7 @@ class MlaDecodeSeesawSm90(Fp8OperandsMixin, MlaDecodeSm90):
         elif cutlass.const_expr(self.fp8):
             self.load_q_fp8(sQ, mQ, self.q_rows(mblk, b, tid), tid)
         else:
-            self.load_rows(sQ, mQ, self.q_rows(mblk, b, tid), tid)
+            self.load_rows(sQ, mQ, self.q_rows(mblk, b, tid), tid, zero_neg=self.pad_zero)
 
     @cute.jit
     def load_q_raw8(self, sQ: cute.Tensor, mQ: cute.Tensor, rows: cute.Tensor, tid: Int32):
@@ -464,9 +464,15 @@ class MlaDecodeSeesawSm90(Fp8OperandsMixin, MlaDecodeSm90):
         tXsQ = tiled.get_slice(tid).partition_D(sQ)
         for m in cutlass.range_constexpr(cute.size(tXsQ, mode=[1])):
             for k in cutlass.range_constexpr(cute.size(tXsQ, mode=[2])):
-                src = cute.make_tensor(row_ptr(mQ, rows[m], (tid % 8) * 8 + 64 * k, self.D, 8), cute.make_layout(8))
+                row = rows[m]
+                if cutlass.const_expr(self.pad_zero):
+                    row = cutlass.max(row, Int64(0))  # (-1: a zero row, q_rows; row 0 is read and replaced)
+                src = cute.make_tensor(row_ptr(mQ, row, (tid % 8) * 8 + 64 * k, self.D, 8), cute.make_layout(8))
                 f8 = cute.make_rmem_tensor((8,), _F8)
                 cute.autovec_copy(src, f8)
+                if cutlass.const_expr(self.pad_zero):  # noqa: SIM102 (static + dynamic test)
+                    if rows[m] < 0:  # a zero row (q_rows)
+                        f8.fill(0.0)
                 cute.autovec_copy(f8, tXsQ[None, m, k])
 
     @cute.jit
@@ -1140,18 +1146,20 @@ def launch_mla_decode_seesaw(stream, q: cute.Tensor, kv: cute.Tensor, block_tabl
                              early_refill: cutlass.Constexpr = False, vt_packed: cutlass.Constexpr = False,
                              tma_producer: cutlass.Constexpr = False, l2_prefetch: cutlass.Constexpr = "off",
                              kv_evict: cutlass.Constexpr = "normal", cross_first: cutlass.Constexpr = False,
-                             pdl_main: cutlass.Constexpr = False):
+                             pdl_main: cutlass.Constexpr = False, pad_rows: cutlass.Constexpr = "copy"):
     """FFI launch function of schedule "seesaw" (same ABI as ``launch_mla_decode``); ``"seesaw-cpasync"``
     forces the cp.async refills where TMA would be used; ``qk_fp8=False`` runs an FP8 QK on fp16 operands;
     ``pv_fp8=True`` runs the FP8 P V on FP8 tensor cores (P rounded to e4m3; :meth:`MlaDecodeSeesawSm90.transpose_v`);
     ``l2_prefetch``: the L2 prefetch mode ("off", "late", "early"; :meth:`MlaDecodeSeesawSm90.l2_prefetch_tile`);
     ``kv_evict``: the KV loads' L2 eviction hint (:data:`KV_EVICT_MODES`); ``cross_first``: the 16-bit loop's
-    warpgroup 1 runs its cross PV first."""
+    warpgroup 1 runs its cross PV first; ``pad_rows``: what the rows past R of a row block hold (:data:`PAD_ROWS`;
+    ``"zero"``: zeros, every key masked)."""
     MlaDecodeSeesawSm90(dtype=dtype, num_heads=num_heads, q_len=q_len, page_size=page_size, causal=causal,
                         num_splits=num_splits, tokens_per_split=tokens_per_split, block_n=block_n,
                         kv_load="cp.async" if schedule == "seesaw-cpasync" else "auto", pdl=pdl, qk_fp8=qk_fp8,
                         pv_fp8=pv_fp8, early_refill=early_refill, vt_packed=vt_packed, tma_producer=tma_producer,
-                        l2_prefetch=l2_prefetch, kv_evict=kv_evict, cross_first=cross_first, pdl_main=pdl_main)(
+                        l2_prefetch=l2_prefetch, kv_evict=kv_evict, cross_first=cross_first, pdl_main=pdl_main,
+                        pad_rows=pad_rows)(
         stream, q, kv, block_table, seq_lens, softmax_scale, output_scale, out, lse, o_accum, lse_accum)
 
 
@@ -1165,7 +1173,8 @@ def launch_mla_decode_seesaw_traced(stream, q: cute.Tensor, kv: cute.Tensor, blo
                                     num_splits: cutlass.Constexpr, tokens_per_split: cutlass.Constexpr,
                                     trace: cutlass.Constexpr, pdl: cutlass.Constexpr = True,
                                     l2_prefetch: cutlass.Constexpr = "late", tma_producer: cutlass.Constexpr = False,
-                                    kv_evict: cutlass.Constexpr = "normal", cross_first: cutlass.Constexpr = False):
+                                    kv_evict: cutlass.Constexpr = "normal", cross_first: cutlass.Constexpr = False,
+                                    pad_rows: cutlass.Constexpr = "copy"):
     """Debug build of the seesaw loop as the backend runs it (FP8: packed slots, early refills, pages >= 32;
     ``tma_producer``: with the producer warpgroup, FP8 mode 4 or the 16-bit default) with
     :meth:`MlaDecodeSeesawSm90.mark` timestamps in ``trace_buf`` (int64 ``(ctas, 2, trace,
@@ -1175,7 +1184,7 @@ def launch_mla_decode_seesaw_traced(stream, q: cute.Tensor, kv: cute.Tensor, blo
     MlaDecodeSeesawSm90(dtype=dtype, num_heads=num_heads, q_len=q_len, page_size=page_size, causal=causal,
                         num_splits=num_splits, tokens_per_split=tokens_per_split, block_n=64, pdl=pdl, qk_fp8=True,
                         pv_fp8=fp8, early_refill=fp8, vt_packed=fp8, tma_producer=tma_producer, l2_prefetch=l2_prefetch,
-                        kv_evict=kv_evict, cross_first=cross_first, trace=trace)(
+                        kv_evict=kv_evict, cross_first=cross_first, trace=trace, pad_rows=pad_rows)(
         stream, q, kv, block_table, seq_lens, softmax_scale, output_scale, out, lse, o_accum, lse_accum, trace_buf)
 
 
