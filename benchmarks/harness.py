@@ -107,7 +107,8 @@ class GpuPoller:
             except (OSError, subprocess.TimeoutExpired):
                 return
             if p.returncode == 0 and p.stdout.strip():
-                self.rows.append((time.perf_counter(), [x.strip() for x in p.stdout.strip().splitlines()[0].split(",")]))
+                fields = [x.strip() for x in p.stdout.strip().splitlines()[0].split(",")]
+                self.rows.append((time.perf_counter(), fields))
             time.sleep(self.period)
 
     def __enter__(self):

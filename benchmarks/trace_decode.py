@@ -156,8 +156,8 @@ def main(argv=None):
                              f"{sm90_decode.FP8_PV_ENV}=4 traces mode 4's loop)")
         q, kv, bt, sl, scale = bench_inputs(c)
         q, kv = q.astype(c.dtype), kv.astype(c.dtype)
-        # the normal build of the traced loop: the 16-bit seesaw, not the transposed loop the backend runs by default for
-        # S x H <= 32 (it has no traced build)
+        # the normal build of the traced loop: the 16-bit seesaw, not the transposed loop the backend runs by default
+        # for S x H <= 32 (it has no traced build)
         with switches("-", "T16=0" if c.dtype != "float8_e4m3fn" else "-"):  # (read when traced: here)
             g = decode_fn(c, "sm90")
             ref = g(q, kv, bt, sl, scale)

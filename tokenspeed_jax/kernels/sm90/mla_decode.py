@@ -111,7 +111,8 @@ class MlaDecodeSm90:
         # the tile rows past R (a row block of R < 64 query rows): "copy" loads row R-1 into them (finite, its scores
         # computed and never stored); "zero" loads zeros and masks every key of theirs, so the padded rows of both
         # matmuls' A operands are zeros (q) and exact zeros (P) -- the same results, less switching in the tensor
-        # cores, which lowers the power draw and so raises the SM clock under sustained load (docs/sm90_decode.md, "Power")
+        # cores, which lowers the power draw and so raises the SM clock under sustained load (docs/sm90_decode.md,
+        # "Power")
         self.pad_zero = pad_rows == "zero"
 
     @staticmethod
