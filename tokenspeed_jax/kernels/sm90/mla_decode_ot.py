@@ -427,6 +427,7 @@ class MlaDecodeOtSm90(MlaDecodeSeesawSm90):
         else:
             cute.arch.setmaxregister_increase(self.consumer_regs)
             cta = (b * self.num_splits + split) * self.num_m_blocks + mblk  # (debug traces: mark)
+            self.clear_trace(mTrace, cta, wg, wtid)
             self.consume_ot(qk_mma, pv_mma, sQ, st, bufs, wg, wtid, mblk, split, b, seq, split_start, split_end,
                             n_pairs, mbar, mSS[0] * LOG2_E, mOS[0], mBT, mKV, num_pages, mOut, mLse, mOacc, mLacc,
                             (mTrace, cta))

@@ -104,9 +104,11 @@ _ALL_CHUNKS = (0, 1, 2, 3, 4, 5, 6, 7, 8)
 _MIN_TMA_PAGE = 16  # smaller pages load with cp.async (TMA would need > 4 boxes per chunk)
 # MlaDecodeSeesawSm90.mark: the points of an iteration of the seesaw loop a debug build times, per warpgroup (WG0 /
 # WG1: what the time since the previous event was spent on), named for the FP8 P V loop with early refills.  In the
-# 16-bit loop WG0's "P store + TAIL" and WG1's "P store + TAIL" are not reached (P from registers: their time goes to
-# the next event), "QK issue + cross PV retired" is the first QK half, "QK retired" adds the slot-1 column refill,
-# the second landed wait and QK half; "wait VT*_FREE", "transpose" and "refill issue" are empty there
+# 16-bit loop "P store + TAIL" is WG0's conversion of P to the register operand and WG1's conversion and store of P1
+# for the cross PV (since 2026-12-02; before, unmarked, and the trace buffer was not cleared, so those rows printed
+# garbage), "QK issue + cross PV retired" is the first QK half, "QK retired" adds the slot-1 column refill, the second
+# landed wait and QK half; "wait VT*_FREE", "transpose" and "refill issue" are empty there (MlaDecodeSeesawSm90.
+# clear_trace zeroes the buffer, so an unmarked event reads 0 and its interval is left out)
 TRACE_EVENTS = (
     ("top", "top"),
     ("softmax", "wait SCALE0 (WG0's max)"),
@@ -577,6 +579,19 @@ class MlaDecodeSeesawSm90(Fp8OperandsMixin, MlaDecodeSm90):
                                                                                   Int64(t)], predicate=ok)
 
     @cute.jit
+    def clear_trace(self, mTrace: cute.Tensor, cta: Int32, wg: Int32, wtid: Int32):
+        """Debug builds: thread 0 of computing warpgroup ``wg`` zeroes its rows of ``mTrace`` before its first
+        :meth:`mark` (program order), so an event a build never marks, or an iteration it never reaches, reads 0 (the
+        trace buffer is a fresh XLA output, not zeroed).  Nothing in normal builds."""
+        if cutlass.const_expr(self.trace > 0):
+            n = mTrace.shape[0]
+            ok = (wtid == 0) & (wg < 2) & (cta < n)
+            row = (cutlass.min(cta, n - 1) * 2 + cutlass.min(wg, 1)) * self.trace * len(TRACE_EVENTS)
+            for i in cutlass.range(self.trace * len(TRACE_EVENTS)):
+                cute.arch.inline_ptx("st.global.b64 [{$r0}], {$r1};", read_only_args=[
+                    (mTrace.iterator + row + i).toint(), Int64(0)], predicate=ok)
+
+    @cute.jit
     def zero_tail(self, sKs: cute.Tensor, tile_start: Int32, split_end: Int32, wg: Int32, wtid: Int32):
         """TMA only: zero the V columns (0..511) of a slot's rows at or past ``split_end``, so P = 0 there
         never meets a NaN (a page's rows past seq_len, or an unowned page, may hold anything).  Run by the
@@ -744,6 +759,7 @@ class MlaDecodeSeesawSm90(Fp8OperandsMixin, MlaDecodeSm90):
             sM[tid] = -Float32.inf
         zrow = st.zero_row.data_ptr()  # (only the packed transpose reads it)
         cta = (b * self.num_splits + split) * self.num_m_blocks + mblk  # (debug traces: mark)
+        self.clear_trace(mTrace, cta, wg, wtid)
         if cutlass.const_expr(self.vt_packed):  # noqa: SIM102 (static + dynamic test)
             if tid < 4:
                 st.zero_row.get_tensor(cute.make_layout(4))[tid] = Int32(0)
@@ -958,6 +974,7 @@ class MlaDecodeSeesawSm90(Fp8OperandsMixin, MlaDecodeSm90):
                     self.pv(pv8, acc_o8, tOsP8_0, tOrVt0, _K32)
                 else:
                     rP.store(acc_s.load().to(self.mma_dtype))
+                    self.mark(mTrace, cta, wg, wtid, j, 2)
                     self.pv(pv_rs, acc_o, tOrP, tOrV0)
                 warpgroup.commit_group()
                 warpgroup.wait_group(0)
@@ -1059,9 +1076,11 @@ class MlaDecodeSeesawSm90(Fp8OperandsMixin, MlaDecodeSm90):
                     cute.autovec_copy(rP, tSsP1)
                     cute.arch.fence_view_async_shared()
                     cute.arch.barrier_arrive(barrier_id=int(Barrier.P1_READY), number_of_threads=self.num_threads)
+                    self.mark(mTrace, cta, wg, wtid, j, 3)
                 else:
                     rP.store(acc_s.load().to(self.mma_dtype))
                     cute.autovec_copy(rP, tSsP1)
+                    self.mark(mTrace, cta, wg, wtid, j, 3)
                     self.pv(pv_rs, acc_o, tOrP, tOrV1)
                     warpgroup.commit_group()
                     cute.arch.fence_view_async_shared()
