@@ -346,7 +346,7 @@ def decode(problem: DecodeProblem, q, kv_cache, block_table, seq_lens, softmax_s
         dtype=problem.dtype, num_heads=H, q_len=S, page_size=problem.page_size, causal=problem.causal,
         num_splits=plan.num_splits, tokens_per_split=plan.tokens_per_split, block_n=block_n, schedule=schedule,
         pdl=pdl, **({"qk_fp8": qk_fp8, "pv_fp8": pv_fp8, "early_refill": early_refill, "vt_packed": vt_packed}
-                    if fp8_seesaw and not pv_ot and not rs_stages else {}),
+                    if fp8_seesaw and seesaw_launch else {}),
         **({"tma_producer": tma_producer} if seesaw_launch else {}),
         **({"l2_prefetch": l2_prefetch} if seesaw and not rs_stages else {}),
         **({"qk_t": qk_t} if pv_ot else {}),

@@ -166,9 +166,7 @@ class MlaDecodeOt16Sm90(MlaDecodeOtSm90):
                 self.mark(mTrace, cta, wg, wtid, j, 1)
                 # 2. P0^T -> rope columns of slot 0 (all 128 threads' parts: the warpgroup's barrier, which also
                 #    publishes scale0 of every column); O^T *= scale0; O^T += V0^T P0^T; refill slot 0 cols 0..255
-                rP.store(acc_s.load().to(dt))
-                cute.autovec_copy(rP, tSsP0)
-                cute.arch.fence_view_async_shared()
+                self.stage_p(rP, acc_s, tSsP0)
                 cute.arch.barrier(barrier_id=int(Barrier.TAIL) + wg, number_of_threads=128)
                 self.scale_ot(acc, sSc0, None, wtid)
                 self.mark(mTrace, cta, wg, wtid, j, 2)
@@ -187,9 +185,7 @@ class MlaDecodeOt16Sm90(MlaDecodeOtSm90):
                     row_l[i] = row_l[i] * sc[i]
                 for e in cutlass.range_constexpr(cute.size(acc_s)):
                     acc_s[e] = acc_s[e] * sc[e % 2 + 2 * (e // 4)]
-                rP.store(acc_s.load().to(dt))
-                cute.autovec_copy(rP, tSsP0)
-                cute.arch.fence_view_async_shared()
+                self.stage_p(rP, acc_s, tSsP0)
                 cute.arch.barrier_arrive(barrier_id=int(Barrier.P0_READY), number_of_threads=self.num_threads)
                 self.scale_ot(acc, sSc1, None, wtid)
                 self.mark(mTrace, cta, wg, wtid, j, 5)
@@ -232,9 +228,7 @@ class MlaDecodeOt16Sm90(MlaDecodeOtSm90):
                 self.exp_t(acc_s, ref, row_l)
                 self.mark(mTrace, cta, wg, wtid, j, 2)
                 # 2. P1^T -> rope columns of slot 1 (for both PVs); O^T *= scale0 x scale1; O^T += V1^T P1^T
-                rP.store(acc_s.load().to(dt))
-                cute.autovec_copy(rP, tSsP1)
-                cute.arch.fence_view_async_shared()
+                self.stage_p(rP, acc_s, tSsP1)
                 cute.arch.barrier(barrier_id=int(Barrier.TAIL) + wg, number_of_threads=128)
                 self.scale_ot(acc, sSc0, sSc1, wtid)
                 self.mark(mTrace, cta, wg, wtid, j, 3)

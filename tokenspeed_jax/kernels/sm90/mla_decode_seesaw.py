@@ -92,6 +92,7 @@ from cutlass import Float32, Int32, Int64, cute
 from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.tensor_utils import LayoutEnum
 
+from tokenspeed_jax.kernels.sm90.decode_trace import TRACE_EVENTS, DecodeTraceMixin
 from tokenspeed_jax.kernels.sm90.fp8_operands import Fp8OperandsMixin
 from tokenspeed_jax.kernels.sm90.helpers import LOG2_E, Barrier, clamp, quad_max, row_ptr
 from tokenspeed_jax.kernels.sm90.mla_decode import MlaDecodeSm90
@@ -102,28 +103,6 @@ _F8 = cutlass.Float8E4M3FN
 _CHUNK = 64  # columns per 128-byte swizzle atom row (16-bit)
 _ALL_CHUNKS = (0, 1, 2, 3, 4, 5, 6, 7, 8)
 _MIN_TMA_PAGE = 16  # smaller pages load with cp.async (TMA would need > 4 boxes per chunk)
-# MlaDecodeSeesawSm90.mark: the points of an iteration of the seesaw loop a debug build times, per warpgroup (WG0 /
-# WG1: what the time since the previous event was spent on), named for the FP8 P V loop with early refills.  In the
-# 16-bit loop "P store + TAIL" is WG0's conversion of P to the register operand and WG1's conversion and store of P1
-# for the cross PV (since 2026-12-02; before, unmarked, and the trace buffer was not cleared, so those rows printed
-# garbage), "QK issue + cross PV retired" is the first QK half, "QK retired" adds the slot-1 column refill, the second
-# landed wait and QK half; "wait VT*_FREE", "transpose" and "refill issue" are empty there (MlaDecodeSeesawSm90.
-# clear_trace zeroes the buffer, so an unmarked event reads 0 and its interval is left out)
-TRACE_EVENTS = (
-    ("top", "top"),
-    ("softmax", "wait SCALE0 (WG0's max)"),
-    ("P store + TAIL", "fold + exp (SCALE1 out)"),
-    ("own PV (issue + retire)", "P store + TAIL"),
-    ("wait SCALE1 (WG1's max)", "own PV issue + wait P0_READY"),
-    ("rescale, P0' store, O rescale", "cross PV issue, P1_READY out"),
-    ("wait P1_READY", "wait own + cross PV retired"),
-    ("cross PV issue + wait KV landed", "wait KV landed"),
-    ("QK issue + cross PV retired", "QK issue + retired"),
-    ("QK retired", "wait VT1_FREE (WG0's cross PV)"),
-    ("wait VT0_FREE (WG1's cross PV)", "transpose"),
-    ("transpose", "refill issue"),
-    ("refill issue", "-"),
-)
 L2_PREFETCH_MODES = ("off", "late", "early")  # MlaDecodeSeesawSm90.l2_prefetch_tile
 # MlaDecodeSeesawSm90(kv_evict=...): the L2 cache policy operand of the KV TMA loads (None: no hint); the values are
 # the createpolicy encodings CUTLASS uses for its TMA cache hints (cute/arch/copy_sm90_tma.hpp, CacheHintSm90)
@@ -142,7 +121,7 @@ def acc_to_a_layout(acc_layout: cute.Layout) -> cute.Layout:
     )
 
 
-class MlaDecodeSeesawSm90(Fp8OperandsMixin, MlaDecodeSm90):
+class MlaDecodeSeesawSm90(Fp8OperandsMixin, DecodeTraceMixin, MlaDecodeSm90):
     """Schedule "seesaw" of the sm90 decode kernel (module docstring).  Same arguments as the base class;
     16-bit dtypes, ``block_n`` 64."""
 
@@ -208,8 +187,8 @@ class MlaDecodeSeesawSm90(Fp8OperandsMixin, MlaDecodeSm90):
             raise ValueError(f"l2_prefetch: expected one of {L2_PREFETCH_MODES}, got {l2_prefetch!r}")
         # TMA refills only: the cp.async loop (page 8) has no registers to spare (it spilled with it)
         self.l2_prefetch = l2_prefetch if self.use_tma else "off"
-        # debug builds only (scripts/trace_decode.py): clock64 at the TRACE_EVENTS points of the first ``trace``
-        # iterations of each warpgroup, by its thread 0, into an extra int64 output (:meth:`mark`)
+        # debug builds only (benchmarks/trace_decode.py): clock64 at the TRACE_EVENTS points of the first ``trace``
+        # iterations of each warpgroup, by its thread 0, into an extra int64 output (:meth:`mark`, decode_trace.py)
         if trace < 0:
             raise ValueError(f"trace: expected the number of iterations to time (0: a normal build), got {trace}")
         self.trace = int(trace)
@@ -564,34 +543,6 @@ class MlaDecodeSeesawSm90(Fp8OperandsMixin, MlaDecodeSm90):
             cute.arch.barrier_arrive(barrier_id=int(Barrier.SLOT0_FREE) + slot, number_of_threads=160)
 
     @cute.jit
-    def mark(self, mTrace: cute.Tensor, cta: Int32, wg: Int32, wtid: Int32, j: Int32, event: cutlass.Constexpr):
-        """Debug builds (:attr:`trace` > 0): thread 0 of the warpgroup stores ``clock64`` as event ``event`` of
-        iteration ``j`` of CTA ``cta`` into ``mTrace[cta, wg, j, event]`` (int64, shape ``(ctas, 2, trace,
-        len(TRACE_EVENTS))``), for ``j < trace`` and ``cta < ctas``.  A predicated store, no branch (a divergent
-        branch in the loop can make ptxas serialize the wgmmas).  Nothing at all in normal builds."""
-        if cutlass.const_expr(self.trace > 0):
-            t = cute.arch.clock64()
-            n = mTrace.shape[0]
-            ok = (wtid == 0) & (j < self.trace) & (cta < n)
-            idx = ((cutlass.min(cta, n - 1) * 2 + wg) * self.trace + cutlass.min(j, self.trace - 1)) \
-                * len(TRACE_EVENTS) + event
-            cute.arch.inline_ptx("st.global.b64 [{$r0}], {$r1};", read_only_args=[(mTrace.iterator + idx).toint(),
-                                                                                  Int64(t)], predicate=ok)
-
-    @cute.jit
-    def clear_trace(self, mTrace: cute.Tensor, cta: Int32, wg: Int32, wtid: Int32):
-        """Debug builds: thread 0 of computing warpgroup ``wg`` zeroes its rows of ``mTrace`` before its first
-        :meth:`mark` (program order), so an event a build never marks, or an iteration it never reaches, reads 0 (the
-        trace buffer is a fresh XLA output, not zeroed).  Nothing in normal builds."""
-        if cutlass.const_expr(self.trace > 0):
-            n = mTrace.shape[0]
-            ok = (wtid == 0) & (wg < 2) & (cta < n)
-            row = (cutlass.min(cta, n - 1) * 2 + cutlass.min(wg, 1)) * self.trace * len(TRACE_EVENTS)
-            for i in cutlass.range(self.trace * len(TRACE_EVENTS)):
-                cute.arch.inline_ptx("st.global.b64 [{$r0}], {$r1};", read_only_args=[
-                    (mTrace.iterator + row + i).toint(), Int64(0)], predicate=ok)
-
-    @cute.jit
     def zero_tail(self, sKs: cute.Tensor, tile_start: Int32, split_end: Int32, wg: Int32, wtid: Int32):
         """TMA only: zero the V columns (0..511) of a slot's rows at or past ``split_end``, so P = 0 there
         never meets a NaN (a page's rows past seq_len, or an unowned page, may hold anything).  Run by the
@@ -720,6 +671,14 @@ class MlaDecodeSeesawSm90(Fp8OperandsMixin, MlaDecodeSm90):
         :meth:`_seesaw_layouts`): the P V's B operand here, the transposed 16-bit loop's ``V^T`` A operand."""
         sV = cute.make_tensor(cute.recast_ptr(sKs.iterator, v_layout.inner), v_layout.outer)
         return cute.local_tile(sV[None, None, 0], (self.DV // 2, self.block_n), (wg, 0))
+
+    @cute.jit
+    def stage_p(self, rP: cute.Tensor, acc_s: cute.Tensor, tSsP: cute.Tensor):
+        """P (fp32, in ``acc_s``) -> the 16-bit register tile ``rP`` -> its shared-memory tile ``tSsP``, fenced for the
+        async proxy (a wgmma of another warpgroup reads it once the caller's barrier publishes it)."""
+        rP.store(acc_s.load().to(rP.element_type))
+        cute.autovec_copy(rP, tSsP)
+        cute.arch.fence_view_async_shared()
 
     @cute.jit
     def scale_o(self, acc_o: cute.Tensor, s: cute.Tensor):
@@ -997,9 +956,7 @@ class MlaDecodeSeesawSm90(Fp8OperandsMixin, MlaDecodeSm90):
                 if cutlass.const_expr(self.pv8):  # (the own PV, which read the same tile, retired above)
                     self.store_p8(acc_s, tSsP8_0)
                 else:
-                    rP.store(acc_s.load().to(self.mma_dtype))
-                    cute.autovec_copy(rP, tSsP0)
-                    cute.arch.fence_view_async_shared()
+                    self.stage_p(rP, acc_s, tSsP0)
                 cute.arch.barrier_arrive(barrier_id=int(Barrier.P0_READY), number_of_threads=self.num_threads)
                 self.scale_o(acc_o, sc)
                 self.mark(mTrace, cta, wg, wtid, j, 5)
@@ -1072,9 +1029,7 @@ class MlaDecodeSeesawSm90(Fp8OperandsMixin, MlaDecodeSm90):
                     self.pv(pv8, acc_o8, tOsP8_1, tOrVt1, _K32)
                     warpgroup.commit_group()
                 elif cutlass.const_expr(self.cross_first):  # P1 published now, its PV issued after the cross PV
-                    rP.store(acc_s.load().to(self.mma_dtype))
-                    cute.autovec_copy(rP, tSsP1)
-                    cute.arch.fence_view_async_shared()
+                    self.stage_p(rP, acc_s, tSsP1)
                     cute.arch.barrier_arrive(barrier_id=int(Barrier.P1_READY), number_of_threads=self.num_threads)
                     self.mark(mTrace, cta, wg, wtid, j, 3)
                 else:
