@@ -78,7 +78,7 @@ _ALL_CHUNKS = (0, 1, 2, 3, 4, 5, 6, 7, 8)
 _MIN_PAGE = 32  # the producer's coordinates (pages of 16: 4 boxes per chunk) spill in its 24 registers
 _MAX_ROWS = 32  # query rows S x H (module docstring, "Registers")
 
-# MlaDecodeSeesawSm90.mark points of an iteration of this loop (debug builds, benchmarks/trace_decode.py): per
+# DecodeTraceMixin.mark points of an iteration of this loop (debug builds, benchmarks/trace_decode.py): per
 # warpgroup, what the time since the previous event was spent on; as many slots as the mode-4 loop's TRACE_EVENTS
 # (the trace buffer's shape), "-" unused
 TRACE_EVENTS_OT = (
@@ -755,7 +755,7 @@ def launch_mla_decode_ot_traced(stream, q: cute.Tensor, kv: cute.Tensor, block_t
                                 tokens_per_split: cutlass.Constexpr, trace: cutlass.Constexpr,
                                 pdl: cutlass.Constexpr = True, l2_prefetch: cutlass.Constexpr = "late",
                                 qk_t: cutlass.Constexpr = False):
-    """Debug build of the O^T loop (FP8 P V mode 5, with ``qk_t`` mode 6) with :meth:`MlaDecodeSeesawSm90.mark`
+    """Debug build of the O^T loop (FP8 P V mode 5, with ``qk_t`` mode 6) with :meth:`DecodeTraceMixin.mark`
     timestamps at the :data:`TRACE_EVENTS_OT` points in ``trace_buf`` (int64 ``(ctas, 2, trace, len(TRACE_EVENTS))``),
     an extra output after ``lse`` (benchmarks/trace_decode.py)."""
     MlaDecodeOtSm90(dtype=dtype, num_heads=num_heads, q_len=q_len, page_size=page_size, causal=causal,

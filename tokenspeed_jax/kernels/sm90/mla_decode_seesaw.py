@@ -1151,7 +1151,7 @@ def launch_mla_decode_seesaw_traced(stream, q: cute.Tensor, kv: cute.Tensor, blo
                                     pad_rows: cutlass.Constexpr = "copy"):
     """Debug build of the seesaw loop as the backend runs it (FP8: packed slots, early refills, pages >= 32;
     ``tma_producer``: with the producer warpgroup, FP8 mode 4 or the 16-bit default) with
-    :meth:`MlaDecodeSeesawSm90.mark` timestamps in ``trace_buf`` (int64 ``(ctas, 2, trace,
+    :meth:`DecodeTraceMixin.mark` timestamps in ``trace_buf`` (int64 ``(ctas, 2, trace,
     len(TRACE_EVENTS))``, the first ``ctas`` CTAs in ``(b, split, row block)`` order), an extra output after
     ``lse`` (benchmarks/trace_decode.py)."""
     fp8 = dtype == "float8_e4m3fn"
