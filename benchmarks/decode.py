@@ -457,6 +457,8 @@ def main(argv=None):
     ap.add_argument("--no-xla", action="store_true")
     ap.add_argument("--cases", default="", help="comma-separated CHECK case names (default: all)")
     ap.add_argument("--quick", action="store_true", help="bench 4 representative shapes only")
+    ap.add_argument("--shapes", nargs="+", default=None, metavar="B,K,PAGE,H,S",
+                    help="bench these shapes instead of the issue's matrix (e.g. a K sweep for scripts/fixed_cost.py)")
     ap.add_argument("--step32", action="store_true", help="also time the kernel's 32-token ring (R <= 64)")
     ap.add_argument("--schedule", default=None, choices=("lockstep", "overlap", "seesaw", "seesaw-cpasync"),
                     help="check this sm90 kernel schedule and time it next to the default (sm90_decode.SCHEDULES)")
@@ -470,6 +472,10 @@ def main(argv=None):
     os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
     checks = [c for c in CHECK if not a.cases or c.name in a.cases.split(",")]
     benches = [BENCH[i] for i in (0, 4, 8, 9)] if a.quick else BENCH
+    if a.shapes:
+        benches = [tuple(int(x) for x in s.split(",")) for s in a.shapes]
+        if any(len(b) != 5 or b[1] % b[2] for b in benches):
+            ap.error(f"--shapes: expected B,K,PAGE,H,S with K a multiple of PAGE, got {a.shapes}")
     if a.prewarm:
         todo = (checks if a.check else []) + ([bench_case(*x) for x in benches] if a.bench else [])
         todo += [dataclasses.replace(bench_case(*x), dtype="float8_e4m3fn") for x in benches] if a.bench else []

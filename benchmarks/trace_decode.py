@@ -69,8 +69,10 @@ def traced_decode(c, trace_iters: int, ctas: int, producer: bool = False, ot: st
         cross_first = prob.dtype != "float8_e4m3fn" and sm90_decode.resolve_cross_first()
         kv_evict = sm90_decode.resolve_kv_evict()
         pad_rows = sm90_decode.resolve_pad_rows() if not ot and S * H % 64 else "copy"
-        key = ("mla_decode_sm90_traced.v5", prob.dtype, H, S, prob.page_size, plan.num_splits, plan.tokens_per_split,
-               trace_iters, ctas, producer, ot, cross_first, kv_evict, pad_rows)
+        b16 = not ot and prob.dtype != "float8_e4m3fn"  # the 16-bit loop's P and O stores
+        p_stsm, o_staged = b16 and sm90_decode.resolve_p_stsm(), b16 and sm90_decode.resolve_epilogue() == "staged"
+        key = ("mla_decode_sm90_traced.v6", prob.dtype, H, S, prob.page_size, plan.num_splits, plan.tokens_per_split,
+               trace_iters, ctas, producer, ot, cross_first, kv_evict, pad_rows, p_stsm, o_staged)
         common = {"outputs": outputs, "compile_key": key, "dtype": prob.dtype, "num_heads": H, "q_len": S,
                   "page_size": prob.page_size, "causal": True, "num_splits": plan.num_splits,
                   "tokens_per_split": plan.tokens_per_split, "trace": trace_iters}
@@ -78,7 +80,8 @@ def traced_decode(c, trace_iters: int, ctas: int, producer: bool = False, ot: st
             call = ffi.custom_call(sm90_decode.TARGET, launch_mla_decode_ot_traced, qk_t=ot != "5", **common)
         else:
             call = ffi.custom_call(sm90_decode.TARGET, launch_mla_decode_seesaw_traced, tma_producer=producer,
-                                   cross_first=cross_first, kv_evict=kv_evict, pad_rows=pad_rows, **common)
+                                   cross_first=cross_first, kv_evict=kv_evict, pad_rows=pad_rows, p_stsm=p_stsm,
+                                   o_staged=o_staged, **common)
         res = call(q, kv, bt, sl, ffi.scalar_operand(scale), ffi.scalar_operand(jnp.float32(1.0)))
         return res[0], res[1], res[2]
 

@@ -86,7 +86,11 @@ _SCRIPT = textwrap.dedent(
                                     vt_packed=sched in ("seesaw8p", "seesaw8q", "seesaw8r"),
                                     tma_producer=sched in ("seesaw8r", "seesawp", "seesawq"),
                                     cross_first=sched == "seesawq", kv_evict="first" if sched == "seesawq" else "normal",
-                                    pdl_main=sched == "seesawq")
+                                    pdl_main=sched == "seesawq",
+                                    # the stores of the backend's 16-bit defaults: 64 rows, one split (the direct
+                                    # output) and 3 splits (fp32 partials)
+                                    p_stsm=sched == "seesawp" or (dtype == "bfloat16" and H == 128),
+                                    o_staged=sched == "seesawp" or (dtype == "bfloat16" and H == 128))
         else:
             k = MlaDecodeSm90(dtype=dtype, num_heads=H, q_len=S, page_size=page, causal=True, num_splits=splits,
                               tokens_per_split=tps, block_n=bn, schedule=sched)
@@ -131,6 +135,8 @@ _SCRIPT = textwrap.dedent(
                 "evict_first": (str(0x12F0000000000000), "ptx"),  # the TMA loads' cache-policy operand
                 "gdc_wait": (r"griddepcontrol\\.wait", "ptx"),
                 "gdc_launch": (r"griddepcontrol\\.launch_dependents", "ptx"),
+                "stg128": (r"STG\\.E\\.128", "sass"),  # 16-byte global stores
+                "stg_elem": (r"STG\\.E(?:\\.U16)?\\s", "sass"),  # 2- and 4-byte global stores
             }
             x = {n: len(re.findall(pat, sptx if src == "ptx" else ssass)) for n, (pat, src) in counts.items()}
             x["pv8"] = x["qk8"] - 4 * 18  # e4m3 m64n64k32 wgmmas beyond the 4 x 18 of the QKs
@@ -408,6 +414,15 @@ def check_compile_result(r: dict) -> None:
     assert x["refill160"] == 8, x
     if x["sass"]:
         assert x["rs"] == 8 and x["spill"] == 0, x
+    # the 16-bit defaults' stores (TOKENSPEED_SM90_DECODE_P_STSM=1, _EPILOGUE=staged): P by 4 stmatrix.x4 at each of
+    # the 2 sites (no 32-bit element stores); O through shared memory in 16-byte chunks: 16 rows per thread and pass,
+    # 2 passes of fp32 partials here (3 splits), 1 pass of bf16 with one split (page 64, H128); the other 16-bit
+    # builds store P by elements and O straight from the accumulators (2 or 4 bytes, 128 per thread)
+    assert x["stsm"] == 2 * 4 and ss["64"]["stsm"] == 2 * 4, (x, ss["64"])
+    assert ss["16"]["stsm"] == 0 and ss["32_q"]["stsm"] == 0, ss
+    if x["sass"]:
+        assert x["stg128"] == 2 * 16 and ss["64"]["stg128"] == 16 and x["stg_elem"] < 8, (x, ss["64"])
+        assert ss["32_q"]["stg128"] == 0 and ss["32_q"]["stg_elem"] >= 128, ss["32_q"]
     # ... with warpgroup 1's cross PV first and the evict-first hint on the KV loads (page 32, 64 rows): the same
     # wgmmas and copies; each of the producer's 4 warps syncs on one REFILL_* barrier (4 sites) and the computing
     # warpgroups arrive at 4; the hint's policy operand set (the other builds pass none of it)
@@ -694,6 +709,43 @@ def test_pad_rows_switch(monkeypatch):
     monkeypatch.setenv(m.PAD_ROWS_ENV, "nan")
     with pytest.raises(ValueError, match=m.PAD_ROWS_ENV):
         run()
+
+
+def test_store_switches(monkeypatch):
+    """``TOKENSPEED_SM90_DECODE_P_STSM`` and ``_EPILOGUE`` (both on by default) reach the 16-bit seesaw launcher only,
+    keyed; FP8 (mode 4 and the O^T loop) and the transposed 16-bit loop never get them; validated, named."""
+    pytest.importorskip("cutlass")  # (supports() refuses without it)
+    import jax.numpy as jnp
+
+    from tokenspeed_jax.backends import sm90_decode as m
+
+    assert m.P_STSM_ENV in m.TRACE_ENV and m.EPILOGUE_ENV in m.TRACE_ENV
+    assert m.P_STSM_DEFAULT == "1" and m.EPILOGUE_DEFAULT == "staged"
+    seen = _record_custom_calls(monkeypatch)
+    bt, sl = jnp.zeros((2, 8), jnp.int32), jnp.full((2,), 100, jnp.int32)
+    for env in (m.P_STSM_ENV, m.EPILOGUE_ENV, m.T16_ENV, m.FP8_PV_ENV, m.PRODUCER16_ENV):
+        monkeypatch.delenv(env, raising=False)
+
+    def run(dtype="bfloat16", S=4, H=32):
+        q = jnp.zeros((2, S, H, 576), dtype)
+        m.decode(_problem(batch=2, q_len=S, num_heads=H, num_pages=16, max_pages=8, dtype=dtype), q,
+                 jnp.zeros((16, 64, 576), dtype), bt, sl, 0.1, 1.0)
+        kw, key = seen["kw"], seen["key"]
+        return seen["launch"].__name__, key.p_stsm, key.o_staged, kw.get("p_stsm", False), kw.get("o_staged", False)
+
+    assert run() == ("launch_mla_decode_seesaw", True, True, True, True)  # the defaults, 128 rows
+    assert run(dtype="float16", S=3, H=24) == ("launch_mla_decode_seesaw", True, True, True, True)  # padded block
+    assert run(dtype="float8_e4m3fn") == ("launch_mla_decode_seesaw", False, False, False, False)  # mode 4
+    assert run(S=1, H=16)[1:] == (False,) * 4  # the transposed loop
+    monkeypatch.setenv(m.P_STSM_ENV, "0")
+    assert run() == ("launch_mla_decode_seesaw", False, True, False, True)
+    monkeypatch.setenv(m.EPILOGUE_ENV, "direct")
+    assert run() == ("launch_mla_decode_seesaw", False, False, False, False)
+    for env, bad in ((m.P_STSM_ENV, "yes"), (m.EPILOGUE_ENV, "smem")):
+        monkeypatch.setenv(env, bad)
+        with pytest.raises(ValueError, match=env):
+            run()
+        monkeypatch.delenv(env)
 
 
 def _record_custom_calls(monkeypatch) -> dict:

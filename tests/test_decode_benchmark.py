@@ -112,3 +112,36 @@ def test_fp8_p_rounding_tolerance(rng):
     ratio = np.divide(err, bound, out=np.zeros_like(err), where=bound > 0)  # (bound 0: a column of zero v)
     assert np.all(err <= bound + 1e-7), float(np.max(ratio))
     assert float(np.max(ratio)) > 0.1
+
+
+def test_fixed_cost_fit_recovers_intercept_and_slope(tmp_path):
+    """scripts/fixed_cost.py: a straight line through a K sweep gives back its intercept (the cost per call that does
+    not grow with K) and slope per contender; single-K groups and rows without a time are left out."""
+    import importlib.util
+    import json
+    import pathlib
+
+    spec = importlib.util.spec_from_file_location(
+        "fixed_cost", pathlib.Path(__file__).resolve().parents[1] / "scripts" / "fixed_cost.py")
+    fc = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(fc)
+    rows = [{"case": f"B128_K{k}_H16_S1", "contender": who, "us": a + b * k / 1024}
+            for who, a, b in (("ours bf16", 15.0, 2.5), ("FlashMLA bf16", 9.0, 2.4)) for k in (1024, 2048, 4096)]
+    rows += [{"case": "B64_K81920_H16_S1", "contender": "ours bf16", "us": 1500.0},
+             {"case": "B128_K8192_H16_S1", "contender": "FlashMLA fp8", "us": None}]
+    fits = {f["contender"]: f for f in fc.fixed_costs(rows)}
+    assert set(fits) == {"ours bf16", "FlashMLA bf16"}
+    assert abs(fits["ours bf16"]["intercept_us"] - 15.0) < 1e-6 and abs(fits["ours bf16"]["us_per_1k_tokens"] - 2.5) < 1e-6
+    assert abs(fits["FlashMLA bf16"]["intercept_us"] - 9.0) < 1e-6 and fits["FlashMLA bf16"]["max_rel_residual"] < 1e-9
+    src = tmp_path / "sweep.json"
+    src.write_text(json.dumps({"command": "x", "date": "d", "rows": rows}))
+    assert fc.main([str(src), "--out", str(tmp_path / "fits.json")]) == 0
+    assert len(json.loads((tmp_path / "fits.json").read_text())["fits"]) == 2
+
+
+def test_shapes_option_rejects_bad_shapes(capsys):
+    import pytest
+
+    with pytest.raises(SystemExit):
+        bd.main(["--bench", "--shapes", "1,100,64,16,1"])
+    assert "--shapes" in capsys.readouterr().err

@@ -43,6 +43,9 @@ under sustained load (docs, "Power"): ``TOKENSPEED_SM90_DECODE_T16`` (16-bit wit
 transposed loop of ``kernels/sm90/mla_decode_ot16.py``; ``0`` for the seesaw loop) and
 ``TOKENSPEED_SM90_DECODE_PAD_ROWS`` (``"zero"``: a row block's rows past S x H are zeros with every key masked;
 ``"copy"``: copies of the last row).
+Two switches of the 16-bit seesaw loop's stores (2026-12-02, bitwise the same results): ``TOKENSPEED_SM90_DECODE_P_STSM``
+(``1``: P to shared memory by ``stmatrix``) and ``TOKENSPEED_SM90_DECODE_EPILOGUE`` (``"staged"``: O through shared
+memory, out in 16-byte chunks; ``"direct"``: each thread's elements straight to global memory).
 
 ``"auto"`` picks seesaw; FP8 with 8-token pages (no TMA refills) or ``"seesaw-cpasync"`` runs lockstep.
 Chosen by ``decode(..., schedule=...)`` or, when that is None, by the environment variable
@@ -140,8 +143,16 @@ PDL_MAIN_DEFAULT = "0"
 PAD_ROWS_ENV = "TOKENSPEED_SM90_DECODE_PAD_ROWS"
 PAD_ROWS_CHOICES = ("copy", "zero")  # the kernel's PAD_ROWS (no cutlass import here)
 PAD_ROWS_DEFAULT = "zero"
+# The 16-bit seesaw loop's stores: P by stmatrix ("1") instead of 32-bit element stores, and O through shared memory
+# ("staged": the Q tile's smem, 16-byte chunks, coalesced rows) instead of 2- or 4-byte element stores straight to
+# global memory, 8 rows per warp instruction ("direct").  Read at trace time; part of the compile key.
+P_STSM_ENV = "TOKENSPEED_SM90_DECODE_P_STSM"
+P_STSM_DEFAULT = "1"
+EPILOGUE_ENV = "TOKENSPEED_SM90_DECODE_EPILOGUE"
+EPILOGUE_CHOICES = ("direct", "staged")
+EPILOGUE_DEFAULT = "staged"
 TRACE_ENV = (SCHEDULE_ENV, PDL_ENV, FP8_QK_ENV, FP8_PV_ENV, L2_PREFETCH_ENV, PRODUCER16_ENV, RS_STAGES_ENV,
-             KV_EVICT_ENV, CROSS_FIRST_ENV, T16_ENV, PDL_MAIN_ENV, PAD_ROWS_ENV)
+             KV_EVICT_ENV, CROSS_FIRST_ENV, T16_ENV, PDL_MAIN_ENV, PAD_ROWS_ENV, P_STSM_ENV, EPILOGUE_ENV)
 SCHEDULES = ("auto", "seesaw", "seesaw-cpasync", "lockstep", "overlap")  # module docstring (no cutlass import here)
 _MIN_PAGE = 8
 _MIN_FP8_SEESAW_PAGE = 16  # the FP8 seesaw needs TMA refills (the kernel's _MIN_TMA_PAGE; no cutlass import here)
@@ -178,6 +189,8 @@ class DecodeKernelKey:
     t16: bool = False  # 16-bit, S x H <= 32: the transposed loop ($TOKENSPEED_SM90_DECODE_T16)
     pdl_main: bool = False  # the main kernel launched with PDL too ($TOKENSPEED_SM90_DECODE_PDL_MAIN)
     pad_rows: str = "copy"  # the rows past S x H of a row block ($TOKENSPEED_SM90_DECODE_PAD_ROWS; "copy" if none)
+    p_stsm: bool = False  # 16-bit seesaw: P stored by stmatrix ($TOKENSPEED_SM90_DECODE_P_STSM)
+    o_staged: bool = False  # 16-bit seesaw: O staged through smem ($TOKENSPEED_SM90_DECODE_EPILOGUE)
 
 
 def supports(problem: DecodeProblem) -> str | None:
@@ -252,6 +265,16 @@ def resolve_t16() -> bool:
 def resolve_pdl_main() -> bool:
     """``$TOKENSPEED_SM90_DECODE_PDL_MAIN`` ("0" or "1", default :data:`PDL_MAIN_DEFAULT`), validated."""
     return _choice(os.environ.get(PDL_MAIN_ENV, "") or PDL_MAIN_DEFAULT, ("0", "1"), PDL_MAIN_ENV) == "1"
+
+
+def resolve_p_stsm() -> bool:
+    """``$TOKENSPEED_SM90_DECODE_P_STSM`` ("0" or "1", default :data:`P_STSM_DEFAULT`), validated."""
+    return _choice(os.environ.get(P_STSM_ENV, "") or P_STSM_DEFAULT, ("0", "1"), P_STSM_ENV) == "1"
+
+
+def resolve_epilogue() -> str:
+    """``$TOKENSPEED_SM90_DECODE_EPILOGUE`` (one of :data:`EPILOGUE_CHOICES`, default :data:`EPILOGUE_DEFAULT`)."""
+    return _choice(os.environ.get(EPILOGUE_ENV, "") or EPILOGUE_DEFAULT, EPILOGUE_CHOICES, EPILOGUE_ENV)
 
 
 def resolve_pad_rows() -> str:
@@ -334,10 +357,13 @@ def decode(problem: DecodeProblem, q, kv_cache, block_table, seq_lens, softmax_s
     pad_rows = resolve_pad_rows()  # (validated wherever it applies or not)
     if not (seesaw_launch and S * H % 64):
         pad_rows = "copy"
+    p_stsm, o_staged = resolve_p_stsm(), resolve_epilogue() == "staged"  # (validated wherever they apply or not)
+    if not (seesaw_launch and not fp8_seesaw):  # the 16-bit seesaw loop only
+        p_stsm = o_staged = False
     key = DecodeKernelKey("mla_decode_sm90.v10", problem.dtype, H, S, problem.page_size, problem.causal,
                           plan.num_splits, plan.tokens_per_split, block_n, schedule, pdl, qk_fp8, l2_prefetch, pv_fp8,
                           early_refill, vt_packed, tma_producer, pv_ot, qk_t, rs_stages, kv_evict, cross_first, t16,
-                          pdl_main, pad_rows)
+                          pdl_main, pad_rows, p_stsm, o_staged)
     outputs = [jax.ShapeDtypeStruct((B, S, H, problem.kv_lora_rank), jnp.dtype(problem.out_dtype)),
                jax.ShapeDtypeStruct((B, S, H), jnp.float32)]
     outputs += [jax.ShapeDtypeStruct(w.shape, jnp.dtype(w.dtype)) for w in plan.workspace]
@@ -355,6 +381,8 @@ def decode(problem: DecodeProblem, q, kv_cache, block_table, seq_lens, softmax_s
         **({"cross_first": True} if cross_first else {}),
         **({"pdl_main": True} if pdl_main else {}),
         **({"pad_rows": pad_rows} if pad_rows != "copy" else {}),
+        **({"p_stsm": True} if p_stsm else {}),
+        **({"o_staged": True} if o_staged else {}),
     )
     res = call(q, kv_cache, block_table.astype(jnp.int32), seq_lens.astype(jnp.int32),
                ffi.scalar_operand(softmax_scale), ffi.scalar_operand(output_scale))

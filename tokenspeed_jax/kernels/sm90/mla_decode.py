@@ -634,7 +634,11 @@ class MlaDecodeSm90:
 
     @cute.jit
     def epilogue(self, pv_thr, acc_o, row_m, row_l, row_in, sSum, mOut, mLse, mOacc, mLacc, out_scale, mblk,
-                 split, b, wg, wtid):
+                 split, b, wg, wtid, stage=None):
+        """O / l and the LSE of this CTA's rows (``split`` partials to the fp32 workspace with more than one split).
+        ``stage`` None: each thread stores its accumulator elements straight to global memory (2 or 4 bytes each,
+        8 rows per warp instruction).  Else a 16-byte aligned shared-memory pointer to ``2 x 64 x (512 + 16 or 32)``
+        free bytes (:meth:`store_o_staged`): O goes through shared memory and leaves in full 16-byte chunks."""
         for h in cutlass.range_constexpr(2):
             row_l[h] = quad_sum(row_l[h])
             if wtid % 4 == 0:
@@ -651,6 +655,19 @@ class MlaDecodeSm90:
                 lse[h] = (row_m[h] + cute.math.log2(l_tot, fastmath=False)) * LN_2
         tOcO = pv_thr.partition_C(cute.make_identity_tensor((self.block_m, self.DV // 2)))
         direct = cutlass.const_expr(self.num_splits == 1)
+        if cutlass.const_expr(stage is not None):
+            for h in cutlass.range_constexpr(2):
+                r = mblk * self.block_m + row_in[h]
+                if r < self.R:  # noqa: SIM102 (dynamic tests)
+                    if wtid % 4 == 0 and wg == 0:
+                        lrow = Int64(b) * self.R + r if direct else (Int64(b) * self.num_splits + split) * self.R + r
+                        gL = cute.make_tensor((mLse if direct else mLacc).iterator + lrow, cute.make_layout(1))
+                        gL[0] = lse[h]
+                for e in cutlass.range_constexpr(cute.size(acc_o)):
+                    if cutlass.const_expr((e // 2) % 2 == h):
+                        acc_o[e] = acc_o[e] * (inv[h] * out_scale if direct else inv[h])
+            self.store_o_staged(acc_o, tOcO, row_in, stage, mOut, mOacc, mblk, split, b, wg, wtid)
+            return
         for h in cutlass.range_constexpr(2):
             r = mblk * self.block_m + row_in[h]
             if r < self.R:
@@ -672,6 +689,47 @@ class MlaDecodeSm90:
                     for e in cutlass.range_constexpr(cute.size(acc_o)):
                         if cutlass.const_expr((e // 2) % 2 == h):
                             gO[wg * (self.DV // 2) + tOcO[e][1]] = acc_o[e] * inv[h]
+
+    @cute.jit
+    def store_o_staged(self, acc_o, tOcO, row_in, stage, mOut, mOacc, mblk, split, b, wg, wtid):
+        """The scaled O of warpgroup ``wg`` (64 rows x its 256 features, in ``acc_o``) to ``out`` (or the fp32 partials)
+        through shared memory at ``stage``: each thread writes its element pairs (4 or 8 bytes) into a 64-row tile
+        with rows of 512 + 8 elements' bytes (16-bit: 528 B, pairs of 8 rows x 4 threads on 32 distinct banks; fp32:
+        544 B, a half-warp's 8-byte stores on 32 distinct banks), the warpgroup syncs on its TAIL barrier, then each
+        warp copies whole rows out, 16 bytes per thread (coalesced 512-byte row segments).  fp32 partials take two
+        passes of 128 features.  Rows past R are not stored."""
+        direct = cutlass.const_expr(self.num_splits == 1)
+        et = self.out_dtype if direct else Float32
+        eb = et.width // 8
+        cw = 512 // eb  # features per pass: 256 (16-bit) or 128 (fp32)
+        pitch = cw + 8  # elements per staged row
+        vec = 16 // eb  # elements per 16-byte chunk
+        base = cute.recast_ptr(stage, dtype=et) + wg * 64 * pitch
+        pair = cute.make_rmem_tensor((2,), et)
+        chunk = cute.make_rmem_tensor((vec,), et)
+        for p in cutlass.range_constexpr((self.DV // 2) // cw):
+            for e in cutlass.range_constexpr(cute.size(acc_o)):
+                # (element e = v + 2 h + 4 j: column 8 j + 2 (lane % 4) + v of row row_in[h])
+                if cutlass.const_expr(e % 2 == 0 and (8 * (e // 4)) // cw == p):
+                    pair[0] = acc_o[e].to(et)
+                    pair[1] = acc_o[e + 1].to(et)
+                    off = row_in[(e // 2) % 2] * pitch + tOcO[e][1] - p * cw
+                    sdst = cute.make_ptr(et, (base + off).toint(), cute.AddressSpace.smem, assumed_align=2 * eb)
+                    cute.autovec_copy(pair, cute.make_tensor(sdst, cute.make_layout(2)))
+            cute.arch.barrier(barrier_id=int(Barrier.TAIL) + wg, number_of_threads=128)
+            for i in cutlass.range_constexpr(64 // 4):
+                row = 4 * i + wtid // 32
+                c = (wtid % 32) * vec
+                r = mblk * self.block_m + row
+                if r < self.R:
+                    src = cute.make_ptr(et, (base + row * pitch + c).toint(), cute.AddressSpace.smem, assumed_align=16)
+                    cute.autovec_copy(cute.make_tensor(src, cute.make_layout(vec)), chunk)
+                    f = wg * (self.DV // 2) + p * cw + c
+                    grow = Int64(b) * self.R + r if direct else (Int64(b) * self.num_splits + split) * self.R + r
+                    gdst = row_ptr(mOut if direct else mOacc, grow, f, self.DV, 16)
+                    cute.autovec_copy(chunk, cute.make_tensor(gdst, cute.make_layout(vec)))
+            if cutlass.const_expr(p + 1 < (self.DV // 2) // cw):  # the next pass overwrites the tile
+                cute.arch.barrier(barrier_id=int(Barrier.TAIL) + wg, number_of_threads=128)
 
     @cute.jit
     def allow_combine_launch(self):

@@ -127,7 +127,8 @@ class MlaDecodeSeesawSm90(Fp8OperandsMixin, DecodeTraceMixin, MlaDecodeSm90):
 
     def __init__(self, *, kv_load: str = "auto", qk_fp8: bool = True, pv_fp8: bool = False,
                  early_refill: bool = False, vt_packed: bool = False, tma_producer: bool = False, expand_group: int = 4,
-                 l2_prefetch: str = "off", kv_evict: str = "normal", cross_first: bool = False, trace: int = 0, **kw):
+                 l2_prefetch: str = "off", kv_evict: str = "normal", cross_first: bool = False, p_stsm: bool = False,
+                 o_staged: bool = False, trace: int = 0, **kw):
         kw["schedule"] = "lockstep"
         super().__init__(**kw)
         # FP8: QK^T on FP8 tensor cores (e4m3 x e4m3 -> fp32, QGMMA k32) straight from the raw q tile and the
@@ -205,6 +206,12 @@ class MlaDecodeSeesawSm90(Fp8OperandsMixin, DecodeTraceMixin, MlaDecodeSm90):
         if cross_first and self.fp8:
             raise ValueError("cross_first: only the 16-bit loop (FP8 runs its own P V order)")
         self.cross_first = bool(cross_first)
+        # 16-bit loop: P to the peer's shared tile by ``stmatrix`` (4 x4 per tile and thread, :meth:`put_p`) instead of
+        # 16 32-bit stores; the epilogue stages O through the Q tile's shared memory (free once every QK retired) and
+        # stores 16-byte chunks (:meth:`MlaDecodeSm90.store_o_staged`) instead of 2- or 4-byte elements
+        if (p_stsm or o_staged) and self.fp8:  # (FP8 stores e4m3 P; its Q tile, 36 KB, is too small for O)
+            raise ValueError("p_stsm, o_staged: only the 16-bit loop")
+        self.p_stsm, self.o_staged = bool(p_stsm), bool(o_staged)
         self.box_rows = min(self.page_size, self.block_n)  # rows of one TMA box (one page or one tile)
         self.subs = self.block_n // self.box_rows  # boxes per 64-token tile and 64-column chunk
         self.schedule = "seesaw"
@@ -673,12 +680,34 @@ class MlaDecodeSeesawSm90(Fp8OperandsMixin, DecodeTraceMixin, MlaDecodeSm90):
         return cute.local_tile(sV[None, None, 0], (self.DV // 2, self.block_n), (wg, 0))
 
     @cute.jit
-    def stage_p(self, rP: cute.Tensor, acc_s: cute.Tensor, tSsP: cute.Tensor):
-        """P (fp32, in ``acc_s``) -> the 16-bit register tile ``rP`` -> its shared-memory tile ``tSsP``, fenced for the
-        async proxy (a wgmma of another warpgroup reads it once the caller's barrier publishes it)."""
+    def stage_p(self, rP: cute.Tensor, acc_s: cute.Tensor, tSsP: cute.Tensor, stsm=None):
+        """P (fp32, in ``acc_s``) -> the 16-bit register tile ``rP`` -> its shared-memory tile ``tSsP`` (:meth:`put_p`),
+        fenced for the async proxy (a wgmma of another warpgroup reads it once the caller's barrier publishes it)."""
         rP.store(acc_s.load().to(rP.element_type))
-        cute.autovec_copy(rP, tSsP)
+        self.put_p(rP, tSsP, stsm)
         cute.arch.fence_view_async_shared()
+
+    @cute.jit
+    def put_p(self, rP: cute.Tensor, tSsP: cute.Tensor, stsm=None):
+        """The register tile ``rP`` -> shared memory: ``stsm`` None, element by element into its accumulator-layout
+        partition ``tSsP``; else ``(tiled_copy, rP retiled, destination)`` of :meth:`p_stsm_views` (``stmatrix``)."""
+        if cutlass.const_expr(stsm is None):
+            cute.autovec_copy(rP, tSsP)
+        else:
+            cute.copy(stsm[0], stsm[1], stsm[2])
+
+    @cute.jit
+    def p_stsm_views(self, qk_mma: cute.TiledMma, rP: cute.Tensor, sP0: cute.Tensor, sP1: cute.Tensor, wtid: Int32):
+        """With :attr:`p_stsm`: ``stmatrix`` (x4, not transposed: a matrix row is 8 tokens of one query row, 16 bytes
+        of the K-major P tile) tiled over the QK's accumulator layout, as the two :meth:`put_p` arguments for the P
+        tiles ``sP0`` / ``sP1``; else ``(None, None)``."""
+        if cutlass.const_expr(not self.p_stsm):
+            return None, None
+        atom = cute.make_copy_atom(cute.nvgpu.warp.StMatrix8x8x16bOp(False, 4), self.mma_dtype)
+        tiled = cute.make_tiled_copy_C(atom, qk_mma)
+        thr = tiled.get_slice(wtid)
+        src = thr.retile(rP)
+        return (tiled, src, thr.partition_D(sP0)), (tiled, src, thr.partition_D(sP1))
 
     @cute.jit
     def scale_o(self, acc_o: cute.Tensor, s: cute.Tensor):
@@ -857,6 +886,7 @@ class MlaDecodeSeesawSm90(Fp8OperandsMixin, DecodeTraceMixin, MlaDecodeSm90):
             pv8.set(warpgroup.Field.ACCUMULATE, True)
         rP = cute.make_rmem_tensor_like(acc_s, self.mma_dtype)  # own P, the RS operand
         tOrP = cute.make_tensor(rP.iterator, acc_to_a_layout(rP.layout))
+        stsm0, stsm1 = self.p_stsm_views(qk_mma, rP, sP0[None, None, 0], sP1[None, None, 0], wtid)
         qk_mma.set(warpgroup.Field.ACCUMULATE, True)
         pv_ss.set(warpgroup.Field.ACCUMULATE, True)
         pv_rs.set(warpgroup.Field.ACCUMULATE, True)
@@ -956,7 +986,7 @@ class MlaDecodeSeesawSm90(Fp8OperandsMixin, DecodeTraceMixin, MlaDecodeSm90):
                 if cutlass.const_expr(self.pv8):  # (the own PV, which read the same tile, retired above)
                     self.store_p8(acc_s, tSsP8_0)
                 else:
-                    self.stage_p(rP, acc_s, tSsP0)
+                    self.stage_p(rP, acc_s, tSsP0, stsm0)
                 cute.arch.barrier_arrive(barrier_id=int(Barrier.P0_READY), number_of_threads=self.num_threads)
                 self.scale_o(acc_o, sc)
                 self.mark(mTrace, cta, wg, wtid, j, 5)
@@ -1029,12 +1059,12 @@ class MlaDecodeSeesawSm90(Fp8OperandsMixin, DecodeTraceMixin, MlaDecodeSm90):
                     self.pv(pv8, acc_o8, tOsP8_1, tOrVt1, _K32)
                     warpgroup.commit_group()
                 elif cutlass.const_expr(self.cross_first):  # P1 published now, its PV issued after the cross PV
-                    self.stage_p(rP, acc_s, tSsP1)
+                    self.stage_p(rP, acc_s, tSsP1, stsm1)
                     cute.arch.barrier_arrive(barrier_id=int(Barrier.P1_READY), number_of_threads=self.num_threads)
                     self.mark(mTrace, cta, wg, wtid, j, 3)
                 else:
                     rP.store(acc_s.load().to(self.mma_dtype))
-                    cute.autovec_copy(rP, tSsP1)
+                    self.put_p(rP, tSsP1, stsm1)
                     self.mark(mTrace, cta, wg, wtid, j, 3)
                     self.pv(pv_rs, acc_o, tOrP, tOrV1)
                     warpgroup.commit_group()
@@ -1102,8 +1132,9 @@ class MlaDecodeSeesawSm90(Fp8OperandsMixin, DecodeTraceMixin, MlaDecodeSm90):
             row_m[h] = sM[row_in[h]]
             if cutlass.const_expr(self.pv8):  # O and l both carry P's 2^8 (exp_rows): O / l needs nothing, the LSE
                 row_m[h] = row_m[h] - self.p8_bias  # (row max + log2 l) takes it out of the max
+        stage = sQ.iterator if cutlass.const_expr(self.o_staged) else None  # (every QK retired: the barrier above)
         self.epilogue(ss_thr, acc_o, row_m, row_l, row_in, sSum, mOut, mLse, mOacc, mLacc, out_scale, mblk,
-                      split, b, wg, wtid)
+                      split, b, wg, wtid, stage)
 
 
 
@@ -1120,20 +1151,22 @@ def launch_mla_decode_seesaw(stream, q: cute.Tensor, kv: cute.Tensor, block_tabl
                              early_refill: cutlass.Constexpr = False, vt_packed: cutlass.Constexpr = False,
                              tma_producer: cutlass.Constexpr = False, l2_prefetch: cutlass.Constexpr = "off",
                              kv_evict: cutlass.Constexpr = "normal", cross_first: cutlass.Constexpr = False,
-                             pdl_main: cutlass.Constexpr = False, pad_rows: cutlass.Constexpr = "copy"):
+                             pdl_main: cutlass.Constexpr = False, pad_rows: cutlass.Constexpr = "copy",
+                             p_stsm: cutlass.Constexpr = False, o_staged: cutlass.Constexpr = False):
     """FFI launch function of schedule "seesaw" (same ABI as ``launch_mla_decode``); ``"seesaw-cpasync"``
     forces the cp.async refills where TMA would be used; ``qk_fp8=False`` runs an FP8 QK on fp16 operands;
     ``pv_fp8=True`` runs the FP8 P V on FP8 tensor cores (P rounded to e4m3; :meth:`MlaDecodeSeesawSm90.transpose_v`);
     ``l2_prefetch``: the L2 prefetch mode ("off", "late", "early"; :meth:`MlaDecodeSeesawSm90.l2_prefetch_tile`);
     ``kv_evict``: the KV loads' L2 eviction hint (:data:`KV_EVICT_MODES`); ``cross_first``: the 16-bit loop's
     warpgroup 1 runs its cross PV first; ``pad_rows``: what the rows past R of a row block hold (:data:`PAD_ROWS`;
-    ``"zero"``: zeros, every key masked)."""
+    ``"zero"``: zeros, every key masked); ``p_stsm``: the 16-bit loop stores P by ``stmatrix``; ``o_staged``: its
+    epilogue stages O through shared memory."""
     MlaDecodeSeesawSm90(dtype=dtype, num_heads=num_heads, q_len=q_len, page_size=page_size, causal=causal,
                         num_splits=num_splits, tokens_per_split=tokens_per_split, block_n=block_n,
                         kv_load="cp.async" if schedule == "seesaw-cpasync" else "auto", pdl=pdl, qk_fp8=qk_fp8,
                         pv_fp8=pv_fp8, early_refill=early_refill, vt_packed=vt_packed, tma_producer=tma_producer,
                         l2_prefetch=l2_prefetch, kv_evict=kv_evict, cross_first=cross_first, pdl_main=pdl_main,
-                        pad_rows=pad_rows)(
+                        pad_rows=pad_rows, p_stsm=p_stsm, o_staged=o_staged)(
         stream, q, kv, block_table, seq_lens, softmax_scale, output_scale, out, lse, o_accum, lse_accum)
 
 
@@ -1148,7 +1181,8 @@ def launch_mla_decode_seesaw_traced(stream, q: cute.Tensor, kv: cute.Tensor, blo
                                     trace: cutlass.Constexpr, pdl: cutlass.Constexpr = True,
                                     l2_prefetch: cutlass.Constexpr = "late", tma_producer: cutlass.Constexpr = False,
                                     kv_evict: cutlass.Constexpr = "normal", cross_first: cutlass.Constexpr = False,
-                                    pad_rows: cutlass.Constexpr = "copy"):
+                                    pad_rows: cutlass.Constexpr = "copy", p_stsm: cutlass.Constexpr = False,
+                                    o_staged: cutlass.Constexpr = False):
     """Debug build of the seesaw loop as the backend runs it (FP8: packed slots, early refills, pages >= 32;
     ``tma_producer``: with the producer warpgroup, FP8 mode 4 or the 16-bit default) with
     :meth:`DecodeTraceMixin.mark` timestamps in ``trace_buf`` (int64 ``(ctas, 2, trace,
@@ -1158,7 +1192,8 @@ def launch_mla_decode_seesaw_traced(stream, q: cute.Tensor, kv: cute.Tensor, blo
     MlaDecodeSeesawSm90(dtype=dtype, num_heads=num_heads, q_len=q_len, page_size=page_size, causal=causal,
                         num_splits=num_splits, tokens_per_split=tokens_per_split, block_n=64, pdl=pdl, qk_fp8=True,
                         pv_fp8=fp8, early_refill=fp8, vt_packed=fp8, tma_producer=tma_producer, l2_prefetch=l2_prefetch,
-                        kv_evict=kv_evict, cross_first=cross_first, trace=trace, pad_rows=pad_rows)(
+                        kv_evict=kv_evict, cross_first=cross_first, trace=trace, pad_rows=pad_rows, p_stsm=p_stsm,
+                        o_staged=o_staged)(
         stream, q, kv, block_table, seq_lens, softmax_scale, output_scale, out, lse, o_accum, lse_accum, trace_buf)
 
 
