@@ -8,18 +8,30 @@
 # 3. interleaved A/B of the defaults, each switch alone and both (scripts/decode_ab.py: stores_ab.json, also bitwise
 #    equality of the outputs) on the 64-row shapes where the fixed cost per call is largest (scripts/h200_fixed.sh);
 # 4. the GPU tests not run by scripts/h200_tests.sh's 2026-12-02 call: recompile, CUDA graph, the vLLM adapter.
+# With DT=fp8 the same for FP8 mode 4 and TOKENSPEED_SM90_DECODE_EPILOGUE_FP8=staged (opt-in, CPU-checked only):
+#   source .device/bootstrap.sh && DT=fp8 bash scripts/h200_stores.sh
+# (the FP8 check cases, memcheck with it, the A/B of direct / staged on FP8 64-row shapes; step 4 as above).
 set -uo pipefail
 . "$(dirname "${BASH_SOURCE[0]}")/h200_lib.sh"
 gpu_line
 SW="P_STSM=1,EPILOGUE=staged"
+MEM="TOKENSPEED_SM90_DECODE_P_STSM=1 TOKENSPEED_SM90_DECODE_EPILOGUE=staged"
+SEL="c.dtype != 'float8_e4m3fn'"
+AB=(- - P_STSM=1 EPILOGUE=staged "$SW")
+ABDT=bfloat16
+if [ "${DT:-bf16}" = fp8 ]; then
+  SW="EPILOGUE_FP8=staged"; MEM="TOKENSPEED_SM90_DECODE_EPILOGUE_FP8=staged"; SEL="c.dtype == 'float8_e4m3fn'"
+  AB=(- - "$SW"); ABDT=float8_e4m3fn
+fi
 stamp "prewarm (CPU)"
 timeout 150 python -c "
 from benchmarks.decode import CHECK, prewarm
 from benchmarks.harness import switches
 with switches('-', '$SW'):
-    prewarm([c for c in CHECK if c.dtype != 'float8_e4m3fn'], 15)
+    prewarm([c for c in CHECK if $SEL], 15)
 " > "$OUT/prewarm.log" 2>&1; echo "prewarm rc=$?"
-memcheck_start 200 TOKENSPEED_SM90_DECODE_P_STSM=1 TOKENSPEED_SM90_DECODE_EPILOGUE=staged
+# shellcheck disable=SC2086
+memcheck_start 200 $MEM
 stamp "check ($SW)"
 timeout 200 python -c "
 import json, os
@@ -27,14 +39,14 @@ from benchmarks.decode import CHECK, check
 from benchmarks.harness import switches
 seed = int.from_bytes(os.urandom(3), 'little')
 with switches('-', '$SW'):
-    r = check([c for c in CHECK if c.dtype != 'float8_e4m3fn'], seed)
+    r = check([c for c in CHECK if $SEL], seed)
 json.dump({'seed': seed, 'switches': '$SW', 'rows': r}, open('$OUT/stores_check.json', 'w'), indent=1)
 print('CHECK', sum(x['ok'] for x in r), '/', len(r), 'seed', seed)
 " > "$OUT/check.log" 2>&1; echo "check rc=$?"
 grep -E '^CHECK|"ok": false|Error|error' "$OUT/check.log" | head -n 12
 memcheck_wait
 stamp "A/B"
-timeout 240 python scripts/decode_ab.py - - P_STSM=1 EPILOGUE=staged "$SW" --prewarm 15 --rounds 5 \
+timeout 240 python scripts/decode_ab.py "${AB[@]}" --dtype $ABDT --prewarm 15 --rounds 5 \
   --cases 128,4096,64,128,1 128,1024,64,128,1 8,16384,64,128,2 64,81920,64,128,1 64,81920,64,32,4 64,81920,64,16,4 \
   --out "$OUT/stores_ab.json" > "$OUT/ab.log" 2>&1; echo "ab rc=$?"
 grep '^{' "$OUT/ab.log" | cut -c1-260

@@ -4,7 +4,10 @@
 #   source .device/bootstrap.sh && bash scripts/h200_tests.sh
 # 1. prewarm (CPU, 15 processes): the check matrix with the defaults and with each switch its tests set
 #    (TOKENSPEED_SM90_DECODE_FP8_PV 5 / 7 / 8, T16=0, PAD_ROWS=copy), so the tests load every kernel from the disk cache;
-# 2. tests/gpu/test_sm90_decode.py and tests/gpu/test_vllm_adapter.py (gpu_tests.log).
+# 2. tests/gpu/test_sm90_decode.py and tests/gpu/test_vllm_adapter.py (gpu_tests.log; -v: one line per test).
+# The two files took more than one call's 10 minutes on 2026-12-02 (the vLLM adapter's 34 cases compile their own
+# decode and FA4 prefill kernels, not prewarmed): FILES=tests/gpu/test_vllm_adapter.py runs one file (and skips the
+# prewarm, which only serves the decode file).
 set -uo pipefail
 . "$(dirname "${BASH_SOURCE[0]}")/h200_lib.sh"
 gpu_line
@@ -14,13 +17,17 @@ from benchmarks.decode import CHECK, prewarm
 prewarm([c for c in CHECK if $2], 15)
 " >> "$OUT/prewarm.log" 2>&1; echo "prewarm $1 rc=$?"
 }
-stamp "prewarm (CPU)"
-prewarm_with TOKENSPEED_SM90_DECODE_FP8_PV= "True"
-for m in 5 7 8; do prewarm_with TOKENSPEED_SM90_DECODE_FP8_PV=$m "c.dtype == 'float8_e4m3fn'"; done
-prewarm_with TOKENSPEED_SM90_DECODE_T16=0 "c.dtype != 'float8_e4m3fn'"
-prewarm_with TOKENSPEED_SM90_DECODE_PAD_ROWS=copy "c.S * c.H % 64"
-stamp "GPU tests (defaults)"
-timeout $((575 - ($(date +%s) - t0))) python -m pytest -q -rfEx -p no:cacheprovider -k "not memcheck" \
-  tests/gpu/test_sm90_decode.py tests/gpu/test_vllm_adapter.py > "$OUT/gpu_tests.log" 2>&1; echo "tests rc=$?"
-tail -n 8 "$OUT/gpu_tests.log"
+FILES=${FILES:-tests/gpu/test_sm90_decode.py tests/gpu/test_vllm_adapter.py}
+if [[ "$FILES" == *test_sm90_decode.py* ]]; then
+  stamp "prewarm (CPU)"
+  prewarm_with TOKENSPEED_SM90_DECODE_FP8_PV= "True"
+  for m in 5 7 8; do prewarm_with TOKENSPEED_SM90_DECODE_FP8_PV=$m "c.dtype == 'float8_e4m3fn'"; done
+  prewarm_with TOKENSPEED_SM90_DECODE_T16=0 "c.dtype != 'float8_e4m3fn'"
+  prewarm_with TOKENSPEED_SM90_DECODE_PAD_ROWS=copy "c.S * c.H % 64"
+fi
+stamp "GPU tests (defaults): $FILES"
+# shellcheck disable=SC2086
+timeout $((575 - ($(date +%s) - t0))) python -m pytest -v -rfEx -p no:cacheprovider -k "not memcheck" $FILES \
+  > "$OUT/gpu_tests.log" 2>&1; echo "tests rc=$?"
+grep -cE " PASSED" "$OUT/gpu_tests.log"; grep -E " (FAILED|ERROR)" "$OUT/gpu_tests.log" | head; tail -n 3 "$OUT/gpu_tests.log"
 stamp done

@@ -90,7 +90,7 @@ _SCRIPT = textwrap.dedent(
                                     # the stores of the backend's 16-bit defaults: 64 rows, one split (the direct
                                     # output) and 3 splits (fp32 partials)
                                     p_stsm=sched == "seesawp" or (dtype == "bfloat16" and H == 128),
-                                    o_staged=sched == "seesawp" or (dtype == "bfloat16" and H == 128))
+                                    o_staged=sched in ("seesawp", "seesaw8r") or (dtype == "bfloat16" and H == 128))
         else:
             k = MlaDecodeSm90(dtype=dtype, num_heads=H, q_len=S, page_size=page, causal=True, num_splits=splits,
                               tokens_per_split=tps, block_n=bn, schedule=sched)
@@ -405,6 +405,9 @@ def check_compile_result(r: dict) -> None:
         assert key in ("32_8r", "32_p", "32_q") or y["maxnreg"] == 0, (key, y)
     if x["sass"]:  # (the spill: one value, 1 store and 4 loads outside the loop; see the total above)
         assert x["qgmma256"] == 8 and x["spill"] <= 5, x
+        # ... with the staged epilogue of TOKENSPEED_SM90_DECODE_EPILOGUE_FP8=staged (3 splits: fp32 partials through the
+        # 36 KB e4m3 Q tile, 4 passes of 64 features, 8 rows per thread and pass)
+        assert x["stg128"] == 4 * 8 and x["stg_elem"] < 8, x
     # the 16-bit loop with the producer warpgroup (page 32, TOKENSPEED_SM90_DECODE_PRODUCER16=1): the same wgmmas and
     # TMA copies as without it; its four column-group refills of the prologue and the loop are the producer's, each
     # loop site's warpgroup arrives on the site's REFILL_* barrier (4 arrive sites, 4 syncs of the producer, 160
@@ -720,10 +723,11 @@ def test_store_switches(monkeypatch):
     from tokenspeed_jax.backends import sm90_decode as m
 
     assert m.P_STSM_ENV in m.TRACE_ENV and m.EPILOGUE_ENV in m.TRACE_ENV
-    assert m.P_STSM_DEFAULT == "1" and m.EPILOGUE_DEFAULT == "staged"
+    assert m.P_STSM_DEFAULT == "1" and m.EPILOGUE_DEFAULT == "staged" and m.EPILOGUE_FP8_DEFAULT == "direct"
+    assert m.EPILOGUE_FP8_ENV in m.TRACE_ENV
     seen = _record_custom_calls(monkeypatch)
     bt, sl = jnp.zeros((2, 8), jnp.int32), jnp.full((2,), 100, jnp.int32)
-    for env in (m.P_STSM_ENV, m.EPILOGUE_ENV, m.T16_ENV, m.FP8_PV_ENV, m.PRODUCER16_ENV):
+    for env in (m.P_STSM_ENV, m.EPILOGUE_ENV, m.EPILOGUE_FP8_ENV, m.T16_ENV, m.FP8_PV_ENV, m.PRODUCER16_ENV):
         monkeypatch.delenv(env, raising=False)
 
     def run(dtype="bfloat16", S=4, H=32):
@@ -736,12 +740,17 @@ def test_store_switches(monkeypatch):
     assert run() == ("launch_mla_decode_seesaw", True, True, True, True)  # the defaults, 128 rows
     assert run(dtype="float16", S=3, H=24) == ("launch_mla_decode_seesaw", True, True, True, True)  # padded block
     assert run(dtype="float8_e4m3fn") == ("launch_mla_decode_seesaw", False, False, False, False)  # mode 4
+    monkeypatch.setenv(m.EPILOGUE_FP8_ENV, "staged")  # (opt-in: not yet run on a GPU)
+    assert run(dtype="float8_e4m3fn") == ("launch_mla_decode_seesaw", False, True, False, True)
+    assert run(dtype="float8_e4m3fn", S=1, H=16)[1:] == (False,) * 4  # mode 6: the O^T loop
+    assert run()[1:] == (True,) * 4  # (16-bit: its own switch)
+    monkeypatch.delenv(m.EPILOGUE_FP8_ENV)
     assert run(S=1, H=16)[1:] == (False,) * 4  # the transposed loop
     monkeypatch.setenv(m.P_STSM_ENV, "0")
     assert run() == ("launch_mla_decode_seesaw", False, True, False, True)
     monkeypatch.setenv(m.EPILOGUE_ENV, "direct")
     assert run() == ("launch_mla_decode_seesaw", False, False, False, False)
-    for env, bad in ((m.P_STSM_ENV, "yes"), (m.EPILOGUE_ENV, "smem")):
+    for env, bad in ((m.P_STSM_ENV, "yes"), (m.EPILOGUE_ENV, "smem"), (m.EPILOGUE_FP8_ENV, "on")):
         monkeypatch.setenv(env, bad)
         with pytest.raises(ValueError, match=env):
             run()

@@ -45,7 +45,8 @@ transposed loop of ``kernels/sm90/mla_decode_ot16.py``; ``0`` for the seesaw loo
 ``"copy"``: copies of the last row).
 Two switches of the 16-bit seesaw loop's stores (2026-12-02, bitwise the same results): ``TOKENSPEED_SM90_DECODE_P_STSM``
 (``1``: P to shared memory by ``stmatrix``) and ``TOKENSPEED_SM90_DECODE_EPILOGUE`` (``"staged"``: O through shared
-memory, out in 16-byte chunks; ``"direct"``: each thread's elements straight to global memory).
+memory, out in 16-byte chunks; ``"direct"``: each thread's elements straight to global memory);
+``TOKENSPEED_SM90_DECODE_EPILOGUE_FP8=staged`` does the same for FP8 mode 4 (opt-in: not yet run on a GPU).
 
 ``"auto"`` picks seesaw; FP8 with 8-token pages (no TMA refills) or ``"seesaw-cpasync"`` runs lockstep.
 Chosen by ``decode(..., schedule=...)`` or, when that is None, by the environment variable
@@ -151,8 +152,14 @@ P_STSM_DEFAULT = "1"
 EPILOGUE_ENV = "TOKENSPEED_SM90_DECODE_EPILOGUE"
 EPILOGUE_CHOICES = ("direct", "staged")
 EPILOGUE_DEFAULT = "staged"
+# ... the same staged epilogue for FP8 mode 4 (the seesaw loop with 64-row tiles; its 36 KB e4m3 Q tile takes O in
+# passes of 128 bf16 / 64 fp32 features).  Compiled and tested on the CPU only (2026-12-02), so "direct" until it ran
+# on the H200.  Read at trace time; part of the compile key.
+EPILOGUE_FP8_ENV = "TOKENSPEED_SM90_DECODE_EPILOGUE_FP8"
+EPILOGUE_FP8_DEFAULT = "direct"
 TRACE_ENV = (SCHEDULE_ENV, PDL_ENV, FP8_QK_ENV, FP8_PV_ENV, L2_PREFETCH_ENV, PRODUCER16_ENV, RS_STAGES_ENV,
-             KV_EVICT_ENV, CROSS_FIRST_ENV, T16_ENV, PDL_MAIN_ENV, PAD_ROWS_ENV, P_STSM_ENV, EPILOGUE_ENV)
+             KV_EVICT_ENV, CROSS_FIRST_ENV, T16_ENV, PDL_MAIN_ENV, PAD_ROWS_ENV, P_STSM_ENV, EPILOGUE_ENV,
+             EPILOGUE_FP8_ENV)
 SCHEDULES = ("auto", "seesaw", "seesaw-cpasync", "lockstep", "overlap")  # module docstring (no cutlass import here)
 _MIN_PAGE = 8
 _MIN_FP8_SEESAW_PAGE = 16  # the FP8 seesaw needs TMA refills (the kernel's _MIN_TMA_PAGE; no cutlass import here)
@@ -190,7 +197,7 @@ class DecodeKernelKey:
     pdl_main: bool = False  # the main kernel launched with PDL too ($TOKENSPEED_SM90_DECODE_PDL_MAIN)
     pad_rows: str = "copy"  # the rows past S x H of a row block ($TOKENSPEED_SM90_DECODE_PAD_ROWS; "copy" if none)
     p_stsm: bool = False  # 16-bit seesaw: P stored by stmatrix ($TOKENSPEED_SM90_DECODE_P_STSM)
-    o_staged: bool = False  # 16-bit seesaw: O staged through smem ($TOKENSPEED_SM90_DECODE_EPILOGUE)
+    o_staged: bool = False  # seesaw: O staged through smem ($TOKENSPEED_SM90_DECODE_EPILOGUE, FP8: ..._EPILOGUE_FP8)
 
 
 def supports(problem: DecodeProblem) -> str | None:
@@ -277,6 +284,11 @@ def resolve_epilogue() -> str:
     return _choice(os.environ.get(EPILOGUE_ENV, "") or EPILOGUE_DEFAULT, EPILOGUE_CHOICES, EPILOGUE_ENV)
 
 
+def resolve_epilogue_fp8() -> str:
+    """``$TOKENSPEED_SM90_DECODE_EPILOGUE_FP8`` (one of :data:`EPILOGUE_CHOICES`, default :data:`EPILOGUE_FP8_DEFAULT`)."""
+    return _choice(os.environ.get(EPILOGUE_FP8_ENV, "") or EPILOGUE_FP8_DEFAULT, EPILOGUE_CHOICES, EPILOGUE_FP8_ENV)
+
+
 def resolve_pad_rows() -> str:
     """``$TOKENSPEED_SM90_DECODE_PAD_ROWS`` (one of :data:`PAD_ROWS_CHOICES`, default :data:`PAD_ROWS_DEFAULT`)."""
     return _choice(os.environ.get(PAD_ROWS_ENV, "") or PAD_ROWS_DEFAULT, PAD_ROWS_CHOICES, PAD_ROWS_ENV)
@@ -357,8 +369,11 @@ def decode(problem: DecodeProblem, q, kv_cache, block_table, seq_lens, softmax_s
     pad_rows = resolve_pad_rows()  # (validated wherever it applies or not)
     if not (seesaw_launch and S * H % 64):
         pad_rows = "copy"
-    p_stsm, o_staged = resolve_p_stsm(), resolve_epilogue() == "staged"  # (validated wherever they apply or not)
-    if not (seesaw_launch and not fp8_seesaw):  # the 16-bit seesaw loop only
+    # (all three validated wherever they apply or not)
+    p_stsm, o_staged, o_staged8 = resolve_p_stsm(), resolve_epilogue() == "staged", resolve_epilogue_fp8() == "staged"
+    if fp8_seesaw:  # FP8 mode 4: its own epilogue switch, no P_STSM (e4m3 P)
+        p_stsm, o_staged = False, o_staged8
+    if not seesaw_launch:  # the seesaw loops only
         p_stsm = o_staged = False
     key = DecodeKernelKey("mla_decode_sm90.v10", problem.dtype, H, S, problem.page_size, problem.causal,
                           plan.num_splits, plan.tokens_per_split, block_n, schedule, pdl, qk_fp8, l2_prefetch, pv_fp8,

@@ -637,8 +637,8 @@ class MlaDecodeSm90:
                  split, b, wg, wtid, stage=None):
         """O / l and the LSE of this CTA's rows (``split`` partials to the fp32 workspace with more than one split).
         ``stage`` None: each thread stores its accumulator elements straight to global memory (2 or 4 bytes each,
-        8 rows per warp instruction).  Else a 16-byte aligned shared-memory pointer to ``2 x 64 x (512 + 16 or 32)``
-        free bytes (:meth:`store_o_staged`): O goes through shared memory and leaves in full 16-byte chunks."""
+        8 rows per warp instruction).  Else ``(pointer, bytes)``: free shared memory, 16-byte aligned, at least 36 KB
+        (:meth:`store_o_staged`): O goes through it and leaves in full 16-byte chunks."""
         for h in cutlass.range_constexpr(2):
             row_l[h] = quad_sum(row_l[h])
             if wtid % 4 == 0:
@@ -693,18 +693,20 @@ class MlaDecodeSm90:
     @cute.jit
     def store_o_staged(self, acc_o, tOcO, row_in, stage, mOut, mOacc, mblk, split, b, wg, wtid):
         """The scaled O of warpgroup ``wg`` (64 rows x its 256 features, in ``acc_o``) to ``out`` (or the fp32 partials)
-        through shared memory at ``stage``: each thread writes its element pairs (4 or 8 bytes) into a 64-row tile
-        with rows of 512 + 8 elements' bytes (16-bit: 528 B, pairs of 8 rows x 4 threads on 32 distinct banks; fp32:
-        544 B, a half-warp's 8-byte stores on 32 distinct banks), the warpgroup syncs on its TAIL barrier, then each
-        warp copies whole rows out, 16 bytes per thread (coalesced 512-byte row segments).  fp32 partials take two
-        passes of 128 features.  Rows past R are not stored."""
+        through the shared memory ``stage`` = ``(pointer, bytes)``, in passes of ``cw`` features, the most of 256 /
+        128 / 64 for which both warpgroups' tiles fit: each thread writes its element pairs (4 or 8 bytes) into a
+        64-row tile with rows of ``cw + 8`` elements (the 8 put a warp's pair stores, 8 rows x 4 threads, on 32
+        distinct banks: a row is 4 banks on for 4-byte pairs, 8 for 8-byte ones), the warpgroup syncs on its TAIL
+        barrier, then the warps copy whole row segments out, 16 bytes per thread (coalesced).  16-bit Q tile (72 KB):
+        one pass (bf16) or two (fp32); FP8 Q tile (36 KB): two or four.  Rows past R are not stored."""
         direct = cutlass.const_expr(self.num_splits == 1)
         et = self.out_dtype if direct else Float32
         eb = et.width // 8
-        cw = 512 // eb  # features per pass: 256 (16-bit) or 128 (fp32)
+        cw = staged_pass_features(eb, stage[1])
         pitch = cw + 8  # elements per staged row
         vec = 16 // eb  # elements per 16-byte chunk
-        base = cute.recast_ptr(stage, dtype=et) + wg * 64 * pitch
+        cpr = cw // vec  # chunks per row segment (16 or 32)
+        base = cute.recast_ptr(stage[0], dtype=et) + wg * 64 * pitch
         pair = cute.make_rmem_tensor((2,), et)
         chunk = cute.make_rmem_tensor((vec,), et)
         for p in cutlass.range_constexpr((self.DV // 2) // cw):
@@ -717,9 +719,9 @@ class MlaDecodeSm90:
                     sdst = cute.make_ptr(et, (base + off).toint(), cute.AddressSpace.smem, assumed_align=2 * eb)
                     cute.autovec_copy(pair, cute.make_tensor(sdst, cute.make_layout(2)))
             cute.arch.barrier(barrier_id=int(Barrier.TAIL) + wg, number_of_threads=128)
-            for i in cutlass.range_constexpr(64 // 4):
-                row = 4 * i + wtid // 32
-                c = (wtid % 32) * vec
+            for i in cutlass.range_constexpr(64 * cpr // 128):
+                row = (128 // cpr) * i + wtid // cpr
+                c = (wtid % cpr) * vec
                 r = mblk * self.block_m + row
                 if r < self.R:
                     src = cute.make_ptr(et, (base + row * pitch + c).toint(), cute.AddressSpace.smem, assumed_align=16)
@@ -865,6 +867,15 @@ class MlaDecodeSm90:
             if tid == 0 and chunk == 0:
                 gLse = cute.make_tensor(mLse.iterator + obase, cute.make_layout(1))
                 gLse[0] = lse
+
+
+def staged_pass_features(elem_bytes: int, stage_bytes: int) -> int:
+    """Features per pass of :meth:`MlaDecodeSm90.store_o_staged`: the most of 256 / 128 / 64 for which both
+    warpgroups' 64-row tiles, rows of ``features + 8`` elements of ``elem_bytes``, fit in ``stage_bytes``."""
+    for cw in (256, 128, 64):
+        if 2 * 64 * (cw + 8) * elem_bytes <= stage_bytes:
+            return cw
+    raise ValueError(f"store_o_staged: {stage_bytes} bytes of shared memory are too few for O")
 
 
 @cute.jit

@@ -207,10 +207,10 @@ class MlaDecodeSeesawSm90(Fp8OperandsMixin, DecodeTraceMixin, MlaDecodeSm90):
             raise ValueError("cross_first: only the 16-bit loop (FP8 runs its own P V order)")
         self.cross_first = bool(cross_first)
         # 16-bit loop: P to the peer's shared tile by ``stmatrix`` (4 x4 per tile and thread, :meth:`put_p`) instead of
-        # 16 32-bit stores; the epilogue stages O through the Q tile's shared memory (free once every QK retired) and
-        # stores 16-byte chunks (:meth:`MlaDecodeSm90.store_o_staged`) instead of 2- or 4-byte elements
-        if (p_stsm or o_staged) and self.fp8:  # (FP8 stores e4m3 P; its Q tile, 36 KB, is too small for O)
-            raise ValueError("p_stsm, o_staged: only the 16-bit loop")
+        # 16 32-bit stores.  Both loops: the epilogue stages O through the Q tile's shared memory (free once every QK
+        # retired) and stores 16-byte chunks (:meth:`MlaDecodeSm90.store_o_staged`) instead of 2- or 4-byte elements
+        if p_stsm and self.fp8:
+            raise ValueError("p_stsm: only the 16-bit loop (FP8 stores e4m3 P, store_p8)")
         self.p_stsm, self.o_staged = bool(p_stsm), bool(o_staged)
         self.box_rows = min(self.page_size, self.block_n)  # rows of one TMA box (one page or one tile)
         self.subs = self.block_n // self.box_rows  # boxes per 64-token tile and 64-column chunk
@@ -1132,7 +1132,9 @@ class MlaDecodeSeesawSm90(Fp8OperandsMixin, DecodeTraceMixin, MlaDecodeSm90):
             row_m[h] = sM[row_in[h]]
             if cutlass.const_expr(self.pv8):  # O and l both carry P's 2^8 (exp_rows): O / l needs nothing, the LSE
                 row_m[h] = row_m[h] - self.p8_bias  # (row max + log2 l) takes it out of the max
-        stage = sQ.iterator if cutlass.const_expr(self.o_staged) else None  # (every QK retired: the barrier above)
+        stage = None  # (every QK retired: the barrier above)
+        if cutlass.const_expr(self.o_staged):  # the Q tile: 64 x 576 e4m3 or 16-bit values
+            stage = (sQ.iterator, self.block_m * self.D * (1 if self.qk8 else 2))
         self.epilogue(ss_thr, acc_o, row_m, row_l, row_in, sSum, mOut, mLse, mOacc, mLacc, out_scale, mblk,
                       split, b, wg, wtid, stage)
 
