@@ -1212,3 +1212,20 @@ def test_fp8_ot_switch(monkeypatch):
         assert seen["launch"] is launch_mla_decode_seesaw and seen["key"].rs_stages == 0, seen["key"]
     m.decode(prob, jnp.zeros((2, 2, 32, 576), f8), jnp.zeros((16, 64, 576), f8), bt, sl, 0.1, 1.0)  # mode 9, 64 rows
     assert seen["launch"] is launch_mla_decode_seesaw and seen["kw"]["tma_producer"] and seen["kw"]["vt_packed"]
+
+
+def test_staged_pass_features():
+    """The staged epilogue's passes: one (bf16) or two (fp32) through the 16-bit Q tile (72 KB), two or four through
+    the e4m3 one (36 KB); every choice fits both warpgroups' padded tiles; too little shared memory is refused."""
+    pytest.importorskip("cutlass")
+    from tokenspeed_jax.kernels.sm90.mla_decode import staged_pass_features
+
+    q16, q8 = 64 * 576 * 2, 64 * 576
+    assert [staged_pass_features(eb, q) for q in (q16, q8) for eb in (2, 4)] == [256, 128, 128, 64]
+    for q in (q16, q8):
+        for eb in (2, 4):
+            cw = staged_pass_features(eb, q)
+            assert 2 * 64 * (cw + 8) * eb <= q and (cw + 8) * eb % 16 == 0  # (16-byte aligned rows)
+            assert ((cw + 8) * eb // 4) % 32 == 2 * eb  # a row shifts the banks by one pair store's width x 4 lanes
+    with pytest.raises(ValueError, match="too few"):
+        staged_pass_features(4, 30000)
