@@ -227,71 +227,76 @@ def _choice(value: str, choices: tuple[str, ...], source: str) -> str:
     return value
 
 
+def _env(env: str, default: str, choices: tuple[str, ...] = ("0", "1")) -> str:
+    """The switch ``$env`` (unset or empty: ``default``), validated against ``choices`` with the variable named."""
+    return _choice(os.environ.get(env, "") or default, choices, env)
+
+
 def resolve_schedule(schedule: str | None = None) -> str:
     """``schedule`` if given, else ``$TOKENSPEED_SM90_DECODE_SCHEDULE``, else ``"auto"``; validated."""
     if schedule is not None:
         return _choice(schedule, SCHEDULES, "schedule")
-    return _choice(os.environ.get(SCHEDULE_ENV, "") or "auto", SCHEDULES, SCHEDULE_ENV)
+    return _env(SCHEDULE_ENV, "auto", SCHEDULES)
 
 
 def resolve_l2_prefetch() -> str:
     """``$TOKENSPEED_SM90_DECODE_L2_PREFETCH`` (the seesaw loop's L2 prefetch mode), validated."""
-    return _choice(os.environ.get(L2_PREFETCH_ENV, "") or L2_PREFETCH_DEFAULT, L2_PREFETCH_MODES, L2_PREFETCH_ENV)
+    return _env(L2_PREFETCH_ENV, L2_PREFETCH_DEFAULT, L2_PREFETCH_MODES)
 
 
 def resolve_fp8_pv() -> str:
     """``$TOKENSPEED_SM90_DECODE_FP8_PV`` (one of :data:`FP8_PV_MODES`, default :data:`FP8_PV_DEFAULT`), validated."""
-    return _choice(os.environ.get(FP8_PV_ENV, "") or FP8_PV_DEFAULT, FP8_PV_MODES, FP8_PV_ENV)
+    return _env(FP8_PV_ENV, FP8_PV_DEFAULT, FP8_PV_MODES)
 
 
 def resolve_producer16() -> str:
     """``$TOKENSPEED_SM90_DECODE_PRODUCER16`` ("0" or "1", default :data:`PRODUCER16_DEFAULT`), validated."""
-    return _choice(os.environ.get(PRODUCER16_ENV, "") or PRODUCER16_DEFAULT, ("0", "1"), PRODUCER16_ENV)
+    return _env(PRODUCER16_ENV, PRODUCER16_DEFAULT)
 
 
 def resolve_rs_stages() -> int:
     """``$TOKENSPEED_SM90_DECODE_RS_STAGES`` (the row-split loop's KV buffers, "2".."5", default "4"), validated."""
-    return int(_choice(os.environ.get(RS_STAGES_ENV, "") or RS_STAGES_DEFAULT, ("2", "3", "4", "5"), RS_STAGES_ENV))
+    return int(_env(RS_STAGES_ENV, RS_STAGES_DEFAULT, ("2", "3", "4", "5")))
 
 
 def resolve_kv_evict() -> str:
     """``$TOKENSPEED_SM90_DECODE_KV_EVICT`` (one of :data:`KV_EVICT_CHOICES`, default :data:`KV_EVICT_DEFAULT`)."""
-    return _choice(os.environ.get(KV_EVICT_ENV, "") or KV_EVICT_DEFAULT, KV_EVICT_CHOICES, KV_EVICT_ENV)
+    return _env(KV_EVICT_ENV, KV_EVICT_DEFAULT, KV_EVICT_CHOICES)
 
 
 def resolve_cross_first() -> bool:
     """``$TOKENSPEED_SM90_DECODE_CROSS_FIRST`` ("0" or "1", default :data:`CROSS_FIRST_DEFAULT`), validated."""
-    return _choice(os.environ.get(CROSS_FIRST_ENV, "") or CROSS_FIRST_DEFAULT, ("0", "1"), CROSS_FIRST_ENV) == "1"
+    return _env(CROSS_FIRST_ENV, CROSS_FIRST_DEFAULT) == "1"
 
 
 def resolve_t16() -> bool:
     """``$TOKENSPEED_SM90_DECODE_T16`` ("0" or "1", default :data:`T16_DEFAULT`), validated."""
-    return _choice(os.environ.get(T16_ENV, "") or T16_DEFAULT, ("0", "1"), T16_ENV) == "1"
+    return _env(T16_ENV, T16_DEFAULT) == "1"
 
 
 def resolve_pdl_main() -> bool:
     """``$TOKENSPEED_SM90_DECODE_PDL_MAIN`` ("0" or "1", default :data:`PDL_MAIN_DEFAULT`), validated."""
-    return _choice(os.environ.get(PDL_MAIN_ENV, "") or PDL_MAIN_DEFAULT, ("0", "1"), PDL_MAIN_ENV) == "1"
+    return _env(PDL_MAIN_ENV, PDL_MAIN_DEFAULT) == "1"
 
 
 def resolve_p_stsm() -> bool:
     """``$TOKENSPEED_SM90_DECODE_P_STSM`` ("0" or "1", default :data:`P_STSM_DEFAULT`), validated."""
-    return _choice(os.environ.get(P_STSM_ENV, "") or P_STSM_DEFAULT, ("0", "1"), P_STSM_ENV) == "1"
+    return _env(P_STSM_ENV, P_STSM_DEFAULT) == "1"
 
 
 def resolve_epilogue() -> str:
     """``$TOKENSPEED_SM90_DECODE_EPILOGUE`` (one of :data:`EPILOGUE_CHOICES`, default :data:`EPILOGUE_DEFAULT`)."""
-    return _choice(os.environ.get(EPILOGUE_ENV, "") or EPILOGUE_DEFAULT, EPILOGUE_CHOICES, EPILOGUE_ENV)
+    return _env(EPILOGUE_ENV, EPILOGUE_DEFAULT, EPILOGUE_CHOICES)
 
 
 def resolve_epilogue_fp8() -> str:
     """``$TOKENSPEED_SM90_DECODE_EPILOGUE_FP8`` (one of :data:`EPILOGUE_CHOICES`, default :data:`EPILOGUE_FP8_DEFAULT`)."""
-    return _choice(os.environ.get(EPILOGUE_FP8_ENV, "") or EPILOGUE_FP8_DEFAULT, EPILOGUE_CHOICES, EPILOGUE_FP8_ENV)
+    return _env(EPILOGUE_FP8_ENV, EPILOGUE_FP8_DEFAULT, EPILOGUE_CHOICES)
 
 
 def resolve_pad_rows() -> str:
     """``$TOKENSPEED_SM90_DECODE_PAD_ROWS`` (one of :data:`PAD_ROWS_CHOICES`, default :data:`PAD_ROWS_DEFAULT`)."""
-    return _choice(os.environ.get(PAD_ROWS_ENV, "") or PAD_ROWS_DEFAULT, PAD_ROWS_CHOICES, PAD_ROWS_ENV)
+    return _env(PAD_ROWS_ENV, PAD_ROWS_DEFAULT, PAD_ROWS_CHOICES)
 
 
 def decode(problem: DecodeProblem, q, kv_cache, block_table, seq_lens, softmax_scale, output_scale, *,
