@@ -1,14 +1,16 @@
 #!/usr/bin/env bash
 # One H200 call (carry [".device"]): the 16-bit seesaw loop's stores, TOKENSPEED_SM90_DECODE_P_STSM=1 (P by stmatrix)
-# and TOKENSPEED_SM90_DECODE_EPILOGUE=staged (O through shared memory, 16-byte chunks), ~8 min on a fresh machine.
+# and TOKENSPEED_SM90_DECODE_EPILOGUE=staged (O through shared memory, 16-byte chunks; both defaults since
+# 2026-12-02), ~8 min on a fresh machine.
 #   source .device/bootstrap.sh && bash scripts/h200_stores.sh
 # 1. prewarm (CPU): the check matrix with both switches, and the A/B's configurations;
 # 2. the check matrix's 16-bit cases with both switches against the fp32 reference (stores_check.json), the
 #    compute-sanitizer memcheck test with them beside it (memcheck.log);
-# 3. interleaved A/B of the defaults, each switch alone and both (scripts/decode_ab.py: stores_ab.json, also bitwise
+# 3. interleaved A/B of the old stores, each switch alone and both (scripts/decode_ab.py: stores_ab.json, also bitwise
 #    equality of the outputs) on the 64-row shapes where the fixed cost per call is largest (scripts/h200_fixed.sh);
 # 4. the GPU tests not run by scripts/h200_tests.sh's 2026-12-02 call: recompile, CUDA graph, the vLLM adapter.
-# With DT=fp8 the same for FP8 mode 4 and TOKENSPEED_SM90_DECODE_EPILOGUE_FP8=staged (opt-in, CPU-checked only):
+# With DT=fp8 the same for FP8 mode 4 and TOKENSPEED_SM90_DECODE_EPILOGUE_FP8=staged (the default since this
+# script's run of 2026-12-02, 08:16 UTC device clock):
 #   source .device/bootstrap.sh && DT=fp8 bash scripts/h200_stores.sh
 # (the FP8 check cases, memcheck with it, the A/B of direct / staged on FP8 64-row shapes; step 4 as above).
 set -uo pipefail
@@ -17,11 +19,11 @@ gpu_line
 SW="P_STSM=1,EPILOGUE=staged"
 MEM="TOKENSPEED_SM90_DECODE_P_STSM=1 TOKENSPEED_SM90_DECODE_EPILOGUE=staged"
 SEL="c.dtype != 'float8_e4m3fn'"
-AB=(- - P_STSM=1 EPILOGUE=staged "$SW")
+AB=(- P_STSM=0,EPILOGUE=direct P_STSM=1,EPILOGUE=direct P_STSM=0,EPILOGUE=staged "$SW")
 ABDT=bfloat16
 if [ "${DT:-bf16}" = fp8 ]; then
   SW="EPILOGUE_FP8=staged"; MEM="TOKENSPEED_SM90_DECODE_EPILOGUE_FP8=staged"; SEL="c.dtype == 'float8_e4m3fn'"
-  AB=(- - "$SW"); ABDT=float8_e4m3fn
+  AB=(- EPILOGUE_FP8=direct "$SW"); ABDT=float8_e4m3fn
 fi
 stamp "prewarm (CPU)"
 timeout 150 python -c "

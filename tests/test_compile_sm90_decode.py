@@ -403,8 +403,8 @@ def check_compile_result(r: dict) -> None:
         assert key in ("32_8r", "32_p", "32_q") or y["maxnreg"] == 0, (key, y)
     if x["sass"]:  # (the spill: one value, 1 store and 4 loads outside the loop; see the total above)
         assert x["qgmma256"] == 8 and x["spill"] <= 5, x
-        # ... with the staged epilogue of TOKENSPEED_SM90_DECODE_EPILOGUE_FP8=staged (3 splits: fp32 partials through the
-        # 36 KB e4m3 Q tile, 4 passes of 64 features, 8 rows per thread and pass)
+        # ... with the staged epilogue (TOKENSPEED_SM90_DECODE_EPILOGUE_FP8=staged, the default; 3 splits: fp32
+        # partials through the 36 KB e4m3 Q tile, 4 passes of 64 features, 8 rows per thread and pass)
         assert x["stg128"] == 4 * 8 and x["stg_elem"] < 8, x
     # the 16-bit loop with the producer warpgroup (page 32, TOKENSPEED_SM90_DECODE_PRODUCER16=1): the same wgmmas and
     # TMA copies as without it; its four column-group refills of the prologue and the loop are the producer's, each

@@ -220,14 +220,15 @@ def test_pad_rows_switch(monkeypatch):
 
 def test_store_switches(monkeypatch):
     """``TOKENSPEED_SM90_DECODE_P_STSM`` and ``_EPILOGUE`` (both on by default) reach the 16-bit seesaw launcher only,
-    keyed; FP8 (mode 4 and the O^T loop) and the transposed 16-bit loop never get them; validated, named."""
+    keyed; ``_EPILOGUE_FP8`` (on by default) FP8 mode 4 only; the O^T loop and the transposed 16-bit loop never get
+    them; validated, named."""
     pytest.importorskip("cutlass")  # (supports() refuses without it)
     import jax.numpy as jnp
 
     from tokenspeed_jax.backends import sm90_decode as m
 
     assert m.P_STSM_ENV in m.TRACE_ENV and m.EPILOGUE_ENV in m.TRACE_ENV
-    assert m.P_STSM_DEFAULT == "1" and m.EPILOGUE_DEFAULT == "staged" and m.EPILOGUE_FP8_DEFAULT == "direct"
+    assert m.P_STSM_DEFAULT == "1" and m.EPILOGUE_DEFAULT == "staged" and m.EPILOGUE_FP8_DEFAULT == "staged"
     assert m.EPILOGUE_FP8_ENV in m.TRACE_ENV
     seen = _record_custom_calls(monkeypatch)
     bt, sl = jnp.zeros((2, 8), jnp.int32), jnp.full((2,), 100, jnp.int32)
@@ -243,9 +244,10 @@ def test_store_switches(monkeypatch):
 
     assert run() == ("launch_mla_decode_seesaw", True, True, True, True)  # the defaults, 128 rows
     assert run(dtype="float16", S=3, H=24) == ("launch_mla_decode_seesaw", True, True, True, True)  # padded block
-    assert run(dtype="float8_e4m3fn") == ("launch_mla_decode_seesaw", False, False, False, False)  # mode 4
-    monkeypatch.setenv(m.EPILOGUE_FP8_ENV, "staged")  # (opt-in: not yet run on a GPU)
-    assert run(dtype="float8_e4m3fn") == ("launch_mla_decode_seesaw", False, True, False, True)
+    assert run(dtype="float8_e4m3fn") == ("launch_mla_decode_seesaw", False, True, False, True)  # mode 4
+    monkeypatch.setenv(m.EPILOGUE_FP8_ENV, "direct")
+    assert run(dtype="float8_e4m3fn") == ("launch_mla_decode_seesaw", False, False, False, False)
+    monkeypatch.setenv(m.EPILOGUE_FP8_ENV, "staged")
     assert run(dtype="float8_e4m3fn", S=1, H=16)[1:] == (False,) * 4  # mode 6: the O^T loop
     assert run()[1:] == (True,) * 4  # (16-bit: its own switch)
     monkeypatch.delenv(m.EPILOGUE_FP8_ENV)
