@@ -264,10 +264,13 @@ _SCRIPT = textwrap.dedent(
     # 32 rows over S = 2 (pv_n 32), page 32 (2 boxes per chunk), one split (the direct epilogue); its refusals; and
     # through the public op with the switch set
     from tokenspeed_jax.kernels.sm90.mla_decode_ot16 import MlaDecodeOt16Sm90
-    for name, dt, H, S, page, splits in (("t16", "bfloat16", 16, 1, 64, 2), ("t16b", "float16", 16, 2, 32, 1)):
+    # (t16q: P^T in the Q tile, TOKENSPEED_SM90_DECODE_T16_PT=q; H32, a shape of its own, since the dump files are
+    # named by the argument shapes)
+    for name, dt, H, S, page, splits in (("t16", "bfloat16", 16, 1, 64, 2), ("t16b", "float16", 16, 2, 32, 1),
+                                         ("t16q", "bfloat16", 32, 1, 64, 2)):
         before = set(glob.glob(d + "/*"))
         kt = MlaDecodeOt16Sm90(dtype=dt, num_heads=H, q_len=S, page_size=page, causal=True, num_splits=splits,
-                               tokens_per_split=256, block_n=64, l2_prefetch="late")
+                               tokens_per_split=256, block_n=64, l2_prefetch="late", pt_q=name == "t16q")
         cute.compile(kt, *fake_args(kt, S, H, page, splits))
         tptx, tsass = own(before, ".ptx"), own(before, ".sass")
         n = kt.pv_n
@@ -475,8 +478,9 @@ def check_compile_result(r: dict) -> None:
     # the transposed 16-bit loop: only m64nNk16 wgmmas (N = 16 / 32, the rows rounded up), 36 per QK (2 prologue sites,
     # 2 loop sites) and 16 per PV (4 m-blocks x 4 k16 steps, 4 sites); the seesaw loop's TMA copies (18 chunk loads per
     # tile pair in the prologue and in the producer's loop, x 1 or 2 boxes), refill barriers (4 arrive sites + the
-    # producer's 4 syncs) and setmaxnreg; no spill, no serialized wgmma; 64 rows, 16-token pages and FP8 refused
-    for name, n, boxes in (("t16", 16, 1), ("t16b", 32, 2)):
+    # producer's 4 syncs) and setmaxnreg; no spill, no serialized wgmma; 64 rows, 16-token pages and FP8 refused.  With
+    # P^T in the Q tile (t16q) the rope chunk changes group, not the counts
+    for name, n, boxes in (("t16", 16, 1), ("t16b", 32, 2), ("t16q", 32, 1)):
         x = r[name]
         assert x["n"] == n and x["wg"] == 4 * 36 + 4 * 16 and x["other"] == 0 and x["tma"] == 36 * boxes, (name, x)
         assert x["maxnreg"] == 2 and x["refill160"] == 8, (name, x)

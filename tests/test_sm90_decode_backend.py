@@ -182,6 +182,38 @@ def test_t16_and_pdl_main_switches(monkeypatch):
         monkeypatch.delenv(env)
 
 
+def test_t16_pt_switch(monkeypatch):
+    """``TOKENSPEED_SM90_DECODE_T16_PT=q`` (opt-in) reaches the transposed 16-bit loop only, keyed; off by default;
+    validated with the variable named wherever it applies or not."""
+    pytest.importorskip("cutlass")  # (supports() refuses without it)
+    import jax.numpy as jnp
+
+    from tokenspeed_jax.backends import sm90_decode as m
+
+    assert m.T16_PT_ENV in m.TRACE_ENV and m.T16_PT_DEFAULT == "rope" and m.T16_PT_CHOICES == ("rope", "q")
+    seen = _record_custom_calls(monkeypatch)
+    bt, sl = jnp.zeros((2, 8), jnp.int32), jnp.full((2,), 100, jnp.int32)
+    for env in (m.T16_PT_ENV, m.T16_ENV, m.PRODUCER16_ENV, m.FP8_PV_ENV):
+        monkeypatch.delenv(env, raising=False)
+
+    def run(dtype="bfloat16", S=1, H=16):
+        m.decode(_problem(batch=2, q_len=S, num_heads=H, num_pages=16, max_pages=8, dtype=dtype),
+                 jnp.zeros((2, S, H, 576), dtype), jnp.zeros((16, 64, 576), dtype), bt, sl, 0.1, 1.0)
+        return seen["launch"].__name__, seen["key"].t16_pt_q, seen["kw"].get("pt_q", False)
+
+    assert run() == ("launch_mla_decode_ot16", False, False)  # the default
+    monkeypatch.setenv(m.T16_PT_ENV, "q")
+    assert run() == ("launch_mla_decode_ot16", True, True)
+    assert run(S=2) == ("launch_mla_decode_ot16", True, True)  # 32 rows
+    assert run(S=4) == ("launch_mla_decode_seesaw", False, False)  # 64 rows: the seesaw loop, P in its slots
+    assert run(dtype="float8_e4m3fn") == ("launch_mla_decode_ot", False, False)  # FP8: its own O^T loop
+    monkeypatch.setenv(m.T16_ENV, "0")
+    assert run() == ("launch_mla_decode_seesaw", False, False)
+    monkeypatch.setenv(m.T16_PT_ENV, "slot")
+    with pytest.raises(ValueError, match=m.T16_PT_ENV):
+        run()
+
+
 def test_pad_rows_switch(monkeypatch):
     """``TOKENSPEED_SM90_DECODE_PAD_ROWS`` reaches the seesaw launcher (16-bit and FP8 mode 4) only where a row block
     has rows past S x H, keyed; the O^T and transposed loops (no padded rows) never get it; validated, named."""

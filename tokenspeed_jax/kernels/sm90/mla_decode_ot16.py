@@ -16,6 +16,14 @@ not bound by tensor work:
 * ``P^T`` (N rows x 64 tokens, K-major, 2 or 4 KB) goes to the rope columns of its slot, where the seesaw loop keeps
   P: only the QK reads them, and it retired.  Both PVs read it from there (SS); warpgroup 0 stores its P twice, as the
   seesaw loop does (before its own PV, and rescaled by scale1 for the cross PV once its own PV retired).
+  With ``pt_q`` (TOKENSPEED_SM90_DECODE_T16_PT=q, opt-in) it goes to rows 32..63 of the Q tile instead (chunk 0 for
+  slot 0's, chunk 1 for slot 1's: 4 KB each, 4 KB aligned), which this loop never reads (its QK takes the first N
+  <= 32 rows; the tile is loaded once, before the loop).  The rope chunk of a slot is then free once the slot's QK
+  retired, so it is refilled with the group its owner refills after its own PV (:attr:`col_groups`: A0 = cols
+  0..255 + rope, B1 = cols 256..575), and the two groups refilled after a cross PV, the last bytes each next QK waits
+  for, shrink from 40 to 32 KB.  Ordering is unchanged: a warpgroup's next store of its ``P^T`` comes after its next
+  QK, which waited for a group (B0 / A1) issued after the other warpgroup's cross PV that read the previous one
+  retired.
 * ``O^T (256 features x N) += V^T P^T`` per warpgroup: ``V^T`` is the slot read as an MN-major A operand (16-bit
   wgmmas take either major mode, so unlike FP8 no copy and no register path), 4 m-blocks of 64 features;
   4 x (N / 2) accumulator registers instead of 128.  The O rescales are per column (:meth:`scale_ot`).
@@ -37,13 +45,14 @@ from cutlass.cute.nvgpu import warpgroup
 from cutlass.tensor_utils import LayoutEnum
 
 from tokenspeed_jax.kernels.sm90.helpers import Barrier
+from tokenspeed_jax.kernels.sm90.kv_refill import _CHUNK
 from tokenspeed_jax.kernels.sm90.mla_decode_ot import MlaDecodeOtSm90
 from tokenspeed_jax.kernels.sm90.mla_decode_seesaw import MlaDecodeSeesawSm90
 
 _MAX_ROWS = 32  # query rows S x H (pv_n 16 or 32; the O^T loop's limit)
 _MIN_PAGE = 32  # the producer warpgroup's (its coordinates of 16-token pages spill in 24 registers)
-_QK_CHUNKS_A = (0, 1, 2, 3)  # the column groups of the seesaw loop's refills (module docstring there)
-_QK_CHUNKS_B = (4, 5, 6, 7, 8)
+_ALL_CHUNKS = tuple(range(9))  # the first QK of each warpgroup (both groups of its slot landed)
+_PT_ROW = 32  # pt_q: P^T at this row of the Q tile (chunks 0 and 1), past the QK's rows
 
 
 class MlaDecodeOt16Sm90(MlaDecodeOtSm90):
@@ -56,7 +65,7 @@ class MlaDecodeOt16Sm90(MlaDecodeOtSm90):
     # FP8 O^T loop's, which this class inherits its column-statistics and epilogue methods from
     __call__ = MlaDecodeSeesawSm90.__call__
 
-    def __init__(self, **kw):
+    def __init__(self, pt_q: bool = False, **kw):
         for k in ("qk_fp8", "pv_fp8", "early_refill", "vt_packed", "tma_producer", "kv_load", "qk_t", "cross_first"):
             kw.pop(k, None)
         if kw.get("dtype") not in ("bfloat16", "float16"):
@@ -69,6 +78,9 @@ class MlaDecodeOt16Sm90(MlaDecodeOtSm90):
         self.schedule = "seesaw-t16"
         self.qk_t = True  # (the O^T loop's column-statistics paths: fold_t, col_limits, epilogue_ot)
         self.pv_n = 16 if self.R <= 16 else 32
+        self.pt_q = pt_q
+        if pt_q:  # P^T in the Q tile: each slot's rope chunk goes with its owner's early group (module docstring)
+            self.col_groups = ((0, 1, 2, 3, 8), (4, 5, 6, 7), (0, 1, 2, 3), (4, 5, 6, 7, 8))
 
     # ------------------------------------------------------------------------------------------ host
     def seesaw_mmas(self):
@@ -114,14 +126,18 @@ class MlaDecodeOt16Sm90(MlaDecodeOtSm90):
         tOrVt1 = pv_thr.make_fragment_A(pv_thr.partition_A(self.v_half(sK1, v_layout, wg)))
         pt_layout = sm90_utils.make_smem_layout_b(LayoutEnum.ROW_MAJOR, (64, self.pv_n, bn), dt, 1)
         pt_store = cute.select(pt_layout.outer, mode=[1, 0, 2])
+        if cutlass.const_expr(self.pt_q):  # rows 32..63 of the Q tile's chunks 0 and 1 (module docstring)
+            pt0 = sQ.iterator + _PT_ROW * _CHUNK
+            pt1 = sQ.iterator + (self.block_m + _PT_ROW) * _CHUNK
+        else:  # the slots' rope columns
+            pt0, pt1 = sK0.iterator + self.DV * bn, sK1.iterator + self.DV * bn
         tOsPt0 = pv_thr.make_fragment_B(pv_thr.partition_B(cute.make_tensor(
-            cute.recast_ptr(sK0.iterator + self.DV * bn, pt_layout.inner), pt_layout.outer)[None, None, 0]))
+            cute.recast_ptr(pt0, pt_layout.inner), pt_layout.outer)[None, None, 0]))
         tOsPt1 = pv_thr.make_fragment_B(pv_thr.partition_B(cute.make_tensor(
-            cute.recast_ptr(sK1.iterator + self.DV * bn, pt_layout.inner), pt_layout.outer)[None, None, 0]))
-        tSsP0 = qk_thr.partition_C(cute.make_tensor(cute.recast_ptr(sK0.iterator + self.DV * bn, pt_layout.inner),
-                                                    pt_store)[None, None, 0])
-        tSsP1 = qk_thr.partition_C(cute.make_tensor(cute.recast_ptr(sK1.iterator + self.DV * bn, pt_layout.inner),
-                                                    pt_store)[None, None, 0])
+            cute.recast_ptr(pt1, pt_layout.inner), pt_layout.outer)[None, None, 0]))
+        tSsP0 = qk_thr.partition_C(cute.make_tensor(cute.recast_ptr(pt0, pt_layout.inner), pt_store)[None, None, 0])
+        tSsP1 = qk_thr.partition_C(cute.make_tensor(cute.recast_ptr(pt1, pt_layout.inner), pt_store)[None, None, 0])
+        cg = self.col_groups  # A0, B0, A1, B1
         rP = cute.make_rmem_tensor_like(acc_s, dt)
         qk_mma.set(warpgroup.Field.ACCUMULATE, True)
         pv_mma.set(warpgroup.Field.ACCUMULATE, True)
@@ -139,11 +155,11 @@ class MlaDecodeOt16Sm90(MlaDecodeOtSm90):
             if wg == 0:
                 self.landed(mbar + 0, 0)
                 self.landed(mbar + 1, 0)
-                self.qk_chunks(qk_mma, acc_s, tSrK0, tSrQ, _QK_CHUNKS_A + _QK_CHUNKS_B, True)
+                self.qk_chunks(qk_mma, acc_s, tSrK0, tSrQ, _ALL_CHUNKS, True)
             else:
                 self.landed(mbar + 2, 0)
                 self.landed(mbar + 3, 0)
-                self.qk_chunks(qk_mma, acc_s, tSrK1, tSrQ, _QK_CHUNKS_A + _QK_CHUNKS_B, True)
+                self.qk_chunks(qk_mma, acc_s, tSrK1, tSrQ, _ALL_CHUNKS, True)
             warpgroup.commit_group()
             warpgroup.wait_group(0)
 
@@ -176,7 +192,7 @@ class MlaDecodeOt16Sm90(MlaDecodeOtSm90):
                 self.mark(mTrace, cta, wg, wtid, j, 3)
                 if more:
                     self.refill(sK0, tAs0, tAg, tma_atom, mbar + 0, mKV, None, t0 + 2 * bn, split_end, num_pages, wg,
-                                wtid, _QK_CHUNKS_A, Barrier.REFILL_A0)
+                                wtid, cg[0], Barrier.REFILL_A0)
                 # 3. WG1 folded tile 2j+1: rescale P0^T (-> smem for WG1; the own PV that read it retired), l, O^T
                 cute.arch.barrier(barrier_id=int(Barrier.SCALE1), number_of_threads=self.num_threads)
                 self.mark(mTrace, cta, wg, wtid, j, 4)
@@ -199,14 +215,14 @@ class MlaDecodeOt16Sm90(MlaDecodeOtSm90):
                 if more:
                     self.landed(mbar + 0, ph)
                     self.mark(mTrace, cta, wg, wtid, j, 7)
-                    self.qk_chunks(qk_mma, acc_s, tSrK0, tSrQ, _QK_CHUNKS_A, True)
+                    self.qk_chunks(qk_mma, acc_s, tSrK0, tSrQ, cg[0], True)
                     warpgroup.commit_group()
                     warpgroup.wait_group(1)
                     self.mark(mTrace, cta, wg, wtid, j, 8)
                     self.refill(sK1, tAs1, tAg, tma_atom, mbar + 2, mKV, None, t0 + 3 * bn, split_end, num_pages, wg,
-                                wtid, _QK_CHUNKS_A + (8,), Barrier.REFILL_A1)
+                                wtid, cg[2], Barrier.REFILL_A1)
                     self.landed(mbar + 1, ph)
-                    self.qk_chunks(qk_mma, acc_s, tSrK0, tSrQ, _QK_CHUNKS_B, False)
+                    self.qk_chunks(qk_mma, acc_s, tSrK0, tSrQ, cg[1], False)
                     warpgroup.commit_group()
                 if cutlass.const_expr(self.l2_prefetch == "late"):  # noqa: SIM102 (static + dynamic test)
                     if wtid + mblk == 0:
@@ -246,18 +262,18 @@ class MlaDecodeOt16Sm90(MlaDecodeOtSm90):
                 warpgroup.wait_group(1)
                 if more:
                     self.refill(sK1, tAs1, tAg, tma_atom, mbar + 3, mKV, None, t1 + 2 * bn, split_end, num_pages, wg,
-                                wtid, (4, 5, 6, 7), Barrier.REFILL_B1)
+                                wtid, cg[3], Barrier.REFILL_B1)
                 warpgroup.wait_group(0)
                 self.mark(mTrace, cta, wg, wtid, j, 6)
                 if more:
                     self.refill(sK0, tAs0, tAg, tma_atom, mbar + 1, mKV, None, t1 + bn, split_end, num_pages, wg,
-                                wtid, _QK_CHUNKS_B, Barrier.REFILL_B0)
+                                wtid, cg[1], Barrier.REFILL_B0)
                     # 5. next QK on slot 1: own columns first, then WG0's refill (cols 0..255 + rope)
                     self.landed(mbar + 3, ph)
                     self.mark(mTrace, cta, wg, wtid, j, 7)
-                    self.qk_chunks(qk_mma, acc_s, tSrK1, tSrQ, (4, 5, 6, 7), True)
+                    self.qk_chunks(qk_mma, acc_s, tSrK1, tSrQ, cg[3], True)
                     self.landed(mbar + 2, ph)
-                    self.qk_chunks(qk_mma, acc_s, tSrK1, tSrQ, _QK_CHUNKS_A + (8,), False)
+                    self.qk_chunks(qk_mma, acc_s, tSrK1, tSrQ, cg[2], False)
                     warpgroup.commit_group()
                 warpgroup.wait_group(0)
                 self.mark(mTrace, cta, wg, wtid, j, 8)
@@ -277,12 +293,13 @@ def launch_mla_decode_ot16(stream, q: cute.Tensor, kv: cute.Tensor, block_table:
                            tokens_per_split: cutlass.Constexpr, block_n: cutlass.Constexpr = 64,
                            schedule: cutlass.Constexpr = "seesaw", pdl: cutlass.Constexpr = True,
                            l2_prefetch: cutlass.Constexpr = "late", kv_evict: cutlass.Constexpr = "normal",
-                           pdl_main: cutlass.Constexpr = False):
+                           pdl_main: cutlass.Constexpr = False, pt_q: cutlass.Constexpr = False):
     """FFI launch function of the transposed 16-bit loop (``TOKENSPEED_SM90_DECODE_T16``; same ABI as
-    ``launch_mla_decode_seesaw``; ``schedule`` is the backend's, always "seesaw" here)."""
+    ``launch_mla_decode_seesaw``; ``schedule`` is the backend's, always "seesaw" here; ``pt_q``: P^T in the Q tile,
+    ``TOKENSPEED_SM90_DECODE_T16_PT=q``)."""
     MlaDecodeOt16Sm90(dtype=dtype, num_heads=num_heads, q_len=q_len, page_size=page_size, causal=causal,
                       num_splits=num_splits, tokens_per_split=tokens_per_split, block_n=block_n, pdl=pdl,
-                      l2_prefetch=l2_prefetch, kv_evict=kv_evict, pdl_main=pdl_main)(
+                      l2_prefetch=l2_prefetch, kv_evict=kv_evict, pdl_main=pdl_main, pt_q=pt_q)(
         stream, q, kv, block_table, seq_lens, softmax_scale, output_scale, out, lse, o_accum, lse_accum)
 
 

@@ -227,6 +227,11 @@ class MlaDecodeSeesawSm90(Fp8OperandsMixin, KvRefillMixin, DecodeTraceMixin, Mla
     # floats of shared memory for column statistics in the loop's storage (``Storage.red``): none used here (4, the
     # smallest field); the transposed 16-bit loop's fold_t / epilogue_ot need 2 x 4 x 32
     red_floats = 4
+    # the 64-column chunks of the 16-bit refill groups by mbarrier, A0 and B0 (slot 0), A1 and B1 (slot 1) (module
+    # docstring, "The groups"): the rope chunk 8 goes with the group refilled after the last PV that read the P
+    # stored there.  The prologue and the producer warpgroup's loop load these (this loop's own refill sites name the
+    # same chunks); the transposed 16-bit loop may move P and with it chunk 8 (MlaDecodeOt16Sm90, pt_q).
+    col_groups = ((0, 1, 2, 3), (4, 5, 6, 7, 8), (0, 1, 2, 3, 8), (4, 5, 6, 7))
 
     def seesaw_mmas(self):
         """``(qk_mma, pv_ss, pv_rs, pv8)`` of the loop (traced in ``__call__``): the QK, the P V with P from shared
@@ -386,10 +391,11 @@ class MlaDecodeSeesawSm90(Fp8OperandsMixin, KvRefillMixin, DecodeTraceMixin, Mla
             # 0 cols 0..255, after WG0's own PV), B1 (slot 1 cols 256..511, WG1's own PV), B0 (slot 0 cols 256..575,
             # WG1's cross PV), A1 (slot 1 cols 0..255 + rope, WG0's cross PV); each site's warpgroup arrives on its
             # REFILL_* barrier.  No site waits for a later refill of the same pair, so the fixed order cannot block.
-            groups = ((Barrier.REFILL_A0, 0, 0, (0, 1, 2, 3)),
-                      (Barrier.REFILL_B1, 1, 3, (4, 5, 6, 7)),
-                      (Barrier.REFILL_B0, 0, 1, (4, 5, 6, 7, 8)),
-                      (Barrier.REFILL_A1, 1, 2, (0, 1, 2, 3, 8)))
+            cg = self.col_groups
+            groups = ((Barrier.REFILL_A0, 0, 0, cg[0]),
+                      (Barrier.REFILL_B1, 1, 3, cg[3]),
+                      (Barrier.REFILL_B0, 0, 1, cg[1]),
+                      (Barrier.REFILL_A1, 1, 2, cg[2]))
             if cutlass.const_expr(self.cross_first):
                 # warpgroup 1 reaches B0 before B1 here, and warpgroup 0's A1 may come before either: warp g issues
                 # group g alone, so each refill goes out as soon as its site is reached
@@ -668,13 +674,13 @@ class MlaDecodeSeesawSm90(Fp8OperandsMixin, KvRefillMixin, DecodeTraceMixin, Mla
             elif cutlass.const_expr(self.producer):  # ... by column groups (mbarriers A0, B0, A1, B1)
                 if wg == 2:
                     self.refill(sK0, tAs0, tAg, tma_atom, mbar + 0, mKV, pg0, split_start, split_end, num_pages, wg,
-                                wtid, (0, 1, 2, 3), None)
+                                wtid, self.col_groups[0], None)
                     self.refill(sK1, tAs1, tAg, tma_atom, mbar + 2, mKV, pg1, split_start + bn, split_end, num_pages,
-                                wg, wtid, (0, 1, 2, 3, 8), None)
+                                wg, wtid, self.col_groups[2], None)
                     self.refill(sK0, tAs0, tAg, tma_atom, mbar + 1, mKV, pg0, split_start, split_end, num_pages, wg,
-                                wtid, (4, 5, 6, 7, 8), None)
+                                wtid, self.col_groups[1], None)
                     self.refill(sK1, tAs1, tAg, tma_atom, mbar + 3, mKV, pg1, split_start + bn, split_end, num_pages,
-                                wg, wtid, (4, 5, 6, 7), None)
+                                wg, wtid, self.col_groups[3], None)
             elif cutlass.const_expr(self.early):  # each warpgroup its own slot, one mbarrier (+0, +2) per slot
                 if wg == 0:
                     self.refill(sK0, tAs0, tAg, tma_atom, mbar + 0, mKV, pg0, split_start, split_end, num_pages, wg,
@@ -684,14 +690,14 @@ class MlaDecodeSeesawSm90(Fp8OperandsMixin, KvRefillMixin, DecodeTraceMixin, Mla
                                 num_pages, wg, wtid, _ALL_CHUNKS, None)
             elif wg == 0:
                 self.refill(sK0, tAs0, tAg, tma_atom, mbar + 0, mKV, pg0, split_start, split_end, num_pages, wg,
-                            wtid, (0, 1, 2, 3), None)
+                            wtid, self.col_groups[0], None)
                 self.refill(sK1, tAs1, tAg, tma_atom, mbar + 2, mKV, pg1, split_start + bn, split_end, num_pages,
-                            wg, wtid, (0, 1, 2, 3, 8), None)
+                            wg, wtid, self.col_groups[2], None)
             else:
                 self.refill(sK0, tAs0, tAg, tma_atom, mbar + 1, mKV, pg0, split_start, split_end, num_pages, wg,
-                            wtid, (4, 5, 6, 7, 8), None)
+                            wtid, self.col_groups[1], None)
                 self.refill(sK1, tAs1, tAg, tma_atom, mbar + 3, mKV, pg1, split_start + bn, split_end, num_pages,
-                            wg, wtid, (4, 5, 6, 7), None)
+                            wg, wtid, self.col_groups[3], None)
             if cutlass.const_expr(self.l2_prefetch != "off"):  # the first pair not loaded here into L2
                 pf = split_start + 2 * (self.pf_ahead - 1) * bn
                 if pf < split_end:
