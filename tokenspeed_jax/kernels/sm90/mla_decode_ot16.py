@@ -211,7 +211,7 @@ class MlaDecodeOt16Sm90(MlaDecodeOtSm90):
                 self.pv(pv_mma, acc, tOrVt1, tOsPt1)
                 warpgroup.commit_group()
                 # 5. next QK on slot 0: this warpgroup's refill first, then (after the cross PV retired, refilling
-                #    slot 1's cols 0..255 + rope) WG1's refill of cols 256..575
+                #    slot 1's cols 0..255, + rope unless pt_q) WG1's refill of the rest (col_groups)
                 if more:
                     self.landed(mbar + 0, ph)
                     self.mark(mTrace, cta, wg, wtid, j, 7)
@@ -257,8 +257,8 @@ class MlaDecodeOt16Sm90(MlaDecodeOtSm90):
                 warpgroup.commit_group()
                 cute.arch.barrier_arrive(barrier_id=int(Barrier.P1_READY), number_of_threads=self.num_threads)
                 self.mark(mTrace, cta, wg, wtid, j, 5)
-                # 4. refills as the PVs retire: slot 1 cols 256..511 (own PV), slot 0 cols 256..575 (cross PV,
-                #    which also read P0^T in slot 0's rope columns)
+                # 4. refills as the PVs retire: slot 1 cols 256..511 (own PV; + rope with pt_q), slot 0 cols 256..575
+                #    (cross PV, which also read P0^T in slot 0's rope columns; 256..511 with pt_q): col_groups
                 warpgroup.wait_group(1)
                 if more:
                     self.refill(sK1, tAs1, tAg, tma_atom, mbar + 3, mKV, None, t1 + 2 * bn, split_end, num_pages, wg,
@@ -268,7 +268,7 @@ class MlaDecodeOt16Sm90(MlaDecodeOtSm90):
                 if more:
                     self.refill(sK0, tAs0, tAg, tma_atom, mbar + 1, mKV, None, t1 + bn, split_end, num_pages, wg,
                                 wtid, cg[1], Barrier.REFILL_B0)
-                    # 5. next QK on slot 1: own columns first, then WG0's refill (cols 0..255 + rope)
+                    # 5. next QK on slot 1: own columns first, then WG0's refill (cols 0..255; + rope unless pt_q)
                     self.landed(mbar + 3, ph)
                     self.mark(mTrace, cta, wg, wtid, j, 7)
                     self.qk_chunks(qk_mma, acc_s, tSrK1, tSrQ, cg[3], True)
