@@ -264,13 +264,14 @@ _SCRIPT = textwrap.dedent(
     # 32 rows over S = 2 (pv_n 32), page 32 (2 boxes per chunk), one split (the direct epilogue); its refusals; and
     # through the public op with the switch set
     from tokenspeed_jax.kernels.sm90.mla_decode_ot16 import MlaDecodeOt16Sm90
-    # (t16q: P^T in the Q tile, TOKENSPEED_SM90_DECODE_T16_PT=q; H32, a shape of its own, since the dump files are
-    # named by the argument shapes)
+    # (t16q: P^T in the Q tile and per-chunk mbarriers, TOKENSPEED_SM90_DECODE_T16_PT=q and _T16_BARS=chunk; H32, a
+    # shape of its own, since the dump files are named by the argument shapes)
     for name, dt, H, S, page, splits in (("t16", "bfloat16", 16, 1, 64, 2), ("t16b", "float16", 16, 2, 32, 1),
                                          ("t16q", "bfloat16", 32, 1, 64, 2)):
         before = set(glob.glob(d + "/*"))
         kt = MlaDecodeOt16Sm90(dtype=dt, num_heads=H, q_len=S, page_size=page, causal=True, num_splits=splits,
-                               tokens_per_split=256, block_n=64, l2_prefetch="late", pt_q=name == "t16q")
+                               tokens_per_split=256, block_n=64, l2_prefetch="late", pt_q=name == "t16q",
+                               chunk_bars=name == "t16q")
         cute.compile(kt, *fake_args(kt, S, H, page, splits))
         tptx, tsass = own(before, ".ptx"), own(before, ".sass")
         n = kt.pv_n
@@ -279,7 +280,9 @@ _SCRIPT = textwrap.dedent(
                          wg=len(re.findall(r"wgmma\\.mma_async\\.sync\\.aligned\\.m64n%dk16\\.f32" % n, tptx)),
                          other=len(re.findall(r"wgmma\\.mma_async\\.sync\\.aligned\\.m64n(?!%dk16)" % n, tptx)),
                          hgmma=len(re.findall(r"HGMMA\\.64x%dx16\\.F32" % n, tsass)),
-                         refill160=len(re.findall(r"bar\\.(?:sync|arrive)\\s+(?:10|11|12|13),\\s*160;", tptx)))
+                         refill160=len(re.findall(r"bar\\.(?:sync|arrive)\\s+(?:10|11|12|13),\\s*160;", tptx)),
+                         expect=len(re.findall(r"mbarrier\\.arrive\\.expect_tx", tptx)),
+                         waits=len(re.findall(r"mbarrier\\.try_wait", tptx)))
     refused = []
     for kw in (dict(dtype="bfloat16", num_heads=64, q_len=1, page_size=64), dict(dtype="bfloat16", num_heads=16,
                q_len=1, page_size=16), dict(dtype="float8_e4m3fn", num_heads=16, q_len=1, page_size=64)):
@@ -479,10 +482,13 @@ def check_compile_result(r: dict) -> None:
     # 2 loop sites) and 16 per PV (4 m-blocks x 4 k16 steps, 4 sites); the seesaw loop's TMA copies (18 chunk loads per
     # tile pair in the prologue and in the producer's loop, x 1 or 2 boxes), refill barriers (4 arrive sites + the
     # producer's 4 syncs) and setmaxnreg; no spill, no serialized wgmma; 64 rows, 16-token pages and FP8 refused.  With
-    # P^T in the Q tile (t16q) the rope chunk changes group, not the counts
+    # P^T in the Q tile (t16q) the rope chunk changes group, not the counts; the refills arm (expect-tx) and the QKs
+    # wait on the 4 group mbarriers at 8 sites each (prologue, loop), or with per-chunk mbarriers (t16q) on 9 per slot
+    # at 36
     for name, n, boxes in (("t16", 16, 1), ("t16b", 32, 2), ("t16q", 32, 1)):
         x = r[name]
         assert x["n"] == n and x["wg"] == 4 * 36 + 4 * 16 and x["other"] == 0 and x["tma"] == 36 * boxes, (name, x)
+        assert x["expect"] == x["waits"] == (36 if name == "t16q" else 8), (name, x)
         assert x["maxnreg"] == 2 and x["refill160"] == 8, (name, x)
         if x["sass"]:
             assert x["hgmma"] == 208 and x["spill"] == 0 and x["depbar"] <= 8, (name, x)

@@ -182,36 +182,48 @@ def test_t16_and_pdl_main_switches(monkeypatch):
         monkeypatch.delenv(env)
 
 
-def test_t16_pt_switch(monkeypatch):
-    """``TOKENSPEED_SM90_DECODE_T16_PT=q`` (opt-in) reaches the transposed 16-bit loop only, keyed; off by default;
-    validated with the variable named wherever it applies or not."""
+def test_t16_pt_and_bars_switches(monkeypatch):
+    """``TOKENSPEED_SM90_DECODE_T16_PT=q`` and ``_T16_BARS=chunk`` (opt-in) reach the transposed 16-bit loop only,
+    keyed; off by default; validated with the variable named wherever they apply or not."""
     pytest.importorskip("cutlass")  # (supports() refuses without it)
     import jax.numpy as jnp
 
     from tokenspeed_jax.backends import sm90_decode as m
 
     assert m.T16_PT_ENV in m.TRACE_ENV and m.T16_PT_DEFAULT == "rope" and m.T16_PT_CHOICES == ("rope", "q")
+    assert m.T16_BARS_ENV in m.TRACE_ENV and m.T16_BARS_DEFAULT == "group"
+    assert m.T16_BARS_CHOICES == ("group", "chunk")
     seen = _record_custom_calls(monkeypatch)
     bt, sl = jnp.zeros((2, 8), jnp.int32), jnp.full((2,), 100, jnp.int32)
-    for env in (m.T16_PT_ENV, m.T16_ENV, m.PRODUCER16_ENV, m.FP8_PV_ENV):
+    for env in (m.T16_PT_ENV, m.T16_BARS_ENV, m.T16_ENV, m.PRODUCER16_ENV, m.FP8_PV_ENV):
         monkeypatch.delenv(env, raising=False)
 
     def run(dtype="bfloat16", S=1, H=16):
         m.decode(_problem(batch=2, q_len=S, num_heads=H, num_pages=16, max_pages=8, dtype=dtype),
                  jnp.zeros((2, S, H, 576), dtype), jnp.zeros((16, 64, 576), dtype), bt, sl, 0.1, 1.0)
-        return seen["launch"].__name__, seen["key"].t16_pt_q, seen["kw"].get("pt_q", False)
+        key, kw = seen["key"], seen["kw"]
+        return (seen["launch"].__name__, key.t16_pt_q, kw.get("pt_q", False), key.t16_chunk_bars,
+                kw.get("chunk_bars", False))
 
-    assert run() == ("launch_mla_decode_ot16", False, False)  # the default
+    off = (False,) * 4
+    assert run() == ("launch_mla_decode_ot16", *off)  # the defaults
     monkeypatch.setenv(m.T16_PT_ENV, "q")
-    assert run() == ("launch_mla_decode_ot16", True, True)
-    assert run(S=2) == ("launch_mla_decode_ot16", True, True)  # 32 rows
-    assert run(S=4) == ("launch_mla_decode_seesaw", False, False)  # 64 rows: the seesaw loop, P in its slots
-    assert run(dtype="float8_e4m3fn") == ("launch_mla_decode_ot", False, False)  # FP8: its own O^T loop
+    assert run() == ("launch_mla_decode_ot16", True, True, False, False)
+    monkeypatch.setenv(m.T16_BARS_ENV, "chunk")
+    assert run() == ("launch_mla_decode_ot16", True, True, True, True)
+    assert run(S=2) == ("launch_mla_decode_ot16", True, True, True, True)  # 32 rows
+    monkeypatch.delenv(m.T16_PT_ENV)
+    assert run() == ("launch_mla_decode_ot16", False, False, True, True)
+    monkeypatch.setenv(m.T16_PT_ENV, "q")
+    assert run(S=4) == ("launch_mla_decode_seesaw", *off)  # 64 rows: the seesaw loop, P in its slots
+    assert run(dtype="float8_e4m3fn") == ("launch_mla_decode_ot", *off)  # FP8: its own O^T loop
     monkeypatch.setenv(m.T16_ENV, "0")
-    assert run() == ("launch_mla_decode_seesaw", False, False)
-    monkeypatch.setenv(m.T16_PT_ENV, "slot")
-    with pytest.raises(ValueError, match=m.T16_PT_ENV):
-        run()
+    assert run() == ("launch_mla_decode_seesaw", *off)
+    for env, bad in ((m.T16_PT_ENV, "slot"), (m.T16_BARS_ENV, "tile")):
+        monkeypatch.setenv(env, bad)
+        with pytest.raises(ValueError, match=env):
+            run()
+        monkeypatch.delenv(env)
 
 
 def test_pad_rows_switch(monkeypatch):

@@ -49,7 +49,8 @@ memory, out in 16-byte chunks; ``"direct"``: each thread's elements straight to 
 ``TOKENSPEED_SM90_DECODE_EPILOGUE_FP8`` does the same for FP8 mode 4 (``"staged"`` by default since its H200 check
 and A/B of 2026-12-02, 08:16 UTC device clock; ``"direct"``: the old stores).
 ``TOKENSPEED_SM90_DECODE_T16_PT=q`` (opt-in, compiled and tested on the CPU only): the transposed 16-bit loop keeps P^T
-in the Q tile's unused rows, so each slot's rope chunk is refilled earlier (``"rope"``, the default: in the slot).
+in the Q tile's unused rows, so each slot's rope chunk is refilled earlier (``"rope"``, the default: in the slot);
+``TOKENSPEED_SM90_DECODE_T16_BARS=chunk`` (the same): its QKs wait per 64-column chunk (``"group"``: per refill group).
 
 ``"auto"`` picks seesaw; FP8 with 8-token pages (no TMA refills) or ``"seesaw-cpasync"`` runs lockstep.
 Chosen by ``decode(..., schedule=...)`` or, when that is None, by the environment variable
@@ -140,6 +141,14 @@ T16_DEFAULT = "1"
 T16_PT_ENV = "TOKENSPEED_SM90_DECODE_T16_PT"
 T16_PT_CHOICES = ("rope", "q")
 T16_PT_DEFAULT = "rope"
+# How the transposed 16-bit loop's QKs wait for their KV: "group" (one mbarrier per column group of a slot, the
+# seesaw loop's) or "chunk" (one per 64-column chunk, 9 per slot, so a QK starts on the first chunk to land, as
+# FlashMLA's does; the seesaw loop measured +2% on memory-bound shapes with it on 2026-11-29 and lost on compute-bound
+# ones, which this loop does not run).  Opt-in: compiled and tested on the CPU only (2026-12-02).  Read at trace
+# time; part of the compile key.
+T16_BARS_ENV = "TOKENSPEED_SM90_DECODE_T16_BARS"
+T16_BARS_CHOICES = ("group", "chunk")
+T16_BARS_DEFAULT = "group"
 # "1": the main decode kernel is launched with programmatic dependent launch as well (its CTAs take SMs while the
 # previous kernel of the stream drains, then wait for it before reading anything; the main and combine kernels let
 # the next kernel launch at their start).  "0": only the combine kernel is.  Measured BF16 1.023x, FP8 0.998x with one
@@ -171,7 +180,7 @@ EPILOGUE_FP8_ENV = "TOKENSPEED_SM90_DECODE_EPILOGUE_FP8"
 EPILOGUE_FP8_DEFAULT = "staged"
 TRACE_ENV = (SCHEDULE_ENV, PDL_ENV, FP8_QK_ENV, FP8_PV_ENV, L2_PREFETCH_ENV, PRODUCER16_ENV, RS_STAGES_ENV,
              KV_EVICT_ENV, CROSS_FIRST_ENV, T16_ENV, PDL_MAIN_ENV, PAD_ROWS_ENV, P_STSM_ENV, EPILOGUE_ENV,
-             EPILOGUE_FP8_ENV, T16_PT_ENV)
+             EPILOGUE_FP8_ENV, T16_PT_ENV, T16_BARS_ENV)
 SCHEDULES = ("auto", "seesaw", "seesaw-cpasync", "lockstep", "overlap")  # module docstring (no cutlass import here)
 _MIN_PAGE = 8
 _MIN_FP8_SEESAW_PAGE = 16  # the FP8 seesaw needs TMA refills (the kernel's _MIN_TMA_PAGE; no cutlass import here)
@@ -211,6 +220,7 @@ class DecodeKernelKey:
     p_stsm: bool = False  # 16-bit seesaw: P stored by stmatrix ($TOKENSPEED_SM90_DECODE_P_STSM)
     o_staged: bool = False  # seesaw: O staged through smem ($TOKENSPEED_SM90_DECODE_EPILOGUE, FP8: ..._EPILOGUE_FP8)
     t16_pt_q: bool = False  # the transposed loop: P^T in the Q tile ($TOKENSPEED_SM90_DECODE_T16_PT)
+    t16_chunk_bars: bool = False  # the transposed loop: per-chunk mbarriers ($TOKENSPEED_SM90_DECODE_T16_BARS)
 
 
 def supports(problem: DecodeProblem) -> str | None:
@@ -290,6 +300,11 @@ def resolve_t16() -> bool:
 def resolve_t16_pt() -> str:
     """``$TOKENSPEED_SM90_DECODE_T16_PT`` (one of :data:`T16_PT_CHOICES`, default :data:`T16_PT_DEFAULT`)."""
     return _env(T16_PT_ENV, T16_PT_DEFAULT, T16_PT_CHOICES)
+
+
+def resolve_t16_bars() -> str:
+    """``$TOKENSPEED_SM90_DECODE_T16_BARS`` (one of :data:`T16_BARS_CHOICES`, default :data:`T16_BARS_DEFAULT`)."""
+    return _env(T16_BARS_ENV, T16_BARS_DEFAULT, T16_BARS_CHOICES)
 
 
 def resolve_pdl_main() -> bool:
@@ -385,7 +400,8 @@ def decode(problem: DecodeProblem, q, kv_cache, block_table, seq_lens, softmax_s
     t16 = (tma_producer and not fp8_seesaw and S * H <= _MAX_OT_ROWS and resolve_t16())
     if t16:
         launch = launch_mla_decode_ot16
-    t16_pt_q = resolve_t16_pt() == "q" and t16  # (validated wherever it applies or not)
+    t16_pt_q = resolve_t16_pt() == "q" and t16  # (both validated wherever they apply or not)
+    t16_chunk_bars = resolve_t16_bars() == "chunk" and t16
     cross_first = seesaw and problem.dtype != "float8_e4m3fn" and not t16 and resolve_cross_first()
     pdl_main = resolve_pdl_main()
     # (only the seesaw launcher takes it; the O^T and transposed loops run S x H <= 32 on N = S x H columns)
@@ -402,7 +418,7 @@ def decode(problem: DecodeProblem, q, kv_cache, block_table, seq_lens, softmax_s
     key = DecodeKernelKey("mla_decode_sm90.v10", problem.dtype, H, S, problem.page_size, problem.causal,
                           plan.num_splits, plan.tokens_per_split, block_n, schedule, pdl, qk_fp8, l2_prefetch, pv_fp8,
                           early_refill, vt_packed, tma_producer, pv_ot, qk_t, rs_stages, kv_evict, cross_first, t16,
-                          pdl_main, pad_rows, p_stsm, o_staged, t16_pt_q)
+                          pdl_main, pad_rows, p_stsm, o_staged, t16_pt_q, t16_chunk_bars)
     outputs = [jax.ShapeDtypeStruct((B, S, H, problem.kv_lora_rank), jnp.dtype(problem.out_dtype)),
                jax.ShapeDtypeStruct((B, S, H), jnp.float32)]
     outputs += [jax.ShapeDtypeStruct(w.shape, jnp.dtype(w.dtype)) for w in plan.workspace]
@@ -423,6 +439,7 @@ def decode(problem: DecodeProblem, q, kv_cache, block_table, seq_lens, softmax_s
         **({"p_stsm": True} if p_stsm else {}),
         **({"o_staged": True} if o_staged else {}),
         **({"pt_q": True} if t16_pt_q else {}),
+        **({"chunk_bars": True} if t16_chunk_bars else {}),
     )
     res = call(q, kv_cache, block_table.astype(jnp.int32), seq_lens.astype(jnp.int32),
                ffi.scalar_operand(softmax_scale), ffi.scalar_operand(output_scale))

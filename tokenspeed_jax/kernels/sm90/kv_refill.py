@@ -101,13 +101,15 @@ class KvRefillMixin:
 
     @cute.jit
     def refill(self, sKs, tAs, tAg, tma_atom, mbar_ptr, mKV, pgs, tile_start, split_end, num_pages, wg, wtid,
-               chunks: cutlass.Constexpr, bar: cutlass.Constexpr):
+               chunks: cutlass.Constexpr, bar: cutlass.Constexpr, cbar=None):
         """Refill the 64-column chunks ``chunks`` of one slot, completing the mbarrier ``mbar_ptr``.
 
         TMA: the first warp of the warpgroup issues ``subs`` boxes per chunk (one elected lane) after an
         arrive-and-expect-tx of the group's bytes by its lane 0; with a barrier id ``bar`` (every refill
         after the columns' last wgmma) the other warps first arrive on it, i.e. their share of that wgmma
-        has retired.  cp.async: :meth:`fill`."""
+        has retired.  With ``cbar`` (the slot's 9 per-chunk mbarriers, the transposed 16-bit loop's
+        ``chunk_bars``) chunk ``c`` completes ``cbar + c`` instead, so a QK can start on the first chunk to land.
+        cp.async: :meth:`fill`."""
         if cutlass.const_expr(self.producer and bar is not None):  # a loop site: the producer issues (:meth:`produce`)
             cute.arch.barrier_arrive(barrier_id=int(bar), number_of_threads=160)
         elif cutlass.const_expr(self.use_tma):
@@ -117,16 +119,21 @@ class KvRefillMixin:
                 else:
                     cute.arch.barrier_arrive(barrier_id=int(bar), number_of_threads=128)
             if wtid < 32:  # the whole warp: the TMA copy elects its issuing lane (elect.sync)
+                chunk_bytes = self.block_n * _CHUNK * (self.dtype.width // 8)
                 if wtid == 0:
-                    cute.arch.mbarrier_arrive_and_expect_tx(mbar_ptr, len(chunks) * self.block_n * _CHUNK
-                                                            * (self.dtype.width // 8))
+                    if cutlass.const_expr(cbar is None):
+                        cute.arch.mbarrier_arrive_and_expect_tx(mbar_ptr, len(chunks) * chunk_bytes)
+                    else:
+                        for c in cutlass.range_constexpr(len(chunks)):
+                            cute.arch.mbarrier_arrive_and_expect_tx(cbar + chunks[c], chunk_bytes)
                 hint = {}
                 if cutlass.const_expr(KV_EVICT_MODES[self.kv_evict] is not None):
                     hint["cache_policy"] = Int64(KV_EVICT_MODES[self.kv_evict])
                 for c in cutlass.range_constexpr(len(chunks)):
+                    done = mbar_ptr if cbar is None else cbar + chunks[c]  # (static: cbar is None or a pointer)
                     for sb in cutlass.range_constexpr(self.subs):
                         cute.copy(tma_atom, tAg[None, pgs[sb, 1], chunks[c], pgs[sb, 0]], tAs[None, sb, chunks[c]],
-                                  tma_bar_ptr=mbar_ptr, **hint)
+                                  tma_bar_ptr=done, **hint)
         else:
             self.fill(sKs, mbar_ptr, mKV, pgs, tile_start, split_end, num_pages, wtid, chunks)
 

@@ -65,7 +65,7 @@ class MlaDecodeOt16Sm90(MlaDecodeOtSm90):
     # FP8 O^T loop's, which this class inherits its column-statistics and epilogue methods from
     __call__ = MlaDecodeSeesawSm90.__call__
 
-    def __init__(self, pt_q: bool = False, **kw):
+    def __init__(self, pt_q: bool = False, chunk_bars: bool = False, **kw):
         for k in ("qk_fp8", "pv_fp8", "early_refill", "vt_packed", "tma_producer", "kv_load", "qk_t", "cross_first"):
             kw.pop(k, None)
         if kw.get("dtype") not in ("bfloat16", "float16"):
@@ -79,6 +79,7 @@ class MlaDecodeOt16Sm90(MlaDecodeOtSm90):
         self.qk_t = True  # (the O^T loop's column-statistics paths: fold_t, col_limits, epilogue_ot)
         self.pv_n = 16 if self.R <= 16 else 32
         self.pt_q = pt_q
+        self.chunk_bars = chunk_bars  # (n_mbar, chunk_bar: the refills complete per-chunk mbarriers; qk_landed)
         if pt_q:  # P^T in the Q tile: each slot's rope chunk goes with its owner's early group (module docstring)
             self.col_groups = ((0, 1, 2, 3, 8), (4, 5, 6, 7), (0, 1, 2, 3), (4, 5, 6, 7, 8))
 
@@ -98,6 +99,22 @@ class MlaDecodeOt16Sm90(MlaDecodeOtSm90):
         """Output feature of ``O^T`` accumulator row ``q`` (0..7) of warp ``warp``, m-block ``mb``, warpgroup ``wg``:
         the natural order (``V^T`` comes straight from shared memory); row ``q + 8`` is feature ``+ 8``."""
         return 256 * wg + 64 * mb + 16 * warp + q
+
+    @cute.jit
+    def qk_landed(self, qk_mma, acc_s, tSrK, tSrQ, mbar, groups: cutlass.Constexpr, slot: cutlass.Constexpr,
+                  chunks: cutlass.Constexpr, phase, first: cutlass.Constexpr):
+        """Wait for the slot's chunks ``chunks`` to land (completion ``phase``) and issue their QK (no commit):
+        the column groups' mbarriers ``groups`` first, or with :attr:`chunk_bars` each chunk's own mbarrier before
+        its wgmmas, so the QK starts on the first chunk to land."""
+        if cutlass.const_expr(self.chunk_bars):
+            cb = self.chunk_bar(mbar, slot)
+            for i in cutlass.range_constexpr(len(chunks)):
+                self.landed(cb + chunks[i], phase)
+                self.qk_chunks(qk_mma, acc_s, tSrK, tSrQ, (chunks[i],), first and i == 0)
+        else:
+            for g in cutlass.range_constexpr(len(groups)):
+                self.landed(mbar + groups[g], phase)
+            self.qk_chunks(qk_mma, acc_s, tSrK, tSrQ, chunks, first)
 
     @cute.jit
     def consume(self, ctx):
@@ -153,13 +170,9 @@ class MlaDecodeOt16Sm90(MlaDecodeOtSm90):
         # ---- first QK of each warpgroup (pair 0; the producer loaded all four column groups, completion 0)
         if n_pairs > 0:
             if wg == 0:
-                self.landed(mbar + 0, 0)
-                self.landed(mbar + 1, 0)
-                self.qk_chunks(qk_mma, acc_s, tSrK0, tSrQ, _ALL_CHUNKS, True)
+                self.qk_landed(qk_mma, acc_s, tSrK0, tSrQ, mbar, (0, 1), 0, _ALL_CHUNKS, 0, True)
             else:
-                self.landed(mbar + 2, 0)
-                self.landed(mbar + 3, 0)
-                self.qk_chunks(qk_mma, acc_s, tSrK1, tSrQ, _ALL_CHUNKS, True)
+                self.qk_landed(qk_mma, acc_s, tSrK1, tSrQ, mbar, (2, 3), 1, _ALL_CHUNKS, 0, True)
             warpgroup.commit_group()
             warpgroup.wait_group(0)
 
@@ -213,16 +226,14 @@ class MlaDecodeOt16Sm90(MlaDecodeOtSm90):
                 # 5. next QK on slot 0: this warpgroup's refill first, then (after the cross PV retired, refilling
                 #    slot 1's cols 0..255, + rope unless pt_q) WG1's refill of the rest (col_groups)
                 if more:
-                    self.landed(mbar + 0, ph)
                     self.mark(mTrace, cta, wg, wtid, j, 7)
-                    self.qk_chunks(qk_mma, acc_s, tSrK0, tSrQ, cg[0], True)
+                    self.qk_landed(qk_mma, acc_s, tSrK0, tSrQ, mbar, (0,), 0, cg[0], ph, True)
                     warpgroup.commit_group()
                     warpgroup.wait_group(1)
                     self.mark(mTrace, cta, wg, wtid, j, 8)
                     self.refill(sK1, tAs1, tAg, tma_atom, mbar + 2, mKV, None, t0 + 3 * bn, split_end, num_pages, wg,
                                 wtid, cg[2], Barrier.REFILL_A1)
-                    self.landed(mbar + 1, ph)
-                    self.qk_chunks(qk_mma, acc_s, tSrK0, tSrQ, cg[1], False)
+                    self.qk_landed(qk_mma, acc_s, tSrK0, tSrQ, mbar, (1,), 0, cg[1], ph, False)
                     warpgroup.commit_group()
                 if cutlass.const_expr(self.l2_prefetch == "late"):  # noqa: SIM102 (static + dynamic test)
                     if wtid + mblk == 0:
@@ -269,11 +280,9 @@ class MlaDecodeOt16Sm90(MlaDecodeOtSm90):
                     self.refill(sK0, tAs0, tAg, tma_atom, mbar + 1, mKV, None, t1 + bn, split_end, num_pages, wg,
                                 wtid, cg[1], Barrier.REFILL_B0)
                     # 5. next QK on slot 1: own columns first, then WG0's refill (cols 0..255; + rope unless pt_q)
-                    self.landed(mbar + 3, ph)
                     self.mark(mTrace, cta, wg, wtid, j, 7)
-                    self.qk_chunks(qk_mma, acc_s, tSrK1, tSrQ, cg[3], True)
-                    self.landed(mbar + 2, ph)
-                    self.qk_chunks(qk_mma, acc_s, tSrK1, tSrQ, cg[2], False)
+                    self.qk_landed(qk_mma, acc_s, tSrK1, tSrQ, mbar, (3,), 1, cg[3], ph, True)
+                    self.qk_landed(qk_mma, acc_s, tSrK1, tSrQ, mbar, (2,), 1, cg[2], ph, False)
                     warpgroup.commit_group()
                 warpgroup.wait_group(0)
                 self.mark(mTrace, cta, wg, wtid, j, 8)
@@ -293,13 +302,15 @@ def launch_mla_decode_ot16(stream, q: cute.Tensor, kv: cute.Tensor, block_table:
                            tokens_per_split: cutlass.Constexpr, block_n: cutlass.Constexpr = 64,
                            schedule: cutlass.Constexpr = "seesaw", pdl: cutlass.Constexpr = True,
                            l2_prefetch: cutlass.Constexpr = "late", kv_evict: cutlass.Constexpr = "normal",
-                           pdl_main: cutlass.Constexpr = False, pt_q: cutlass.Constexpr = False):
+                           pdl_main: cutlass.Constexpr = False, pt_q: cutlass.Constexpr = False,
+                           chunk_bars: cutlass.Constexpr = False):
     """FFI launch function of the transposed 16-bit loop (``TOKENSPEED_SM90_DECODE_T16``; same ABI as
     ``launch_mla_decode_seesaw``; ``schedule`` is the backend's, always "seesaw" here; ``pt_q``: P^T in the Q tile,
-    ``TOKENSPEED_SM90_DECODE_T16_PT=q``)."""
+    ``TOKENSPEED_SM90_DECODE_T16_PT=q``; ``chunk_bars``: per-chunk mbarriers, ``TOKENSPEED_SM90_DECODE_T16_BARS=chunk``)."""
     MlaDecodeOt16Sm90(dtype=dtype, num_heads=num_heads, q_len=q_len, page_size=page_size, causal=causal,
                       num_splits=num_splits, tokens_per_split=tokens_per_split, block_n=block_n, pdl=pdl,
-                      l2_prefetch=l2_prefetch, kv_evict=kv_evict, pdl_main=pdl_main, pt_q=pt_q)(
+                      l2_prefetch=l2_prefetch, kv_evict=kv_evict, pdl_main=pdl_main, pt_q=pt_q,
+                      chunk_bars=chunk_bars)(
         stream, q, kv, block_table, seq_lens, softmax_scale, output_scale, out, lse, o_accum, lse_accum)
 
 

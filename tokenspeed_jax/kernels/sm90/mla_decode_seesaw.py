@@ -232,6 +232,19 @@ class MlaDecodeSeesawSm90(Fp8OperandsMixin, KvRefillMixin, DecodeTraceMixin, Mla
     # stored there.  The prologue and the producer warpgroup's loop load these (this loop's own refill sites name the
     # same chunks); the transposed 16-bit loop may move P and with it chunk 8 (MlaDecodeOt16Sm90, pt_q).
     col_groups = ((0, 1, 2, 3), (4, 5, 6, 7, 8), (0, 1, 2, 3, 8), (4, 5, 6, 7))
+    # one TMA mbarrier per 64-column chunk of each slot (18, after the 4 group mbarriers), so a QK waits chunk by
+    # chunk: the transposed 16-bit loop's chunk_bars; this loop tried it on 2026-11-29 and dropped it (module docstring)
+    chunk_bars = False
+
+    @property
+    def n_mbar(self) -> int:
+        """The loop's mbarriers: the 4 column groups' (A0, B0, A1, B1), then with :attr:`chunk_bars` 9 per slot."""
+        return 4 + (18 if self.chunk_bars else 0)
+
+    def chunk_bar(self, mbar, slot: int):
+        """With :attr:`chunk_bars`, the first of slot ``slot``'s 9 per-chunk mbarriers (chunk ``c`` at ``+ c``);
+        else None (the refills complete their group's mbarrier)."""
+        return mbar + 4 + 9 * slot if self.chunk_bars else None
 
     def seesaw_mmas(self):
         """``(qk_mma, pv_ss, pv_rs, pv8)`` of the loop (traced in ``__call__``): the QK, the P V with P from shared
@@ -280,7 +293,7 @@ class MlaDecodeSeesawSm90(Fp8OperandsMixin, KvRefillMixin, DecodeTraceMixin, Mla
 
         @cute.struct
         class Storage:
-            mbar: cute.struct.MemRange[Int64, 4]  # A0, B0, A1, B1 (module docstring)
+            mbar: cute.struct.MemRange[Int64, self.n_mbar]  # A0, B0, A1, B1 (module docstring); n_mbar
             row_max: cute.struct.MemRange[Float32, 64]
             scale0: cute.struct.MemRange[Float32, 64]
             scale1: cute.struct.MemRange[Float32, 64]
@@ -408,7 +421,7 @@ class MlaDecodeSeesawSm90(Fp8OperandsMixin, KvRefillMixin, DecodeTraceMixin, Mla
                             crd = self.coords(mBT, b, t, split_end, num_pages, wtid)
                             cute.arch.barrier(barrier_id=int(bar), number_of_threads=160)
                             self.refill((sK0, sK1)[s], (tAs0, tAs1)[s], tAg, tma_atom, mbar + m, mKV, crd, t,
-                                        split_end, num_pages, 2, wtid % 32, chunks, None)
+                                        split_end, num_pages, 2, wtid % 32, chunks, None, self.chunk_bar(mbar, s))
             elif wtid < 32:
                 for j in cutlass.range(n_pairs - 1, unroll=1):
                     t2 = split_start + (2 * j + 2) * bn
@@ -419,7 +432,7 @@ class MlaDecodeSeesawSm90(Fp8OperandsMixin, KvRefillMixin, DecodeTraceMixin, Mla
                         crd = self.coords(mBT, b, t, split_end, num_pages, wtid)
                         cute.arch.barrier(barrier_id=int(bar), number_of_threads=160)
                         self.refill((sK0, sK1)[s], (tAs0, tAs1)[s], tAg, tma_atom, mbar + m, mKV, crd, t, split_end,
-                                    num_pages, 2, wtid, chunks, None)
+                                    num_pages, 2, wtid, chunks, None, self.chunk_bar(mbar, s))
         elif wtid < 32:
             for j in cutlass.range(n_pairs - 1, unroll=1):
                 for g in cutlass.range_constexpr(2):
@@ -626,7 +639,7 @@ class MlaDecodeSeesawSm90(Fp8OperandsMixin, KvRefillMixin, DecodeTraceMixin, Mla
         n_pairs = self.num_pairs(split_start, split_end)
 
         if tid == 0:
-            for i in cutlass.range_constexpr(4):
+            for i in cutlass.range_constexpr(self.n_mbar):
                 cute.arch.mbarrier_init(mbar + i, 1 if cutlass.const_expr(self.use_tma) else 128)
             if cutlass.const_expr(self.use_tma):
                 cpasync.prefetch_descriptor(tma_atom)
@@ -673,14 +686,15 @@ class MlaDecodeSeesawSm90(Fp8OperandsMixin, KvRefillMixin, DecodeTraceMixin, Mla
                                 num_pages, wg, wtid, _ALL_CHUNKS, None)
             elif cutlass.const_expr(self.producer):  # ... by column groups (mbarriers A0, B0, A1, B1)
                 if wg == 2:
+                    cb0, cb1 = self.chunk_bar(mbar, 0), self.chunk_bar(mbar, 1)
                     self.refill(sK0, tAs0, tAg, tma_atom, mbar + 0, mKV, pg0, split_start, split_end, num_pages, wg,
-                                wtid, self.col_groups[0], None)
+                                wtid, self.col_groups[0], None, cb0)
                     self.refill(sK1, tAs1, tAg, tma_atom, mbar + 2, mKV, pg1, split_start + bn, split_end, num_pages,
-                                wg, wtid, self.col_groups[2], None)
+                                wg, wtid, self.col_groups[2], None, cb1)
                     self.refill(sK0, tAs0, tAg, tma_atom, mbar + 1, mKV, pg0, split_start, split_end, num_pages, wg,
-                                wtid, self.col_groups[1], None)
+                                wtid, self.col_groups[1], None, cb0)
                     self.refill(sK1, tAs1, tAg, tma_atom, mbar + 3, mKV, pg1, split_start + bn, split_end, num_pages,
-                                wg, wtid, self.col_groups[3], None)
+                                wg, wtid, self.col_groups[3], None, cb1)
             elif cutlass.const_expr(self.early):  # each warpgroup its own slot, one mbarrier (+0, +2) per slot
                 if wg == 0:
                     self.refill(sK0, tAs0, tAg, tma_atom, mbar + 0, mKV, pg0, split_start, split_end, num_pages, wg,
