@@ -323,7 +323,7 @@ def check(cases, seed: int, schedule: str | None = None) -> list[dict]:
 
 # -------------------------------------------------------------------------------------------- bench
 def bench(cases, report, with_xla=True, with_flashmla=True, step32=False, schedule=None, sustain=0.0,
-          report_sustained=None) -> None:
+          report_sustained=None, calls: int = 1) -> None:
     fm = None
     if with_flashmla:
         try:
@@ -334,7 +334,7 @@ def bench(cases, report, with_xla=True, with_flashmla=True, step32=False, schedu
         n = len(report.rows)
         ns = len(report_sustained.rows) if report_sustained else 0
         _bench_one(report, fm, bench_case(B, K, page, H, S), with_xla, step32, schedule,
-                   sustain=sustain, report_sustained=report_sustained)
+                   sustain=sustain, report_sustained=report_sustained, calls=calls)
         print("\n".join(report.table().splitlines()[1 + n:]), flush=True)
         if report_sustained:
             print("\n".join(f"{x} (sustained)" for x in report_sustained.table().splitlines()[1 + ns:]), flush=True)
@@ -362,12 +362,73 @@ def est_us(c: Case) -> float:
     return max(nbytes / 4e12, flops / 6e14) * 1e6
 
 
+def _jax_calls(f, args, n: int = 1):
+    """A zero-argument callable running the jitted ``f`` on ``args``.  With ``n`` > 1 it makes ``n`` calls per
+    dispatch: one executable whose ``n`` calls read ``n`` distinct copies of q, so none is merged or dropped and no
+    kernel is added (``--calls``: a short call timed by the device, not by the host's dispatch)."""
+    if n <= 1:
+        return lambda: f(*args)
+    import jax
+    import jax.numpy as jnp
+
+    qs = tuple(jnp.array(args[0], copy=True) for _ in range(n))
+    g = jax.jit(lambda qs, *rest: tuple(f(qi, *rest) for qi in qs))
+    return lambda: g(qs, *args[1:])
+
+
+def _torch_calls(run, n: int, notes: dict, name: str):
+    """``run`` (a FlashMLA call).  With ``n`` > 1: ``n`` calls captured in one CUDA graph and replayed (vLLM runs
+    these kernels in CUDA graphs); where the capture fails, ``n`` plain calls.  ``notes[name]`` says which."""
+    if n <= 1:
+        return run
+    import torch
+
+    try:
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):  # (warm-up off the capture stream, as torch.cuda.graph asks)
+            for _ in range(2):
+                run()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            outs = [run() for _ in range(n)]
+    except Exception as e:  # noqa: BLE001
+        notes[name] = f"CUDA graph capture failed ({str(e)[:60]}), {n} plain calls per dispatch"
+
+        def plain():
+            out = None
+            for _ in range(n):
+                out = run()
+            return out
+
+        return plain
+    notes[name] = f"{n} calls per dispatch (one CUDA graph)"
+
+    def replay():
+        graph.replay()
+        return outs[-1]
+
+    return replay
+
+
+def _per_call(r: dict, n: int) -> dict:
+    """A timing result of ``n`` calls per dispatch, per call."""
+    if n <= 1:
+        return r
+    r = dict(r, **{k: r[k] / n for k in ("median_us", "min_us", "max_us") if k in r})
+    r["samples_us"] = [round(x / n, 2) for x in r["samples_us"]]
+    return r
+
+
 def _bench_one(report, fm, c: Case, with_xla: bool, step32: bool = False, schedule: str | None = None,
-               rounds: int = 5, sustain: float = 0.0, report_sustained=None) -> None:
+               rounds: int = 5, sustain: float = 0.0, report_sustained=None, calls: int = 1) -> None:
     """Time every contender of one shape on the same inputs, interleaved (``benchmarks.harness.interleaved``:
     alternating rounds, the order rotating, each contender's median), then add their rows in a fixed order.  With
     ``sustain`` > 0, also time them (plain XLA aside) in steady state (``benchmarks.harness.sustained``: ``sustain``
-    seconds back to back each, twice, the second half timed, with the SM clock and power) into ``report_sustained``."""
+    seconds back to back each, twice, the second half timed, with the SM clock and power) into ``report_sustained``.
+    With ``calls`` > 1 every contender makes that many calls per dispatch (ours: one executable, :func:`_jax_calls`;
+    FlashMLA: one CUDA graph, :func:`_torch_calls`) and the rows give the time per call."""
     import jax
     import jax.numpy as jnp
 
@@ -379,10 +440,11 @@ def _bench_one(report, fm, c: Case, with_xla: bool, step32: bool = False, schedu
     nb8, _ = decode_cost(B, S, H, K, elt_bytes=1)
     fns: dict = {}  # contender -> (zero-argument callable, bytes, fp8)
     ours = decode_fn(c, "sm90")
-    fns["ours bf16"] = (lambda: ours(q, kv, bt, sl, scale), nbytes, False)
+    args = (q, kv, bt, sl, scale)
+    fns["ours bf16"] = (_jax_calls(ours, args, calls), nbytes, False)
     if schedule is not None:
         ours_s = decode_fn(c, "sm90", schedule)
-        fns[f"ours bf16 {schedule}"] = (lambda: ours_s(q, kv, bt, sl, scale), nbytes, False)
+        fns[f"ours bf16 {schedule}"] = (_jax_calls(ours_s, args, calls), nbytes, False)
         same = bool(np.array_equal(np.asarray(ours_s(q, kv, bt, sl, scale)[0].astype(jnp.float32)),
                                    np.asarray(ours(q, kv, bt, sl, scale)[0].astype(jnp.float32))))
         print(f"{c.name}: bf16 {schedule} bitwise equal to default: {same}", flush=True)
@@ -393,15 +455,17 @@ def _bench_one(report, fm, c: Case, with_xla: bool, step32: bool = False, schedu
         prob = _decode_problem(q, kv, bt, sl, True, 512, False)
         s32 = jax.jit(lambda q, kv, bt, sl, s: sm90_decode.decode(prob, q, kv, bt, sl, s, jnp.float32(1.0),
                                                                   kv_step=32)[0])
-        fns["ours bf16 step32"] = (lambda: s32(q, kv, bt, sl, scale), nbytes, False)
+        fns["ours bf16 step32"] = (_jax_calls(s32, args, calls), nbytes, False)
     c8 = dataclasses.replace(c, dtype="float8_e4m3fn")
     q8j, kv8j = q.astype(jnp.float8_e4m3fn), kv.astype(jnp.float8_e4m3fn)
     ours8 = decode_fn(c8, "sm90")
-    fns["ours fp8"] = (lambda: ours8(q8j, kv8j, bt, sl, scale), nb8, True)
+    args8 = (q8j, kv8j, bt, sl, scale)
+    fns["ours fp8"] = (_jax_calls(ours8, args8, calls), nb8, True)
     if schedule is not None and not schedule.startswith("seesaw"):  # (FP8 already runs the seesaw by default)
         ours8_s = decode_fn(c8, "sm90", schedule)
-        fns[f"ours fp8 {schedule}"] = (lambda: ours8_s(q8j, kv8j, bt, sl, scale), nb8, True)
+        fns[f"ours fp8 {schedule}"] = (_jax_calls(ours8_s, args8, calls), nb8, True)
     failed: dict = {}
+    notes: dict = {}  # contender -> how its calls were batched (--calls)
     if fm is not None:
         import torch
 
@@ -416,7 +480,7 @@ def _bench_one(report, fm, c: Case, with_xla: bool, step32: bool = False, schedu
                                              causal=True)
 
         ref_out = run()[0]
-        fns["FlashMLA bf16"] = (run, nbytes, False)
+        fns["FlashMLA bf16"] = (_torch_calls(run, calls, notes, "FlashMLA bf16"), nbytes, False)
         o = np.asarray(ours(q, kv, bt, sl, scale)[0].astype(jnp.float32))
         r = np.asarray(jax.dlpack.from_dlpack(ref_out).astype(jnp.float32))
         print(f"{c.name}: max |ours - FlashMLA| = {np.max(np.abs(o - r)):.3e}", flush=True)
@@ -428,24 +492,31 @@ def _bench_one(report, fm, c: Case, with_xla: bool, step32: bool = False, schedu
 
         try:
             run8()
-            fns["FlashMLA fp8"] = (run8, nb8, True)
+            fns["FlashMLA fp8"] = (_torch_calls(run8, calls, notes, "FlashMLA fp8"), nb8, True)
         except Exception as e:  # noqa: BLE001
             failed["FlashMLA fp8"] = (str(e)[:80], nb8)
     if with_xla and H == 32 and B == 64:
         xf = decode_fn(c, "xla")
-        fns["plain XLA"] = (lambda: xf(q, kv, bt, sl, scale), nbytes, False)
-    res = interleaved({n: f for n, (f, _, _) in fns.items()}, est_us(c), rounds=rounds)
+        fns["plain XLA"] = (_jax_calls(xf, args, calls), nbytes, False)
+    for n in fns:
+        if calls > 1 and n not in notes:
+            notes[n] = f"{calls} calls per dispatch (one executable)"
+    res = interleaved({n: f for n, (f, _, _) in fns.items()}, est_us(c) * calls, rounds=rounds)
     for n, (_, nb, fp8) in fns.items():
-        report.add(c.name, n, res[n], nbytes=nb, flops=flops, fp8=fp8,
-                   note=f"interleaved median of {rounds} rounds", samples_us=res[n]["samples_us"])
+        r = _per_call(res[n], calls)
+        report.add(c.name, n, r, nbytes=nb, flops=flops, fp8=fp8,
+                   note=f"interleaved median of {rounds} rounds" + (f", {notes[n]}" if n in notes else ""),
+                   samples_us=r["samples_us"])
     for n, (why, nb) in failed.items():
         report.add(c.name, n, None, nbytes=nb, flops=flops, note=why)
     if sustain > 0 and report_sustained is not None:
         res = sustained({n: f for n, (f, _, _) in fns.items() if n != "plain XLA"}, sustain)
         for n, r in res.items():
             _, nb, fp8 = fns[n]
+            r = _per_call(r, calls)
             report_sustained.add(c.name, n, r, nbytes=nb, flops=flops, fp8=fp8,
-                                 note=f"sustained {sustain:g} s x {len(r['samples_us'])}, second half timed",
+                                 note=f"sustained {sustain:g} s x {len(r['samples_us'])}, second half timed"
+                                 + (f", {notes[n]}" if n in notes else ""),
                                  **{k: r[k] for k in ("samples_us", "sm_mhz", "power_w", "throttle_reasons")})
 
 
@@ -460,6 +531,9 @@ def main(argv=None):
     ap.add_argument("--shapes", nargs="+", default=None, metavar="B,K,PAGE,H,S",
                     help="bench these shapes instead of the issue's matrix (e.g. a K sweep for scripts/fixed_cost.py)")
     ap.add_argument("--step32", action="store_true", help="also time the kernel's 32-token ring (R <= 64)")
+    ap.add_argument("--calls", type=int, default=1,
+                    help="calls per dispatch (ours: one executable; FlashMLA: one CUDA graph), the rows per call: "
+                         "times short shapes by the device instead of the host's dispatch")
     ap.add_argument("--schedule", default=None, choices=("lockstep", "overlap", "seesaw", "seesaw-cpasync"),
                     help="check this sm90 kernel schedule and time it next to the default (sm90_decode.SCHEDULES)")
     ap.add_argument("--seed", type=int, default=int(time.time()) % 100000)
@@ -472,6 +546,8 @@ def main(argv=None):
     os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
     checks = [c for c in CHECK if not a.cases or c.name in a.cases.split(",")]
     benches = [BENCH[i] for i in (0, 4, 8, 9)] if a.quick else BENCH
+    if a.calls < 1:
+        ap.error(f"--calls: expected a positive number of calls per dispatch, got {a.calls}")
     if a.shapes:
         benches = [tuple(int(x) for x in s.split(",")) for s in a.shapes]
         if any(len(b) != 5 or b[1] % b[2] for b in benches):
@@ -496,7 +572,7 @@ def main(argv=None):
             if a.sustain > 0 else None
         try:
             bench(benches, rep, with_xla=not a.no_xla, step32=a.step32, schedule=a.schedule, sustain=a.sustain,
-                  report_sustained=rep_s)
+                  report_sustained=rep_s, calls=a.calls)
         finally:
             rep.write(a.out, a.png)
             print(rep.table())

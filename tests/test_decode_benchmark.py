@@ -41,6 +41,35 @@ def test_bench_one_sustained_report(monkeypatch):
         assert {"sm_mhz", "power_w", "throttle_reasons"} <= set(r)
 
 
+def test_bench_one_calls_per_dispatch(monkeypatch):
+    """``--calls N``: each of ours runs N calls per dispatch in one executable (N distinct q buffers, so XLA can
+    neither merge nor drop one) and the rows are per call; the FlashMLA side falls back to plain calls where a CUDA
+    graph cannot be captured, and says so."""
+    real = bd.decode_fn
+    monkeypatch.setattr(bd, "decode_fn", lambda c, backend, schedule=None: real(c, "xla"))
+    c = bd.bench_case(2, 128, 64, 16, 1)
+    f = real(c, "xla")
+    q, kv, bt, sl, scale = bd.bench_inputs(c)
+    g = bd._jax_calls(f, (q, kv, bt, sl, scale), 3)
+    outs = g()
+    assert len(outs) == 3 and all(np.array_equal(np.asarray(o[0]), np.asarray(f(q, kv, bt, sl, scale)[0]))
+                                  for o in outs)
+    report = Report("decode bench (cpu)")
+    bd._bench_one(report, None, c, with_xla=False, rounds=2, calls=4)
+    rows = {r["contender"]: r for r in report.rows}
+    assert list(rows) == ["ours bf16", "ours fp8"]
+    for r in rows.values():
+        assert r["us"] > 0 and "4 calls per dispatch (one executable)" in r["note"]
+    assert bd._per_call({"median_us": 40.0, "min_us": 8.0, "max_us": 80.0, "samples_us": [40.0, 8.0]}, 4) == {
+        "median_us": 10.0, "min_us": 2.0, "max_us": 20.0, "samples_us": [10.0, 2.0]}
+    torch = __import__("pytest").importorskip("torch")
+    if not torch.cuda.is_available():  # (the CPU machines: capture fails, plain calls, said in the note)
+        n_runs, notes = [], {}
+        plain = bd._torch_calls(lambda: n_runs.append(1), 5, notes, "FlashMLA bf16")
+        plain()
+        assert len(n_runs) == 5 and "plain calls" in notes["FlashMLA bf16"]
+
+
 def test_sustained_rotates_and_times_the_second_half(monkeypatch):
     import time
 
