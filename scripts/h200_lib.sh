@@ -5,14 +5,17 @@ t0=$(date +%s)
 stamp() { echo "[$(( $(date +%s) - t0 ))s] $*"; }
 gpu_line() { nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu,power.draw --format=csv,noheader; }
 # check_cases SECONDS VAR VALUE FILTER NAME: benchmarks.decode.check of the CHECK cases ``c`` for which the Python
-# expression FILTER holds, with VAR=VALUE, against the fp32 reference (fresh seed); writes $OUT/NAME.json and
-# $OUT/NAME.log and prints "CHECK passed / cases" and the failed rows
+# expression FILTER holds, with VAR=VALUE (or with VAR "-" the switch set VALUE, as benchmarks.harness.switches and
+# scripts/decode_ab.py take it), against the fp32 reference (fresh seed); writes $OUT/NAME.json and $OUT/NAME.log and
+# prints "CHECK passed / cases" and the failed rows
 check_cases() {
-  timeout "$1" env "$2=$3" python -c "
+  timeout "$1" python -c "
 import json, os
 from benchmarks.decode import CHECK, check
+from benchmarks.harness import switches
 seed = int.from_bytes(os.urandom(3), 'little')
-r = check([c for c in CHECK if $4], seed)
+with switches('$2', '$3'):
+    r = check([c for c in CHECK if $4], seed)
 json.dump({'seed': seed, '$2': '$3', 'rows': r}, open('$OUT/$5.json', 'w'), indent=1)
 print('CHECK', sum(x['ok'] for x in r), '/', len(r), 'seed', seed)
 " > "$OUT/$5.log" 2>&1; echo "check rc=$?"

@@ -35,17 +35,7 @@ with switches('-', '$SW'):
 # shellcheck disable=SC2086
 memcheck_start 200 $MEM
 stamp "check ($SW)"
-timeout 200 python -c "
-import json, os
-from benchmarks.decode import CHECK, check
-from benchmarks.harness import switches
-seed = int.from_bytes(os.urandom(3), 'little')
-with switches('-', '$SW'):
-    r = check([c for c in CHECK if $SEL], seed)
-json.dump({'seed': seed, 'switches': '$SW', 'rows': r}, open('$OUT/stores_check.json', 'w'), indent=1)
-print('CHECK', sum(x['ok'] for x in r), '/', len(r), 'seed', seed)
-" > "$OUT/check.log" 2>&1; echo "check rc=$?"
-grep -E '^CHECK|"ok": false|Error|error' "$OUT/check.log" | head -n 12
+check_cases 200 - "$SW" "$SEL" stores_check
 memcheck_wait
 stamp "A/B"
 timeout 240 python scripts/decode_ab.py "${AB[@]}" --dtype $ABDT --prewarm 15 --rounds 5 \

@@ -36,17 +36,7 @@ for v in vals[:-1]:
 " > "$OUT/prewarm.log" 2>&1; echo "prewarm rc=$?"; grep "configs in\|Error" "$OUT/prewarm.log" | head
 memcheck_start 240 "${ENVS[@]}"
 stamp "check ${ENVS[*]}"
-timeout 150 python -c "
-import json, os
-from benchmarks.decode import CHECK, check
-from benchmarks.harness import switches
-seed = int.from_bytes(os.urandom(3), 'little')
-with switches('$V', '$LAST'):
-    r = check([c for c in CHECK if $FILTER], seed)
-json.dump({'seed': seed, 'switches': '${ENVS[*]}', 'rows': r}, open('$OUT/check_t16.json', 'w'), indent=1)
-print('CHECK', sum(x['ok'] for x in r), '/', len(r), 'seed', seed)
-" > "$OUT/check_t16.log" 2>&1; echo "check rc=$?"
-grep -E '^CHECK|"ok": false|Error|error' "$OUT/check_t16.log" | head -n 12
+check_cases 150 "$V" "$LAST" "$FILTER" check_t16
 memcheck_wait
 stamp "A/B $V ${VS[*]}"
 timeout 200 python scripts/decode_ab.py "$V" "${VS[@]}" --rounds 5 --cases $CASES --out "$OUT/ab_t16.json" \
