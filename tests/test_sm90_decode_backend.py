@@ -128,12 +128,9 @@ def test_kv_evict_and_cross_first_switches(monkeypatch):
         assert seen["key"].kv_evict == want_evict and seen["key"].cross_first is want_cross, case
         assert seen["kw"].get("kv_evict", "normal") == want_evict, case
         assert seen["kw"].get("cross_first", False) is want_cross, case
-    for env, bad in ((m.KV_EVICT_ENV, "last"), (m.CROSS_FIRST_ENV, "yes")):
-        monkeypatch.setenv(env, bad)
-        with pytest.raises(ValueError, match=env):
-            m.decode(_problem(batch=2, q_len=1, num_pages=16, max_pages=8), jnp.zeros((2, 1, 16, 576), jnp.bfloat16),
-                     jnp.zeros((16, 64, 576), jnp.bfloat16), bt, sl, 0.1, 1.0)
-        monkeypatch.delenv(env)
+    _assert_rejected(monkeypatch, lambda: m.decode(
+        _problem(batch=2, q_len=1, num_pages=16, max_pages=8), jnp.zeros((2, 1, 16, 576), jnp.bfloat16),
+        jnp.zeros((16, 64, 576), jnp.bfloat16), bt, sl, 0.1, 1.0), ((m.KV_EVICT_ENV, "last"), (m.CROSS_FIRST_ENV, "yes")))
 
 
 def test_t16_and_pdl_main_switches(monkeypatch):
@@ -175,11 +172,7 @@ def test_t16_and_pdl_main_switches(monkeypatch):
     for args in ({}, {"dtype": "float8_e4m3fn"}, {"dtype": "float8_e4m3fn", "S": 4, "H": 32}, {"page": 16}):
         _, _, pdl_main, kw = run(**args)
         assert pdl_main is True and kw["pdl_main"] is True, args
-    for env, bad in ((m.T16_ENV, "on"), (m.PDL_MAIN_ENV, "2")):
-        monkeypatch.setenv(env, bad)
-        with pytest.raises(ValueError, match=env):
-            run()
-        monkeypatch.delenv(env)
+    _assert_rejected(monkeypatch, run, ((m.T16_ENV, "on"), (m.PDL_MAIN_ENV, "2")))
 
 
 def test_t16_pt_and_bars_switches(monkeypatch):
@@ -219,11 +212,7 @@ def test_t16_pt_and_bars_switches(monkeypatch):
     assert run(dtype="float8_e4m3fn") == ("launch_mla_decode_ot", *off)  # FP8: its own O^T loop
     monkeypatch.setenv(m.T16_ENV, "0")
     assert run() == ("launch_mla_decode_seesaw", *off)
-    for env, bad in ((m.T16_PT_ENV, "slot"), (m.T16_BARS_ENV, "tile")):
-        monkeypatch.setenv(env, bad)
-        with pytest.raises(ValueError, match=env):
-            run()
-        monkeypatch.delenv(env)
+    _assert_rejected(monkeypatch, run, ((m.T16_PT_ENV, "slot"), (m.T16_BARS_ENV, "tile")))
 
 
 def test_pad_rows_switch(monkeypatch):
@@ -300,7 +289,13 @@ def test_store_switches(monkeypatch):
     assert run() == ("launch_mla_decode_seesaw", False, True, False, True)
     monkeypatch.setenv(m.EPILOGUE_ENV, "direct")
     assert run() == ("launch_mla_decode_seesaw", False, False, False, False)
-    for env, bad in ((m.P_STSM_ENV, "yes"), (m.EPILOGUE_ENV, "smem"), (m.EPILOGUE_FP8_ENV, "on")):
+    _assert_rejected(monkeypatch, run, ((m.P_STSM_ENV, "yes"), (m.EPILOGUE_ENV, "smem"), (m.EPILOGUE_FP8_ENV, "on")))
+
+
+def _assert_rejected(monkeypatch, run, bad_values):
+    """Each ``(variable, value)`` of ``bad_values`` set alone makes ``run()`` raise a ValueError naming the
+    variable."""
+    for env, bad in bad_values:
         monkeypatch.setenv(env, bad)
         with pytest.raises(ValueError, match=env):
             run()

@@ -660,8 +660,8 @@ class MlaDecodeSm90:
                 r = mblk * self.block_m + row_in[h]
                 if r < self.R:  # noqa: SIM102 (dynamic tests)
                     if wtid % 4 == 0 and wg == 0:
-                        lrow = Int64(b) * self.R + r if direct else (Int64(b) * self.num_splits + split) * self.R + r
-                        gL = cute.make_tensor((mLse if direct else mLacc).iterator + lrow, cute.make_layout(1))
+                        gL = cute.make_tensor((mLse if direct else mLacc).iterator + self.out_row(b, split, r),
+                                              cute.make_layout(1))
                         gL[0] = lse[h]
                 for e in cutlass.range_constexpr(cute.size(acc_o)):
                     if cutlass.const_expr((e // 2) % 2 == h):
@@ -689,6 +689,13 @@ class MlaDecodeSm90:
                     for e in cutlass.range_constexpr(cute.size(acc_o)):
                         if cutlass.const_expr((e // 2) % 2 == h):
                             gO[wg * (self.DV // 2) + tOcO[e][1]] = acc_o[e] * inv[h]
+
+    def out_row(self, b, split, r):
+        """Row of query row ``r`` of request ``b`` in ``out`` / ``lse`` (one split) or in the fp32 partials of split
+        ``split`` (``o_accum`` / ``lse_accum``), as an Int64."""
+        if self.num_splits == 1:
+            return Int64(b) * self.R + r
+        return (Int64(b) * self.num_splits + split) * self.R + r
 
     @cute.jit
     def store_o_staged(self, acc_o, tOcO, row_in, stage, mOut, mOacc, mblk, split, b, wg, wtid):
@@ -727,8 +734,7 @@ class MlaDecodeSm90:
                     src = cute.make_ptr(et, (base + row * pitch + c).toint(), cute.AddressSpace.smem, assumed_align=16)
                     cute.autovec_copy(cute.make_tensor(src, cute.make_layout(vec)), chunk)
                     f = wg * (self.DV // 2) + p * cw + c
-                    grow = Int64(b) * self.R + r if direct else (Int64(b) * self.num_splits + split) * self.R + r
-                    gdst = row_ptr(mOut if direct else mOacc, grow, f, self.DV, 16)
+                    gdst = row_ptr(mOut if direct else mOacc, self.out_row(b, split, r), f, self.DV, 16)
                     cute.autovec_copy(chunk, cute.make_tensor(gdst, cute.make_layout(vec)))
             if cutlass.const_expr(p + 1 < (self.DV // 2) // cw):  # the next pass overwrites the tile
                 cute.arch.barrier(barrier_id=int(Barrier.TAIL) + wg, number_of_threads=128)
