@@ -31,9 +31,9 @@ Schedules (compile-time main loops; details in the kernel modules and ``docs/sm9
   both warpgroups on the same tile, three CTA-wide barriers per tile.
 * ``"overlap"``: lockstep with PV(i-1) issued ahead of QK(i) (opt-in, measured no faster).
 
-The seesaw loop with TMA refills also prefetches the KV tile pair after the next into L2
-(``TOKENSPEED_SM90_DECODE_L2_PREFETCH`` = ``"late"`` (default), ``"early"`` or ``"off"``; measured in
-``docs/sm90_decode.md``, section "L2 prefetch").
+The seesaw loop with TMA refills can also prefetch the KV tile pair after the next into L2
+(``TOKENSPEED_SM90_DECODE_L2_PREFETCH`` = ``"off"`` (default since 2026-12-02), ``"late"`` (the default before) or
+``"early"``; measured in ``docs/sm90_decode.md``, sections "L2 prefetch" and "L2 prefetch off").
 
 Opt-in switches measured on 2026-12-02 and left off (``docs/sm90_decode.md``, "The BF16 memory-bound gap"):
 ``TOKENSPEED_SM90_DECODE_KV_EVICT`` (evict-first L2 hint on the KV loads), ``TOKENSPEED_SM90_DECODE_CROSS_FIRST``
@@ -105,10 +105,12 @@ FP8_PV_DEFAULT = "6"
 PRODUCER16_ENV = "TOKENSPEED_SM90_DECODE_PRODUCER16"
 PRODUCER16_DEFAULT = "1"
 # The seesaw loop's L2 prefetch of the KV tile pair after the next (cp.async.bulk.prefetch): "off", "late"
-# or "early" (docs/sm90_decode.md, "L2 prefetch").  Read at trace time; part of the compile key.
+# or "early" (docs/sm90_decode.md, "L2 prefetch").  Read at trace time; part of the compile key.  "off" is the
+# default since the H200 A/B of 2026-12-02 12:12 UTC (docs, "L2 prefetch off"): with today's loops the prefetch
+# cost 7-10% on the memory-bound 16-bit shapes (transposed loop) and 1-12% on FP8, outputs bitwise equal.
 L2_PREFETCH_ENV = "TOKENSPEED_SM90_DECODE_L2_PREFETCH"
 L2_PREFETCH_MODES = ("off", "late", "early")  # the kernel's (no cutlass import here)
-L2_PREFETCH_DEFAULT = "late"
+L2_PREFETCH_DEFAULT = "off"
 # The environment switches this module reads at trace time: ``mla_decode`` keys its per-problem trace cache
 # on their values (``Backend.trace_env``), so a switch changed between two traces takes effect.
 # KV ring buffers of the row-split loop (FP8 P V mode "8"): 2..5, default 4.  Read at trace time; part of the compile

@@ -735,7 +735,7 @@ def launch_mla_decode_ot(stream, q: cute.Tensor, kv: cute.Tensor, block_table: c
                          causal: cutlass.Constexpr, num_splits: cutlass.Constexpr,
                          tokens_per_split: cutlass.Constexpr, block_n: cutlass.Constexpr = 64,
                          schedule: cutlass.Constexpr = "seesaw", pdl: cutlass.Constexpr = True,
-                         l2_prefetch: cutlass.Constexpr = "late", qk_t: cutlass.Constexpr = False,
+                         l2_prefetch: cutlass.Constexpr = "off", qk_t: cutlass.Constexpr = False,
                          kv_evict: cutlass.Constexpr = "normal", pdl_main: cutlass.Constexpr = False):
     """FFI launch function of the O^T schedule (FP8 P V mode "5", with ``qk_t`` mode "6"; same ABI as
     ``launch_mla_decode_seesaw``; ``schedule`` is the backend's, always "seesaw" here)."""
@@ -753,7 +753,7 @@ def launch_mla_decode_ot_traced(stream, q: cute.Tensor, kv: cute.Tensor, block_t
                                 num_heads: cutlass.Constexpr, q_len: cutlass.Constexpr, page_size: cutlass.Constexpr,
                                 causal: cutlass.Constexpr, num_splits: cutlass.Constexpr,
                                 tokens_per_split: cutlass.Constexpr, trace: cutlass.Constexpr,
-                                pdl: cutlass.Constexpr = True, l2_prefetch: cutlass.Constexpr = "late",
+                                pdl: cutlass.Constexpr = True, l2_prefetch: cutlass.Constexpr = "off",
                                 qk_t: cutlass.Constexpr = False):
     """Debug build of the O^T loop (FP8 P V mode 5, with ``qk_t`` mode 6) with :meth:`DecodeTraceMixin.mark`
     timestamps at the :data:`TRACE_EVENTS_OT` points in ``trace_buf`` (int64 ``(ctas, 2, trace, len(TRACE_EVENTS))``),

@@ -301,7 +301,7 @@ def launch_mla_decode_ot16(stream, q: cute.Tensor, kv: cute.Tensor, block_table:
                            causal: cutlass.Constexpr, num_splits: cutlass.Constexpr,
                            tokens_per_split: cutlass.Constexpr, block_n: cutlass.Constexpr = 64,
                            schedule: cutlass.Constexpr = "seesaw", pdl: cutlass.Constexpr = True,
-                           l2_prefetch: cutlass.Constexpr = "late", kv_evict: cutlass.Constexpr = "normal",
+                           l2_prefetch: cutlass.Constexpr = "off", kv_evict: cutlass.Constexpr = "normal",
                            pdl_main: cutlass.Constexpr = False, pt_q: cutlass.Constexpr = False,
                            chunk_bars: cutlass.Constexpr = False):
     """FFI launch function of the transposed 16-bit loop (``TOKENSPEED_SM90_DECODE_T16``; same ABI as

@@ -46,7 +46,10 @@ FlashMLA's Hopper kernel (its "seesaw"; design read from its source, code our ow
   cache rows, either at the end of WG0's iteration (``"late"``: the rows wait in L2 from about the start
   of the iteration whose refills read them) or after WG0's own PV (``"early"``).  Measured on the H200
   (2026-12-01, docs/sm90_decode.md): ``"late"`` 6.9% faster for FP8 and 1.5% for BF16 (geometric means
-  over the issue matrix), ``"early"`` up to 18% slower on memory-bound BF16 shapes.
+  over the issue matrix), ``"early"`` up to 18% slower on memory-bound BF16 shapes.  Measured again with the
+  loops of 2026-12-02 (producer warpgroups, the transposed and O^T loops, staged stores): ``"off"`` 1.07-1.11x
+  ``"late"`` on the memory-bound 16-bit shapes and 1.01-1.12x on FP8, so ``"off"`` is the launch default
+  since then (docs, "L2 prefetch off").
 * A missing second tile (odd tile count) is computed as a fully masked tile on clamped, finite rows.
 * FP8 (e4m3 q and cache; page sizes >= 16): the same loop, with QK^T on FP8 tensor cores (QGMMA
   m64n64k32, e4m3 x e4m3 -> fp32) and P V on fp16 operands.  The q tile stays e4m3 in smem (36 KB, 64-byte
@@ -1082,7 +1085,7 @@ def launch_mla_decode_seesaw_traced(stream, q: cute.Tensor, kv: cute.Tensor, blo
                                     page_size: cutlass.Constexpr, causal: cutlass.Constexpr,
                                     num_splits: cutlass.Constexpr, tokens_per_split: cutlass.Constexpr,
                                     trace: cutlass.Constexpr, pdl: cutlass.Constexpr = True,
-                                    l2_prefetch: cutlass.Constexpr = "late", tma_producer: cutlass.Constexpr = False,
+                                    l2_prefetch: cutlass.Constexpr = "off", tma_producer: cutlass.Constexpr = False,
                                     kv_evict: cutlass.Constexpr = "normal", cross_first: cutlass.Constexpr = False,
                                     pad_rows: cutlass.Constexpr = "copy", p_stsm: cutlass.Constexpr = False,
                                     o_staged: cutlass.Constexpr = False):
