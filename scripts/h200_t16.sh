@@ -8,6 +8,7 @@
 # with the last), or V=- and VALS sets of switches as scripts/decode_ab.py takes them (NAME=VALUE[,...] after the
 # TOKENSPEED_SM90_DECODE_ prefix; "-": the defaults).  The opt-ins of 2026-12-02, alone and together:
 #   source .device/bootstrap.sh && V=- VALS="- T16_PT=q T16_BARS=chunk T16_PT=q,T16_BARS=chunk" bash scripts/h200_t16.sh
+# CALLS=20: the A/B makes 20 calls per dispatch (decode_ab.py --calls), so B1 is timed by the device, not the host.
 set -uo pipefail
 . "$(dirname "${BASH_SOURCE[0]}")/h200_lib.sh"
 V=${V:-TOKENSPEED_SM90_DECODE_T16}
@@ -39,7 +40,7 @@ stamp "check ${ENVS[*]}"
 check_cases 150 "$V" "$LAST" "$FILTER" check_t16
 memcheck_wait
 stamp "A/B $V ${VS[*]}"
-timeout 200 python scripts/decode_ab.py "$V" "${VS[@]}" --rounds 5 --cases $CASES --out "$OUT/ab_t16.json" \
+timeout 200 python scripts/decode_ab.py "$V" "${VS[@]}" --rounds 5 --calls "${CALLS:-1}" --cases $CASES --out "$OUT/ab_t16.json" \
   > "$OUT/ab_t16.log" 2>&1; echo "ab rc=$?"
 grep '^{"case"' "$OUT/ab_t16.log" | python -c "
 import sys, json

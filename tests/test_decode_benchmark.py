@@ -174,3 +174,33 @@ def test_shapes_option_rejects_bad_shapes(capsys):
     with pytest.raises(SystemExit):
         bd.main(["--bench", "--shapes", "1,100,64,16,1"])
     assert "--shapes" in capsys.readouterr().err
+
+
+def test_decode_ab_calls_per_dispatch(monkeypatch):
+    """``scripts/decode_ab.py`` (``ab``): each value of the switch is traced under it, run ``calls`` times per
+    dispatch and reported per call, with the outputs compared (no GPU: the ``sm90`` kernel pointed at ``xla``, which
+    ignores the switch, so the values' outputs and lowerings are equal)."""
+    import importlib.util
+    import pathlib
+
+    path = pathlib.Path(__file__).resolve().parents[1] / "scripts" / "decode_ab.py"
+    spec = importlib.util.spec_from_file_location("decode_ab", path)
+    m = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(m)
+    real = bd.decode_fn
+    seen = []
+
+    def fake(c, backend, schedule=None):
+        import os
+
+        seen.append(os.environ.get("TOKENSPEED_SM90_DECODE_L2_PREFETCH"))
+        return real(c, "xla")
+
+    monkeypatch.setattr(m, "decode_fn", fake)
+    monkeypatch.delenv("TOKENSPEED_SM90_DECODE_L2_PREFETCH", raising=False)
+    c = bd.bench_case(2, 128, 64, 16, 1)
+    rows = m.ab("TOKENSPEED_SM90_DECODE_L2_PREFETCH", ["off", "late"], [c], rounds=2, calls=3)
+    assert seen == ["off", "late"]  # each value's function built under its switch
+    (r,) = rows
+    assert r["calls"] == 3 and r["us_off"] > 0 and r["us_late"] > 0
+    assert r["bitwise_equal"] and r["max_abs_diff"] == 0.0 and r["lowering_equal"]
