@@ -10,7 +10,7 @@
 # bench: the decode benchmark, interleaved bursts and sustained (2 s per contender and round, the second half timed,
 #        SM clock and power polled): decode.json / .png, decode_sustained.json / .png, bench.log.  Bursts of 20 calls
 #        per dispatch (--calls 20, since 2026-12-02 midday), so the short shapes time the device, not the host's
-#        dispatch (docs/sm90_decode.md, "Calls per dispatch").
+#        dispatch (docs/sm90_decode.md, "L2 prefetch off, calls per dispatch, ...").
 set -uo pipefail
 . "$(dirname "${BASH_SOURCE[0]}")/h200_lib.sh"
 gpu_line
@@ -29,8 +29,8 @@ prewarm(list(CHECK) + [bench_case(*s) for s in BENCH] + [dataclasses.replace(ben
   memcheck_wait
 else
   stamp "bench"
-  timeout 560 python -m benchmarks.decode --prewarm 15 --bench --no-xla --calls 20 --sustain 2 --out "$OUT/decode.json" \
-    --png "$OUT/decode.png" > "$OUT/bench.log" 2>&1; echo "bench rc=$?"
+  timeout 560 python -m benchmarks.decode --prewarm 15 --bench --no-xla --calls 20 --sustain 2 \
+    --out "$OUT/decode.json" --png "$OUT/decode.png" > "$OUT/bench.log" 2>&1; echo "bench rc=$?"
   tail -n 60 "$OUT/bench.log"
 fi
 stamp "done"
