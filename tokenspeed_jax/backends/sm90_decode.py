@@ -107,8 +107,8 @@ PRODUCER16_DEFAULT = "1"
 # The seesaw loop's L2 prefetch of the KV tile pair after the next (cp.async.bulk.prefetch): "off", "late"
 # or "early" (docs/sm90_decode.md, "L2 prefetch").  Read at trace time; part of the compile key.  "off" is the
 # default since the H200 A/B of 2026-12-02 12:12 UTC (docs, "L2 prefetch off"): with today's loops the prefetch
-# cost 6-14% on the memory-bound 16-bit shapes (transposed loop) and 4% in the geometric mean of each dtype's 12
-# shapes, with outputs bitwise equal.
+# cost 6-14% on the memory-bound 16-bit shapes (transposed loop) and 2.5% (BF16) / 4% (FP8) in the geometric
+# means over 12 shapes, with outputs bitwise equal.
 L2_PREFETCH_ENV = "TOKENSPEED_SM90_DECODE_L2_PREFETCH"
 L2_PREFETCH_MODES = ("off", "late", "early")  # the kernel's (no cutlass import here)
 L2_PREFETCH_DEFAULT = "off"

@@ -48,8 +48,8 @@ FlashMLA's Hopper kernel (its "seesaw"; design read from its source, code our ow
   (2026-12-01, docs/sm90_decode.md): ``"late"`` 6.9% faster for FP8 and 1.5% for BF16 (geometric means
   over the issue matrix), ``"early"`` up to 18% slower on memory-bound BF16 shapes.  Measured again with the
   loops of 2026-12-02 (producer warpgroups, the transposed and O^T loops, staged stores): ``"off"`` 1.06-1.14x
-  ``"late"`` on the memory-bound 16-bit shapes and 1.04x in the geometric mean of each dtype, so ``"off"`` is
-  the launch default since then (docs, "L2 prefetch off").
+  ``"late"`` on the memory-bound 16-bit shapes and 1.025x (BF16) / 1.04x (FP8) in the geometric means, so
+  ``"off"`` is the launch default since then (docs, "L2 prefetch off").
 * A missing second tile (odd tile count) is computed as a fully masked tile on clamped, finite rows.
 * FP8 (e4m3 q and cache; page sizes >= 16): the same loop, with QK^T on FP8 tensor cores (QGMMA
   m64n64k32, e4m3 x e4m3 -> fp32) and P V on fp16 operands.  The q tile stays e4m3 in smem (36 KB, 64-byte
