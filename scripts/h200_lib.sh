@@ -21,6 +21,15 @@ print('CHECK', sum(x['ok'] for x in r), '/', len(r), 'seed', seed)
 " > "$OUT/$5.log" 2>&1; echo "check rc=$?"
   grep -E '^CHECK|"ok": false|Error|error' "$OUT/$5.log" | head -n 12
 }
+# switch_envs VAR VALUE: VAR=VALUE, or with VAR "-" the switch set VALUE (NAME=VALUE[,...] after the
+# TOKENSPEED_SM90_DECODE_ prefix, "-": none, as benchmarks.harness.switches takes it) as environment assignments, one
+# per line (for memcheck_start: mapfile -t ENVS < <(switch_envs VAR VALUE))
+switch_envs() {
+  if [ "$1" != - ]; then echo "$1=$2"; return 0; fi
+  local kv kvs; IFS=, read -r -a kvs <<< "$2"
+  for kv in "${kvs[@]}"; do [ "$kv" != - ] && echo "TOKENSPEED_SM90_DECODE_$kv"; done
+  return 0
+}
 # memcheck_start SECONDS [VAR=VALUE ...]: the compute-sanitizer memcheck test of tests/gpu/test_sm90_decode.py in the
 # background, with the given environment, into $OUT/memcheck.log; memcheck_wait: wait for it and print its summary
 memcheck_start() {

@@ -17,12 +17,11 @@ set -uo pipefail
 . "$(dirname "${BASH_SOURCE[0]}")/h200_lib.sh"
 gpu_line
 SW="P_STSM=1,EPILOGUE=staged"
-MEM="TOKENSPEED_SM90_DECODE_P_STSM=1 TOKENSPEED_SM90_DECODE_EPILOGUE=staged"
 SEL="c.dtype != 'float8_e4m3fn'"
 AB=(- P_STSM=0,EPILOGUE=direct P_STSM=1,EPILOGUE=direct P_STSM=0,EPILOGUE=staged "$SW")
 ABDT=bfloat16
 if [ "${DT:-bf16}" = fp8 ]; then
-  SW="EPILOGUE_FP8=staged"; MEM="TOKENSPEED_SM90_DECODE_EPILOGUE_FP8=staged"; SEL="c.dtype == 'float8_e4m3fn'"
+  SW="EPILOGUE_FP8=staged"; SEL="c.dtype == 'float8_e4m3fn'"
   AB=(- EPILOGUE_FP8=direct "$SW"); ABDT=float8_e4m3fn
 fi
 stamp "prewarm (CPU)"
@@ -32,8 +31,8 @@ from benchmarks.harness import switches
 with switches('-', '$SW'):
     prewarm([c for c in CHECK if $SEL], 15)
 " > "$OUT/prewarm.log" 2>&1; echo "prewarm rc=$?"
-# shellcheck disable=SC2086
-memcheck_start 200 $MEM
+mapfile -t MEM < <(switch_envs - "$SW")
+memcheck_start 200 "${MEM[@]}"
 stamp "check ($SW)"
 check_cases 200 - "$SW" "$SEL" stores_check
 memcheck_wait

@@ -14,12 +14,7 @@ set -uo pipefail
 V=${V:-TOKENSPEED_SM90_DECODE_T16}
 read -r -a VS <<< "${VALS:-0 1}"
 LAST=${VS[-1]}
-if [ "$V" = - ]; then  # the last set as environment assignments (memcheck)
-  ENVS=(); IFS=, read -r -a KVS <<< "$LAST"
-  for kv in "${KVS[@]}"; do [ "$kv" != - ] && ENVS+=("TOKENSPEED_SM90_DECODE_$kv"); done
-else
-  ENVS=("$V=$LAST")
-fi
+mapfile -t ENVS < <(switch_envs "$V" "$LAST")  # the last value as environment assignments (memcheck)
 CASES=${CASES:-64,81920,64,16,1 64,81920,64,32,1 128,4096,64,16,1 1,81920,64,16,1}
 FILTER="c.dtype != 'float8_e4m3fn' and c.page >= 32 and c.S * c.H <= 32"
 gpu_line
@@ -40,8 +35,8 @@ stamp "check ${ENVS[*]}"
 check_cases 150 "$V" "$LAST" "$FILTER" check_t16
 memcheck_wait
 stamp "A/B $V ${VS[*]}"
-timeout 200 python scripts/decode_ab.py "$V" "${VS[@]}" --rounds 5 --calls "${CALLS:-1}" --cases $CASES --out "$OUT/ab_t16.json" \
-  > "$OUT/ab_t16.log" 2>&1; echo "ab rc=$?"
+timeout 200 python scripts/decode_ab.py "$V" "${VS[@]}" --rounds 5 --calls "${CALLS:-1}" --cases $CASES \
+  --out "$OUT/ab_t16.json" > "$OUT/ab_t16.log" 2>&1; echo "ab rc=$?"
 grep '^{"case"' "$OUT/ab_t16.log" | python -c "
 import sys, json
 vals = '${VS[*]}'.split()

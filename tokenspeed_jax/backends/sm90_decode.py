@@ -48,9 +48,10 @@ Two switches of the 16-bit seesaw loop's stores (2026-12-02, bitwise the same re
 memory, out in 16-byte chunks; ``"direct"``: each thread's elements straight to global memory);
 ``TOKENSPEED_SM90_DECODE_EPILOGUE_FP8`` does the same for FP8 mode 4 (``"staged"`` by default since its H200 check
 and A/B of 2026-12-02, 08:16 UTC device clock; ``"direct"``: the old stores).
-``TOKENSPEED_SM90_DECODE_T16_PT=q`` (opt-in, compiled and tested on the CPU only): the transposed 16-bit loop keeps P^T
-in the Q tile's unused rows, so each slot's rope chunk is refilled earlier (``"rope"``, the default: in the slot);
-``TOKENSPEED_SM90_DECODE_T16_BARS=chunk`` (the same): its QKs wait per 64-column chunk (``"group"``: per refill group).
+``TOKENSPEED_SM90_DECODE_T16_PT=q`` (opt-in: correct on the H200 and within 1% of the default, 2026-12-02): the
+transposed 16-bit loop keeps P^T in the Q tile's unused rows, so each slot's rope chunk is refilled earlier
+(``"rope"``, the default: in the slot); ``TOKENSPEED_SM90_DECODE_T16_BARS=chunk`` (the same): its QKs wait per
+64-column chunk (``"group"``: per refill group).
 
 ``"auto"`` picks seesaw; FP8 with 8-token pages (no TMA refills) or ``"seesaw-cpasync"`` runs lockstep.
 Chosen by ``decode(..., schedule=...)`` or, when that is None, by the environment variable
@@ -140,15 +141,15 @@ T16_DEFAULT = "1"
 # Where the transposed 16-bit loop keeps P^T: "rope" (the slot's rope columns, as the seesaw loop keeps P) or "q" (rows
 # 32..63 of the Q tile, which that loop never reads, so each slot's rope chunk is refilled with its owner's early
 # group and the groups refilled after a cross PV shrink from 40 to 32 KB: kernels/sm90/mla_decode_ot16.py).  Opt-in:
-# compiled and tested on the CPU only (2026-12-02).  Read at trace time; part of the compile key.
+# correct on the H200 and within 1% of "rope" (2026-12-02).  Read at trace time; part of the compile key.
 T16_PT_ENV = "TOKENSPEED_SM90_DECODE_T16_PT"
 T16_PT_CHOICES = ("rope", "q")
 T16_PT_DEFAULT = "rope"
 # How the transposed 16-bit loop's QKs wait for their KV: "group" (one mbarrier per column group of a slot, the
 # seesaw loop's) or "chunk" (one per 64-column chunk, 9 per slot, so a QK starts on the first chunk to land, as
 # FlashMLA's does; the seesaw loop measured +2% on memory-bound shapes with it on 2026-11-29 and lost on compute-bound
-# ones, which this loop does not run).  Opt-in: compiled and tested on the CPU only (2026-12-02).  Read at trace
-# time; part of the compile key.
+# ones, which this loop does not run).  Opt-in: correct on the H200 and within 1% of "group" (2026-12-02).  Read at
+# trace time; part of the compile key.
 T16_BARS_ENV = "TOKENSPEED_SM90_DECODE_T16_BARS"
 T16_BARS_CHOICES = ("group", "chunk")
 T16_BARS_DEFAULT = "group"
