@@ -80,11 +80,15 @@ _MAX_ROWS = 32  # query rows S x H (module docstring, "Registers")
 
 # DecodeTraceMixin.mark points of an iteration of this loop (debug builds, benchmarks/trace_decode.py): per
 # warpgroup, what the time since the previous event was spent on; as many slots as the mode-4 loop's TRACE_EVENTS
-# (the trace buffer's shape), "-" unused
+# (the trace buffer's shape), "-" unused.  The softmax is split in three with ``qk_t`` (fold_t's marks; 2026-12-02:
+# warpgroup 1's softmax took 1652 cycles at 32 rows against warpgroup 0's 716); without ``qk_t`` (mode 5) the first two
+# of those marks are not written and the whole softmax shows under the third
 TRACE_EVENTS_OT = (
     ("top", "top"),
-    ("softmax (fold + exp)", "wait SCALE0 (WG0's max)"),
-    ("P store + TAIL, O^T *= scale0", "softmax (fold + exp), SCALE1 out"),
+    ("column maxima + TAIL", "wait SCALE0 (WG0's max)"),
+    ("fold (shared max, scale)", "column maxima + TAIL"),
+    ("exp, SCALE0 out", "fold (shared max, scale), SCALE1 out"),
+    ("P store + TAIL, O^T *= scale0", "exp"),
     ("own PV (V^T loads, issue, retire)", "P store + TAIL, O^T *= scales"),
     ("wait SCALE1 (WG1's max)", "own PV (V^T loads, issue)"),
     ("rescale + store P, O^T *= scale1", "cross V^T loads + wait P0_READY"),
@@ -93,8 +97,6 @@ TRACE_EVENTS_OT = (
     ("QK issue + cross PV retired", "wait next pair landed, SLOT0_FREE out"),
     ("QK retired", "QK issue + retired"),
     ("-", "wait VT1_FREE, SLOT1_FREE out"),
-    ("-", "-"),
-    ("-", "-"),
 )
 assert len(TRACE_EVENTS_OT) == len(TRACE_EVENTS)
 
@@ -248,12 +250,14 @@ class MlaDecodeOtSm90(MlaDecodeSeesawSm90):
         return lim
 
     @cute.jit
-    def fold_t(self, acc_s, tScS, lim, tile_start, scale_log2, sM, sSc_in, sSc_out, sRed, row_l, ref, sc, wg, wtid):
+    def fold_t(self, acc_s, tScS, lim, tile_start, scale_log2, sM, sSc_in, sSc_out, sRed, row_l, ref, sc, wg, wtid,
+               mk=None):
         """``qk_t``: :meth:`fold_first` (``sSc_in`` None; warpgroup 0) or :meth:`fold_second` (``sSc_in``: scale0;
         warpgroup 1, which arrives on SCALE1 after this) without the exp, for ``S^T``: a query row's keys are spread
         over the 4 warps (tokens are M), so each warp's column maxima (over its 2 tokens, then its 8 lanes of a
         column) go through ``sRed`` and the warpgroup's barrier (TAIL id).  The shared max is read before that
-        barrier and written after it, by warp 0's lanes 0..3 (one writer per row)."""
+        barrier and written after it, by warp 0's lanes 0..3 (one writer per row).  ``mk``: ``(mTrace, cta, j,
+        event after the barrier, event at the end or None)`` for :meth:`mark` (debug builds)."""
         nc = self.pv_n // 4
         lane = wtid % 32
         warp = wtid // 32
@@ -275,6 +279,8 @@ class MlaDecodeOtSm90(MlaDecodeSeesawSm90):
             if lane < 4:
                 sRed[(4 * wg + warp) * 32 + self.col_n(i, wtid)] = mx[i]
         cute.arch.barrier(barrier_id=int(Barrier.TAIL) + wg, number_of_threads=128)
+        if cutlass.const_expr(mk is not None):
+            self.mark(mk[0], mk[1], wg, wtid, mk[2], mk[3])
         for i in cutlass.range_constexpr(nc):
             n = self.col_n(i, wtid)
             t = sRed[4 * wg * 32 + n]
@@ -288,6 +294,8 @@ class MlaDecodeOtSm90(MlaDecodeSeesawSm90):
             if wtid < 4:
                 sM[n] = m_new
                 sSc_out[n] = s
+        if cutlass.const_expr(mk is not None and mk[4] is not None):
+            self.mark(mk[0], mk[1], wg, wtid, mk[2], mk[4])
 
     @cute.jit
     def exp_t(self, acc_s: cute.Tensor, ref: cute.Tensor, row_l: cute.Tensor):
@@ -496,22 +504,23 @@ class MlaDecodeOtSm90(MlaDecodeSeesawSm90):
                 self.mark(mTrace, cta, 0, wtid, j, 0)
                 # 1. fold tile 2j into the shared max; P0; publish
                 if cutlass.const_expr(self.qk_t):
-                    self.fold_t(acc_s, tScS, lim, t0, scale_log2, sM, None, sSc0, sRed, row_l, ref, sc, 0, wtid)
+                    self.fold_t(acc_s, tScS, lim, t0, scale_log2, sM, None, sSc0, sRed, row_l, ref, sc, 0, wtid,
+                                (mTrace, cta, j, 1, 2))
                     self.exp_t(acc_s, ref, row_l)
                 else:
                     self.fold_first(acc_s, tScS, lim, t0, scale_log2, sM, sSc0, row_in, row_l, ref, sc, wtid)
                 cute.arch.barrier_arrive(barrier_id=int(Barrier.SCALE0), number_of_threads=self.num_threads)
-                self.mark(mTrace, cta, 0, wtid, j, 1)
+                self.mark(mTrace, cta, 0, wtid, j, 3)
                 # 2. P0 -> smem; O^T *= scale0 (all rows' scales: after the warpgroup's barrier); O^T += V0^T P0^T
                 self.store_p8(acc_s, self.p_store(qk_thr, bufs, 2 * u))
                 cute.arch.barrier(barrier_id=int(Barrier.TAIL), number_of_threads=128)
                 self.scale_ot(acc, sSc0, None, wtid)
-                self.mark(mTrace, cta, 0, wtid, j, 2)
+                self.mark(mTrace, cta, 0, wtid, j, 4)
                 self.load_vt(a_own, stg0 + 2 * u * _BUF_BYTES, zero, t0, split_end, 0, wtid)
                 self.pv_ot(pv_mma, acc, tA_own, self.p_operand(pv_thr, bufs, 2 * u))
                 warpgroup.commit_group()
                 warpgroup.wait_group(0)
-                self.mark(mTrace, cta, 0, wtid, j, 3)
+                self.mark(mTrace, cta, 0, wtid, j, 5)
                 # (the L2 prefetch's coordinates, for the end of the iteration)
                 pf = split_start + 2 * (j + self.pf_ahead) * bn
                 crdP0, crdP1 = None, None
@@ -520,7 +529,7 @@ class MlaDecodeOtSm90(MlaDecodeSeesawSm90):
                     crdP1 = self.tma_coords(mBT, b, cutlass.min(pf + bn, split_end - 1), split_end, num_pages)
                 # 3. WG1 folded tile 2j+1: rescale P0 (-> smem for WG1), l and O^T by scale1
                 cute.arch.barrier(barrier_id=int(Barrier.SCALE1), number_of_threads=self.num_threads)
-                self.mark(mTrace, cta, 0, wtid, j, 4)
+                self.mark(mTrace, cta, 0, wtid, j, 6)
                 if cutlass.const_expr(self.qk_t):
                     for i in cutlass.range_constexpr(nst):
                         sc[i] = sSc1[self.col_n(i, wtid)]
@@ -536,23 +545,23 @@ class MlaDecodeOtSm90(MlaDecodeSeesawSm90):
                 self.store_p8(acc_s, self.p_store(qk_thr, bufs, 2 * u))  # (the own PV, which read it, retired)
                 cute.arch.barrier_arrive(barrier_id=int(Barrier.P0_READY), number_of_threads=self.num_threads)
                 self.scale_ot(acc, sSc1, None, wtid)
-                self.mark(mTrace, cta, 0, wtid, j, 5)
+                self.mark(mTrace, cta, 0, wtid, j, 7)
                 # 4. O^T += V1^T P1^T (P1 from WG1).  WG1 waited for that tile's landing; this warpgroup waits on the
                 #    same (completed) phase before it reads the TMA's bytes with ldmatrix
                 self.landed(mbar + 2 * u + 1, (j // 2) % 2)
                 self.load_vt(a_x, stg0 + (2 * u + 1) * _BUF_BYTES, zero, t0 + bn, split_end, 0, wtid)
                 cute.arch.barrier(barrier_id=int(Barrier.P1_READY), number_of_threads=self.num_threads)
-                self.mark(mTrace, cta, 0, wtid, j, 6)
+                self.mark(mTrace, cta, 0, wtid, j, 8)
                 self.pv_ot(pv_mma, acc, tA_x, self.p_operand(pv_thr, bufs, 2 * u + 1))
                 warpgroup.commit_group()
                 # 5. next QK (pair j + 1, buffer 2 (1 - u)) behind the cross PV; once that retired, WG1 may free slot 1
                 if more:
                     self.landed(mbar + 2 * (1 - u), ((j + 1) // 2) % 2)
-                    self.mark(mTrace, cta, 0, wtid, j, 7)
+                    self.mark(mTrace, cta, 0, wtid, j, 9)
                     self.qk_tile(qk_mma, qk_thr, acc_s, tSrQ, bufs, 2 * (1 - u))
                     warpgroup.commit_group()
                     warpgroup.wait_group(1)
-                    self.mark(mTrace, cta, 0, wtid, j, 8)
+                    self.mark(mTrace, cta, 0, wtid, j, 10)
                     if refill:
                         cute.arch.fence_view_async_shared()  # (the ldmatrix reads before the refill's TMA writes)
                         cute.arch.barrier_arrive(barrier_id=int(Barrier.VT1_FREE), number_of_threads=self.num_threads)
@@ -560,7 +569,7 @@ class MlaDecodeOtSm90(MlaDecodeSeesawSm90):
                     if wtid + mblk == 0:
                         self.l2_prefetch_pair(mKV, crdP0, crdP1, pf, split_end)
                 warpgroup.wait_group(0)
-                self.mark(mTrace, cta, 0, wtid, j, 9)
+                self.mark(mTrace, cta, 0, wtid, j, 11)
         else:
             for j in cutlass.range(n_pairs, unroll=1):
                 u = j % 2
@@ -572,49 +581,51 @@ class MlaDecodeOtSm90(MlaDecodeSeesawSm90):
                 cute.arch.barrier(barrier_id=int(Barrier.SCALE0), number_of_threads=self.num_threads)
                 self.mark(mTrace, cta, 1, wtid, j, 1)
                 if cutlass.const_expr(self.qk_t):
-                    self.fold_t(acc_s, tScS, lim, t1, scale_log2, sM, sSc0, sSc1, sRed, row_l, ref, sc, 1, wtid)
+                    self.fold_t(acc_s, tScS, lim, t1, scale_log2, sM, sSc0, sSc1, sRed, row_l, ref, sc, 1, wtid,
+                                (mTrace, cta, j, 2, None))
                     cute.arch.barrier_arrive(barrier_id=int(Barrier.SCALE1), number_of_threads=self.num_threads)
+                    self.mark(mTrace, cta, 1, wtid, j, 3)
                     self.exp_t(acc_s, ref, row_l)
                 else:
                     self.fold_second(acc_s, tScS, lim, t1, scale_log2, sM, sSc0, sSc1, row_in, row_l, ref, sc, wtid)
-                self.mark(mTrace, cta, 1, wtid, j, 2)
+                self.mark(mTrace, cta, 1, wtid, j, 4)
                 # 2. P1 -> smem (both PVs read it); O^T *= scale0 * scale1; O^T += V1^T P1^T
                 self.store_p8(acc_s, self.p_store(qk_thr, bufs, 2 * u + 1))
                 cute.arch.barrier(barrier_id=int(Barrier.TAIL) + 1, number_of_threads=128)
                 self.scale_ot(acc, sSc0, sSc1, wtid)
-                self.mark(mTrace, cta, 1, wtid, j, 3)
+                self.mark(mTrace, cta, 1, wtid, j, 5)
                 self.load_vt(a_own, stg0 + (2 * u + 1) * _BUF_BYTES, zero, t1, split_end, 4, wtid)
                 self.pv_ot(pv_mma, acc, tA_own, self.p_operand(pv_thr, bufs, 2 * u + 1))
                 warpgroup.commit_group()
-                self.mark(mTrace, cta, 1, wtid, j, 4)
+                self.mark(mTrace, cta, 1, wtid, j, 6)
                 # 3. O^T += V0^T P0^T (P0 from WG0; the tile's landing as in WG0), then release P1 to WG0
                 self.landed(mbar + 2 * u, (j // 2) % 2)
                 self.load_vt(a_x, stg0 + 2 * u * _BUF_BYTES, zero, t1 - bn, split_end, 4, wtid)
                 cute.arch.barrier(barrier_id=int(Barrier.P0_READY), number_of_threads=self.num_threads)
-                self.mark(mTrace, cta, 1, wtid, j, 5)
+                self.mark(mTrace, cta, 1, wtid, j, 7)
                 self.pv_ot(pv_mma, acc, tA_x, self.p_operand(pv_thr, bufs, 2 * u))
                 warpgroup.commit_group()
                 cute.arch.barrier_arrive(barrier_id=int(Barrier.P1_READY), number_of_threads=self.num_threads)
-                self.mark(mTrace, cta, 1, wtid, j, 6)
+                self.mark(mTrace, cta, 1, wtid, j, 8)
                 # 4. both PVs retired: slot 0's buffer is free (WG0's own PV retired before its P0_READY), announced
                 #    once the next pair landed (module docstring); then the next QK; slot 1's buffer once WG0's cross
                 #    PV retired too (VT1_FREE)
                 warpgroup.wait_group(0)
-                self.mark(mTrace, cta, 1, wtid, j, 7)
+                self.mark(mTrace, cta, 1, wtid, j, 9)
                 if more:
                     self.landed(mbar + 2 * (1 - u) + 1, ((j + 1) // 2) % 2)
                     if refill:
                         cute.arch.fence_view_async_shared()
                         cute.arch.barrier_arrive(barrier_id=int(Barrier.SLOT0_FREE), number_of_threads=160)
-                    self.mark(mTrace, cta, 1, wtid, j, 8)
+                    self.mark(mTrace, cta, 1, wtid, j, 10)
                     self.qk_tile(qk_mma, qk_thr, acc_s, tSrQ, bufs, 2 * (1 - u) + 1)
                     warpgroup.commit_group()
                     warpgroup.wait_group(0)
-                    self.mark(mTrace, cta, 1, wtid, j, 9)
+                    self.mark(mTrace, cta, 1, wtid, j, 11)
                     if refill:
                         cute.arch.barrier(barrier_id=int(Barrier.VT1_FREE), number_of_threads=self.num_threads)
                         cute.arch.barrier_arrive(barrier_id=int(Barrier.SLOT1_FREE), number_of_threads=160)
-                    self.mark(mTrace, cta, 1, wtid, j, 10)
+                    self.mark(mTrace, cta, 1, wtid, j, 12)
 
         # ---- epilogue: both warpgroups' O^T and l are relative to the final shared max (its 2^8 P bias taken out
         #      of the max for the LSE)
