@@ -7,7 +7,9 @@
 # 2. tests/gpu/test_sm90_decode.py and tests/gpu/test_vllm_adapter.py (gpu_tests.log; -v: one line per test).
 # The two files took more than one call's 10 minutes on 2026-12-02 (the vLLM adapter's 34 cases compile their own
 # decode and FA4 prefill kernels, not prewarmed): FILES=tests/gpu/test_vllm_adapter.py runs one file (and skips the
-# prewarm, which only serves the decode file).
+# prewarm, which only serves the decode file).  The vLLM adapter file needs FlashAttention-4 on the GPU machine (its
+# prefill backend): stage the kit with `bash ../shared/device/stage --fa4`; without it its 34 cases skip (2026-12-02),
+# so the script stops first.
 set -uo pipefail
 . "$(dirname "${BASH_SOURCE[0]}")/h200_lib.sh"
 gpu_line
@@ -18,6 +20,11 @@ prewarm([c for c in CHECK if $2], 15)
 " >> "$OUT/prewarm.log" 2>&1; echo "prewarm $1 rc=$?"
 }
 FILES=${FILES:-tests/gpu/test_sm90_decode.py tests/gpu/test_vllm_adapter.py}
+if [[ "$FILES" == *test_vllm_adapter.py* ]] && ! python -c "import flash_attn.cute" > /dev/null 2>&1; then
+  echo "flash-attn-4 is not importable: the vLLM adapter's GPU tests would all skip; stage the kit with" \
+    "'bash ../shared/device/stage --fa4' (or pass FILES=tests/gpu/test_sm90_decode.py)"
+  exit 1
+fi
 if [[ "$FILES" == *test_sm90_decode.py* ]]; then
   stamp "prewarm (CPU)"
   prewarm_with TOKENSPEED_SM90_DECODE_FP8_PV= "True"

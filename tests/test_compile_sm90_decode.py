@@ -57,7 +57,8 @@ _SCRIPT = textwrap.dedent(
         slot_free=(r"bar\\.(?:sync|arrive)\\s+(?:12|13),\\s*160;", "ptx"),
         l2pf=(r"cp\\.async\\.bulk\\.prefetch\\.L2\\.global", "ptx"),
         empty=(r"mbarrier\\.arrive(?!\\.expect_tx)[\\w.:]*\\s", "ptx"),
-        spill=(r"\\b(STL|LDL)\\b", "sass"), depbar=(r"WARPGROUP\\.DEPBAR", "sass"))
+        spill=(r"\\b(STL|LDL)\\b", "sass"), depbar=(r"WARPGROUP\\.DEPBAR", "sass"),
+        shfl=(r"shfl\\.sync\\.bfly", "ptx"), lds4=(r"ld\\.shared\\.v4\\.f32", "ptx"))
 
     def dump_counts(ptx, sass, **names):
         # {result key: number of matches of pattern PATS[name]} in a compile's dump, plus whether it has SASS
@@ -161,8 +162,15 @@ _SCRIPT = textwrap.dedent(
     cute.compile(kt, *fake_args(kt, 2, 32, 64, 1))
     tptx, tsass = own(before, ".ptx"), own(before, ".sass")
     res["ot_t"] = dict(dump_counts(tptx, tsass, n32="n32", n64="n64", qgmma_r="qgmma32_r", qgmma="qgmma32",
-                                   ldsm="ldsm", spill="spill", depbar="depbar"),
+                                   ldsm="ldsm", spill="spill", depbar="depbar", shfl="shfl", lds4="lds4"),
                        tiles=[kt.block_m, kt.num_m_blocks, kt.pv_n])
+    # ... the same with the transposed-butterfly column maxima (TOKENSPEED_SM90_DECODE_COLMAX=xpose)
+    before = set(glob.glob(d + "/*"))
+    kx = MlaDecodeOtSm90(dtype="float8_e4m3fn", num_heads=32, q_len=2, page_size=64, causal=True, num_splits=1,
+                         tokens_per_split=4096, block_n=64, l2_prefetch="late", qk_t=True, colmax="xpose")
+    cute.compile(kx, *fake_args(kx, 2, 32, 64, 1, B=3))  # (B 3: the dump's name differs from the compile above)
+    res["ot_x"] = dump_counts(own(before, ".ptx"), own(before, ".sass"), n32="n32", qgmma="qgmma32", spill="spill",
+                              depbar="depbar", shfl="shfl", lds4="lds4")
     # FP8 P V mode 8, the row-split loop (S x H = 128: two 64-row blocks; page 32: 2 boxes per chunk; 3 splits)
     from tokenspeed_jax.kernels.sm90.mla_decode_rs import MlaDecodeRsSm90
     before = set(glob.glob(d + "/*"))
@@ -461,6 +469,12 @@ def check_compile_result(r: dict) -> None:
     assert x["n32"] == 18 * 3 + 32 and x["n64"] == 0 and x["ldsm"] == 32 and x["tiles"] == [32, 2, 32], x
     if x["sass"]:
         assert x["qgmma"] == 18 * 3 + 32 and x["qgmma_r"] == 32 and x["depbar"] <= 12 and x["spill"] == 0, x
+    # ... with colmax "xpose": the same QGMMAs; per fold site (one per warpgroup) 7 shuffles instead of 3 x 8 and the 4
+    # warps' maxima as 8 16-byte loads instead of 32 scalar ones; no spill
+    y = r["ot_x"]
+    assert y["n32"] == x["n32"] and x["shfl"] - y["shfl"] == 2 * (24 - 7) and y["lds4"] - x["lds4"] == 2 * 8, (x, y)
+    if y["sass"]:
+        assert y["qgmma"] == x["qgmma"] and y["depbar"] <= 12 and y["spill"] == 0, y
     # mode 8 (the row-split loop; 128 rows, page 32, 3 splits): only m64n32k32 QGMMAs: the QK (S^T = K Q_w^T, the
     # warpgroup's 32 rows as N) of the first tile and of the loop's next tile, 18 each, and the PV in 4 sets of 2
     # m-blocks x 2 k32 steps with V^T from registers (2 ldmatrix.x4.trans per set and k32 step); TMA: the ring's 4
@@ -705,6 +719,62 @@ def test_traced_build_lowers(tmp_path):
     assert "TARGETS ['tokenspeed_mla_decode_sm90']" in p.stdout, p.stdout[-2000:]
     assert "TRACE_OUT True" in p.stdout and "TRACE_OUT16 True" in p.stdout, p.stdout[-2000:]
     assert "TRACE_OUT_OT True" in p.stdout, p.stdout[-2000:]
+
+
+def test_colmax_xpose_mapping():
+    """``colmax="xpose"`` (``MlaDecodeOtSm90.colmax_xpose`` and the 16-byte reads in ``fold_t``) on a model of the
+    shuffles: for 16 and 32 rows, every lane ends with the maximum over the 8 lanes of its column group of the column
+    ``colmax_xpose_column`` names, the 4 warps' stores fill exactly the slots the readers load, and each thread's
+    two 16-byte loads per column pair give, for every column of its own, the 4 warps' maxima: so ``fold_t`` sees the
+    column maxima of the 3-shuffle reduction, bitwise."""
+    pytest.importorskip("cutlass")
+    import numpy as np
+
+    from tokenspeed_jax.kernels.sm90.mla_decode_ot import colmax_xpose_column, colmax_xpose_index
+
+    rng = np.random.default_rng(7)
+    for pv_n in (16, 32):
+        nc = pv_n // 4
+        col = [8 * (i // 2) + 2 * (lane % 4) + i % 2 for lane in range(32) for i in range(nc)]  # col_n
+        col = np.array(col).reshape(32, nc)
+        red = np.full(2 * 4 * 32, np.nan)
+        warp_max = {}
+        for wg in range(2):
+            for w in range(4):
+                mx = rng.standard_normal((32, nc))  # each lane's maxima over its own 2 tokens, per column
+                for n in range(pv_n):
+                    warp_max[wg, w, n] = mx[col == n].max()
+                vals = [mx[:, i].copy() for i in range(nc)]  # vals[k][lane]
+                own = np.zeros(32, int)
+                for r in range(3):
+                    h = len(vals) // 2
+                    partner = np.arange(32) ^ (4 << r)
+                    if h == 0:
+                        vals[0] = np.maximum(vals[0], vals[0][partner])
+                        continue
+                    up = (np.arange(32) >> (2 + r)) & 1 == 1
+                    send = [np.where(up, vals[k], vals[h + k]) for k in range(h)]
+                    keep = [np.where(up, vals[h + k], vals[k]) for k in range(h)]
+                    vals = [np.maximum(keep[k], send[k][partner]) for k in range(h)]
+                    own = own + np.where(up, h, 0)
+                for lane in range(32):
+                    i = colmax_xpose_column(lane, pv_n)
+                    assert own[lane] == i
+                    n = col[lane, i]
+                    assert vals[0][lane] == warp_max[wg, w, n], (pv_n, wg, w, lane)
+                    red[colmax_xpose_index(wg, w, lane % 4, i)] = vals[0][lane]
+        for wg in range(2):
+            for lane in range(32):
+                c = lane % 4
+                for k in range(nc // 2):
+                    a0 = colmax_xpose_index(wg, 0, c, 2 * k)
+                    b0 = colmax_xpose_index(wg, 2, c, 2 * k)
+                    assert a0 % 4 == 0 and b0 == a0 + 4  # 16-byte aligned slots (the struct field is too)
+                    a, b = red[a0:a0 + 4], red[b0:b0 + 4]
+                    for p in range(2):
+                        n = col[lane, 2 * k + p]
+                        want = [warp_max[wg, w, n] for w in range(4)]
+                        assert [a[p], a[2 + p], b[p], b[2 + p]] == want, (pv_n, wg, lane, k, p)
 
 
 def test_trace_summary():

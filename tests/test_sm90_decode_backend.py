@@ -215,6 +215,43 @@ def test_t16_pt_and_bars_switches(monkeypatch):
     _assert_rejected(monkeypatch, run, ((m.T16_PT_ENV, "slot"), (m.T16_BARS_ENV, "tile")))
 
 
+def test_colmax_switch(monkeypatch):
+    """``TOKENSPEED_SM90_DECODE_COLMAX`` (default "shfl") reaches the transposed loops only (FP8 modes 6 / 7, the
+    16-bit T16 loop), keyed; validated with the variable named wherever it applies or not."""
+    pytest.importorskip("cutlass")  # (supports() refuses without it)
+    import jax.numpy as jnp
+
+    from tokenspeed_jax.backends import sm90_decode as m
+
+    assert m.COLMAX_ENV in m.TRACE_ENV and m.COLMAX_DEFAULT == "shfl" and m.COLMAX_CHOICES == ("shfl", "xpose")
+    seen = _record_custom_calls(monkeypatch)
+    bt, sl = jnp.zeros((2, 8), jnp.int32), jnp.full((2,), 100, jnp.int32)
+    for env in (m.COLMAX_ENV, m.T16_ENV, m.FP8_PV_ENV, m.PRODUCER16_ENV):
+        monkeypatch.delenv(env, raising=False)
+
+    def run(dtype="bfloat16", S=1, H=16):
+        m.decode(_problem(batch=2, q_len=S, num_heads=H, num_pages=16, max_pages=8, dtype=dtype),
+                 jnp.zeros((2, S, H, 576), dtype), jnp.zeros((16, 64, 576), dtype), bt, sl, 0.1, 1.0)
+        return seen["launch"].__name__, seen["key"].colmax, seen["kw"].get("colmax", "shfl")
+
+    f8 = "float8_e4m3fn"
+    assert run() == ("launch_mla_decode_ot16", "shfl", "shfl")  # the default
+    monkeypatch.setenv(m.COLMAX_ENV, "xpose")
+    assert run() == ("launch_mla_decode_ot16", "xpose", "xpose")
+    assert run(S=2) == ("launch_mla_decode_ot16", "xpose", "xpose")  # 32 rows
+    assert run(dtype=f8, H=32) == ("launch_mla_decode_ot", "xpose", "xpose")  # FP8 mode 6
+    assert run(S=4) == ("launch_mla_decode_seesaw", "shfl", "shfl")  # 64 rows: the seesaw loop
+    assert run(dtype=f8, S=4) == ("launch_mla_decode_seesaw", "shfl", "shfl")  # FP8 mode 4
+    monkeypatch.setenv(m.FP8_PV_ENV, "7")
+    assert run(dtype=f8, S=4) == ("launch_mla_decode_ot", "xpose", "xpose")  # mode 7: 32-row tiles, any S x H
+    monkeypatch.setenv(m.FP8_PV_ENV, "5")
+    assert run(dtype=f8) == ("launch_mla_decode_ot", "shfl", "shfl")  # mode 5: the O^T loop without the transposed QK
+    monkeypatch.delenv(m.FP8_PV_ENV)
+    monkeypatch.setenv(m.T16_ENV, "0")
+    assert run() == ("launch_mla_decode_seesaw", "shfl", "shfl")
+    _assert_rejected(monkeypatch, run, ((m.COLMAX_ENV, "redux"),))
+
+
 def test_pad_rows_switch(monkeypatch):
     """``TOKENSPEED_SM90_DECODE_PAD_ROWS`` reaches the seesaw launcher (16-bit and FP8 mode 4) only where a row block
     has rows past S x H, keyed; the O^T and transposed loops (no padded rows) never get it; validated, named."""

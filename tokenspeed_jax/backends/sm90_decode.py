@@ -182,9 +182,21 @@ EPILOGUE_DEFAULT = "staged"
 # within 1% on the long shapes.  Read at trace time; part of the compile key.
 EPILOGUE_FP8_ENV = "TOKENSPEED_SM90_DECODE_EPILOGUE_FP8"
 EPILOGUE_FP8_DEFAULT = "staged"
+# How the transposed loops (FP8 modes 6 / 7 and the 16-bit T16 loop; S^T = K Q^T, a query row's keys in all 4 warps)
+# reduce each warp's column maxima: "shfl" (3 butterfly shuffles per column, 24 a thread at 32 rows) or "xpose" (a
+# transposed butterfly: the 8 lanes of a column group halve their columns each round, 7 shuffles at 32 rows, every
+# lane then holding one column's warp maximum; the 4 warps' values of a thread's columns read back as 16-byte loads).
+# Maxima are exact, so the outputs are bitwise equal.  Why it was tried (the O^T loop's timeline, 2026-12-02 14:37
+# UTC): at 32 rows warpgroup 1's column maxima took 881 cycles against warpgroup 0's 401 for the same code, running
+# while warpgroup 0 stores P and loads V^T (kernels/sm90/mla_decode_ot.py, colmax_xpose).  Opt-in: bitwise equal on
+# the H200 and slower at 32 rows (FP8 B64/K81920/H32/S1 0.89x, BF16 0.95x; within 2% at 16 rows; 14:58 UTC,
+# docs/sm90_decode.md, "Afternoon run").  Read at trace time; part of the compile key.
+COLMAX_ENV = "TOKENSPEED_SM90_DECODE_COLMAX"
+COLMAX_CHOICES = ("shfl", "xpose")  # (the kernel module's COLMAX_MODES; no cutlass import here)
+COLMAX_DEFAULT = "shfl"
 TRACE_ENV = (SCHEDULE_ENV, PDL_ENV, FP8_QK_ENV, FP8_PV_ENV, L2_PREFETCH_ENV, PRODUCER16_ENV, RS_STAGES_ENV,
              KV_EVICT_ENV, CROSS_FIRST_ENV, T16_ENV, PDL_MAIN_ENV, PAD_ROWS_ENV, P_STSM_ENV, EPILOGUE_ENV,
-             EPILOGUE_FP8_ENV, T16_PT_ENV, T16_BARS_ENV)
+             EPILOGUE_FP8_ENV, T16_PT_ENV, T16_BARS_ENV, COLMAX_ENV)
 SCHEDULES = ("auto", "seesaw", "seesaw-cpasync", "lockstep", "overlap")  # module docstring (no cutlass import here)
 _MIN_PAGE = 8
 _MIN_FP8_SEESAW_PAGE = 16  # the FP8 seesaw needs TMA refills (the kernel's _MIN_TMA_PAGE; no cutlass import here)
@@ -225,6 +237,7 @@ class DecodeKernelKey:
     o_staged: bool = False  # seesaw: O staged through smem ($TOKENSPEED_SM90_DECODE_EPILOGUE, FP8: ..._EPILOGUE_FP8)
     t16_pt_q: bool = False  # the transposed loop: P^T in the Q tile ($TOKENSPEED_SM90_DECODE_T16_PT)
     t16_chunk_bars: bool = False  # the transposed loop: per-chunk mbarriers ($TOKENSPEED_SM90_DECODE_T16_BARS)
+    colmax: str = "shfl"  # the transposed loops' column maxima ($TOKENSPEED_SM90_DECODE_COLMAX)
 
 
 def supports(problem: DecodeProblem) -> str | None:
@@ -304,6 +317,11 @@ def resolve_t16() -> bool:
 def resolve_t16_pt() -> str:
     """``$TOKENSPEED_SM90_DECODE_T16_PT`` (one of :data:`T16_PT_CHOICES`, default :data:`T16_PT_DEFAULT`)."""
     return _env(T16_PT_ENV, T16_PT_DEFAULT, T16_PT_CHOICES)
+
+
+def resolve_colmax() -> str:
+    """``$TOKENSPEED_SM90_DECODE_COLMAX`` (one of :data:`COLMAX_CHOICES`, default :data:`COLMAX_DEFAULT`)."""
+    return _env(COLMAX_ENV, COLMAX_DEFAULT, COLMAX_CHOICES)
 
 
 def resolve_t16_bars() -> str:
@@ -406,6 +424,9 @@ def decode(problem: DecodeProblem, q, kv_cache, block_table, seq_lens, softmax_s
         launch = launch_mla_decode_ot16
     t16_pt_q = resolve_t16_pt() == "q" and t16  # (both validated wherever they apply or not)
     t16_chunk_bars = resolve_t16_bars() == "chunk" and t16
+    colmax = resolve_colmax()  # (validated wherever it applies or not)
+    if not (qk_t or t16):  # the transposed loops only
+        colmax = "shfl"
     cross_first = seesaw and problem.dtype != "float8_e4m3fn" and not t16 and resolve_cross_first()
     pdl_main = resolve_pdl_main()
     # (only the seesaw launcher takes it; the O^T and transposed loops run S x H <= 32 on N = S x H columns)
@@ -422,7 +443,7 @@ def decode(problem: DecodeProblem, q, kv_cache, block_table, seq_lens, softmax_s
     key = DecodeKernelKey("mla_decode_sm90.v10", problem.dtype, H, S, problem.page_size, problem.causal,
                           plan.num_splits, plan.tokens_per_split, block_n, schedule, pdl, qk_fp8, l2_prefetch, pv_fp8,
                           early_refill, vt_packed, tma_producer, pv_ot, qk_t, rs_stages, kv_evict, cross_first, t16,
-                          pdl_main, pad_rows, p_stsm, o_staged, t16_pt_q, t16_chunk_bars)
+                          pdl_main, pad_rows, p_stsm, o_staged, t16_pt_q, t16_chunk_bars, colmax)
     outputs = [jax.ShapeDtypeStruct((B, S, H, problem.kv_lora_rank), jnp.dtype(problem.out_dtype)),
                jax.ShapeDtypeStruct((B, S, H), jnp.float32)]
     outputs += [jax.ShapeDtypeStruct(w.shape, jnp.dtype(w.dtype)) for w in plan.workspace]
@@ -444,6 +465,7 @@ def decode(problem: DecodeProblem, q, kv_cache, block_table, seq_lens, softmax_s
         **({"o_staged": True} if o_staged else {}),
         **({"pt_q": True} if t16_pt_q else {}),
         **({"chunk_bars": True} if t16_chunk_bars else {}),
+        **({"colmax": colmax} if colmax != "shfl" else {}),
     )
     res = call(q, kv_cache, block_table.astype(jnp.int32), seq_lens.astype(jnp.int32),
                ffi.scalar_operand(softmax_scale), ffi.scalar_operand(output_scale))

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import cutlass
 import cutlass.utils.hopper_helpers as sm90_utils
-from cutlass import Int32, cute
+from cutlass import Float32, Int32, cute
 from cutlass.tensor_utils import LayoutEnum
 
 from tokenspeed_jax.kernels.sm90.helpers import Barrier
@@ -73,6 +73,12 @@ def _ldsm4t(addr):
     return cute.arch.inline_ptx(
         "ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 { {$w0}, {$w1}, {$w2}, {$w3} }, [{$r0}];",
         write_only_types=[Int32] * 4, read_only_args=[Int32(addr)])
+
+
+def _lds4f(addr):
+    """``ld.shared.v4.f32`` at the shared address ``addr`` (16-byte aligned): 4 floats."""
+    return cute.arch.inline_ptx("ld.shared.v4.f32 { {$w0}, {$w1}, {$w2}, {$w3} }, [{$r0}];",
+                                write_only_types=[Float32] * 4, read_only_args=[Int32(addr)])
 
 
 def _stsm4(addr, r0, r1, r2, r3):

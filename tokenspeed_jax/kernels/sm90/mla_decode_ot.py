@@ -63,7 +63,7 @@ from cutlass import Float32, Int32, Int64, cute
 from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.tensor_utils import LayoutEnum
 
-from tokenspeed_jax.kernels.sm90.fp8_operands import _ldsm4t, _prmt, sw64
+from tokenspeed_jax.kernels.sm90.fp8_operands import _lds4f, _ldsm4t, _prmt, sw64
 from tokenspeed_jax.kernels.sm90.helpers import LN_2, LOG2_E, Barrier, quad_sum, row_ptr
 from tokenspeed_jax.kernels.sm90.mla_decode_seesaw import TRACE_EVENTS, MlaDecodeSeesawSm90
 
@@ -119,16 +119,46 @@ def ot_feature(wg, mb, warp, row):
     return 256 * wg + 64 * mb + 16 * warp + 2 * (row % 8) + row // 8
 
 
+COLMAX_MODES = ("shfl", "xpose")  # fold_t's column maxima: 3 shuffles per column, or the transposed butterfly
+
+
+def check_colmax(colmax: str) -> str:
+    """``colmax`` validated against :data:`COLMAX_MODES` (the kernel classes' argument)."""
+    if colmax not in COLMAX_MODES:
+        raise ValueError(f"colmax: expected one of {COLMAX_MODES}, got {colmax!r}")
+    return colmax
+
+
+def colmax_xpose_column(lane, pv_n):
+    """``colmax="xpose"``: the column index ``i`` (of :meth:`MlaDecodeOtSm90.col_n`) whose warp maximum lane ``lane``
+    holds after :meth:`MlaDecodeOtSm90.colmax_xpose`: lane bit ``2 + r`` picks the upper half in round ``r`` while
+    the thread has columns to halve.  Python ints (tests)."""
+    i, h = 0, pv_n // 4
+    for r in range(3):
+        h //= 2
+        if h:
+            i += ((lane >> (2 + r)) & 1) * h
+    return i
+
+
+def colmax_xpose_index(wg, w, c, i):
+    """``colmax="xpose"``: the ``sRed`` slot (floats) of warp ``w``'s maximum of column ``i`` of the lanes with
+    ``lane % 4 == c`` in warpgroup ``wg``: ``128 wg + 32 c + 8 (i // 2) + 2 w + i % 2``, so a thread's columns
+    (``8 (i // 2) + 2 c + i % 2``) of all 4 warps lie in 32 consecutive floats.  Python ints and DSL values."""
+    return 128 * wg + 32 * c + 8 * (i // 2) + 2 * w + i % 2
+
+
 class MlaDecodeOtSm90(MlaDecodeSeesawSm90):
     """FP8 MLA decode with ``O^T = V^T P^T`` (module docstring).  Same arguments as the seesaw class; FP8 only."""
 
     pair_step = 1  # output features of an O^T accumulator row pair q, q + 8 (store_ot_pair): f and f + 1
 
-    def __init__(self, *, qk_t: bool = False, **kw):
+    def __init__(self, *, qk_t: bool = False, colmax: str = "shfl", **kw):
         for k in ("qk_fp8", "pv_fp8", "early_refill", "vt_packed", "tma_producer", "kv_load"):
             kw.pop(k, None)
         super().__init__(qk_fp8=True, pv_fp8=True, early_refill=True, vt_packed=True, tma_producer=True,
                          kv_load="tma", **kw)
+        self.colmax = check_colmax(colmax)
         if not self.fp8:
             raise ValueError(f"the O^T schedule (FP8 P V mode 5) needs float8_e4m3fn inputs, got {self.dtype}")
         if self.page_size < _MIN_PAGE:
@@ -176,7 +206,8 @@ class MlaDecodeOtSm90(MlaDecodeSeesawSm90):
             sQ: cute.struct.Align[cute.struct.MemRange[_F8, cute.cosize(q_layout)], 1024]
             bufs: cute.struct.Align[cute.struct.MemRange[_F8, _NBUF * _BUF_BYTES], 1024]
             zero_row: cute.struct.Align[cute.struct.MemRange[Int32, 4], 16]  # V rows past the split
-            red: cute.struct.MemRange[Float32, 2 * 4 * 32]  # S^T (qk_t): per warpgroup and warp, column maxima / sums
+            # S^T (qk_t): per warpgroup and warp, column maxima / sums (16-byte aligned: colmax "xpose" reads 4 at once)
+            red: cute.struct.Align[cute.struct.MemRange[Float32, 2 * 4 * 32], 16]
 
         self.ot_kernel(qk_mma, pv_mma, q, kv, block_table, seq_lens, softmax_scale, output_scale, out, lse, o_accum,
                        lse_accum, trace_buf, q_layout, tma_atom, tma_kv, Storage).launch(
@@ -273,19 +304,35 @@ class MlaDecodeOtSm90(MlaDecodeSeesawSm90):
                 v = -Float32.inf
             acc_s[e] = v
             mx[i] = cute.arch.fmax(mx[i], v)
-        for i in cutlass.range_constexpr(nc):
-            for off in cutlass.range_constexpr(3):
-                mx[i] = cute.arch.fmax(mx[i], cute.arch.shuffle_sync_bfly(mx[i], offset=4 << off))
-            if lane < 4:
-                sRed[(4 * wg + warp) * 32 + self.col_n(i, wtid)] = mx[i]
+        if cutlass.const_expr(self.colmax == "xpose"):
+            self.colmax_xpose(mx, sRed, wg, warp, lane)
+        else:
+            for i in cutlass.range_constexpr(nc):
+                for off in cutlass.range_constexpr(3):
+                    mx[i] = cute.arch.fmax(mx[i], cute.arch.shuffle_sync_bfly(mx[i], offset=4 << off))
+                if lane < 4:
+                    sRed[(4 * wg + warp) * 32 + self.col_n(i, wtid)] = mx[i]
         cute.arch.barrier(barrier_id=int(Barrier.TAIL) + wg, number_of_threads=128)
         if cutlass.const_expr(mk is not None):
             self.mark(mk[0], mk[1], wg, wtid, mk[2], mk[3])
+        tx = None
+        if cutlass.const_expr(self.colmax == "xpose"):  # a thread's columns of all 4 warps: 32 floats, 16-byte loads
+            tx = cute.make_rmem_tensor((nc,), Float32)
+            red = sRed.iterator.toint()
+            for k in cutlass.range_constexpr(nc // 2):
+                a = _lds4f(red + 4 * colmax_xpose_index(wg, 0, lane % 4, 2 * k))  # warps 0, 1 x columns 2k, 2k + 1
+                b = _lds4f(red + 4 * colmax_xpose_index(wg, 2, lane % 4, 2 * k))  # warps 2, 3
+                for p in cutlass.range_constexpr(2):
+                    tx[2 * k + p] = cute.arch.fmax(cute.arch.fmax(a[p], a[2 + p]), cute.arch.fmax(b[p], b[2 + p]))
         for i in cutlass.range_constexpr(nc):
             n = self.col_n(i, wtid)
-            t = sRed[4 * wg * 32 + n]
-            for w in cutlass.range_constexpr(1, 4):
-                t = cute.arch.fmax(t, sRed[(4 * wg + w) * 32 + n])
+            t = None
+            if cutlass.const_expr(self.colmax == "xpose"):
+                t = tx[i]
+            else:
+                t = sRed[4 * wg * 32 + n]
+                for w in cutlass.range_constexpr(1, 4):
+                    t = cute.arch.fmax(t, sRed[(4 * wg + w) * 32 + n])
             m_new, ref[i], s = self.fold_max(mprev[i], t)
             sc[i] = s
             if cutlass.const_expr(sSc_in is not None):
@@ -296,6 +343,35 @@ class MlaDecodeOtSm90(MlaDecodeSeesawSm90):
                 sSc_out[n] = s
         if cutlass.const_expr(mk is not None and mk[4] is not None):
             self.mark(mk[0], mk[1], wg, wtid, mk[2], mk[4])
+
+    @cute.jit
+    def colmax_xpose(self, mx: cute.Tensor, sRed: cute.Tensor, wg: Int32, warp: Int32, lane: Int32):
+        """``colmax="xpose"``: the warp's column maxima of :meth:`fold_t` by a transposed butterfly.  The 8 lanes of a
+        column group (``lane % 4``, lane bits 2..4) halve their columns each round: the lane whose bit is 0 keeps the
+        lower half and sends the upper, its partner the other way round, so the ``pv_n / 4`` columns of a thread take
+        ``pv_n / 4 - 1`` shuffles (7 at 32 rows, 3 + 1 at 16) instead of 3 each (24 / 12), and every lane ends with
+        the warp's maximum of one column (:func:`colmax_xpose_column`), which it stores at
+        :func:`colmax_xpose_index` (the 4 warps' values of a thread's columns side by side).  Maxima are exact, so
+        ``fold_t``'s results are bitwise those of the shuffles per column.  Measured on the H200 (2026-12-02,
+        docs/sm90_decode.md, "Afternoon run"): bitwise equal, and slower at 32 rows (FP8 0.89x, BF16 0.95x at
+        B64/K81920/H32/S1; why was not measured), so ``colmax`` defaults to "shfl"
+        (``TOKENSPEED_SM90_DECODE_COLMAX``)."""
+        vals = [mx[i] for i in range(self.pv_n // 4)]
+        own = Int32(0)
+        for r in cutlass.range_constexpr(3):
+            h = len(vals) // 2
+            if cutlass.const_expr(h == 0):  # (16 rows: one column left, the last round a plain butterfly)
+                vals[0] = cute.arch.fmax(vals[0], cute.arch.shuffle_sync_bfly(vals[0], offset=4 << r))
+            else:
+                up = ((lane >> (2 + r)) & 1) == 1
+                nv = []
+                for k in cutlass.range_constexpr(h):
+                    send = Float32(cutlass.select_(up, vals[k], vals[h + k]))
+                    keep = Float32(cutlass.select_(up, vals[h + k], vals[k]))
+                    nv.append(cute.arch.fmax(keep, cute.arch.shuffle_sync_bfly(send, offset=4 << r)))
+                vals = nv
+                own = own + Int32(cutlass.select_(up, Int32(h), Int32(0)))
+        sRed[colmax_xpose_index(wg, warp, lane % 4, own)] = vals[0]
 
     @cute.jit
     def exp_t(self, acc_s: cute.Tensor, ref: cute.Tensor, row_l: cute.Tensor):
@@ -747,12 +823,13 @@ def launch_mla_decode_ot(stream, q: cute.Tensor, kv: cute.Tensor, block_table: c
                          tokens_per_split: cutlass.Constexpr, block_n: cutlass.Constexpr = 64,
                          schedule: cutlass.Constexpr = "seesaw", pdl: cutlass.Constexpr = True,
                          l2_prefetch: cutlass.Constexpr = "off", qk_t: cutlass.Constexpr = False,
-                         kv_evict: cutlass.Constexpr = "normal", pdl_main: cutlass.Constexpr = False):
+                         kv_evict: cutlass.Constexpr = "normal", pdl_main: cutlass.Constexpr = False,
+                         colmax: cutlass.Constexpr = "shfl"):
     """FFI launch function of the O^T schedule (FP8 P V mode "5", with ``qk_t`` mode "6"; same ABI as
     ``launch_mla_decode_seesaw``; ``schedule`` is the backend's, always "seesaw" here)."""
     MlaDecodeOtSm90(dtype=dtype, num_heads=num_heads, q_len=q_len, page_size=page_size, causal=causal,
                     num_splits=num_splits, tokens_per_split=tokens_per_split, block_n=block_n, pdl=pdl,
-                    l2_prefetch=l2_prefetch, qk_t=qk_t, kv_evict=kv_evict, pdl_main=pdl_main)(
+                    l2_prefetch=l2_prefetch, qk_t=qk_t, kv_evict=kv_evict, pdl_main=pdl_main, colmax=colmax)(
         stream, q, kv, block_table, seq_lens, softmax_scale, output_scale, out, lse, o_accum, lse_accum)
 
 
@@ -765,15 +842,15 @@ def launch_mla_decode_ot_traced(stream, q: cute.Tensor, kv: cute.Tensor, block_t
                                 causal: cutlass.Constexpr, num_splits: cutlass.Constexpr,
                                 tokens_per_split: cutlass.Constexpr, trace: cutlass.Constexpr,
                                 pdl: cutlass.Constexpr = True, l2_prefetch: cutlass.Constexpr = "off",
-                                qk_t: cutlass.Constexpr = False):
+                                qk_t: cutlass.Constexpr = False, colmax: cutlass.Constexpr = "shfl"):
     """Debug build of the O^T loop (FP8 P V mode 5, with ``qk_t`` mode 6) with :meth:`DecodeTraceMixin.mark`
     timestamps at the :data:`TRACE_EVENTS_OT` points in ``trace_buf`` (int64 ``(ctas, 2, trace, len(TRACE_EVENTS))``),
     an extra output after ``lse`` (benchmarks/trace_decode.py)."""
     MlaDecodeOtSm90(dtype=dtype, num_heads=num_heads, q_len=q_len, page_size=page_size, causal=causal,
                     num_splits=num_splits, tokens_per_split=tokens_per_split, block_n=64, pdl=pdl,
-                    l2_prefetch=l2_prefetch, qk_t=qk_t, trace=trace)(
+                    l2_prefetch=l2_prefetch, qk_t=qk_t, colmax=colmax, trace=trace)(
         stream, q, kv, block_table, seq_lens, softmax_scale, output_scale, out, lse, o_accum, lse_accum, trace_buf)
 
 
-__all__ = ["TRACE_EVENTS_OT", "VT_A_SELECTORS", "MlaDecodeOtSm90", "launch_mla_decode_ot", "launch_mla_decode_ot_traced",
-           "ot_feature", "vt_a_row_offset"]
+__all__ = ["COLMAX_MODES", "TRACE_EVENTS_OT", "VT_A_SELECTORS", "MlaDecodeOtSm90", "check_colmax", "colmax_xpose_column",
+           "colmax_xpose_index", "launch_mla_decode_ot", "launch_mla_decode_ot_traced", "ot_feature", "vt_a_row_offset"]

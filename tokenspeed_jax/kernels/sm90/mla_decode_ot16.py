@@ -46,7 +46,7 @@ from cutlass.tensor_utils import LayoutEnum
 
 from tokenspeed_jax.kernels.sm90.helpers import Barrier
 from tokenspeed_jax.kernels.sm90.kv_refill import _CHUNK
-from tokenspeed_jax.kernels.sm90.mla_decode_ot import MlaDecodeOtSm90
+from tokenspeed_jax.kernels.sm90.mla_decode_ot import MlaDecodeOtSm90, check_colmax
 from tokenspeed_jax.kernels.sm90.mla_decode_seesaw import MlaDecodeSeesawSm90
 
 _MAX_ROWS = 32  # query rows S x H (pv_n 16 or 32; the O^T loop's limit)
@@ -65,7 +65,7 @@ class MlaDecodeOt16Sm90(MlaDecodeOtSm90):
     # FP8 O^T loop's, which this class inherits its column-statistics and epilogue methods from
     __call__ = MlaDecodeSeesawSm90.__call__
 
-    def __init__(self, pt_q: bool = False, chunk_bars: bool = False, **kw):
+    def __init__(self, pt_q: bool = False, chunk_bars: bool = False, colmax: str = "shfl", **kw):
         for k in ("qk_fp8", "pv_fp8", "early_refill", "vt_packed", "tma_producer", "kv_load", "qk_t", "cross_first"):
             kw.pop(k, None)
         if kw.get("dtype") not in ("bfloat16", "float16"):
@@ -79,6 +79,7 @@ class MlaDecodeOt16Sm90(MlaDecodeOtSm90):
         self.qk_t = True  # (the O^T loop's column-statistics paths: fold_t, col_limits, epilogue_ot)
         self.pv_n = 16 if self.R <= 16 else 32
         self.pt_q = pt_q
+        self.colmax = check_colmax(colmax)  # (fold_t's column maxima)
         self.chunk_bars = chunk_bars  # (n_mbar, chunk_bar: the refills complete per-chunk mbarriers; qk_landed)
         if pt_q:  # P^T in the Q tile: each slot's rope chunk goes with its owner's early group (module docstring)
             self.col_groups = ((0, 1, 2, 3, 8), (4, 5, 6, 7), (0, 1, 2, 3), (4, 5, 6, 7, 8))
@@ -303,14 +304,14 @@ def launch_mla_decode_ot16(stream, q: cute.Tensor, kv: cute.Tensor, block_table:
                            schedule: cutlass.Constexpr = "seesaw", pdl: cutlass.Constexpr = True,
                            l2_prefetch: cutlass.Constexpr = "off", kv_evict: cutlass.Constexpr = "normal",
                            pdl_main: cutlass.Constexpr = False, pt_q: cutlass.Constexpr = False,
-                           chunk_bars: cutlass.Constexpr = False):
+                           chunk_bars: cutlass.Constexpr = False, colmax: cutlass.Constexpr = "shfl"):
     """FFI launch function of the transposed 16-bit loop (``TOKENSPEED_SM90_DECODE_T16``; same ABI as
     ``launch_mla_decode_seesaw``; ``schedule`` is the backend's, always "seesaw" here; ``pt_q``: P^T in the Q tile,
     ``TOKENSPEED_SM90_DECODE_T16_PT=q``; ``chunk_bars``: per-chunk mbarriers, ``TOKENSPEED_SM90_DECODE_T16_BARS=chunk``)."""
     MlaDecodeOt16Sm90(dtype=dtype, num_heads=num_heads, q_len=q_len, page_size=page_size, causal=causal,
                       num_splits=num_splits, tokens_per_split=tokens_per_split, block_n=block_n, pdl=pdl,
                       l2_prefetch=l2_prefetch, kv_evict=kv_evict, pdl_main=pdl_main, pt_q=pt_q,
-                      chunk_bars=chunk_bars)(
+                      chunk_bars=chunk_bars, colmax=colmax)(
         stream, q, kv, block_table, seq_lens, softmax_scale, output_scale, out, lse, o_accum, lse_accum)
 
 

@@ -304,7 +304,8 @@ class MlaDecodeSeesawSm90(Fp8OperandsMixin, KvRefillMixin, DecodeTraceMixin, Mla
             sQ: cute.struct.Align[cute.struct.MemRange[qk_dt, cute.cosize(q_layout)], 1024]
             sK: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(k_layout)], 1024]
             zero_row: cute.struct.Align[cute.struct.MemRange[Int32, 4], 16]  # packed transpose: rows past the split
-            red: cute.struct.MemRange[Float32, self.red_floats]  # column statistics (the transposed loops)
+            # column statistics of the transposed loops (16-byte aligned: fold_t's colmax "xpose" reads 4 at once)
+            red: cute.struct.Align[cute.struct.MemRange[Float32, self.red_floats], 16]
 
         self.seesaw_kernel(qk_mma, pv_ss, pv_rs, pv8, q, kv, block_table, seq_lens, softmax_scale, output_scale, out,
                            lse, o_accum, lse_accum, trace_buf, q_layout, k_layout, v_layout, p_layout, tma_atom,
