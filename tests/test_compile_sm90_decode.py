@@ -730,8 +730,14 @@ def test_colmax_xpose_mapping():
     pytest.importorskip("cutlass")
     import numpy as np
 
-    from tokenspeed_jax.kernels.sm90.mla_decode_ot import colmax_xpose_column, colmax_xpose_index
+    from tokenspeed_jax.backends.sm90_decode import COLMAX_CHOICES
+    from tokenspeed_jax.kernels.sm90.mla_decode_ot import (
+        COLMAX_MODES,
+        colmax_xpose_column,
+        colmax_xpose_index,
+    )
 
+    assert COLMAX_MODES == COLMAX_CHOICES  # (the backend keeps its own copy: it imports no cutlass)
     rng = np.random.default_rng(7)
     for pv_n in (16, 32):
         nc = pv_n // 4
