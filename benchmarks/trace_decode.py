@@ -14,9 +14,10 @@ checked against and run under ``--sustain`` is then the seesaw loop (``T16=0``),
 timeline is taken at the clocks of sustained load (memory-bound shapes sit at the H200's 700 W power cap there, about
 1.41 GHz; docs/sm90_decode.md, "The BF16 memory-bound gap"), to compare with the one-launch timeline.
 
-With ``TOKENSPEED_SM90_DECODE_FP8_PV`` 5, 6 (the default) or 7 the FP8 build is the O^T loop's
+With ``TOKENSPEED_SM90_DECODE_FP8_PV`` 5, 6, 7 or 10 (the default) the FP8 build is the O^T loop's
 (``launch_mla_decode_ot_traced``, its events ``TRACE_EVENTS_OT``), for the cases that mode runs it on (pages >= 32;
-modes 5 and 6: S x H <= 32); mode 4's loop otherwise (``TOKENSPEED_SM90_DECODE_FP8_PV=4``).
+modes 5 and 6: S x H <= 32; mode 10: mode 6's loop for S x H <= 32, the 64-row blocks without the transposed QK
+above); mode 4's loop otherwise (``TOKENSPEED_SM90_DECODE_FP8_PV=4``).
 
 Runs a debug build of the kernel (``launch_mla_decode_seesaw_traced``) in which thread 0 of each warpgroup writes
 ``clock64`` at the ``TRACE_EVENTS`` points of its first ``--iters`` loop iterations, for the first ``--ctas`` CTAs,
@@ -144,21 +145,23 @@ def main(argv=None):
     from tokenspeed_jax.kernels.sm90.mla_decode_seesaw import TRACE_EVENTS
 
     mode = sm90_decode.resolve_fp8_pv() if a.dtype == "float8_e4m3fn" else None
-    if mode not in (None, "3", "4", "5", "6", "7"):
-        raise SystemExit(f"{sm90_decode.FP8_PV_ENV}={mode}: the traced FP8 build is mode 3, 4, 5, 6 or 7")
-    ot = mode if mode in ("5", "6", "7") else None
+    if mode not in (None, "3", "4", "5", "6", "7", "10"):
+        raise SystemExit(f"{sm90_decode.FP8_PV_ENV}={mode}: the traced FP8 build is mode 3, 4, 5, 6, 7 or 10")
+    ot = mode if mode in ("5", "6", "7", "10") else None
     events = TRACE_EVENTS_OT if ot else TRACE_EVENTS
     # the producer warpgroup itself is not traced (nor the empty refill phases it leaves)
-    producer = mode in ("4", "5", "6", "7") if mode else sm90_decode.resolve_producer16() == "1"
+    producer = mode in ("4", "5", "6", "7", "10") if mode else sm90_decode.resolve_producer16() == "1"
     report = {"name": f"per-warpgroup timeline of the sm90 decode loop, {a.dtype} (clock64 cycles)", **provenance(),
               "fp8_pv_mode": mode, "producer": producer, "sustain_s": a.sustain,
               "events": [list(e) for e in events], "cases": []}
     for spec in a.cases:
         B, K, page, H, S = (int(x) for x in spec.split(","))
         c = dataclasses.replace(bench_case(B, K, page, H, S), dtype=a.dtype)
-        if ot and (page < 32 or (ot != "7" and H * S > 32)):
+        if ot and (page < 32 or (ot in ("5", "6") and H * S > 32)):
             raise SystemExit(f"{c.name}: mode {ot} runs the O^T loop on pages >= 32 (modes 5, 6: S x H <= 32 only; "
                              f"{sm90_decode.FP8_PV_ENV}=4 traces mode 4's loop)")
+        # mode 10 (the default): mode 6's loop for S x H <= 32, the O^T loop on 64-row blocks (mode 5's) above
+        case_ot = ("6" if H * S <= 32 else "5") if ot == "10" else ot
         q, kv, bt, sl, scale = bench_inputs(c)
         q, kv = q.astype(c.dtype), kv.astype(c.dtype)
         # the normal build of the traced loop: the 16-bit seesaw, not the transposed loop the backend runs by default
@@ -166,7 +169,8 @@ def main(argv=None):
         with switches("-", "T16=0" if c.dtype != "float8_e4m3fn" else "-"):  # (read when traced: here)
             g = decode_fn(c, "sm90")
             ref = g(q, kv, bt, sl, scale)
-        f = traced_decode(c, a.iters, a.ctas, producer and page >= 32, ot)  # (the backend's page rule for both loops)
+        # (the backend's page rule for both loops)
+        f = traced_decode(c, a.iters, a.ctas, producer and page >= 32, case_ot)
         for _ in range(3):  # the last run's timestamps (the first compiles and warms the caches)
             out, lse, tr = jax.block_until_ready(f(q, kv, bt, sl, scale))
         if a.sustain > 0:  # the normal build back to back first, the traced run queued right behind it

@@ -58,7 +58,12 @@ _SCRIPT = textwrap.dedent(
         l2pf=(r"cp\\.async\\.bulk\\.prefetch\\.L2\\.global", "ptx"),
         empty=(r"mbarrier\\.arrive(?!\\.expect_tx)[\\w.:]*\\s", "ptx"),
         spill=(r"\\b(STL|LDL)\\b", "sass"), depbar=(r"WARPGROUP\\.DEPBAR", "sass"),
-        shfl=(r"shfl\\.sync\\.bfly", "ptx"), lds4=(r"ld\\.shared\\.v4\\.f32", "ptx"))
+        shfl=(r"shfl\\.sync\\.bfly", "ptx"), lds4=(r"ld\\.shared\\.v4\\.f32", "ptx"),
+        qgmma64_r=(r"QGMMA\\.64x64x32\\.F32\\.E4M3\\.E4M3 R\\d+, R\\d+", "sass"),
+        # (the inline-asm word stores / loads of the O^T loop's P; the compiler's own b32 accesses are not counted)
+        sts32=(r"begin inline asm\\n\\s*st\\.shared\\.b32", "ptx"),
+        lds32=(r"begin inline asm\\n\\s*ld\\.shared\\.b32", "ptx"),
+        sts8=(r"st\\.shared\\.u8", "ptx"))
 
     def dump_counts(ptx, sass, **names):
         # {result key: number of matches of pattern PATS[name]} in a compile's dump, plus whether it has SASS
@@ -147,14 +152,16 @@ _SCRIPT = textwrap.dedent(
     k = MlaDecodeOtSm90(dtype="float8_e4m3fn", num_heads=32, q_len=1, page_size=32, causal=True, num_splits=3,
                         tokens_per_split=256, block_n=64, l2_prefetch="late")
     cute.compile(k, *fake_args(k, 1, 32, 32, 3))
-    try:
-        MlaDecodeOtSm90(dtype="float8_e4m3fn", num_heads=64, q_len=1, page_size=64, causal=True, num_splits=1,
-                        tokens_per_split=256, block_n=64)
-        res["ot_r64"] = "accepted"
-    except ValueError as e:
-        res["ot_r64"] = str(e)
     optx, osass = own(before, ".ptx"), own(before, ".sass")
     res["ot_pre"] = (optx, osass)  # (this compile's dump, counted below)
+    # ... on whole 64-row blocks (FP8 P V mode 10 with S x H > 32: 128 rows over S = 4, page 64, 2 splits)
+    before = set(glob.glob(d + "/*"))
+    k64 = MlaDecodeOtSm90(dtype="float8_e4m3fn", num_heads=32, q_len=4, page_size=64, causal=True, num_splits=2,
+                          tokens_per_split=4096, block_n=64)
+    cute.compile(k64, *fake_args(k64, 4, 32, 64, 2))
+    res["ot64"] = dict(dump_counts(own(before, ".ptx"), own(before, ".sass"), n64="n64", n32="n32", qgmma="qgmma64",
+                                   qgmma_r="qgmma64_r", ldsm="ldsm", sts32="sts32", lds32="lds32", sts8="sts8",
+                                   spill="spill", depbar="depbar"), tiles=[k64.block_m, k64.num_m_blocks, k64.pv_n])
     # ... mode 6, the QK transposed too (64 rows, S = 2: two 32-row tiles; page 64, one split: the direct epilogue)
     before = set(glob.glob(d + "/*"))
     kt = MlaDecodeOtSm90(dtype="float8_e4m3fn", num_heads=32, q_len=2, page_size=64, causal=True, num_splits=1,
@@ -343,7 +350,8 @@ def check_compile_result(r: dict) -> None:
         # the only spill of all these builds: FP8 mode 4 with 32-token pages keeps one value in local memory (4
         # bytes, stored in the prologue, reloaded at the computing warpgroups' start and in the epilogue, never in
         # the loop; with 64-token pages, the benchmark's, none); below
-        assert r["sass_spill"] == r["ss"]["32_8r"]["spill"], r
+        # and mode 10's 64-row O^T loop: 16 bytes of loop-invariant reloads (below)
+        assert r["sass_spill"] == r["ss"]["32_8r"]["spill"] + r["ot64"]["spill"], r
     assert "tokenspeed_mla_decode_sm90" in r["targets"], r
     # combine over 16 splits: each of a thread's 2 splits (16 / 8 groups) is one 16-byte load; PDL
     assert r["comb"] == {"v4": 2, "wait": 1, "trigger": 1}, r["comb"]
@@ -454,15 +462,24 @@ def check_compile_result(r: dict) -> None:
     # warpgroup loop; the PVs m64n32k32 (N = the 32 rows), 4 sites x 2 k32 steps x 4 m-blocks, V^T from registers (8
     # ldmatrix.x4.trans + 32 prmt per PV, no stmatrix); TMA: 4 tiles in the prologue and 2 per pair in the producer's
     # loop x 9 chunks x 2 boxes; 2 SLOT*_FREE arrive sites + 2 producer syncs; one L2 prefetch per tile, prologue and
-    # loop; the TV layouts test_fp8_ot_vt_fragment_mapping models; no spill (64 rows are refused: they spilled)
+    # loop; the TV layouts test_fp8_ot_vt_fragment_mapping models; no spill
     x = r["ot"]
     assert x["qk8"] == 18 * 3 and x["pv8"] == 32 and x["ldsm"] == 32 and x["prmt"] >= 128 and x["stsm"] == 0, x
     assert x["tma"] == (4 + 2) * 18 and x["maxnreg"] == 2 and x["slot_free"] == 4 and x["l2pf"] == 4, x
     assert f"TV Layout A:     {OT_TV_A}" in r["ot_tv"] and f"TV Layout C:     {OT_TV_C}" in r["ot_tv"], r["ot_tv"]
-    assert "S x H <= 32" in r["ot_r64"], r["ot_r64"]
     assert r["ot_lower"] == {"targets": ["tokenspeed_mla_decode_sm90"], "entry": True}, r["ot_lower"]
     if x["sass"]:  # the QK's 54 QGMMA m64n64k32 and the PVs' 32 m64n32k32 with V^T from registers; no spill
         assert x["qgmma"] == 18 * 3 and x["qgmma_r"] == 32 and x["depbar"] <= 12 and x["spill"] == 0, x
+    # mode 10's O^T loop on 64-row blocks: 54 QK + 32 PV QGMMAs m64n64k32 (the PVs with V^T from registers); P as 8
+    # 32-bit shared stores per store site (one per warpgroup) and warpgroup 0's rescale of P0 from its words (8 loads,
+    # 8 stores), no byte stores; no serialized wgmma (ptxas C7512 "insufficient register resources" put a
+    # WARPGROUP.DEPBAR after all 86 when P was kept in fp32 across the own PV and both V^T fragment sets were live); at
+    # most a few loop-invariant reloads (16 bytes of stack, 2026-12-02: 4 STL, 29 LDL)
+    x = r["ot64"]
+    assert x["n64"] == 18 * 3 + 32 and x["n32"] == 0 and x["ldsm"] == 32 and x["tiles"] == [64, 2, 64], x
+    assert x["sts32"] == 8 * 2 + 8 and x["lds32"] == 8 and x["sts8"] == 0, x
+    if x["sass"]:
+        assert x["qgmma"] == 86 and x["qgmma_r"] == 32 and x["depbar"] <= 12 and x["spill"] <= 40, x
     # mode 6 (the QK transposed too; 64 rows in two 32-row tiles): all 54 + 32 QGMMAs m64n32k32 (S^T = K Q^T with
     # the rows as N, and the PVs), the PVs' with V^T from registers; no spill
     x = r["ot_t"]
@@ -700,6 +717,11 @@ _TRACE_SCRIPT = textwrap.dedent(
             sd((2, 2, 32, 576), f8), sd((c.num_pages, 64, 576), f8), sd((2, c.max_pages), jnp.int32),
             sd((2,), jnp.int32), sd((), jnp.float32)).lower(lowering_platforms=("cuda",)).as_text()
     print("TRACE_OUT_OT", bool(re.search(r"tensor<3x2x4x%dxi64>" % len(TRACE_EVENTS), txt)))
+    with target_override("sm_90a", num_sms=132):  # the same 64 rows on one 64-row block (mode 10's loop above 32 rows)
+        txt = traced_decode(c, 4, 3, True, "5").trace(
+            sd((2, 2, 32, 576), f8), sd((c.num_pages, 64, 576), f8), sd((2, c.max_pages), jnp.int32),
+            sd((2,), jnp.int32), sd((), jnp.float32)).lower(lowering_platforms=("cuda",)).as_text()
+    print("TRACE_OUT_OT64", bool(re.search(r"tensor<3x2x4x%dxi64>" % len(TRACE_EVENTS), txt)))
     """
 )
 
@@ -707,7 +729,7 @@ _TRACE_SCRIPT = textwrap.dedent(
 @pytest.mark.compile
 def test_traced_build_lowers(tmp_path):
     """The debug builds behind benchmarks/trace_decode.py (clock64 marks, an extra int64 output), FP8, BF16 and the
-    FP8 O^T loop (mode 6), compile for sm_90a and lower as the decode custom call with the trace output.  (That a
+    FP8 O^T loop (mode 7's 32-row tiles, and mode 10's 64-row blocks), compile for sm_90a and lower as the decode custom call with the trace output.  (That a
     normal build carries no mark, its code unchanged, was checked by diffing the PTX (seesaw) and the SASS (O^T loop)
     on 2026-12-01: the marks are compile-time.)"""
     pytest.importorskip("cutlass")
@@ -718,7 +740,7 @@ def test_traced_build_lowers(tmp_path):
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     assert "TARGETS ['tokenspeed_mla_decode_sm90']" in p.stdout, p.stdout[-2000:]
     assert "TRACE_OUT True" in p.stdout and "TRACE_OUT16 True" in p.stdout, p.stdout[-2000:]
-    assert "TRACE_OUT_OT True" in p.stdout, p.stdout[-2000:]
+    assert "TRACE_OUT_OT True" in p.stdout and "TRACE_OUT_OT64 True" in p.stdout, p.stdout[-2000:]
 
 
 def test_colmax_xpose_mapping():
@@ -894,6 +916,48 @@ def test_fp8_ot_vt_fragment_mapping():
                             assert byte == want, (wg, warp, lane, kb, mb, val, f, tok)
                             seen[f, 32 * kb + k] = True
     assert seen.all()  # every (feature, token position) of the tile reached exactly the A operand
+
+
+def test_fp8_ot_p_word_mapping():
+    """The O^T loop's P stores on 64-row blocks (``MlaDecodeOtSm90.store_p_tile`` without ``qk_t``, and
+    ``rescale_p_tile``): on a model of the QGMMA m64n64 accumulator layout, of the thread's e4m3 words and of
+    ``prmt``, word ``(h, g)`` at ``p8_word_offset`` holds exactly the bytes the store view (``p_views``: rows of 64
+    bytes, tokens in ``P8_TOKEN_ORDER``, the 64-byte swizzle) puts there, and the 8 words of the 128 threads cover
+    the 4 KB P tile once; each warp's 32 stores of one word index hit 32 distinct banks."""
+    pytest.importorskip("cutlass")
+    import numpy as np
+
+    from tokenspeed_jax.kernels.sm90.fp8_operands import P8_TOKEN_ORDER, sw64
+    from tokenspeed_jax.kernels.sm90.mla_decode_ot import P8_WORD_SELECTORS, p8_word_elements, p8_word_offset
+
+    def prmt(a, b, sel):  # byte j of the result: byte (sel >> 4 j) & 7 of {b, a}
+        src = a | (b << 32)
+        return sum(((src >> (8 * ((sel >> (4 * j)) & 7))) & 0xFF) << (8 * j) for j in range(4))
+
+    rng = np.random.default_rng(5)
+    p = rng.integers(0, 256, (64, 64))  # P (rows, tokens) as e4m3 bytes
+    want = np.full(64 * 64, -1)
+    for r in range(64):
+        for t in range(64):
+            want[sw64(r * 64 + 16 * (t // 16) + P8_TOKEN_ORDER.index(t % 16))] = p[r, t]
+    got = np.full(64 * 64, -1)
+    for warp in range(4):
+        for h in range(2):
+            for g in range(4):
+                banks = set()
+                for lane in range(32):
+                    q, c = lane // 4, lane % 4
+                    # the accumulator element e = v0 + 2 v1 + 4 v2: row 16 warp + q + 8 v1, column 8 v2 + 2 c + v0
+                    elem = [p[16 * warp + q + 8 * ((e // 2) % 2), 8 * (e // 4) + 2 * c + e % 2] for e in range(32)]
+                    words = [sum(elem[4 * i + j] << (8 * j) for j in range(4)) for i in range(8)]
+                    word = prmt(words[2 * g], words[2 * g + 1], P8_WORD_SELECTORS[h])
+                    assert [(word >> (8 * j)) & 0xFF for j in range(4)] == [elem[e] for e in p8_word_elements(h, g)]
+                    off = p8_word_offset(lane, warp, h, g)
+                    assert off % 4 == 0 and (got[off:off + 4] == -1).all(), (warp, lane, h, g)
+                    got[off:off + 4] = [(word >> (8 * j)) & 0xFF for j in range(4)]
+                    banks.add((off // 4) % 32)
+                assert len(banks) == 32, (warp, h, g)
+    assert (got == want).all()
 
 
 def test_staged_pass_features():

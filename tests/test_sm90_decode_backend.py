@@ -51,11 +51,11 @@ def test_fp8_pv_switch(monkeypatch):
     from tokenspeed_jax.backends import sm90_decode as m
 
     monkeypatch.delenv(m.FP8_PV_ENV, raising=False)
-    assert m.resolve_fp8_pv() == m.FP8_PV_DEFAULT == "6"
+    assert m.resolve_fp8_pv() == m.FP8_PV_DEFAULT == "10"
     for v in m.FP8_PV_MODES:
         monkeypatch.setenv(m.FP8_PV_ENV, v)
         assert m.resolve_fp8_pv() == v
-    for bad in ("on", "true", "10"):
+    for bad in ("on", "true", "11"):
         monkeypatch.setenv(m.FP8_PV_ENV, bad)
         with pytest.raises(ValueError, match=m.FP8_PV_ENV):
             m.resolve_fp8_pv()
@@ -217,7 +217,7 @@ def test_t16_pt_and_bars_switches(monkeypatch):
 
 def test_colmax_switch(monkeypatch):
     """``TOKENSPEED_SM90_DECODE_COLMAX`` (default "shfl") reaches the transposed loops only (FP8 modes 6 / 7, the
-    16-bit T16 loop), keyed; validated with the variable named wherever it applies or not."""
+    16-bit T16 loop), keyed; validated with the variable named wherever it applies or not (not in mode 10's 64-row O^T loop)."""
     pytest.importorskip("cutlass")  # (supports() refuses without it)
     import jax.numpy as jnp
 
@@ -241,7 +241,9 @@ def test_colmax_switch(monkeypatch):
     assert run(S=2) == ("launch_mla_decode_ot16", "xpose", "xpose")  # 32 rows
     assert run(dtype=f8, H=32) == ("launch_mla_decode_ot", "xpose", "xpose")  # FP8 mode 6
     assert run(S=4) == ("launch_mla_decode_seesaw", "shfl", "shfl")  # 64 rows: the seesaw loop
-    assert run(dtype=f8, S=4) == ("launch_mla_decode_seesaw", "shfl", "shfl")  # FP8 mode 4
+    assert run(dtype=f8, S=4) == ("launch_mla_decode_ot", "shfl", "shfl")  # FP8 mode 10: the 64-row O^T loop
+    monkeypatch.setenv(m.FP8_PV_ENV, "6")
+    assert run(dtype=f8, S=4) == ("launch_mla_decode_seesaw", "shfl", "shfl")  # FP8 mode 6: mode 4 for 64 rows
     monkeypatch.setenv(m.FP8_PV_ENV, "7")
     assert run(dtype=f8, S=4) == ("launch_mla_decode_ot", "xpose", "xpose")  # mode 7: 32-row tiles, any S x H
     monkeypatch.setenv(m.FP8_PV_ENV, "5")
@@ -279,8 +281,12 @@ def test_pad_rows_switch(monkeypatch):
     monkeypatch.setenv(m.PAD_ROWS_ENV, "zero")
     assert run(S=3, H=32) == ("launch_mla_decode_seesaw", "zero", "zero")  # 96 rows: the second block padded
     assert run(S=4, H=16) == ("launch_mla_decode_seesaw", "copy", "copy")  # 64 rows: nothing to pad
+    # the FP8 default (mode 10) runs the O^T loop there, which copies a real row into the padded ones; mode 4 zeros them
+    assert run(dtype="float8_e4m3fn", S=3, H=16) == ("launch_mla_decode_ot", "copy", "copy")
+    monkeypatch.setenv(m.FP8_PV_ENV, "4")
     assert run(dtype="float8_e4m3fn", S=3, H=16) == ("launch_mla_decode_seesaw", "zero", "zero")  # mode 4
-    assert run(dtype="float8_e4m3fn")[1:] == ("copy", "copy")  # mode 6: the O^T loop, N = S x H
+    monkeypatch.delenv(m.FP8_PV_ENV)
+    assert run(dtype="float8_e4m3fn")[1:] == ("copy", "copy")  # mode 10 for 16 rows: mode 6's O^T loop, N = S x H
     monkeypatch.delenv(m.T16_ENV)
     assert run() == ("launch_mla_decode_ot16", "copy", "copy")
     monkeypatch.setenv(m.PAD_ROWS_ENV, "nan")
@@ -314,10 +320,14 @@ def test_store_switches(monkeypatch):
 
     assert run() == ("launch_mla_decode_seesaw", True, True, True, True)  # the defaults, 128 rows
     assert run(dtype="float16", S=3, H=24) == ("launch_mla_decode_seesaw", True, True, True, True)  # padded block
+    # the FP8 default (mode 10, 128 rows): the O^T loop, which stores straight from its accumulators (neither switch)
+    assert run(dtype="float8_e4m3fn") == ("launch_mla_decode_ot", False, False, False, False)
+    monkeypatch.setenv(m.FP8_PV_ENV, "4")
     assert run(dtype="float8_e4m3fn") == ("launch_mla_decode_seesaw", False, True, False, True)  # mode 4
     monkeypatch.setenv(m.EPILOGUE_FP8_ENV, "direct")
     assert run(dtype="float8_e4m3fn") == ("launch_mla_decode_seesaw", False, False, False, False)
     monkeypatch.setenv(m.EPILOGUE_FP8_ENV, "staged")
+    monkeypatch.delenv(m.FP8_PV_ENV)
     assert run(dtype="float8_e4m3fn", S=1, H=16)[1:] == (False,) * 4  # mode 6: the O^T loop
     assert run()[1:] == (True,) * 4  # (16-bit: its own switch)
     monkeypatch.delenv(m.EPILOGUE_FP8_ENV)
@@ -410,8 +420,8 @@ def test_sm90_plan(B, S, H, K):
 def test_fp8_ot_switch(monkeypatch):
     """FP8 P V modes 5 and 6 run the O^T schedule's launch function (keyed ``pv_ot``; 6 with the transposed QK,
     ``qk_t``) for S x H <= 32 with pages >= 32, and otherwise what mode 4 runs (its loop; with 16-token pages its
-    fallback); mode 7 runs mode 6's loop for any S x H, on the 32-row plan; mode 8 the row-split loop for any S x H,
-    mode 9 for S x H <= 32."""
+    fallback); mode 10 (the default) is mode 6 with the O^T loop on 64-row blocks instead of mode 4; mode 7 runs mode
+    6's loop for any S x H, on the 32-row plan; mode 8 the row-split loop for any S x H, mode 9 for S x H <= 32."""
     pytest.importorskip("cutlass")
     import jax.numpy as jnp
 
@@ -437,6 +447,26 @@ def test_fp8_ot_switch(monkeypatch):
             assert seen["kw"]["qk_t"] is (mode != "5") and seen["key"].qk_t is (mode != "5"), seen["kw"]
         else:
             assert seen["launch"] is launch_mla_decode_seesaw and seen["kw"]["vt_packed"] is True, (mode, page)
+    # mode 10 (the default): mode 6's loop for S x H <= 32, the O^T loop without the transposed QK on the default
+    # plan's 64-row blocks for more rows (S x H = 64 and 72: one and two blocks), mode 4's loop for 16-token pages
+    plan_calls = []
+    real_plan = m.plan_for_problem
+    monkeypatch.setattr(m, "plan_for_problem", lambda *a, **kw: plan_calls.append(kw) or real_plan(*a, **kw))
+    for v in ("10", ""):  # (the default)
+        monkeypatch.setenv(m.FP8_PV_ENV, v)
+        for S, H, page, ot, qk_t in ((1, 16, 64, True, True), (2, 32, 64, True, False), (3, 24, 32, True, False),
+                                     (2, 32, 16, False, False)):
+            plan_calls.clear()
+            m.decode(_problem(batch=2, q_len=S, num_heads=H, page_size=page, num_pages=16, max_pages=8,
+                              dtype="float8_e4m3fn"), jnp.zeros((2, S, H, 576), f8), jnp.zeros((16, page, 576), f8),
+                     bt, sl, 0.1, 1.0)
+            assert seen["key"].pv_ot is ot and (seen["launch"] is launch_mla_decode_ot) is ot, (v, S, H, page)
+            if ot:
+                assert seen["kw"]["qk_t"] is qk_t and seen["key"].qk_t is qk_t, (v, S, H, seen["kw"])
+                assert plan_calls == [{}, {"block_m": 32}] if qk_t else plan_calls == [{}], plan_calls
+            else:
+                assert seen["launch"] is launch_mla_decode_seesaw and seen["kw"]["vt_packed"] is True, seen["kw"]
+    monkeypatch.setattr(m, "plan_for_problem", real_plan)
     # more than 32 query rows (S x H = 64): mode 4's loop with modes 5 and 6
     for mode in ("5", "6"):
         monkeypatch.setenv(m.FP8_PV_ENV, mode)

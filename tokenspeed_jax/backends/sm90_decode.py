@@ -7,11 +7,12 @@ the split-KV partials are XLA-owned extra outputs of the custom call, sized exac
 
 FP8 (``float8_e4m3fn`` q and cache, scales folded into ``softmax_scale`` / ``output_scale`` as the decode
 contract says) reads half the bytes.  In the seesaw loop (page sizes >= 16) QK^T runs on FP8 tensor cores
-(QGMMA) straight from the landed e4m3 tiles, and so does P V (``TOKENSPEED_SM90_DECODE_FP8_PV``, default ``6``,
-its modes at :data:`FP8_PV_ENV`): P is rounded to e4m3; for 64 or more query rows V is transposed in shared memory
-(``ldmatrix.trans`` / ``stmatrix`` into a packed slot, one QGMMA m64n256k32 per PV k-step; mode ``4``), for 32 or
-fewer the O^T loop takes ``V^T`` as a register operand straight from the staging and transposes the QK
-(``kernels/sm90/mla_decode_ot.py``; 1.06-1.52x mode 4 there).  Output errors 7-13x the bf16 output rounding, within
+(QGMMA) straight from the landed e4m3 tiles, and so does P V (``TOKENSPEED_SM90_DECODE_FP8_PV``, default ``10``,
+its modes at :data:`FP8_PV_ENV`): P is rounded to e4m3, and the O^T loop (``kernels/sm90/mla_decode_ot.py``) takes
+``V^T`` as a register operand straight from the staging, with no ``V^T`` copy in shared memory: for 32 or fewer
+query rows with the QK transposed too (1.06-1.52x mode 4 there), for more on whole 64-row blocks (1.12-1.34x mode 4,
+H200 2026-12-02).  Mode ``4`` transposes V in shared memory instead (``ldmatrix.trans`` / ``stmatrix`` into a packed
+slot, one QGMMA m64n256k32 per PV k-step); 16-token pages run its mode-``1`` fallback.  Output errors 7-13x the bf16 output rounding, within
 the bound the check states (``docs/sm90_decode.md``).  ``=0``
 keeps P V exact on fp16 operands (V upcast in shared memory); ``TOKENSPEED_SM90_DECODE_FP8_QK=0`` also runs the
 QK on fp16 operands.  The lockstep loop (page 8) upcasts to bf16 in shared memory.  bf16 output.
@@ -88,17 +89,20 @@ FP8_QK_ENV = "TOKENSPEED_SM90_DECODE_FP8_QK"
 # warpgroup"; 16-token pages run "1" packed).  "5" is "4" except for S x H <= 32 query rows with pages >= 32: there
 # the O^T = V^T P^T loop runs, V^T the register A operand loaded straight from the e4m3 staging (no V^T copy in shared
 # memory, 4 staging buffers; kernels/sm90/mla_decode_ot.py, docs/sm90_decode.md, "O^T schedule").  "6" (the default
-# since 2026-12-01 21:50 UTC) is "5" with the QK transposed too, S^T = K Q^T with the query rows as N: 1.06-1.52x mode
+# from 2026-12-01 21:50 UTC to 2026-12-02 16:00 UTC) is "5" with the QK transposed too, S^T = K Q^T with the query rows as N: 1.06-1.52x mode
 # 4 on the 4 shapes of the issue matrix it runs (S x H <= 32), the others run "4".  "7" runs that loop for every S x H
 # on 32-row tiles (its own plan): 0.64-0.79x mode 4 where S x H >= 64 (H200, 2026-12-01), kept opt-in.  Needs the
 # QGMMA QK.  "8" runs the row-split loop for every S x H with pages >= 32 (each computing warpgroup 32 query rows and all
 # 512 features, O^T = V^T P^T and S^T = K Q^T, a ring of KV buffers; one computing warpgroup for S x H <= 32;
 # kernels/sm90/mla_decode_rs.py, docs/sm90_decode.md, "Row-split loop"): 0.81-0.94x mode 4 with more than 32 rows,
-# 0.94-1.03x mode 6 with fewer (H200, 2026-12-02).  "9" runs it for S x H <= 32 and mode 4 for more rows.  Read at
-# trace time; part of the compile key.
+# 0.94-1.03x mode 6 with fewer (H200, 2026-12-02).  "9" runs it for S x H <= 32 and mode 4 for more rows.  "10" is "6"
+# with the O^T loop (no transposed QK) on whole 64-row blocks where S x H > 32 instead of mode 4 (its registers fit
+# since 2026-12-02: P stored and rescaled as e4m3 words, one V^T fragment set; docs/sm90_decode.md, "64-row O^T
+# loop"): 1.12x mode 6 over the issue matrix's 13 FP8 shapes and 1.12-1.34x on its 9 with 64 or more rows (H200,
+# 2026-12-02 16:00 UTC), the default since.  Read at trace time; part of the compile key.
 FP8_PV_ENV = "TOKENSPEED_SM90_DECODE_FP8_PV"
-FP8_PV_MODES = ("0", "1", "2", "3", "4", "5", "6", "7", "8", "9")
-FP8_PV_DEFAULT = "6"
+FP8_PV_MODES = ("0", "1", "2", "3", "4", "5", "6", "7", "8", "9", "10")
+FP8_PV_DEFAULT = "10"
 # "1" (default since 2026-12-01 evening: 1.055x on 5 BF16 shapes of the issue matrix, bitwise equal) gives the 16-bit
 # seesaw loop (pages >= 32, TMA refills) a producer warpgroup that issues its four column-group refills
 # (docs/sm90_decode.md, "Producer warpgroup"), like FP8 mode "4"; "0" without.  Read at trace time; part of the
@@ -393,17 +397,18 @@ def decode(problem: DecodeProblem, q, kv_cache, block_table, seq_lens, softmax_s
     # mode 2 with 16-token pages (4 TMA boxes per chunk) spills about 200 bytes (CPU compile, 2026-12-01):
     # those run mode 1
     pv_fp8 = fp8_pv != "0"
-    early_refill = fp8_pv in ("2", "3", "4", "5", "6", "7", "8", "9") and problem.page_size >= _MIN_EARLY_REFILL_PAGE
-    vt_packed = fp8_pv in ("3", "4", "5", "6", "7", "8", "9")
+    early_refill = fp8_pv not in ("0", "1") and problem.page_size >= _MIN_EARLY_REFILL_PAGE
+    vt_packed = fp8_pv not in ("0", "1", "2")
     # modes 5 and 6 (the O^T loop; 6 with the transposed QK) for S x H <= 32 rows with pages >= 32, otherwise mode 4
-    # (mode 5's loop spilled with 64 rows; mode 6's 32-row tiles were slower there); mode 7 runs mode 6's loop for any
-    # S x H, on 32-row tiles (its own plan: block_m 32)
+    # (mode 6's 32-row tiles were slower there); mode 7 runs mode 6's loop for any S x H, on 32-row tiles (its own
+    # plan: block_m 32); mode 10 (the default) is mode 6, with mode 5's loop on the default plan's 64-row blocks
+    # instead of mode 4 for more than 32 rows
     # mode 8: the row-split loop (the default plan's 64-row blocks; one computing warpgroup for S x H <= 32) for every
     # S x H; mode 9: that loop for S x H <= 32, mode 4 for more rows
     small = S * H <= _MAX_OT_ROWS
     rs_stages = resolve_rs_stages() if early_refill and (fp8_pv == "8" or (fp8_pv == "9" and small)) else 0
-    qk_t = early_refill and (fp8_pv == "7" or (fp8_pv == "6" and small))
-    pv_ot = qk_t or (fp8_pv == "5" and early_refill and small)
+    qk_t = early_refill and (fp8_pv == "7" or (fp8_pv in ("6", "10") and small))
+    pv_ot = qk_t or (early_refill and ((fp8_pv == "5" and small) or (fp8_pv == "10" and not small)))
     if qk_t:
         plan = plan_for_problem(problem, block_m=_MAX_OT_ROWS)
     if pv_ot:
@@ -411,7 +416,7 @@ def decode(problem: DecodeProblem, q, kv_cache, block_table, seq_lens, softmax_s
     if rs_stages:
         launch = launch_mla_decode_rs
     if fp8_seesaw:
-        tma_producer = fp8_pv in ("4", "5", "6", "7", "8", "9") and early_refill
+        tma_producer = fp8_pv not in ("0", "1", "2", "3") and early_refill
     else:  # (with 16-token pages the producer's coordinates, 4 boxes per chunk, spill in its 24 registers)
         tma_producer = (seesaw and not no_tma and problem.page_size >= _MIN_EARLY_REFILL_PAGE
                         and resolve_producer16() == "1")

@@ -33,12 +33,17 @@ mode "5") removes the copy:
   synced on pair ``j - 1``'s arrivals: no arrival can overtake the producer's sync of the previous one.  Each
   warpgroup also waits on the (completed) mbarrier phase of the other warpgroup's tile before its ``ldmatrix``
   reads it, and fences (proxy) its reads before the arrivals that let the TMA overwrite them.
-* Registers: query rows S x H <= 32 only (one row block).  The PVs' N is the rows rounded up to 16 or 32
-  (:attr:`pv_n`): the padded rows need no P V, and the ``O^T`` accumulators take 32 or 64 registers instead of 128.
-  With 64 rows warpgroup 0 holds 128 accumulators, 32 of P and 32 of ``V^T`` at once, and ptxas spilled about 130
-  values a loop iteration in its 240 registers (variants that loaded ``V^T`` one k32 step at a time, parked P in
-  shared memory or retired the cross PV before the next QK still spilled 40-180; docs/sm90_decode.md), so 64 rows
-  are refused and the backend runs mode 4 for them.  The QK still runs on 64 padded rows.
+* Registers: the PVs' N is the rows rounded up to 16 or 32 for S x H <= 32 (:attr:`pv_n`): the padded rows need no
+  P V, and the ``O^T`` accumulators take 32 or 64 registers instead of 128.  With more rows (FP8 P V mode 10) the
+  loop runs the default plan's whole 64-row blocks (``pv_n`` 64): 128 accumulators, 32 of the QK's S and 32 of
+  ``V^T`` in 240 registers.  Three things make them fit (2026-12-02; before, ptxas spilled about 130 values an
+  iteration, then with the spills gone it serialized all 86 wgmmas, C7512 "insufficient register resources"):
+  one ``V^T`` fragment set, not two (warpgroup 1 retires its own PV before it loads the cross ``V^T``, warpgroup 0
+  its cross PV before the next QK); P stored as 8 32-bit words a thread (:meth:`store_p_tile`; the view's byte
+  stores held about 20 address registers); and warpgroup 0 rescales P0 for warpgroup 1 from the e4m3 words in
+  shared memory (:meth:`rescale_p_tile`) instead of keeping its fp32 P across the own PV.  What is left: 16 bytes
+  of loop-invariant reloads.  The rescale rounds a word to e4m3 twice where a row's max grew in warpgroup 1's
+  tile (the steady state skips it: scale 1).
 * ``qk_t`` (FP8 P V mode 6): the QK transposed too, ``S^T = K Q^T`` (the staging is the A operand as it lands, the
   first ``pv_n`` q rows the B operand): its tensor work and accumulators shrink by 64 / ``pv_n``.  A query row's
   keys then lie in all 4 warps, so the softmax exchanges each warp's column maxima through 1 KB of shared memory
@@ -52,7 +57,9 @@ as ``2^8 p`` there, the row sums stay over the unrounded P (the same precision a
 Status (H200, 2026-12-01): correct on its first GPU run (the check matrix's FP8 cases, compute-sanitizer memcheck 0
 errors, the GPU test files), and 1.06-1.52x the mode-4 loop where S x H <= 32 with the transposed QK (mode 6, the
 default there: 93% of the bandwidth roofline at B64/K81920/H16/S1); with 64 or more rows the 32-row tiles (mode 7)
-are 0.64-0.79x mode 4 (docs/sm90_decode.md, "O^T schedule").
+are 0.64-0.79x mode 4 (docs/sm90_decode.md, "O^T schedule").  2026-12-02 16:00 UTC: on whole 64-row blocks (mode 10,
+the FP8 default since) 1.12-1.34x mode 4 on the 9 shapes of the issue matrix with 64 or more rows; correct, memcheck
+clean (docs/sm90_decode.md, "64-row O^T loop").
 """
 
 from __future__ import annotations
@@ -119,6 +126,36 @@ def ot_feature(wg, mb, warp, row):
     return 256 * wg + 64 * mb + 16 * warp + 2 * (row % 8) + row // 8
 
 
+# P stored by 32-bit words (the loop without qk_t, 64-row QK accumulators): word (h, g) of a thread is its row
+# 16 warp + lane // 4 + 8 h, positions 16 g + 4 (lane % 4) .. + 3 of the P tile (P8_TOKEN_ORDER: tokens 2c, 2c + 1,
+# 2c + 8, 2c + 9 of 16-token group g, c = lane % 4), i.e. the accumulator elements of p8_word_elements; built from the
+# thread's e4m3 words 2g and 2g + 1 (elements 8g .. 8g + 7) by one prmt with P8_WORD_SELECTORS[h]
+P8_WORD_SELECTORS = (0x5410, 0x7632)
+
+
+def p8_word_elements(h, g):
+    """The QK accumulator elements (``e = v0 + 2 v1 + 4 v2``: row half ``v1``, column ``8 v2 + 2 (lane % 4) + v0``)
+    in bytes 0..3 of P word ``(h, g)`` (above)."""
+    return (8 * g + 2 * h, 8 * g + 2 * h + 1, 8 * g + 4 + 2 * h, 8 * g + 5 + 2 * h)
+
+
+def p8_word_offset(lane, warp, h, g):
+    """Byte offset (swizzled, in the P tile) of P word ``(h, g)`` of lane ``lane`` of warp ``warp``.  Python ints
+    (tests) and DSL Int32 alike."""
+    return sw64((16 * warp + lane // 4 + 8 * h) * 64 + 16 * g + 4 * (lane % 4))
+
+
+def _lds32(addr):
+    """``ld.shared.b32`` at the shared address ``addr``."""
+    return cute.arch.inline_ptx("ld.shared.b32 {$w0}, [{$r0}];", write_only_types=[Int32],
+                                read_only_args=[Int32(addr)])
+
+
+def _sts32(addr, v):
+    """``st.shared.b32`` of ``v`` at the shared address ``addr``."""
+    cute.arch.inline_ptx("st.shared.b32 [{$r0}], {$r1};", read_only_args=[Int32(addr), Int32(v)])
+
+
 COLMAX_MODES = ("shfl", "xpose")  # fold_t's column maxima: 3 shuffles per column, or the transposed butterfly
 
 
@@ -166,17 +203,15 @@ class MlaDecodeOtSm90(MlaDecodeSeesawSm90):
         self.schedule = "seesaw-ot"
         # query rows the PVs compute (the O^T accumulators' N): a request's rows S x H fill one 64-row block or less;
         # with R <= 32 the padded rows need no P V (tensor work and O^T registers halve, or quarter with R <= 16)
-        self.pv_n = 16 if self.R <= 16 else 32
         # FP8 P V mode 6: the QK transposed too, S^T = K Q^T with the pv_n rows as N (qk_t; module docstring), on
         # row tiles of 32 rows (block_m; the planner's block_m=32 plan), so any S x H
         self.qk_t = bool(qk_t)
         if self.qk_t:
             self.block_m = _MAX_ROWS
             self.num_m_blocks = -(-self.R // self.block_m)
-        elif self.R > _MAX_ROWS:
-            raise ValueError(f"the O^T schedule (FP8 P V mode 5) needs S x H <= {_MAX_ROWS}, got {self.R}: with 64 query "
-                             "rows its warpgroup 0 needs more than its 240 registers (ptxas spilled about 130 values a "
-                             "loop iteration on 2026-12-01)")
+        # without qk_t, more than 32 rows run whole 64-row blocks (the default plan's): pv_n 64 (module docstring,
+        # "Registers")
+        self.pv_n = 16 if self.R <= 16 else (32 if self.R <= _MAX_ROWS or self.qk_t else 64)
 
     # ------------------------------------------------------------------------------------------ host
     @cute.jit
@@ -253,6 +288,45 @@ class MlaDecodeOtSm90(MlaDecodeSeesawSm90):
         else:
             view = self.p_views(bufs, k)[0]
         return qk_thr.partition_C(view)
+
+    @cute.jit
+    def store_p_tile(self, acc_s: cute.Tensor, qk_thr, bufs, k, wtid: Int32):
+        """P (fp32, scaled by 2^8) -> e4m3 into buffer ``k``'s P tile: with ``qk_t`` through :meth:`p_store`'s view,
+        otherwise as 8 32-bit stores a thread (:data:`P8_WORD_SELECTORS`; the view's byte stores took 32 stores and
+        about 20 address registers a thread).  The proxy fence publishes it to wgmma."""
+        if cutlass.const_expr(self.qk_t):
+            self.store_p8(acc_s, self.p_store(qk_thr, bufs, k))
+        else:
+            rP8 = cute.make_rmem_tensor_like(acc_s, _F8)
+            rP8.store(acc_s.load().to(_F8))
+            w = cute.make_tensor(cute.recast_ptr(rP8.iterator, dtype=Int32), cute.make_layout(8))
+            base = bufs.toint() + k * _BUF_BYTES
+            lane = wtid % 32
+            for h in cutlass.range_constexpr(2):
+                for g in cutlass.range_constexpr(4):
+                    _sts32(base + p8_word_offset(lane, wtid // 32, h, g),
+                           _prmt(w[2 * g], w[2 * g + 1], Int32(P8_WORD_SELECTORS[h])))
+            cute.arch.fence_view_async_shared()
+
+    @cute.jit
+    def rescale_p_tile(self, bufs, k, sc: cute.Tensor, wtid: Int32):
+        """64-row tiles: warpgroup 0's P0, already in buffer ``k``'s P tile, times its rows' ``scale1`` (``sc``: this
+        thread's 2 rows) for warpgroup 1's cross PV, from the e4m3 words themselves (:func:`p8_word_offset`), so the
+        fp32 P is not kept across the own PV (module docstring, "Registers").  Nothing for a warp whose 16 rows all
+        have scale 1 (the steady state: the stored P is then exact); otherwise each of those words is rounded to
+        e4m3 twice (docs/sm90_decode.md)."""
+        if not cute.arch.vote_all_sync((sc[0] == 1.0) & (sc[1] == 1.0)):
+            base = bufs.toint() + k * _BUF_BYTES
+            lane = wtid % 32
+            for h in cutlass.range_constexpr(2):
+                for g in cutlass.range_constexpr(4):
+                    addr = base + p8_word_offset(lane, wtid // 32, h, g)
+                    r = cute.make_rmem_tensor((1,), Int32)
+                    r[0] = _lds32(addr)
+                    f8 = cute.make_tensor(cute.recast_ptr(r.iterator, dtype=_F8), cute.make_layout(4))
+                    f8.store((f8.load().to(Float32) * sc[h]).to(_F8))
+                    _sts32(addr, r[0])
+        cute.arch.fence_view_async_shared()
 
     def qk_tile(self, qk_mma, qk_thr, acc_s, tSrQ, bufs, k):
         """Issue the QK of the tile in buffer ``k`` (no commit): ``S = Q K^T``, or with ``qk_t`` ``S^T = K Q^T``
@@ -544,11 +618,14 @@ class MlaDecodeOtSm90(MlaDecodeSeesawSm90):
         acc = pv_thr.make_fragment_C(pv_thr.partition_shape_C((self.DV // 2, self.pv_n)))  # O^T, 256 features
         acc.fill(0.0)
         a_layout = pv_thr.make_fragment_A(pv_thr.partition_shape_A((self.DV // 2, bn))).layout
-        # the V^T fragments of the own tile and of the other one (32 registers each: both PVs may be in flight)
+        # the V^T fragments of the own tile and of the other one (32 registers each: both PVs may be in flight); with
+        # 64 rows one set for both, each PV retired before the next V^T loads (module docstring, "Registers")
         a_own = cute.make_rmem_tensor((32,), Int32)
-        a_x = cute.make_rmem_tensor((32,), Int32)
         tA_own = cute.make_tensor(cute.recast_ptr(a_own.iterator, dtype=_F8), a_layout)
-        tA_x = cute.make_tensor(cute.recast_ptr(a_x.iterator, dtype=_F8), a_layout)
+        a_x, tA_x = a_own, tA_own
+        if cutlass.const_expr(self.pv_n < 64):
+            a_x = cute.make_rmem_tensor((32,), Int32)
+            tA_x = cute.make_tensor(cute.recast_ptr(a_x.iterator, dtype=_F8), a_layout)
         qk_mma.set(warpgroup.Field.ACCUMULATE, True)
         pv_mma.set(warpgroup.Field.ACCUMULATE, True)
 
@@ -588,7 +665,7 @@ class MlaDecodeOtSm90(MlaDecodeSeesawSm90):
                 cute.arch.barrier_arrive(barrier_id=int(Barrier.SCALE0), number_of_threads=self.num_threads)
                 self.mark(mTrace, cta, 0, wtid, j, 3)
                 # 2. P0 -> smem; O^T *= scale0 (all rows' scales: after the warpgroup's barrier); O^T += V0^T P0^T
-                self.store_p8(acc_s, self.p_store(qk_thr, bufs, 2 * u))
+                self.store_p_tile(acc_s, qk_thr, bufs, 2 * u, wtid)
                 cute.arch.barrier(barrier_id=int(Barrier.TAIL), number_of_threads=128)
                 self.scale_ot(acc, sSc0, None, wtid)
                 self.mark(mTrace, cta, 0, wtid, j, 4)
@@ -616,9 +693,14 @@ class MlaDecodeOtSm90(MlaDecodeSeesawSm90):
                     for h in cutlass.range_constexpr(2):
                         sc[h] = sSc1[row_in[h]]
                         row_l[h] = row_l[h] * sc[h]
-                    for e in cutlass.range_constexpr(cute.size(acc_s)):
-                        acc_s[e] = acc_s[e] * sc[(e // 2) % 2]
-                self.store_p8(acc_s, self.p_store(qk_thr, bufs, 2 * u))  # (the own PV, which read it, retired)
+                    if cutlass.const_expr(self.pv_n < 64):
+                        for e in cutlass.range_constexpr(cute.size(acc_s)):
+                            acc_s[e] = acc_s[e] * sc[(e // 2) % 2]
+                # (the own PV, which read P0, retired)
+                if cutlass.const_expr(self.pv_n == 64):
+                    self.rescale_p_tile(bufs, 2 * u, sc, wtid)
+                else:
+                    self.store_p_tile(acc_s, qk_thr, bufs, 2 * u, wtid)
                 cute.arch.barrier_arrive(barrier_id=int(Barrier.P0_READY), number_of_threads=self.num_threads)
                 self.scale_ot(acc, sSc1, None, wtid)
                 self.mark(mTrace, cta, 0, wtid, j, 7)
@@ -630,6 +712,8 @@ class MlaDecodeOtSm90(MlaDecodeSeesawSm90):
                 self.mark(mTrace, cta, 0, wtid, j, 8)
                 self.pv_ot(pv_mma, acc, tA_x, self.p_operand(pv_thr, bufs, 2 * u + 1))
                 warpgroup.commit_group()
+                if cutlass.const_expr(self.pv_n == 64):
+                    warpgroup.wait_group(0)
                 # 5. next QK (pair j + 1, buffer 2 (1 - u)) behind the cross PV; once that retired, WG1 may free slot 1
                 if more:
                     self.landed(mbar + 2 * (1 - u), ((j + 1) // 2) % 2)
@@ -666,7 +750,7 @@ class MlaDecodeOtSm90(MlaDecodeSeesawSm90):
                     self.fold_second(acc_s, tScS, lim, t1, scale_log2, sM, sSc0, sSc1, row_in, row_l, ref, sc, wtid)
                 self.mark(mTrace, cta, 1, wtid, j, 4)
                 # 2. P1 -> smem (both PVs read it); O^T *= scale0 * scale1; O^T += V1^T P1^T
-                self.store_p8(acc_s, self.p_store(qk_thr, bufs, 2 * u + 1))
+                self.store_p_tile(acc_s, qk_thr, bufs, 2 * u + 1, wtid)
                 cute.arch.barrier(barrier_id=int(Barrier.TAIL) + 1, number_of_threads=128)
                 self.scale_ot(acc, sSc0, sSc1, wtid)
                 self.mark(mTrace, cta, 1, wtid, j, 5)
@@ -676,6 +760,8 @@ class MlaDecodeOtSm90(MlaDecodeSeesawSm90):
                 self.mark(mTrace, cta, 1, wtid, j, 6)
                 # 3. O^T += V0^T P0^T (P0 from WG0; the tile's landing as in WG0), then release P1 to WG0
                 self.landed(mbar + 2 * u, (j // 2) % 2)
+                if cutlass.const_expr(self.pv_n == 64):
+                    warpgroup.wait_group(0)
                 self.load_vt(a_x, stg0 + 2 * u * _BUF_BYTES, zero, t1 - bn, split_end, 4, wtid)
                 cute.arch.barrier(barrier_id=int(Barrier.P0_READY), number_of_threads=self.num_threads)
                 self.mark(mTrace, cta, 1, wtid, j, 7)
