@@ -1,4 +1,4 @@
-"""Per-warpgroup timeline of the sm90 decode loop (seesaw; FP8: packed slots, early refills, the default path).
+"""Per-warpgroup timeline of the sm90 decode loop (seesaw; FP8: the default O^T loop, or mode 4's packed slots).
 
 16-bit: the seesaw loop, which the backend runs for S x H > 32 or pages < 32; for S x H <= 32 (pages >= 32) the
 default is the transposed loop (``TOKENSPEED_SM90_DECODE_T16``), which has no traced build, so the normal build
@@ -7,7 +7,7 @@ checked against and run under ``--sustain`` is then the seesaw loop (``T16=0``),
 
     source .device/bootstrap.sh && python -m benchmarks.trace_decode --cases 64,16384,64,16,1 64,16384,64,32,4
     source .device/bootstrap.sh && python -m benchmarks.trace_decode --dtype bfloat16 --cases 64,16384,64,32,4
-    source .device/bootstrap.sh && TOKENSPEED_SM90_DECODE_FP8_PV=6 python -m benchmarks.trace_decode --cases ...
+    source .device/bootstrap.sh && TOKENSPEED_SM90_DECODE_FP8_PV=4 python -m benchmarks.trace_decode --cases ...
     source .device/bootstrap.sh && python -m benchmarks.trace_decode --dtype bfloat16 --sustain 3 --cases 64,81920,64,16,1
 
 ``--sustain S`` runs the normal build back to back for S seconds and queues the traced run right behind it, so its

@@ -86,8 +86,8 @@ def _plan_sm90(*, batch, q_len, num_heads, max_kv_len, page_size, dtype, kv_lora
     ``o_accum [B, splits, rows, kv_lora_rank]`` and ``lse_accum [B, splits, rows]``.
 
     ``block_m`` 32: the row tiles of the FP8 O^T loop with the transposed QK (``kernels/sm90/mla_decode_ot.py``),
-    which computes 32 query rows per CTA: FP8 P V mode 6 (the default) for S x H <= 32, where it is the same plan,
-    and the opt-in mode 7 for every S x H."""
+    which computes 32 query rows per CTA: FP8 P V modes 6 and 10 (the default) for S x H <= 32, where it is the same
+    plan, and the opt-in mode 7 for every S x H."""
     if block_m not in (32, 64):
         raise ValueError(f"block_m: expected 32 or 64, got {block_m!r}")
     block_n = 64
