@@ -717,7 +717,8 @@ _TRACE_SCRIPT = textwrap.dedent(
             sd((2, 2, 32, 576), f8), sd((c.num_pages, 64, 576), f8), sd((2, c.max_pages), jnp.int32),
             sd((2,), jnp.int32), sd((), jnp.float32)).lower(lowering_platforms=("cuda",)).as_text()
     print("TRACE_OUT_OT", bool(re.search(r"tensor<3x2x4x%dxi64>" % len(TRACE_EVENTS), txt)))
-    with target_override("sm_90a", num_sms=132):  # the same 64 rows on one 64-row block (mode 10's loop above 32 rows)
+    # the same 64 rows on one 64-row block (mode 10's loop above 32 rows)
+    with target_override("sm_90a", num_sms=132):
         txt = traced_decode(c, 4, 3, True, "5").trace(
             sd((2, 2, 32, 576), f8), sd((c.num_pages, 64, 576), f8), sd((2, c.max_pages), jnp.int32),
             sd((2,), jnp.int32), sd((), jnp.float32)).lower(lowering_platforms=("cuda",)).as_text()
@@ -729,9 +730,9 @@ _TRACE_SCRIPT = textwrap.dedent(
 @pytest.mark.compile
 def test_traced_build_lowers(tmp_path):
     """The debug builds behind benchmarks/trace_decode.py (clock64 marks, an extra int64 output), FP8, BF16 and the
-    FP8 O^T loop (mode 7's 32-row tiles, and mode 10's 64-row blocks), compile for sm_90a and lower as the decode custom call with the trace output.  (That a
-    normal build carries no mark, its code unchanged, was checked by diffing the PTX (seesaw) and the SASS (O^T loop)
-    on 2026-12-01: the marks are compile-time.)"""
+    FP8 O^T loop (mode 7's 32-row tiles, and mode 10's 64-row blocks), compile for sm_90a and lower as the decode
+    custom call with the trace output.  (That a normal build carries no mark, its code unchanged, was checked by
+    diffing the PTX (seesaw) and the SASS (O^T loop) on 2026-12-01: the marks are compile-time.)"""
     pytest.importorskip("cutlass")
     env = dict(os.environ, CUTE_DSL_ARCH="sm_90a", TOKENSPEED_JAX_DISK_CACHE="0", JAX_PLATFORMS="cpu",
                PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))

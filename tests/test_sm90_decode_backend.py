@@ -217,7 +217,8 @@ def test_t16_pt_and_bars_switches(monkeypatch):
 
 def test_colmax_switch(monkeypatch):
     """``TOKENSPEED_SM90_DECODE_COLMAX`` (default "shfl") reaches the transposed loops only (FP8 modes 6 / 7, the
-    16-bit T16 loop), keyed; validated with the variable named wherever it applies or not (not in mode 10's 64-row O^T loop)."""
+    16-bit T16 loop), keyed; validated with the variable named wherever it applies or not (not in mode 10's 64-row
+    O^T loop)."""
     pytest.importorskip("cutlass")  # (supports() refuses without it)
     import jax.numpy as jnp
 
@@ -281,7 +282,8 @@ def test_pad_rows_switch(monkeypatch):
     monkeypatch.setenv(m.PAD_ROWS_ENV, "zero")
     assert run(S=3, H=32) == ("launch_mla_decode_seesaw", "zero", "zero")  # 96 rows: the second block padded
     assert run(S=4, H=16) == ("launch_mla_decode_seesaw", "copy", "copy")  # 64 rows: nothing to pad
-    # the FP8 default (mode 10) runs the O^T loop there, which copies a real row into the padded ones; mode 4 zeros them
+    # the FP8 default (mode 10) runs the O^T loop there, which copies a real row into the padded ones; mode 4 zeros
+    # them
     assert run(dtype="float8_e4m3fn", S=3, H=16) == ("launch_mla_decode_ot", "copy", "copy")
     monkeypatch.setenv(m.FP8_PV_ENV, "4")
     assert run(dtype="float8_e4m3fn", S=3, H=16) == ("launch_mla_decode_seesaw", "zero", "zero")  # mode 4

@@ -12,10 +12,10 @@ its modes at :data:`FP8_PV_ENV`): P is rounded to e4m3, and the O^T loop (``kern
 ``V^T`` as a register operand straight from the staging, with no ``V^T`` copy in shared memory: for 32 or fewer
 query rows with the QK transposed too (1.06-1.52x mode 4 there), for more on whole 64-row blocks (1.12-1.34x mode 4,
 H200 2026-12-02).  Mode ``4`` transposes V in shared memory instead (``ldmatrix.trans`` / ``stmatrix`` into a packed
-slot, one QGMMA m64n256k32 per PV k-step); 16-token pages run its mode-``1`` fallback.  Output errors 7-13x the bf16 output rounding, within
-the bound the check states (``docs/sm90_decode.md``).  ``=0``
-keeps P V exact on fp16 operands (V upcast in shared memory); ``TOKENSPEED_SM90_DECODE_FP8_QK=0`` also runs the
-QK on fp16 operands.  The lockstep loop (page 8) upcasts to bf16 in shared memory.  bf16 output.
+slot, one QGMMA m64n256k32 per PV k-step); 16-token pages run its mode-``1`` fallback.  Output errors 7-13x the
+bf16 output rounding, within the bound the check states (``docs/sm90_decode.md``).  ``=0`` keeps P V exact on
+fp16 operands (V upcast in shared memory); ``TOKENSPEED_SM90_DECODE_FP8_QK=0`` also runs the QK on fp16 operands.
+The lockstep loop (page 8) upcasts to bf16 in shared memory.  bf16 output.
 
 Custom calls: ``tokenspeed_mla_decode_sm90`` (main kernel, plus the combine kernel launched from the same
 launch function when the plan splits KV).  ``softmax_scale`` / ``output_scale`` are (1,)-shaped float32
@@ -79,20 +79,20 @@ PDL_ENV = "TOKENSPEED_SM90_DECODE_PDL"
 # "0" runs the FP8 seesaw QK on fp16 operands (the whole KV slot upcast before the QK) instead of FP8
 # tensor cores (default "1"; docs/sm90_decode.md), for A/B timing.  Read at trace time; part of the compile key.
 FP8_QK_ENV = "TOKENSPEED_SM90_DECODE_FP8_QK"
-# The FP8 seesaw's P V: "2" on FP8 tensor cores (P rounded to e4m3, V transposed in smem) with each
-# warpgroup refilling its whole KV slot right after building V^T (a pair earlier; pages >= 32, 16-token pages
-# run "1"); "1" the same without the early refills; "0" on fp16 operands, V upcast exactly (P in fp16: the exact
-# choice; docs/sm90_decode.md, "FP8 P V on FP8 tensor cores"); "3" is "2" with each KV slot packed as
-# [V^T | P | staging] (PVs as QGMMA m64n256k32, the transpose on ldmatrix.trans / stmatrix; 16-token pages run
-# "1" packed), 10.3% faster than "2" on the H200; "4" (the default since 2026-12-01 evening, 10.8% faster than
-# "3") is "3" with a third, producer warpgroup that issues the TMA refills (docs/sm90_decode.md, "Producer
-# warpgroup"; 16-token pages run "1" packed).  "5" is "4" except for S x H <= 32 query rows with pages >= 32: there
-# the O^T = V^T P^T loop runs, V^T the register A operand loaded straight from the e4m3 staging (no V^T copy in shared
-# memory, 4 staging buffers; kernels/sm90/mla_decode_ot.py, docs/sm90_decode.md, "O^T schedule").  "6" (the default
-# from 2026-12-01 21:50 UTC to 2026-12-02 16:00 UTC) is "5" with the QK transposed too, S^T = K Q^T with the query rows as N: 1.06-1.52x mode
-# 4 on the 4 shapes of the issue matrix it runs (S x H <= 32), the others run "4".  "7" runs that loop for every S x H
-# on 32-row tiles (its own plan): 0.64-0.79x mode 4 where S x H >= 64 (H200, 2026-12-01), kept opt-in.  Needs the
-# QGMMA QK.  "8" runs the row-split loop for every S x H with pages >= 32 (each computing warpgroup 32 query rows and all
+# The FP8 seesaw's P V: "2" on FP8 tensor cores (P rounded to e4m3, V transposed in smem) with each warpgroup
+# refilling its whole KV slot right after building V^T (a pair earlier; pages >= 32, 16-token pages run "1"); "1" the
+# same without the early refills; "0" on fp16 operands, V upcast exactly (P in fp16: the exact choice;
+# docs/sm90_decode.md, "FP8 P V on FP8 tensor cores"); "3" is "2" with each KV slot packed as [V^T | P | staging] (PVs
+# as QGMMA m64n256k32, the transpose on ldmatrix.trans / stmatrix; 16-token pages run "1" packed), 10.3% faster than
+# "2" on the H200; "4" (the default since 2026-12-01 evening, 10.8% faster than "3") is "3" with a third, producer
+# warpgroup that issues the TMA refills (docs/sm90_decode.md, "Producer warpgroup"; 16-token pages run "1" packed).
+# "5" is "4" except for S x H <= 32 query rows with pages >= 32: there the O^T = V^T P^T loop runs, V^T the register A
+# operand loaded straight from the e4m3 staging (no V^T copy in shared memory, 4 staging buffers;
+# kernels/sm90/mla_decode_ot.py, docs/sm90_decode.md, "O^T schedule").  "6" (the default from 2026-12-01 21:50 UTC to
+# 2026-12-02 16:00 UTC) is "5" with the QK transposed too, S^T = K Q^T with the query rows as N: 1.06-1.52x mode 4 on
+# the 4 shapes of the issue matrix it runs (S x H <= 32), the others run "4".  "7" runs that loop for every S x H on
+# 32-row tiles (its own plan): 0.64-0.79x mode 4 where S x H >= 64 (H200, 2026-12-01), kept opt-in.  Needs the QGMMA
+# QK.  "8" runs the row-split loop for every S x H with pages >= 32 (each computing warpgroup 32 query rows and all
 # 512 features, O^T = V^T P^T and S^T = K Q^T, a ring of KV buffers; one computing warpgroup for S x H <= 32;
 # kernels/sm90/mla_decode_rs.py, docs/sm90_decode.md, "Row-split loop"): 0.81-0.94x mode 4 with more than 32 rows,
 # 0.94-1.03x mode 6 with fewer (H200, 2026-12-02).  "9" runs it for S x H <= 32 and mode 4 for more rows.  "10" is "6"
