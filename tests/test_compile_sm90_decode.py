@@ -162,6 +162,19 @@ _SCRIPT = textwrap.dedent(
     res["ot64"] = dict(dump_counts(own(before, ".ptx"), own(before, ".sass"), n64="n64", n32="n32", qgmma="qgmma64",
                                    qgmma_r="qgmma64_r", ldsm="ldsm", sts32="sts32", lds32="lds32", sts8="sts8",
                                    spill="spill", depbar="depbar"), tiles=[k64.block_m, k64.num_m_blocks, k64.pv_n])
+    # ... with warpgroup 0's P0 stored once, after warpgroup 1's fold (TOKENSPEED_SM90_DECODE_OT64_P0=late)
+    before = set(glob.glob(d + "/*"))
+    kl = MlaDecodeOtSm90(dtype="float8_e4m3fn", num_heads=32, q_len=4, page_size=64, causal=True, num_splits=2,
+                         tokens_per_split=4096, block_n=64, p0_late=True)
+    cute.compile(kl, *fake_args(kl, 4, 32, 64, 2, B=3))  # (B 3: the dump's name differs from the compile above)
+    res["ot64l"] = dump_counts(own(before, ".ptx"), own(before, ".sass"), n64="n64", qgmma="qgmma64",
+                               qgmma_r="qgmma64_r", sts32="sts32", lds32="lds32", spill="spill", depbar="depbar")
+    try:
+        MlaDecodeOtSm90(dtype="float8_e4m3fn", num_heads=32, q_len=1, page_size=64, causal=True, num_splits=1,
+                        tokens_per_split=4096, block_n=64, p0_late=True)
+        res["ot64l_32"] = "accepted"
+    except ValueError as e:
+        res["ot64l_32"] = str(e)
     # ... mode 6, the QK transposed too (64 rows, S = 2: two 32-row tiles; page 64, one split: the direct epilogue)
     before = set(glob.glob(d + "/*"))
     kt = MlaDecodeOtSm90(dtype="float8_e4m3fn", num_heads=32, q_len=2, page_size=64, causal=True, num_splits=1,
@@ -351,7 +364,7 @@ def check_compile_result(r: dict) -> None:
         # bytes, stored in the prologue, reloaded at the computing warpgroups' start and in the epilogue, never in
         # the loop; with 64-token pages, the benchmark's, none); below
         # and mode 10's 64-row O^T loop: 16 bytes of loop-invariant reloads (below)
-        assert r["sass_spill"] == r["ss"]["32_8r"]["spill"] + r["ot64"]["spill"], r
+        assert r["sass_spill"] == r["ss"]["32_8r"]["spill"] + r["ot64"]["spill"] + r["ot64l"]["spill"], r
     assert "tokenspeed_mla_decode_sm90" in r["targets"], r
     # combine over 16 splits: each of a thread's 2 splits (16 / 8 groups) is one 16-byte load; PDL
     assert r["comb"] == {"v4": 2, "wait": 1, "trigger": 1}, r["comb"]
@@ -480,6 +493,13 @@ def check_compile_result(r: dict) -> None:
     assert x["sts32"] == 8 * 2 + 8 and x["lds32"] == 8 and x["sts8"] == 0, x
     if x["sass"]:
         assert x["qgmma"] == 86 and x["qgmma_r"] == 32 and x["depbar"] <= 12 and x["spill"] <= 40, x
+    # ... p0_late: the same QGMMAs; P stored once per warpgroup and tile (2 sites of 8 words), no rescale loads; 32 rows
+    # refused (only the 64-row blocks)
+    y = r["ot64l"]
+    assert y["n64"] == x["n64"] and y["sts32"] == 8 * 2 and y["lds32"] == 0, y
+    if y["sass"]:
+        assert y["qgmma"] == 86 and y["qgmma_r"] == 32 and y["depbar"] <= 12 and y["spill"] <= 40, y
+    assert "p0_late" in r["ot64l_32"], r["ot64l_32"]
     # mode 6 (the QK transposed too; 64 rows in two 32-row tiles): all 54 + 32 QGMMAs m64n32k32 (S^T = K Q^T with
     # the rows as N, and the PVs), the PVs' with V^T from registers; no spill
     x = r["ot_t"]

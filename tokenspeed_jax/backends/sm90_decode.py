@@ -198,9 +198,18 @@ EPILOGUE_FP8_DEFAULT = "staged"
 COLMAX_ENV = "TOKENSPEED_SM90_DECODE_COLMAX"
 COLMAX_CHOICES = ("shfl", "xpose")  # (the kernel module's COLMAX_MODES; no cutlass import here)
 COLMAX_DEFAULT = "shfl"
+# FP8 mode 10's O^T loop on 64-row blocks: "early" (the default) stores warpgroup 0's P0 before its own PV and rescales
+# it in shared memory for warpgroup 1 after WG1's fold; "late" stores it once, after WG1's fold and already times
+# scale1, and runs warpgroup 0's own PV after that, so that only the P store overlaps warpgroup 1's softmax
+# (kernels/sm90/mla_decode_ot.py, p0_late; docs/sm90_decode.md, "64-row O^T loop": warpgroup 1's softmax took 2.2x
+# warpgroup 0's for the same code while warpgroup 0 ran its own PV beside it).  Opt-in, built 2026-12-02 without GPU
+# time left to measure it.  Read at trace time; part of the compile key.
+OT64_P0_ENV = "TOKENSPEED_SM90_DECODE_OT64_P0"
+OT64_P0_CHOICES = ("early", "late")
+OT64_P0_DEFAULT = "early"
 TRACE_ENV = (SCHEDULE_ENV, PDL_ENV, FP8_QK_ENV, FP8_PV_ENV, L2_PREFETCH_ENV, PRODUCER16_ENV, RS_STAGES_ENV,
              KV_EVICT_ENV, CROSS_FIRST_ENV, T16_ENV, PDL_MAIN_ENV, PAD_ROWS_ENV, P_STSM_ENV, EPILOGUE_ENV,
-             EPILOGUE_FP8_ENV, T16_PT_ENV, T16_BARS_ENV, COLMAX_ENV)
+             EPILOGUE_FP8_ENV, T16_PT_ENV, T16_BARS_ENV, COLMAX_ENV, OT64_P0_ENV)
 SCHEDULES = ("auto", "seesaw", "seesaw-cpasync", "lockstep", "overlap")  # module docstring (no cutlass import here)
 _MIN_PAGE = 8
 _MIN_FP8_SEESAW_PAGE = 16  # the FP8 seesaw needs TMA refills (the kernel's _MIN_TMA_PAGE; no cutlass import here)
@@ -242,6 +251,7 @@ class DecodeKernelKey:
     t16_pt_q: bool = False  # the transposed loop: P^T in the Q tile ($TOKENSPEED_SM90_DECODE_T16_PT)
     t16_chunk_bars: bool = False  # the transposed loop: per-chunk mbarriers ($TOKENSPEED_SM90_DECODE_T16_BARS)
     colmax: str = "shfl"  # the transposed loops' column maxima ($TOKENSPEED_SM90_DECODE_COLMAX)
+    p0_late: bool = False  # mode 10's 64-row O^T loop: P0 stored once, after WG1's fold ($..._OT64_P0 "late")
 
 
 def supports(problem: DecodeProblem) -> str | None:
@@ -321,6 +331,11 @@ def resolve_t16() -> bool:
 def resolve_t16_pt() -> str:
     """``$TOKENSPEED_SM90_DECODE_T16_PT`` (one of :data:`T16_PT_CHOICES`, default :data:`T16_PT_DEFAULT`)."""
     return _env(T16_PT_ENV, T16_PT_DEFAULT, T16_PT_CHOICES)
+
+
+def resolve_ot64_p0() -> str:
+    """``$TOKENSPEED_SM90_DECODE_OT64_P0`` (one of :data:`OT64_P0_CHOICES`, default :data:`OT64_P0_DEFAULT`)."""
+    return _env(OT64_P0_ENV, OT64_P0_DEFAULT, OT64_P0_CHOICES)
 
 
 def resolve_colmax() -> str:
@@ -429,6 +444,8 @@ def decode(problem: DecodeProblem, q, kv_cache, block_table, seq_lens, softmax_s
         launch = launch_mla_decode_ot16
     t16_pt_q = resolve_t16_pt() == "q" and t16  # (both validated wherever they apply or not)
     t16_chunk_bars = resolve_t16_bars() == "chunk" and t16
+    # (validated wherever it applies or not; only the O^T loop's 64-row blocks, i.e. without qk_t for S x H > 32)
+    p0_late = resolve_ot64_p0() == "late" and pv_ot and not qk_t and not small
     colmax = resolve_colmax()  # (validated wherever it applies or not)
     if not (qk_t or t16):  # the transposed loops only
         colmax = "shfl"
@@ -448,7 +465,7 @@ def decode(problem: DecodeProblem, q, kv_cache, block_table, seq_lens, softmax_s
     key = DecodeKernelKey("mla_decode_sm90.v10", problem.dtype, H, S, problem.page_size, problem.causal,
                           plan.num_splits, plan.tokens_per_split, block_n, schedule, pdl, qk_fp8, l2_prefetch, pv_fp8,
                           early_refill, vt_packed, tma_producer, pv_ot, qk_t, rs_stages, kv_evict, cross_first, t16,
-                          pdl_main, pad_rows, p_stsm, o_staged, t16_pt_q, t16_chunk_bars, colmax)
+                          pdl_main, pad_rows, p_stsm, o_staged, t16_pt_q, t16_chunk_bars, colmax, p0_late)
     outputs = [jax.ShapeDtypeStruct((B, S, H, problem.kv_lora_rank), jnp.dtype(problem.out_dtype)),
                jax.ShapeDtypeStruct((B, S, H), jnp.float32)]
     outputs += [jax.ShapeDtypeStruct(w.shape, jnp.dtype(w.dtype)) for w in plan.workspace]
@@ -471,6 +488,7 @@ def decode(problem: DecodeProblem, q, kv_cache, block_table, seq_lens, softmax_s
         **({"pt_q": True} if t16_pt_q else {}),
         **({"chunk_bars": True} if t16_chunk_bars else {}),
         **({"colmax": colmax} if colmax != "shfl" else {}),
+        **({"p0_late": True} if p0_late else {}),
     )
     res = call(q, kv_cache, block_table.astype(jnp.int32), seq_lens.astype(jnp.int32),
                ffi.scalar_operand(softmax_scale), ffi.scalar_operand(output_scale))

@@ -44,6 +44,12 @@ mode "5") removes the copy:
   shared memory (:meth:`rescale_p_tile`) instead of keeping its fp32 P across the own PV.  What is left: 16 bytes
   of loop-invariant reloads.  The rescale rounds a word to e4m3 twice where a row's max grew in warpgroup 1's
   tile (the steady state skips it: scale 1).
+* ``p0_late`` (64-row blocks only; ``TOKENSPEED_SM90_DECODE_OT64_P0=late``, opt-in, not yet measured): warpgroup 0
+  stores P0 once, after warpgroup 1's fold and already times scale1 (so no rescale in shared memory and no double
+  rounding), then scales ``O^T`` by scale0 x scale1 and runs its own PV; while warpgroup 1 computes its softmax,
+  warpgroup 0 then only waits, instead of storing P0, loading ``V^T`` and issuing its own PV beside it (the 2026-12-02
+  timeline: warpgroup 1's softmax took 2.2x warpgroup 0's for the same code; docs/sm90_decode.md, "64-row O^T loop").
+  The cost: warpgroup 0's own PV moves after SCALE1, into the window of warpgroup 1's cross PV.
 * ``qk_t`` (FP8 P V mode 6): the QK transposed too, ``S^T = K Q^T`` (the staging is the A operand as it lands, the
   first ``pv_n`` q rows the B operand): its tensor work and accumulators shrink by 64 / ``pv_n``.  A query row's
   keys then lie in all 4 warps, so the softmax exchanges each warp's column maxima through 1 KB of shared memory
@@ -190,7 +196,7 @@ class MlaDecodeOtSm90(MlaDecodeSeesawSm90):
 
     pair_step = 1  # output features of an O^T accumulator row pair q, q + 8 (store_ot_pair): f and f + 1
 
-    def __init__(self, *, qk_t: bool = False, colmax: str = "shfl", **kw):
+    def __init__(self, *, qk_t: bool = False, colmax: str = "shfl", p0_late: bool = False, **kw):
         for k in ("qk_fp8", "pv_fp8", "early_refill", "vt_packed", "tma_producer", "kv_load"):
             kw.pop(k, None)
         super().__init__(qk_fp8=True, pv_fp8=True, early_refill=True, vt_packed=True, tma_producer=True,
@@ -212,6 +218,12 @@ class MlaDecodeOtSm90(MlaDecodeSeesawSm90):
         # without qk_t, more than 32 rows run whole 64-row blocks (the default plan's): pv_n 64 (module docstring,
         # "Registers")
         self.pv_n = 16 if self.R <= 16 else (32 if self.R <= _MAX_ROWS or self.qk_t else 64)
+        # 64-row blocks: warpgroup 0 stores P0 once, after warpgroup 1's fold, already times scale1, and runs its own
+        # PV after that (TOKENSPEED_SM90_DECODE_OT64_P0=late, opt-in; module docstring, "p0_late")
+        self.p0_late = bool(p0_late)
+        if self.p0_late and self.pv_n != 64:
+            raise ValueError(f"p0_late: only the 64-row blocks of the O^T loop without qk_t (S x H > 32), got "
+                             f"S x H = {self.R}, qk_t={self.qk_t}")
 
     # ------------------------------------------------------------------------------------------ host
     @cute.jit
@@ -665,14 +677,17 @@ class MlaDecodeOtSm90(MlaDecodeSeesawSm90):
                 cute.arch.barrier_arrive(barrier_id=int(Barrier.SCALE0), number_of_threads=self.num_threads)
                 self.mark(mTrace, cta, 0, wtid, j, 3)
                 # 2. P0 -> smem; O^T *= scale0 (all rows' scales: after the warpgroup's barrier); O^T += V0^T P0^T
-                self.store_p_tile(acc_s, qk_thr, bufs, 2 * u, wtid)
-                cute.arch.barrier(barrier_id=int(Barrier.TAIL), number_of_threads=128)
-                self.scale_ot(acc, sSc0, None, wtid)
+                #    (p0_late: none of this yet, step 3 does it)
+                if cutlass.const_expr(not self.p0_late):
+                    self.store_p_tile(acc_s, qk_thr, bufs, 2 * u, wtid)
+                    cute.arch.barrier(barrier_id=int(Barrier.TAIL), number_of_threads=128)
+                    self.scale_ot(acc, sSc0, None, wtid)
                 self.mark(mTrace, cta, 0, wtid, j, 4)
-                self.load_vt(a_own, stg0 + 2 * u * _BUF_BYTES, zero, t0, split_end, 0, wtid)
-                self.pv_ot(pv_mma, acc, tA_own, self.p_operand(pv_thr, bufs, 2 * u))
-                warpgroup.commit_group()
-                warpgroup.wait_group(0)
+                if cutlass.const_expr(not self.p0_late):
+                    self.load_vt(a_own, stg0 + 2 * u * _BUF_BYTES, zero, t0, split_end, 0, wtid)
+                    self.pv_ot(pv_mma, acc, tA_own, self.p_operand(pv_thr, bufs, 2 * u))
+                    warpgroup.commit_group()
+                    warpgroup.wait_group(0)
                 self.mark(mTrace, cta, 0, wtid, j, 5)
                 # (the L2 prefetch's coordinates, for the end of the iteration)
                 pf = split_start + 2 * (j + self.pf_ahead) * bn
@@ -693,16 +708,24 @@ class MlaDecodeOtSm90(MlaDecodeSeesawSm90):
                     for h in cutlass.range_constexpr(2):
                         sc[h] = sSc1[row_in[h]]
                         row_l[h] = row_l[h] * sc[h]
-                    if cutlass.const_expr(self.pv_n < 64):
+                    if cutlass.const_expr(self.pv_n < 64 or self.p0_late):
                         for e in cutlass.range_constexpr(cute.size(acc_s)):
                             acc_s[e] = acc_s[e] * sc[(e // 2) % 2]
-                # (the own PV, which read P0, retired)
-                if cutlass.const_expr(self.pv_n == 64):
+                # (the own PV, which read P0, retired; p0_late: P0 is stored here for the first time)
+                if cutlass.const_expr(self.pv_n == 64 and not self.p0_late):
                     self.rescale_p_tile(bufs, 2 * u, sc, wtid)
                 else:
                     self.store_p_tile(acc_s, qk_thr, bufs, 2 * u, wtid)
                 cute.arch.barrier_arrive(barrier_id=int(Barrier.P0_READY), number_of_threads=self.num_threads)
-                self.scale_ot(acc, sSc1, None, wtid)
+                if cutlass.const_expr(self.p0_late):  # O^T *= scale0 * scale1; O^T += V0^T (P0 scale1) ^T
+                    cute.arch.barrier(barrier_id=int(Barrier.TAIL), number_of_threads=128)  # (all of P0 stored)
+                    self.scale_ot(acc, sSc0, sSc1, wtid)
+                    self.load_vt(a_own, stg0 + 2 * u * _BUF_BYTES, zero, t0, split_end, 0, wtid)
+                    self.pv_ot(pv_mma, acc, tA_own, self.p_operand(pv_thr, bufs, 2 * u))
+                    warpgroup.commit_group()
+                    warpgroup.wait_group(0)
+                else:
+                    self.scale_ot(acc, sSc1, None, wtid)
                 self.mark(mTrace, cta, 0, wtid, j, 7)
                 # 4. O^T += V1^T P1^T (P1 from WG1).  WG1 waited for that tile's landing; this warpgroup waits on the
                 #    same (completed) phase before it reads the TMA's bytes with ldmatrix
@@ -910,12 +933,13 @@ def launch_mla_decode_ot(stream, q: cute.Tensor, kv: cute.Tensor, block_table: c
                          schedule: cutlass.Constexpr = "seesaw", pdl: cutlass.Constexpr = True,
                          l2_prefetch: cutlass.Constexpr = "off", qk_t: cutlass.Constexpr = False,
                          kv_evict: cutlass.Constexpr = "normal", pdl_main: cutlass.Constexpr = False,
-                         colmax: cutlass.Constexpr = "shfl"):
+                         colmax: cutlass.Constexpr = "shfl", p0_late: cutlass.Constexpr = False):
     """FFI launch function of the O^T schedule (FP8 P V mode "5", with ``qk_t`` mode "6"; same ABI as
     ``launch_mla_decode_seesaw``; ``schedule`` is the backend's, always "seesaw" here)."""
     MlaDecodeOtSm90(dtype=dtype, num_heads=num_heads, q_len=q_len, page_size=page_size, causal=causal,
                     num_splits=num_splits, tokens_per_split=tokens_per_split, block_n=block_n, pdl=pdl,
-                    l2_prefetch=l2_prefetch, qk_t=qk_t, kv_evict=kv_evict, pdl_main=pdl_main, colmax=colmax)(
+                    l2_prefetch=l2_prefetch, qk_t=qk_t, kv_evict=kv_evict, pdl_main=pdl_main, colmax=colmax,
+                    p0_late=p0_late)(
         stream, q, kv, block_table, seq_lens, softmax_scale, output_scale, out, lse, o_accum, lse_accum)
 
 
@@ -928,13 +952,14 @@ def launch_mla_decode_ot_traced(stream, q: cute.Tensor, kv: cute.Tensor, block_t
                                 causal: cutlass.Constexpr, num_splits: cutlass.Constexpr,
                                 tokens_per_split: cutlass.Constexpr, trace: cutlass.Constexpr,
                                 pdl: cutlass.Constexpr = True, l2_prefetch: cutlass.Constexpr = "off",
-                                qk_t: cutlass.Constexpr = False, colmax: cutlass.Constexpr = "shfl"):
+                                qk_t: cutlass.Constexpr = False, colmax: cutlass.Constexpr = "shfl",
+                                p0_late: cutlass.Constexpr = False):
     """Debug build of the O^T loop (FP8 P V mode 5, with ``qk_t`` mode 6) with :meth:`DecodeTraceMixin.mark`
     timestamps at the :data:`TRACE_EVENTS_OT` points in ``trace_buf`` (int64 ``(ctas, 2, trace, len(TRACE_EVENTS))``),
     an extra output after ``lse`` (benchmarks/trace_decode.py)."""
     MlaDecodeOtSm90(dtype=dtype, num_heads=num_heads, q_len=q_len, page_size=page_size, causal=causal,
                     num_splits=num_splits, tokens_per_split=tokens_per_split, block_n=64, pdl=pdl,
-                    l2_prefetch=l2_prefetch, qk_t=qk_t, colmax=colmax, trace=trace)(
+                    l2_prefetch=l2_prefetch, qk_t=qk_t, colmax=colmax, p0_late=p0_late, trace=trace)(
         stream, q, kv, block_table, seq_lens, softmax_scale, output_scale, out, lse, o_accum, lse_accum, trace_buf)
 
 
