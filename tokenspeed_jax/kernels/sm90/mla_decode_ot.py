@@ -499,6 +499,15 @@ class MlaDecodeOtSm90(MlaDecodeSeesawSm90):
                 a[w + 3] = _prmt(r[2], r[3], s1)
 
     @cute.jit
+    def pv_tile(self, pv_mma, pv_thr, acc, a, tA, bufs, stg0, k, zero, tile_start, split_end,
+                chunk0: cutlass.Constexpr, wtid):
+        """``O^T += V^T P^T`` for the tile in buffer ``k`` (``stg0``: the shared address of buffer 0's staging):
+        :meth:`load_vt` into ``a`` (viewed as ``tA``), issue (:meth:`pv_ot`) and commit (the caller waits)."""
+        self.load_vt(a, stg0 + k * _BUF_BYTES, zero, tile_start, split_end, chunk0, wtid)
+        self.pv_ot(pv_mma, acc, tA, self.p_operand(pv_thr, bufs, k))
+        warpgroup.commit_group()
+
+    @cute.jit
     def pv_ot(self, mma: cute.TiledMma, acc: cute.Tensor, tA: cute.Tensor, tB: cute.Tensor):
         """Issue ``O^T += V^T P^T`` for one tile (no commit): 2 k32 steps x 4 m-blocks."""
         warpgroup.fence()
@@ -684,9 +693,7 @@ class MlaDecodeOtSm90(MlaDecodeSeesawSm90):
                     self.scale_ot(acc, sSc0, None, wtid)
                 self.mark(mTrace, cta, 0, wtid, j, 4)
                 if cutlass.const_expr(not self.p0_late):
-                    self.load_vt(a_own, stg0 + 2 * u * _BUF_BYTES, zero, t0, split_end, 0, wtid)
-                    self.pv_ot(pv_mma, acc, tA_own, self.p_operand(pv_thr, bufs, 2 * u))
-                    warpgroup.commit_group()
+                    self.pv_tile(pv_mma, pv_thr, acc, a_own, tA_own, bufs, stg0, 2 * u, zero, t0, split_end, 0, wtid)
                     warpgroup.wait_group(0)
                 self.mark(mTrace, cta, 0, wtid, j, 5)
                 # (the L2 prefetch's coordinates, for the end of the iteration)
@@ -720,9 +727,7 @@ class MlaDecodeOtSm90(MlaDecodeSeesawSm90):
                 if cutlass.const_expr(self.p0_late):  # O^T *= scale0 * scale1; O^T += V0^T (P0 scale1) ^T
                     cute.arch.barrier(barrier_id=int(Barrier.TAIL), number_of_threads=128)  # (all of P0 stored)
                     self.scale_ot(acc, sSc0, sSc1, wtid)
-                    self.load_vt(a_own, stg0 + 2 * u * _BUF_BYTES, zero, t0, split_end, 0, wtid)
-                    self.pv_ot(pv_mma, acc, tA_own, self.p_operand(pv_thr, bufs, 2 * u))
-                    warpgroup.commit_group()
+                    self.pv_tile(pv_mma, pv_thr, acc, a_own, tA_own, bufs, stg0, 2 * u, zero, t0, split_end, 0, wtid)
                     warpgroup.wait_group(0)
                 else:
                     self.scale_ot(acc, sSc1, None, wtid)
@@ -777,9 +782,7 @@ class MlaDecodeOtSm90(MlaDecodeSeesawSm90):
                 cute.arch.barrier(barrier_id=int(Barrier.TAIL) + 1, number_of_threads=128)
                 self.scale_ot(acc, sSc0, sSc1, wtid)
                 self.mark(mTrace, cta, 1, wtid, j, 5)
-                self.load_vt(a_own, stg0 + (2 * u + 1) * _BUF_BYTES, zero, t1, split_end, 4, wtid)
-                self.pv_ot(pv_mma, acc, tA_own, self.p_operand(pv_thr, bufs, 2 * u + 1))
-                warpgroup.commit_group()
+                self.pv_tile(pv_mma, pv_thr, acc, a_own, tA_own, bufs, stg0, 2 * u + 1, zero, t1, split_end, 4, wtid)
                 self.mark(mTrace, cta, 1, wtid, j, 6)
                 # 3. O^T += V0^T P0^T (P0 from WG0; the tile's landing as in WG0), then release P1 to WG0
                 self.landed(mbar + 2 * u, (j // 2) % 2)
