@@ -75,14 +75,16 @@ def traced_decode(c, trace_iters: int, ctas: int, producer: bool = False, ot: st
         colmax = sm90_decode.resolve_colmax() if ot in ("6", "7") else "shfl"  # (the transposed QK's column maxima)
         # (the O^T loop's 64-row blocks: where P0 is stored, $TOKENSPEED_SM90_DECODE_OT64_P0)
         p0_late = ot == "5" and S * H > 32 and sm90_decode.resolve_ot64_p0() == "late"
+        qk_early = sm90_decode.resolve_ot64_qk() if ot == "5" and S * H > 32 else "after"  # (..._OT64_QK)
         key = ("mla_decode_sm90_traced.v8", prob.dtype, H, S, prob.page_size, plan.num_splits, plan.tokens_per_split,
-               trace_iters, ctas, producer, ot, cross_first, kv_evict, pad_rows, p_stsm, o_staged, colmax, p0_late)
+               trace_iters, ctas, producer, ot, cross_first, kv_evict, pad_rows, p_stsm, o_staged, colmax, p0_late,
+               qk_early)
         common = {"outputs": outputs, "compile_key": key, "dtype": prob.dtype, "num_heads": H, "q_len": S,
                   "page_size": prob.page_size, "causal": True, "num_splits": plan.num_splits,
                   "tokens_per_split": plan.tokens_per_split, "trace": trace_iters}
         if ot:
             call = ffi.custom_call(sm90_decode.TARGET, launch_mla_decode_ot_traced, qk_t=ot != "5", colmax=colmax,
-                                   p0_late=p0_late, **common)
+                                   p0_late=p0_late, qk_early=qk_early, **common)
         else:
             call = ffi.custom_call(sm90_decode.TARGET, launch_mla_decode_seesaw_traced, tma_producer=producer,
                                    cross_first=cross_first, kv_evict=kv_evict, pad_rows=pad_rows, p_stsm=p_stsm,

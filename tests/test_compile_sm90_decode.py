@@ -156,12 +156,28 @@ _SCRIPT = textwrap.dedent(
     res["ot_pre"] = (optx, osass)  # (this compile's dump, counted below)
     # ... on whole 64-row blocks (FP8 P V mode 10 with S x H > 32: 128 rows over S = 4, page 64, 2 splits)
     before = set(glob.glob(d + "/*"))
+    #     (warpgroup 0's next QK behind its own PV: qk_early "wg0", the backend's default)
     k64 = MlaDecodeOtSm90(dtype="float8_e4m3fn", num_heads=32, q_len=4, page_size=64, causal=True, num_splits=2,
-                          tokens_per_split=4096, block_n=64)
+                          tokens_per_split=4096, block_n=64, qk_early="wg0")
     cute.compile(k64, *fake_args(k64, 4, 32, 64, 2))
     res["ot64"] = dict(dump_counts(own(before, ".ptx"), own(before, ".sass"), n64="n64", n32="n32", qgmma="qgmma64",
                                    qgmma_r="qgmma64_r", ldsm="ldsm", sts32="sts32", lds32="lds32", sts8="sts8",
                                    spill="spill", depbar="depbar"), tiles=[k64.block_m, k64.num_m_blocks, k64.pv_n])
+    # ... with the QK once the cross PV retired (TOKENSPEED_SM90_DECODE_OT64_QK=after)
+    before = set(glob.glob(d + "/*"))
+    ka = MlaDecodeOtSm90(dtype="float8_e4m3fn", num_heads=32, q_len=4, page_size=64, causal=True, num_splits=2,
+                         tokens_per_split=4096, block_n=64, qk_early="after")
+    cute.compile(ka, *fake_args(ka, 4, 32, 64, 2, B=4))  # (B 4: the dump's name differs from the compiles around it)
+    res["ot64a"] = dump_counts(own(before, ".ptx"), own(before, ".sass"), n64="n64", qgmma="qgmma64",
+                               qgmma_r="qgmma64_r", sts32="sts32", lds32="lds32", spill="spill", depbar="depbar")
+    for name, kw in (("ot64q_32", dict(q_len=1)), ("ot64q_late", dict(q_len=4, p0_late=True)),
+                     ("ot64q_bad", dict(q_len=4, qk_early="both"))):
+        try:
+            MlaDecodeOtSm90(dtype="float8_e4m3fn", num_heads=32, page_size=64, causal=True, num_splits=1,
+                            tokens_per_split=4096, block_n=64, **{"qk_early": "wg0", **kw})
+            res[name] = "accepted"
+        except ValueError as e:
+            res[name] = str(e)
     # ... with warpgroup 0's P0 stored once, after warpgroup 1's fold (TOKENSPEED_SM90_DECODE_OT64_P0=late)
     before = set(glob.glob(d + "/*"))
     kl = MlaDecodeOtSm90(dtype="float8_e4m3fn", num_heads=32, q_len=4, page_size=64, causal=True, num_splits=2,
@@ -364,7 +380,8 @@ def check_compile_result(r: dict) -> None:
         # bytes, stored in the prologue, reloaded at the computing warpgroups' start and in the epilogue, never in
         # the loop; with 64-token pages, the benchmark's, none); below
         # and mode 10's 64-row O^T loop: 16 bytes of loop-invariant reloads (below)
-        assert r["sass_spill"] == r["ss"]["32_8r"]["spill"] + r["ot64"]["spill"] + r["ot64l"]["spill"], r
+        assert r["sass_spill"] == (r["ss"]["32_8r"]["spill"] + r["ot64"]["spill"] + r["ot64a"]["spill"]
+                                   + r["ot64l"]["spill"]), r
     assert "tokenspeed_mla_decode_sm90" in r["targets"], r
     # combine over 16 splits: each of a thread's 2 splits (16 / 8 groups) is one 16-byte load; PDL
     assert r["comb"] == {"v4": 2, "wait": 1, "trigger": 1}, r["comb"]
@@ -486,13 +503,22 @@ def check_compile_result(r: dict) -> None:
     # mode 10's O^T loop on 64-row blocks: 54 QK + 32 PV QGMMAs m64n64k32 (the PVs with V^T from registers); P as 8
     # 32-bit shared stores per store site (one per warpgroup) and warpgroup 0's rescale of P0 from its words (8 loads,
     # 8 stores), no byte stores; no serialized wgmma (ptxas C7512 "insufficient register resources" put a
-    # WARPGROUP.DEPBAR after all 86 when P was kept in fp32 across the own PV and both V^T fragment sets were live); at
-    # most a few loop-invariant reloads (16 bytes of stack, 2026-12-02: 4 STL, 29 LDL)
+    # WARPGROUP.DEPBAR after all 86 when P was kept in fp32 across the own PV and both V^T fragment sets were live;
+    # C7520 "WG.AR in divergent path" after all of them when qk_early's QK sat inside the dynamic `if`); at most a few
+    # reloads (2026-12-02, qk_early "wg0": 10 STL, 36 LDL; "after": 4 STL, 29 LDL)
     x = r["ot64"]
     assert x["n64"] == 18 * 3 + 32 and x["n32"] == 0 and x["ldsm"] == 32 and x["tiles"] == [64, 2, 64], x
     assert x["sts32"] == 8 * 2 + 8 and x["lds32"] == 8 and x["sts8"] == 0, x
     if x["sass"]:
-        assert x["qgmma"] == 86 and x["qgmma_r"] == 32 and x["depbar"] <= 12 and x["spill"] <= 40, x
+        assert x["qgmma"] == 86 and x["qgmma_r"] == 32 and x["depbar"] <= 12 and x["spill"] <= 56, x
+    y = r["ot64a"]
+    assert y["n64"] == x["n64"] and y["sts32"] == x["sts32"] and y["lds32"] == x["lds32"], y
+    if y["sass"]:
+        assert y["qgmma"] == 86 and y["qgmma_r"] == 32 and y["depbar"] <= 12 and y["spill"] <= 40, y
+    # qk_early "wg0" only on the 64-row blocks, not with p0_late; an unknown mode named
+    assert "qk_early='wg0': only the 64-row blocks" in r["ot64q_32"], r["ot64q_32"]
+    assert "p0_late=True" in r["ot64q_late"], r["ot64q_late"]
+    assert "qk_early must be one of ('after', 'wg0')" in r["ot64q_bad"], r["ot64q_bad"]
     # ... p0_late: the same QGMMAs; P stored once per warpgroup and tile (2 sites of 8 words), no rescale loads; 32 rows
     # refused (only the 64-row blocks)
     y = r["ot64l"]

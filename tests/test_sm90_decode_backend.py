@@ -288,6 +288,49 @@ def test_ot64_p0_switch(monkeypatch):
     _assert_rejected(monkeypatch, lambda: run(dtype="bfloat16"), ((m.OT64_P0_ENV, "1"),))
 
 
+def test_ot64_qk_switch(monkeypatch):
+    """``TOKENSPEED_SM90_DECODE_OT64_QK`` (default "wg0") reaches only the O^T loop's 64-row blocks (FP8 mode 10 with
+    S x H > 32), keyed; ``OT64_P0=late`` alone runs the QK "after" (as measured), with ``OT64_QK=wg0`` set as well it
+    is refused with both variables named; validated with the variable named wherever it applies or not."""
+    pytest.importorskip("cutlass")  # (supports() refuses without it)
+    import jax.numpy as jnp
+
+    from tokenspeed_jax.backends import sm90_decode as m
+
+    assert m.OT64_QK_ENV in m.TRACE_ENV and m.OT64_QK_DEFAULT == "wg0" and m.OT64_QK_CHOICES == ("after", "wg0")
+    seen = _record_custom_calls(monkeypatch)
+    bt, sl = jnp.zeros((2, 8), jnp.int32), jnp.full((2,), 100, jnp.int32)
+    for env in (m.OT64_QK_ENV, m.OT64_P0_ENV, m.FP8_PV_ENV):
+        monkeypatch.delenv(env, raising=False)
+
+    def run(dtype="float8_e4m3fn", S=4, H=16):
+        m.decode(_problem(batch=2, q_len=S, num_heads=H, num_pages=16, max_pages=8, dtype=dtype),
+                 jnp.zeros((2, S, H, 576), dtype), jnp.zeros((16, 64, 576), dtype), bt, sl, 0.1, 1.0)
+        return seen["launch"].__name__, seen["key"].qk_early, seen["kw"].get("qk_early", "after")
+
+    assert run() == ("launch_mla_decode_ot", "wg0", "wg0")  # the default, 64 rows
+    assert run(S=3, H=24) == ("launch_mla_decode_ot", "wg0", "wg0")  # 72 rows: two blocks
+    assert run(S=1) == ("launch_mla_decode_ot", "after", "after")  # 16 rows: mode 6's loop (qk_t)
+    assert run(dtype="bfloat16") == ("launch_mla_decode_seesaw", "after", "after")
+    monkeypatch.setenv(m.OT64_QK_ENV, "after")
+    assert run() == ("launch_mla_decode_ot", "after", "after")
+    monkeypatch.setenv(m.FP8_PV_ENV, "4")
+    monkeypatch.setenv(m.OT64_QK_ENV, "wg0")
+    assert run() == ("launch_mla_decode_seesaw", "after", "after")
+    monkeypatch.delenv(m.FP8_PV_ENV)
+    monkeypatch.delenv(m.OT64_QK_ENV)
+    monkeypatch.setenv(m.OT64_P0_ENV, "late")
+    assert run() == ("launch_mla_decode_ot", "after", "after")
+    assert seen["key"].p0_late and seen["kw"]["p0_late"]
+    monkeypatch.setenv(m.OT64_QK_ENV, "wg0")
+    with pytest.raises(ValueError, match=f"{m.OT64_P0_ENV}=late and {m.OT64_QK_ENV}=wg0"):
+        run()
+    monkeypatch.delenv(m.OT64_P0_ENV)
+    monkeypatch.delenv(m.OT64_QK_ENV)
+    _assert_rejected(monkeypatch, run, ((m.OT64_QK_ENV, "both"),))
+    _assert_rejected(monkeypatch, lambda: run(dtype="bfloat16"), ((m.OT64_QK_ENV, "early"),))
+
+
 def test_pad_rows_switch(monkeypatch):
     """``TOKENSPEED_SM90_DECODE_PAD_ROWS`` reaches the seesaw launcher (16-bit and FP8 mode 4) only where a row block
     has rows past S x H, keyed; the O^T and transposed loops (no padded rows) never get it; validated, named."""

@@ -203,13 +203,23 @@ COLMAX_DEFAULT = "shfl"
 # scale1, and runs warpgroup 0's own PV after that, so that only the P store overlaps warpgroup 1's softmax
 # (kernels/sm90/mla_decode_ot.py, p0_late; docs/sm90_decode.md, "64-row O^T loop": warpgroup 1's softmax took 2.2x
 # warpgroup 0's for the same code while warpgroup 0 ran its own PV beside it).  Opt-in, built 2026-12-02 without GPU
-# time left to measure it.  Read at trace time; part of the compile key.
+# time left to measure it; on the H200 2026-12-02 17:29 UTC 0.90-0.97x "early" on the 64-row shapes.  Read at trace
+# time; part of the compile key.
 OT64_P0_ENV = "TOKENSPEED_SM90_DECODE_OT64_P0"
 OT64_P0_CHOICES = ("early", "late")
 OT64_P0_DEFAULT = "early"
+# FP8 mode 10's O^T loop on 64-row blocks: when warpgroup 0 issues the QK of the next pair's tile: "wg0" (the default
+# since 2026-12-02 17:45 UTC) right behind its own PV, so that it runs on the tensor cores during warpgroup 1's softmax;
+# "after" once its cross PV retired, on the chain between warpgroup 1's cross PV and warpgroup 0's next softmax (the
+# default before: "wg0" measured 1.01-1.14x faster on the B64/K81920 shapes with 64 or more rows, within 3% elsewhere,
+# bitwise the same outputs; kernels/sm90/mla_decode_ot.py, qk_early; docs/sm90_decode.md, "QK early").  Read at trace
+# time; part of the compile key.
+OT64_QK_ENV = "TOKENSPEED_SM90_DECODE_OT64_QK"
+OT64_QK_CHOICES = ("after", "wg0")  # (the kernel module's QK_EARLY_MODES; no cutlass import here)
+OT64_QK_DEFAULT = "wg0"
 TRACE_ENV = (SCHEDULE_ENV, PDL_ENV, FP8_QK_ENV, FP8_PV_ENV, L2_PREFETCH_ENV, PRODUCER16_ENV, RS_STAGES_ENV,
              KV_EVICT_ENV, CROSS_FIRST_ENV, T16_ENV, PDL_MAIN_ENV, PAD_ROWS_ENV, P_STSM_ENV, EPILOGUE_ENV,
-             EPILOGUE_FP8_ENV, T16_PT_ENV, T16_BARS_ENV, COLMAX_ENV, OT64_P0_ENV)
+             EPILOGUE_FP8_ENV, T16_PT_ENV, T16_BARS_ENV, COLMAX_ENV, OT64_P0_ENV, OT64_QK_ENV)
 SCHEDULES = ("auto", "seesaw", "seesaw-cpasync", "lockstep", "overlap")  # module docstring (no cutlass import here)
 _MIN_PAGE = 8
 _MIN_FP8_SEESAW_PAGE = 16  # the FP8 seesaw needs TMA refills (the kernel's _MIN_TMA_PAGE; no cutlass import here)
@@ -252,6 +262,7 @@ class DecodeKernelKey:
     t16_chunk_bars: bool = False  # the transposed loop: per-chunk mbarriers ($TOKENSPEED_SM90_DECODE_T16_BARS)
     colmax: str = "shfl"  # the transposed loops' column maxima ($TOKENSPEED_SM90_DECODE_COLMAX)
     p0_late: bool = False  # mode 10's 64-row O^T loop: P0 stored once, after WG1's fold ($..._OT64_P0 "late")
+    qk_early: str = "after"  # mode 10's 64-row O^T loop: which warpgroups issue the next QK early ($..._OT64_QK)
 
 
 def supports(problem: DecodeProblem) -> str | None:
@@ -336,6 +347,11 @@ def resolve_t16_pt() -> str:
 def resolve_ot64_p0() -> str:
     """``$TOKENSPEED_SM90_DECODE_OT64_P0`` (one of :data:`OT64_P0_CHOICES`, default :data:`OT64_P0_DEFAULT`)."""
     return _env(OT64_P0_ENV, OT64_P0_DEFAULT, OT64_P0_CHOICES)
+
+
+def resolve_ot64_qk() -> str:
+    """``$TOKENSPEED_SM90_DECODE_OT64_QK`` (one of :data:`OT64_QK_CHOICES`, default :data:`OT64_QK_DEFAULT`)."""
+    return _env(OT64_QK_ENV, OT64_QK_DEFAULT, OT64_QK_CHOICES)
 
 
 def resolve_colmax() -> str:
@@ -446,6 +462,14 @@ def decode(problem: DecodeProblem, q, kv_cache, block_table, seq_lens, softmax_s
     t16_chunk_bars = resolve_t16_bars() == "chunk" and t16
     # (validated wherever it applies or not; only the O^T loop's 64-row blocks, i.e. without qk_t for S x H > 32)
     p0_late = resolve_ot64_p0() == "late" and pv_ot and not qk_t and not small
+    qk_early = resolve_ot64_qk()  # (validated wherever it applies or not; the same 64-row blocks only)
+    if p0_late and qk_early != "after":  # (the late P0 store needs the S registers the early QK would take)
+        if os.environ.get(OT64_QK_ENV):
+            raise ValueError(f"{OT64_P0_ENV}=late and {OT64_QK_ENV}={qk_early} do not combine (the late P0 store "
+                             f"needs the S registers of the early QK); unset one of them")
+        qk_early = "after"  # (OT64_P0=late alone: the QK after the cross PV, as it was measured)
+    if not (pv_ot and not qk_t and not small):
+        qk_early = "after"
     colmax = resolve_colmax()  # (validated wherever it applies or not)
     if not (qk_t or t16):  # the transposed loops only
         colmax = "shfl"
@@ -465,7 +489,8 @@ def decode(problem: DecodeProblem, q, kv_cache, block_table, seq_lens, softmax_s
     key = DecodeKernelKey("mla_decode_sm90.v10", problem.dtype, H, S, problem.page_size, problem.causal,
                           plan.num_splits, plan.tokens_per_split, block_n, schedule, pdl, qk_fp8, l2_prefetch, pv_fp8,
                           early_refill, vt_packed, tma_producer, pv_ot, qk_t, rs_stages, kv_evict, cross_first, t16,
-                          pdl_main, pad_rows, p_stsm, o_staged, t16_pt_q, t16_chunk_bars, colmax, p0_late)
+                          pdl_main, pad_rows, p_stsm, o_staged, t16_pt_q, t16_chunk_bars, colmax, p0_late,
+                          qk_early)
     outputs = [jax.ShapeDtypeStruct((B, S, H, problem.kv_lora_rank), jnp.dtype(problem.out_dtype)),
                jax.ShapeDtypeStruct((B, S, H), jnp.float32)]
     outputs += [jax.ShapeDtypeStruct(w.shape, jnp.dtype(w.dtype)) for w in plan.workspace]
@@ -489,6 +514,7 @@ def decode(problem: DecodeProblem, q, kv_cache, block_table, seq_lens, softmax_s
         **({"chunk_bars": True} if t16_chunk_bars else {}),
         **({"colmax": colmax} if colmax != "shfl" else {}),
         **({"p0_late": True} if p0_late else {}),
+        **({"qk_early": qk_early} if qk_early != "after" else {}),
     )
     res = call(q, kv_cache, block_table.astype(jnp.int32), seq_lens.astype(jnp.int32),
                ffi.scalar_operand(softmax_scale), ffi.scalar_operand(output_scale))

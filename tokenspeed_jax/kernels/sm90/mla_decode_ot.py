@@ -49,7 +49,18 @@ mode "5") removes the copy:
   rounding), then scales ``O^T`` by scale0 x scale1 and runs its own PV; while warpgroup 1 computes its softmax,
   warpgroup 0 then only waits, instead of storing P0, loading ``V^T`` and issuing its own PV beside it (the 2026-12-02
   timeline: warpgroup 1's softmax took 2.2x warpgroup 0's for the same code; docs/sm90_decode.md, "64-row O^T loop").
-  The cost: warpgroup 0's own PV moves after SCALE1, into the window of warpgroup 1's cross PV.
+  The cost: warpgroup 0's own PV moves after SCALE1, into the window of warpgroup 1's cross PV.  Measured on the H200
+  (2026-12-02 17:29 UTC): 0.90-0.97x "early" on the shapes with 64 or more rows, so it stays opt-in.
+* ``qk_early`` (64-row blocks only; ``TOKENSPEED_SM90_DECODE_OT64_QK``): when warpgroup 0 issues the QK of the next
+  pair's tile.  "after" (until 2026-12-02): once its cross PV retired, so the QK sat on the iteration's critical chain
+  (warpgroup 1's cross PV -> P1_READY -> warpgroup 0's cross PV -> its next QK -> its next softmax -> SCALE0).
+  "wg0" (the backend's default since 2026-12-02 17:45 UTC): right behind its own PV (after waiting for that tile's
+  landing), so it runs on the tensor cores during warpgroup 1's softmax; its S registers stay live across the own PV,
+  the P0 rescale and the cross PV (4 -> 10 ``STL``, 29 -> 36 ``LDL``, no serialized wgmma).  The QK of the last pair
+  is issued too (on the stale staging of the pair before, or never-written shared memory with one pair) and its S is
+  thrown away: a wgmma inside the dynamic ``if`` made ptxas serialize every wgmma (C7520, "WG.AR in divergent path").
+  Outputs are bitwise those of "after".  Warpgroup 1 issuing its QK early as well, behind its own PV or its cross PV,
+  measured slower (0.93-0.95x, and with 144 bytes of spills 0.94-0.99x; docs/sm90_decode.md, "QK early").
 * ``qk_t`` (FP8 P V mode 6): the QK transposed too, ``S^T = K Q^T`` (the staging is the A operand as it lands, the
   first ``pv_n`` q rows the B operand): its tensor work and accumulators shrink by 64 / ``pv_n``.  A query row's
   keys then lie in all 4 warps, so the softmax exchanges each warp's column maxima through 1 KB of shared memory
@@ -90,6 +101,7 @@ _NBUF = 4  # two per warpgroup (pair j: buffers 2 (j % 2) + {0, 1})
 _ALL_CHUNKS = (0, 1, 2, 3, 4, 5, 6, 7, 8)
 _MIN_PAGE = 32  # the producer's coordinates (pages of 16: 4 boxes per chunk) spill in its 24 registers
 _MAX_ROWS = 32  # query rows S x H (module docstring, "Registers")
+QK_EARLY_MODES = ("after", "wg0")  # when warpgroup 0 issues its next QK (module docstring, "qk_early")
 
 # DecodeTraceMixin.mark points of an iteration of this loop (debug builds, benchmarks/trace_decode.py): per
 # warpgroup, what the time since the previous event was spent on; as many slots as the mode-4 loop's TRACE_EVENTS
@@ -196,7 +208,8 @@ class MlaDecodeOtSm90(MlaDecodeSeesawSm90):
 
     pair_step = 1  # output features of an O^T accumulator row pair q, q + 8 (store_ot_pair): f and f + 1
 
-    def __init__(self, *, qk_t: bool = False, colmax: str = "shfl", p0_late: bool = False, **kw):
+    def __init__(self, *, qk_t: bool = False, colmax: str = "shfl", p0_late: bool = False, qk_early: str = "after",
+                 **kw):
         for k in ("qk_fp8", "pv_fp8", "early_refill", "vt_packed", "tma_producer", "kv_load"):
             kw.pop(k, None)
         super().__init__(qk_fp8=True, pv_fp8=True, early_refill=True, vt_packed=True, tma_producer=True,
@@ -224,6 +237,14 @@ class MlaDecodeOtSm90(MlaDecodeSeesawSm90):
         if self.p0_late and self.pv_n != 64:
             raise ValueError(f"p0_late: only the 64-row blocks of the O^T loop without qk_t (S x H > 32), got "
                              f"S x H = {self.R}, qk_t={self.qk_t}")
+        # 64-row blocks: warpgroup 0 issues the next pair's QK right behind its own PV ("wg0", the backend's default
+        # since 2026-12-02 17:45 UTC) or once its cross PV retired ("after"; module docstring, "qk_early")
+        if qk_early not in QK_EARLY_MODES:
+            raise ValueError(f"qk_early must be one of {QK_EARLY_MODES}, got {qk_early!r}")
+        self.qk_early = qk_early
+        if qk_early != "after" and (self.pv_n != 64 or self.p0_late):
+            raise ValueError(f"qk_early={qk_early!r}: only the 64-row blocks of the O^T loop without qk_t and p0_late, "
+                             f"got S x H = {self.R}, qk_t={self.qk_t}, p0_late={self.p0_late}")
 
     # ------------------------------------------------------------------------------------------ host
     @cute.jit
@@ -694,7 +715,14 @@ class MlaDecodeOtSm90(MlaDecodeSeesawSm90):
                 self.mark(mTrace, cta, 0, wtid, j, 4)
                 if cutlass.const_expr(not self.p0_late):
                     self.pv_tile(pv_mma, pv_thr, acc, a_own, tA_own, bufs, stg0, 2 * u, zero, t0, split_end, 0, wtid)
-                    warpgroup.wait_group(0)
+                    if cutlass.const_expr(self.qk_early != "after"):  # the next QK behind it (module docstring)
+                        if more:
+                            self.landed(mbar + 2 * (1 - u), ((j + 1) // 2) % 2)
+                        self.qk_tile(qk_mma, qk_thr, acc_s, tSrQ, bufs, 2 * (1 - u))
+                        warpgroup.commit_group()
+                        warpgroup.wait_group(1)  # (the own PV retired; the QK may still run)
+                    else:
+                        warpgroup.wait_group(0)
                 self.mark(mTrace, cta, 0, wtid, j, 5)
                 # (the L2 prefetch's coordinates, for the end of the iteration)
                 pf = split_start + 2 * (j + self.pf_ahead) * bn
@@ -743,7 +771,12 @@ class MlaDecodeOtSm90(MlaDecodeSeesawSm90):
                 if cutlass.const_expr(self.pv_n == 64):
                     warpgroup.wait_group(0)
                 # 5. next QK (pair j + 1, buffer 2 (1 - u)) behind the cross PV; once that retired, WG1 may free slot 1
-                if more:
+                #    (qk_early: the QK was issued in step 2 and has retired with the cross PV)
+                if cutlass.const_expr(self.qk_early != "after"):
+                    if refill:
+                        cute.arch.fence_view_async_shared()
+                        cute.arch.barrier_arrive(barrier_id=int(Barrier.VT1_FREE), number_of_threads=self.num_threads)
+                elif more:
                     self.landed(mbar + 2 * (1 - u), ((j + 1) // 2) % 2)
                     self.mark(mTrace, cta, 0, wtid, j, 9)
                     self.qk_tile(qk_mma, qk_thr, acc_s, tSrQ, bufs, 2 * (1 - u))
@@ -936,13 +969,14 @@ def launch_mla_decode_ot(stream, q: cute.Tensor, kv: cute.Tensor, block_table: c
                          schedule: cutlass.Constexpr = "seesaw", pdl: cutlass.Constexpr = True,
                          l2_prefetch: cutlass.Constexpr = "off", qk_t: cutlass.Constexpr = False,
                          kv_evict: cutlass.Constexpr = "normal", pdl_main: cutlass.Constexpr = False,
-                         colmax: cutlass.Constexpr = "shfl", p0_late: cutlass.Constexpr = False):
+                         colmax: cutlass.Constexpr = "shfl", p0_late: cutlass.Constexpr = False,
+                         qk_early: cutlass.Constexpr = "after"):
     """FFI launch function of the O^T schedule (FP8 P V mode "5", with ``qk_t`` mode "6"; same ABI as
     ``launch_mla_decode_seesaw``; ``schedule`` is the backend's, always "seesaw" here)."""
     MlaDecodeOtSm90(dtype=dtype, num_heads=num_heads, q_len=q_len, page_size=page_size, causal=causal,
                     num_splits=num_splits, tokens_per_split=tokens_per_split, block_n=block_n, pdl=pdl,
                     l2_prefetch=l2_prefetch, qk_t=qk_t, kv_evict=kv_evict, pdl_main=pdl_main, colmax=colmax,
-                    p0_late=p0_late)(
+                    p0_late=p0_late, qk_early=qk_early)(
         stream, q, kv, block_table, seq_lens, softmax_scale, output_scale, out, lse, o_accum, lse_accum)
 
 
@@ -956,15 +990,17 @@ def launch_mla_decode_ot_traced(stream, q: cute.Tensor, kv: cute.Tensor, block_t
                                 tokens_per_split: cutlass.Constexpr, trace: cutlass.Constexpr,
                                 pdl: cutlass.Constexpr = True, l2_prefetch: cutlass.Constexpr = "off",
                                 qk_t: cutlass.Constexpr = False, colmax: cutlass.Constexpr = "shfl",
-                                p0_late: cutlass.Constexpr = False):
+                                p0_late: cutlass.Constexpr = False, qk_early: cutlass.Constexpr = "after"):
     """Debug build of the O^T loop (FP8 P V mode 5, with ``qk_t`` mode 6) with :meth:`DecodeTraceMixin.mark`
     timestamps at the :data:`TRACE_EVENTS_OT` points in ``trace_buf`` (int64 ``(ctas, 2, trace, len(TRACE_EVENTS))``),
     an extra output after ``lse`` (benchmarks/trace_decode.py)."""
     MlaDecodeOtSm90(dtype=dtype, num_heads=num_heads, q_len=q_len, page_size=page_size, causal=causal,
                     num_splits=num_splits, tokens_per_split=tokens_per_split, block_n=64, pdl=pdl,
-                    l2_prefetch=l2_prefetch, qk_t=qk_t, colmax=colmax, p0_late=p0_late, trace=trace)(
+                    l2_prefetch=l2_prefetch, qk_t=qk_t, colmax=colmax, p0_late=p0_late, qk_early=qk_early,
+                    trace=trace)(
         stream, q, kv, block_table, seq_lens, softmax_scale, output_scale, out, lse, o_accum, lse_accum, trace_buf)
 
 
-__all__ = ["COLMAX_MODES", "TRACE_EVENTS_OT", "VT_A_SELECTORS", "MlaDecodeOtSm90", "check_colmax", "colmax_xpose_column",
-           "colmax_xpose_index", "launch_mla_decode_ot", "launch_mla_decode_ot_traced", "ot_feature", "vt_a_row_offset"]
+__all__ = ["COLMAX_MODES", "QK_EARLY_MODES", "TRACE_EVENTS_OT", "VT_A_SELECTORS", "MlaDecodeOtSm90", "check_colmax",
+           "colmax_xpose_column", "colmax_xpose_index", "launch_mla_decode_ot", "launch_mla_decode_ot_traced",
+           "ot_feature", "vt_a_row_offset"]
