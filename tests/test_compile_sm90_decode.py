@@ -170,6 +170,13 @@ _SCRIPT = textwrap.dedent(
     cute.compile(ka, *fake_args(ka, 4, 32, 64, 2, B=4))  # (B 4: the dump's name differs from the compiles around it)
     res["ot64a"] = dump_counts(own(before, ".ptx"), own(before, ".sass"), n64="n64", qgmma="qgmma64",
                                qgmma_r="qgmma64_r", sts32="sts32", lds32="lds32", spill="spill", depbar="depbar")
+    # ... with the next softmax under the cross PV too (TOKENSPEED_SM90_DECODE_OT64_QK=wg0s, opt-in)
+    before = set(glob.glob(d + "/*"))
+    ks = MlaDecodeOtSm90(dtype="float8_e4m3fn", num_heads=32, q_len=4, page_size=64, causal=True, num_splits=2,
+                         tokens_per_split=4096, block_n=64, qk_early="wg0s")
+    cute.compile(ks, *fake_args(ks, 4, 32, 64, 2, B=5))  # (B 5: the dump's name differs from the compiles around it)
+    res["ot64s"] = dump_counts(own(before, ".ptx"), own(before, ".sass"), n64="n64", qgmma="qgmma64",
+                               qgmma_r="qgmma64_r", sts32="sts32", lds32="lds32", spill="spill", depbar="depbar")
     for name, kw in (("ot64q_32", dict(q_len=1)), ("ot64q_late", dict(q_len=4, p0_late=True)),
                      ("ot64q_bad", dict(q_len=4, qk_early="both"))):
         try:
@@ -381,7 +388,7 @@ def check_compile_result(r: dict) -> None:
         # the loop; with 64-token pages, the benchmark's, none); below
         # and mode 10's 64-row O^T loop: 16 bytes of loop-invariant reloads (below)
         assert r["sass_spill"] == (r["ss"]["32_8r"]["spill"] + r["ot64"]["spill"] + r["ot64a"]["spill"]
-                                   + r["ot64l"]["spill"]), r
+                                   + r["ot64s"]["spill"] + r["ot64l"]["spill"]), r
     assert "tokenspeed_mla_decode_sm90" in r["targets"], r
     # combine over 16 splits: each of a thread's 2 splits (16 / 8 groups) is one 16-byte load; PDL
     assert r["comb"] == {"v4": 2, "wait": 1, "trigger": 1}, r["comb"]
@@ -515,10 +522,14 @@ def check_compile_result(r: dict) -> None:
     assert y["n64"] == x["n64"] and y["sts32"] == x["sts32"] and y["lds32"] == x["lds32"], y
     if y["sass"]:
         assert y["qgmma"] == 86 and y["qgmma_r"] == 32 and y["depbar"] <= 12 and y["spill"] <= 40, y
+    y = r["ot64s"]  # (2026-12-02: 35 STL, 62 LDL)
+    assert y["n64"] == x["n64"] and y["sts32"] == x["sts32"] and y["lds32"] == x["lds32"], y
+    if y["sass"]:
+        assert y["qgmma"] == 86 and y["qgmma_r"] == 32 and y["depbar"] <= 12 and y["spill"] <= 110, y
     # qk_early "wg0" only on the 64-row blocks, not with p0_late; an unknown mode named
     assert "qk_early='wg0': only the 64-row blocks" in r["ot64q_32"], r["ot64q_32"]
     assert "p0_late=True" in r["ot64q_late"], r["ot64q_late"]
-    assert "qk_early must be one of ('after', 'wg0')" in r["ot64q_bad"], r["ot64q_bad"]
+    assert "qk_early must be one of ('after', 'wg0', 'wg0s')" in r["ot64q_bad"], r["ot64q_bad"]
     # ... p0_late: the same QGMMAs; P stored once per warpgroup and tile (2 sites of 8 words), no rescale loads; 32 rows
     # refused (only the 64-row blocks)
     y = r["ot64l"]

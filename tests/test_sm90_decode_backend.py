@@ -297,7 +297,8 @@ def test_ot64_qk_switch(monkeypatch):
 
     from tokenspeed_jax.backends import sm90_decode as m
 
-    assert m.OT64_QK_ENV in m.TRACE_ENV and m.OT64_QK_DEFAULT == "wg0" and m.OT64_QK_CHOICES == ("after", "wg0")
+    assert m.OT64_QK_ENV in m.TRACE_ENV and m.OT64_QK_DEFAULT == "wg0"
+    assert m.OT64_QK_CHOICES == ("after", "wg0", "wg0s")
     seen = _record_custom_calls(monkeypatch)
     bt, sl = jnp.zeros((2, 8), jnp.int32), jnp.full((2,), 100, jnp.int32)
     for env in (m.OT64_QK_ENV, m.OT64_P0_ENV, m.FP8_PV_ENV):
@@ -314,6 +315,9 @@ def test_ot64_qk_switch(monkeypatch):
     assert run(dtype="bfloat16") == ("launch_mla_decode_seesaw", "after", "after")
     monkeypatch.setenv(m.OT64_QK_ENV, "after")
     assert run() == ("launch_mla_decode_ot", "after", "after")
+    monkeypatch.setenv(m.OT64_QK_ENV, "wg0s")
+    assert run() == ("launch_mla_decode_ot", "wg0s", "wg0s")
+    assert run(S=1) == ("launch_mla_decode_ot", "after", "after")
     monkeypatch.setenv(m.FP8_PV_ENV, "4")
     monkeypatch.setenv(m.OT64_QK_ENV, "wg0")
     assert run() == ("launch_mla_decode_seesaw", "after", "after")

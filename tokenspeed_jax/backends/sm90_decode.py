@@ -212,10 +212,11 @@ OT64_P0_DEFAULT = "early"
 # since 2026-12-02 17:45 UTC) right behind its own PV, so that it runs on the tensor cores during warpgroup 1's softmax;
 # "after" once its cross PV retired, on the chain between warpgroup 1's cross PV and warpgroup 0's next softmax (the
 # default before: "wg0" measured 1.01-1.14x faster on the B64/K81920 shapes with 64 or more rows, within 3% elsewhere,
-# bitwise the same outputs; kernels/sm90/mla_decode_ot.py, qk_early; docs/sm90_decode.md, "QK early").  Read at trace
-# time; part of the compile key.
+# bitwise the same outputs; kernels/sm90/mla_decode_ot.py, qk_early; docs/sm90_decode.md, "QK early").  "wg0s"
+# (opt-in, built 2026-12-02, not yet measured): "wg0", and warpgroup 0's next softmax runs while its cross PV still
+# does.  Read at trace time; part of the compile key.
 OT64_QK_ENV = "TOKENSPEED_SM90_DECODE_OT64_QK"
-OT64_QK_CHOICES = ("after", "wg0")  # (the kernel module's QK_EARLY_MODES; no cutlass import here)
+OT64_QK_CHOICES = ("after", "wg0", "wg0s")  # (the kernel module's QK_EARLY_MODES; no cutlass import here)
 OT64_QK_DEFAULT = "wg0"
 TRACE_ENV = (SCHEDULE_ENV, PDL_ENV, FP8_QK_ENV, FP8_PV_ENV, L2_PREFETCH_ENV, PRODUCER16_ENV, RS_STAGES_ENV,
              KV_EVICT_ENV, CROSS_FIRST_ENV, T16_ENV, PDL_MAIN_ENV, PAD_ROWS_ENV, P_STSM_ENV, EPILOGUE_ENV,

@@ -61,6 +61,13 @@ mode "5") removes the copy:
   thrown away: a wgmma inside the dynamic ``if`` made ptxas serialize every wgmma (C7520, "WG.AR in divergent path").
   Outputs are bitwise those of "after".  Warpgroup 1 issuing its QK early as well, behind its own PV or its cross PV,
   measured slower (0.93-0.95x, and with 144 bytes of spills 0.94-0.99x; docs/sm90_decode.md, "QK early").
+  "wg0s" (opt-in, built 2026-12-02 without device time left to measure it): "wg0", and warpgroup 0 starts its next
+  softmax while its cross PV still runs (the cross PV committed as one group per k32 step; before the softmax only
+  the QK and the first step retired); the cross PV retires at the start of step 2, before ``O^T *= scale0``, and only
+  then does warpgroup 0 free slot 1 of the previous pair (VT1_FREE, one iteration later than "wg0": warpgroup 1 waits
+  for it at the end of its iteration, just before it waits for SCALE0 anyway).  After P1_READY warpgroup 0 then goes
+  straight to its softmax.  The cost: the O^T accumulators and ``V^T`` registers stay live across the softmax, 35
+  ``STL`` / 62 ``LDL`` (144 / 260 bytes) on the CPU build, no serialized wgmma.
 * ``qk_t`` (FP8 P V mode 6): the QK transposed too, ``S^T = K Q^T`` (the staging is the A operand as it lands, the
   first ``pv_n`` q rows the B operand): its tensor work and accumulators shrink by 64 / ``pv_n``.  A query row's
   keys then lie in all 4 warps, so the softmax exchanges each warp's column maxima through 1 KB of shared memory
@@ -101,7 +108,7 @@ _NBUF = 4  # two per warpgroup (pair j: buffers 2 (j % 2) + {0, 1})
 _ALL_CHUNKS = (0, 1, 2, 3, 4, 5, 6, 7, 8)
 _MIN_PAGE = 32  # the producer's coordinates (pages of 16: 4 boxes per chunk) spill in its 24 registers
 _MAX_ROWS = 32  # query rows S x H (module docstring, "Registers")
-QK_EARLY_MODES = ("after", "wg0")  # when warpgroup 0 issues its next QK (module docstring, "qk_early")
+QK_EARLY_MODES = ("after", "wg0", "wg0s")  # warpgroup 0's next QK and softmax (module docstring, "qk_early")
 
 # DecodeTraceMixin.mark points of an iteration of this loop (debug builds, benchmarks/trace_decode.py): per
 # warpgroup, what the time since the previous event was spent on; as many slots as the mode-4 loop's TRACE_EVENTS
@@ -707,7 +714,13 @@ class MlaDecodeOtSm90(MlaDecodeSeesawSm90):
                 cute.arch.barrier_arrive(barrier_id=int(Barrier.SCALE0), number_of_threads=self.num_threads)
                 self.mark(mTrace, cta, 0, wtid, j, 3)
                 # 2. P0 -> smem; O^T *= scale0 (all rows' scales: after the warpgroup's barrier); O^T += V0^T P0^T
-                #    (p0_late: none of this yet, step 3 does it)
+                #    (p0_late: none of this yet, step 3 does it).  "wg0s": the previous cross PV retires here, then
+                #    slot 1 of the previous pair is free for its refill with pair j + 1 (VT1_FREE)
+                if cutlass.const_expr(self.qk_early == "wg0s"):
+                    warpgroup.wait_group(0)
+                    if j >= 1 and more:
+                        cute.arch.fence_view_async_shared()
+                        cute.arch.barrier_arrive(barrier_id=int(Barrier.VT1_FREE), number_of_threads=self.num_threads)
                 if cutlass.const_expr(not self.p0_late):
                     self.store_p_tile(acc_s, qk_thr, bufs, 2 * u, wtid)
                     cute.arch.barrier(barrier_id=int(Barrier.TAIL), number_of_threads=128)
@@ -766,16 +779,28 @@ class MlaDecodeOtSm90(MlaDecodeSeesawSm90):
                 self.load_vt(a_x, stg0 + (2 * u + 1) * _BUF_BYTES, zero, t0 + bn, split_end, 0, wtid)
                 cute.arch.barrier(barrier_id=int(Barrier.P1_READY), number_of_threads=self.num_threads)
                 self.mark(mTrace, cta, 0, wtid, j, 8)
-                self.pv_ot(pv_mma, acc, tA_x, self.p_operand(pv_thr, bufs, 2 * u + 1))
-                warpgroup.commit_group()
-                if cutlass.const_expr(self.pv_n == 64):
+                if cutlass.const_expr(self.qk_early == "wg0s"):  # one group per k32 step: the first one's V^T
+                    tB1 = self.p_operand(pv_thr, bufs, 2 * u + 1)  # registers are free before the next softmax
+                    warpgroup.fence()
+                    for kb in cutlass.range_constexpr(self.block_n // 32):
+                        cute.gemm(pv_mma, acc, tA_x[None, None, kb], tB1[None, None, kb], acc)
+                        warpgroup.commit_group()
+                else:
+                    self.pv_ot(pv_mma, acc, tA_x, self.p_operand(pv_thr, bufs, 2 * u + 1))
+                    warpgroup.commit_group()
+                if cutlass.const_expr(self.qk_early == "wg0s"):  # (the QK and the first k step retired)
+                    warpgroup.wait_group(1)
+                elif cutlass.const_expr(self.pv_n == 64):
                     warpgroup.wait_group(0)
                 # 5. next QK (pair j + 1, buffer 2 (1 - u)) behind the cross PV; once that retired, WG1 may free slot 1
-                #    (qk_early: the QK was issued in step 2 and has retired with the cross PV)
-                if cutlass.const_expr(self.qk_early != "after"):
+                #    (qk_early: the QK was issued in step 2 and has retired with the cross PV; "wg0s": slot 1 is freed
+                #    in the next iteration's step 2, once the cross PV retired)
+                if cutlass.const_expr(self.qk_early == "wg0"):
                     if refill:
                         cute.arch.fence_view_async_shared()
                         cute.arch.barrier_arrive(barrier_id=int(Barrier.VT1_FREE), number_of_threads=self.num_threads)
+                elif cutlass.const_expr(self.qk_early == "wg0s"):
+                    pass
                 elif more:
                     self.landed(mbar + 2 * (1 - u), ((j + 1) // 2) % 2)
                     self.mark(mTrace, cta, 0, wtid, j, 9)
@@ -789,8 +814,11 @@ class MlaDecodeOtSm90(MlaDecodeSeesawSm90):
                 if cutlass.const_expr(self.l2_prefetch != "off"):  # noqa: SIM102 (static + dynamic test)
                     if wtid + mblk == 0:
                         self.l2_prefetch_pair(mKV, crdP0, crdP1, pf, split_end)
-                warpgroup.wait_group(0)
+                if cutlass.const_expr(self.qk_early != "wg0s"):
+                    warpgroup.wait_group(0)
                 self.mark(mTrace, cta, 0, wtid, j, 11)
+            if cutlass.const_expr(self.qk_early == "wg0s"):
+                warpgroup.wait_group(0)  # (the last cross PV, before the epilogue)
         else:
             for j in cutlass.range(n_pairs, unroll=1):
                 u = j % 2
