@@ -288,6 +288,34 @@ def test_ot64_p0_switch(monkeypatch):
     _assert_rejected(monkeypatch, lambda: run(dtype="bfloat16"), ((m.OT64_P0_ENV, "1"),))
 
 
+def test_resolve_ot64(monkeypatch):
+    """The rule the backend and benchmarks/trace_decode.py share for the O^T loop's 64-row blocks: defaults, not
+    applicable, OT64_P0=late alone (QK "after"), both set (refused, both named), bad values named either way."""
+    from tokenspeed_jax.backends import sm90_decode as m
+
+    for env in (m.OT64_QK_ENV, m.OT64_P0_ENV):
+        monkeypatch.delenv(env, raising=False)
+    assert m.resolve_ot64(True) == (False, "wg0") and m.resolve_ot64(False) == (False, "after")
+    monkeypatch.setenv(m.OT64_QK_ENV, "wg0s")
+    assert m.resolve_ot64(True) == (False, "wg0s") and m.resolve_ot64(False) == (False, "after")
+    monkeypatch.delenv(m.OT64_QK_ENV)
+    monkeypatch.setenv(m.OT64_P0_ENV, "late")
+    assert m.resolve_ot64(True) == (True, "after") and m.resolve_ot64(False) == (False, "after")
+    monkeypatch.setenv(m.OT64_QK_ENV, "after")
+    assert m.resolve_ot64(True) == (True, "after")
+    monkeypatch.setenv(m.OT64_QK_ENV, "wg0s")
+    with pytest.raises(ValueError, match=f"{m.OT64_P0_ENV}=late and {m.OT64_QK_ENV}=wg0s"):
+        m.resolve_ot64(True)
+    assert m.resolve_ot64(False) == (False, "after")
+    monkeypatch.setenv(m.OT64_QK_ENV, "early")
+    with pytest.raises(ValueError, match=m.OT64_QK_ENV):
+        m.resolve_ot64(False)
+    monkeypatch.delenv(m.OT64_QK_ENV)
+    monkeypatch.setenv(m.OT64_P0_ENV, "1")
+    with pytest.raises(ValueError, match=m.OT64_P0_ENV):
+        m.resolve_ot64(False)
+
+
 def test_ot64_qk_switch(monkeypatch):
     """``TOKENSPEED_SM90_DECODE_OT64_QK`` (default "wg0") reaches only the O^T loop's 64-row blocks (FP8 mode 10 with
     S x H > 32), keyed; ``OT64_P0=late`` alone runs the QK "after" (as measured), with ``OT64_QK=wg0`` set as well it

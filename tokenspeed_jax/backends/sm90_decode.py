@@ -355,6 +355,23 @@ def resolve_ot64_qk() -> str:
     return _env(OT64_QK_ENV, OT64_QK_DEFAULT, OT64_QK_CHOICES)
 
 
+def resolve_ot64(ot64: bool) -> tuple[bool, str]:
+    """``(p0_late, qk_early)`` for the O^T loop's 64-row blocks (``ot64``: the call runs them, i.e. FP8 mode 10's
+    loop without the transposed QK for S x H > 32; otherwise ``(False, "after")``).  Both switches are validated
+    wherever they apply or not.  ``OT64_P0=late`` alone runs the QK "after" (as it was measured; the late P0 store
+    needs the S registers an early QK would hold); with ``OT64_QK`` set to an early mode as well, refused with both
+    variables named.  (The backend and benchmarks/trace_decode.py share this rule.)"""
+    p0, qk = resolve_ot64_p0(), resolve_ot64_qk()
+    if not ot64:
+        return False, "after"
+    if p0 == "late" and qk != "after":
+        if os.environ.get(OT64_QK_ENV):
+            raise ValueError(f"{OT64_P0_ENV}=late and {OT64_QK_ENV}={qk} do not combine (the late P0 store needs the "
+                             f"S registers of the early QK); unset one of them")
+        qk = "after"
+    return p0 == "late", qk
+
+
 def resolve_colmax() -> str:
     """``$TOKENSPEED_SM90_DECODE_COLMAX`` (one of :data:`COLMAX_CHOICES`, default :data:`COLMAX_DEFAULT`)."""
     return _env(COLMAX_ENV, COLMAX_DEFAULT, COLMAX_CHOICES)
@@ -461,16 +478,7 @@ def decode(problem: DecodeProblem, q, kv_cache, block_table, seq_lens, softmax_s
         launch = launch_mla_decode_ot16
     t16_pt_q = resolve_t16_pt() == "q" and t16  # (both validated wherever they apply or not)
     t16_chunk_bars = resolve_t16_bars() == "chunk" and t16
-    # (validated wherever it applies or not; only the O^T loop's 64-row blocks, i.e. without qk_t for S x H > 32)
-    p0_late = resolve_ot64_p0() == "late" and pv_ot and not qk_t and not small
-    qk_early = resolve_ot64_qk()  # (validated wherever it applies or not; the same 64-row blocks only)
-    if p0_late and qk_early != "after":  # (the late P0 store needs the S registers the early QK would take)
-        if os.environ.get(OT64_QK_ENV):
-            raise ValueError(f"{OT64_P0_ENV}=late and {OT64_QK_ENV}={qk_early} do not combine (the late P0 store "
-                             f"needs the S registers of the early QK); unset one of them")
-        qk_early = "after"  # (OT64_P0=late alone: the QK after the cross PV, as it was measured)
-    if not (pv_ot and not qk_t and not small):
-        qk_early = "after"
+    p0_late, qk_early = resolve_ot64(pv_ot and not qk_t and not small)  # (the O^T loop's 64-row blocks)
     colmax = resolve_colmax()  # (validated wherever it applies or not)
     if not (qk_t or t16):  # the transposed loops only
         colmax = "shfl"
