@@ -163,20 +163,15 @@ _SCRIPT = textwrap.dedent(
     res["ot64"] = dict(dump_counts(own(before, ".ptx"), own(before, ".sass"), n64="n64", n32="n32", qgmma="qgmma64",
                                    qgmma_r="qgmma64_r", ldsm="ldsm", sts32="sts32", lds32="lds32", sts8="sts8",
                                    spill="spill", depbar="depbar"), tiles=[k64.block_m, k64.num_m_blocks, k64.pv_n])
-    # ... with the QK once the cross PV retired (TOKENSPEED_SM90_DECODE_OT64_QK=after)
-    before = set(glob.glob(d + "/*"))
-    ka = MlaDecodeOtSm90(dtype="float8_e4m3fn", num_heads=32, q_len=4, page_size=64, causal=True, num_splits=2,
-                         tokens_per_split=4096, block_n=64, qk_early="after")
-    cute.compile(ka, *fake_args(ka, 4, 32, 64, 2, B=4))  # (B 4: the dump's name differs from the compiles around it)
-    res["ot64a"] = dump_counts(own(before, ".ptx"), own(before, ".sass"), n64="n64", qgmma="qgmma64",
-                               qgmma_r="qgmma64_r", sts32="sts32", lds32="lds32", spill="spill", depbar="depbar")
-    # ... with the next softmax under the cross PV too (TOKENSPEED_SM90_DECODE_OT64_QK=wg0s, opt-in)
-    before = set(glob.glob(d + "/*"))
-    ks = MlaDecodeOtSm90(dtype="float8_e4m3fn", num_heads=32, q_len=4, page_size=64, causal=True, num_splits=2,
-                         tokens_per_split=4096, block_n=64, qk_early="wg0s")
-    cute.compile(ks, *fake_args(ks, 4, 32, 64, 2, B=5))  # (B 5: the dump's name differs from the compiles around it)
-    res["ot64s"] = dump_counts(own(before, ".ptx"), own(before, ".sass"), n64="n64", qgmma="qgmma64",
-                               qgmma_r="qgmma64_r", sts32="sts32", lds32="lds32", spill="spill", depbar="depbar")
+    # ... with the QK once the cross PV retired (TOKENSPEED_SM90_DECODE_OT64_QK=after), and with the next softmax
+    #     under the cross PV too (=wg0s, opt-in); B 4 and 5: the dumps' names differ from the compiles around them
+    for name, mode, nb in (("ot64a", "after", 4), ("ot64s", "wg0s", 5)):
+        before = set(glob.glob(d + "/*"))
+        kq = MlaDecodeOtSm90(dtype="float8_e4m3fn", num_heads=32, q_len=4, page_size=64, causal=True, num_splits=2,
+                             tokens_per_split=4096, block_n=64, qk_early=mode)
+        cute.compile(kq, *fake_args(kq, 4, 32, 64, 2, B=nb))
+        res[name] = dump_counts(own(before, ".ptx"), own(before, ".sass"), n64="n64", qgmma="qgmma64",
+                                qgmma_r="qgmma64_r", sts32="sts32", lds32="lds32", spill="spill", depbar="depbar")
     for name, kw in (("ot64q_32", dict(q_len=1)), ("ot64q_late", dict(q_len=4, p0_late=True)),
                      ("ot64q_bad", dict(q_len=4, qk_early="both"))):
         try:

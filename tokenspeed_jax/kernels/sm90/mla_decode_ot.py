@@ -50,7 +50,7 @@ mode "5") removes the copy:
   warpgroup 0 then only waits, instead of storing P0, loading ``V^T`` and issuing its own PV beside it (the 2026-12-02
   timeline: warpgroup 1's softmax took 2.2x warpgroup 0's for the same code; docs/sm90_decode.md, "64-row O^T loop").
   The cost: warpgroup 0's own PV moves after SCALE1, into the window of warpgroup 1's cross PV.  Measured on the H200
-  (2026-12-02 17:29 UTC): 0.90-0.97x "early" on the shapes with 64 or more rows, so it stays opt-in.
+  (2026-12-02 17:29 UTC): 0.90-0.96x "early" on the shapes with 64 or more rows, so it stays opt-in.
 * ``qk_early`` (64-row blocks only; ``TOKENSPEED_SM90_DECODE_OT64_QK``): when warpgroup 0 issues the QK of the next
   pair's tile.  "after" (until 2026-12-02): once its cross PV retired, so the QK sat on the iteration's critical chain
   (warpgroup 1's cross PV -> P1_READY -> warpgroup 0's cross PV -> its next QK -> its next softmax -> SCALE0).
@@ -114,7 +114,9 @@ QK_EARLY_MODES = ("after", "wg0", "wg0s")  # warpgroup 0's next QK and softmax (
 # warpgroup, what the time since the previous event was spent on; as many slots as the mode-4 loop's TRACE_EVENTS
 # (the trace buffer's shape), "-" unused.  The softmax is split in three with ``qk_t`` (fold_t's marks; 2026-12-02:
 # warpgroup 1's softmax took 1652 cycles at 32 rows against warpgroup 0's 716); without ``qk_t`` (mode 5) the first two
-# of those marks are not written and the whole softmax shows under the third
+# of those marks are not written and the whole softmax shows under the third.  With ``qk_early`` warpgroup 0's marks 9
+# and 10 are not written either: its "own PV" phase includes the next QK's issue, its "QK retired" phase is the cross
+# PV's issue and retire
 TRACE_EVENTS_OT = (
     ("top", "top"),
     ("column maxima + TAIL", "wait SCALE0 (WG0's max)"),
@@ -795,21 +797,21 @@ class MlaDecodeOtSm90(MlaDecodeSeesawSm90):
                 # 5. next QK (pair j + 1, buffer 2 (1 - u)) behind the cross PV; once that retired, WG1 may free slot 1
                 #    (qk_early: the QK was issued in step 2 and has retired with the cross PV; "wg0s": slot 1 is freed
                 #    in the next iteration's step 2, once the cross PV retired)
-                if cutlass.const_expr(self.qk_early == "wg0"):
+                if cutlass.const_expr(self.qk_early == "after"):
+                    if more:
+                        self.landed(mbar + 2 * (1 - u), ((j + 1) // 2) % 2)
+                        self.mark(mTrace, cta, 0, wtid, j, 9)
+                        self.qk_tile(qk_mma, qk_thr, acc_s, tSrQ, bufs, 2 * (1 - u))
+                        warpgroup.commit_group()
+                        warpgroup.wait_group(1)
+                        self.mark(mTrace, cta, 0, wtid, j, 10)
+                        if refill:
+                            cute.arch.fence_view_async_shared()  # (the ldmatrix reads before the refill's TMA writes)
+                            cute.arch.barrier_arrive(barrier_id=int(Barrier.VT1_FREE),
+                                                     number_of_threads=self.num_threads)
+                elif cutlass.const_expr(self.qk_early == "wg0"):  # noqa: SIM102 (static + dynamic test)
                     if refill:
                         cute.arch.fence_view_async_shared()
-                        cute.arch.barrier_arrive(barrier_id=int(Barrier.VT1_FREE), number_of_threads=self.num_threads)
-                elif cutlass.const_expr(self.qk_early == "wg0s"):
-                    pass
-                elif more:
-                    self.landed(mbar + 2 * (1 - u), ((j + 1) // 2) % 2)
-                    self.mark(mTrace, cta, 0, wtid, j, 9)
-                    self.qk_tile(qk_mma, qk_thr, acc_s, tSrQ, bufs, 2 * (1 - u))
-                    warpgroup.commit_group()
-                    warpgroup.wait_group(1)
-                    self.mark(mTrace, cta, 0, wtid, j, 10)
-                    if refill:
-                        cute.arch.fence_view_async_shared()  # (the ldmatrix reads before the refill's TMA writes)
                         cute.arch.barrier_arrive(barrier_id=int(Barrier.VT1_FREE), number_of_threads=self.num_threads)
                 if cutlass.const_expr(self.l2_prefetch != "off"):  # noqa: SIM102 (static + dynamic test)
                     if wtid + mblk == 0:
