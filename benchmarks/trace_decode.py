@@ -73,8 +73,9 @@ def traced_decode(c, trace_iters: int, ctas: int, producer: bool = False, ot: st
         b16 = not ot and prob.dtype != "float8_e4m3fn"  # the 16-bit loop's P and O stores
         p_stsm, o_staged = b16 and sm90_decode.resolve_p_stsm(), b16 and sm90_decode.resolve_epilogue() == "staged"
         colmax = sm90_decode.resolve_colmax() if ot in ("6", "7") else "shfl"  # (the transposed QK's column maxima)
-        # (the O^T loop's 64-row blocks: where P0 is stored and when warpgroup 0 issues its QK, ..._OT64_P0 / _QK)
-        p0_late, qk_early = sm90_decode.resolve_ot64(ot == "5" and S * H > 32)
+        # (the O^T loop: where P0 is stored and when warpgroup 0 issues its QK, ..._OT64_P0 / _OT64_QK / _OT32_QK)
+        p0_late, qk_early = sm90_decode.resolve_ot_loop(ot == "5" and S * H > 32, ot in ("6", "7") or
+                                                        (ot == "5" and S * H <= 32))
         key = ("mla_decode_sm90_traced.v8", prob.dtype, H, S, prob.page_size, plan.num_splits, plan.tokens_per_split,
                trace_iters, ctas, producer, ot, cross_first, kv_evict, pad_rows, p_stsm, o_staged, colmax, p0_late,
                qk_early)

@@ -172,7 +172,7 @@ _SCRIPT = textwrap.dedent(
         cute.compile(kq, *fake_args(kq, 4, 32, 64, 2, B=nb))
         res[name] = dump_counts(own(before, ".ptx"), own(before, ".sass"), n64="n64", qgmma="qgmma64",
                                 qgmma_r="qgmma64_r", sts32="sts32", lds32="lds32", spill="spill", depbar="depbar")
-    for name, kw in (("ot64q_32", dict(q_len=1)), ("ot64q_late", dict(q_len=4, p0_late=True)),
+    for name, kw in (("ot64q_32", dict(q_len=1, qk_early="wg0s")), ("ot64q_late", dict(q_len=4, p0_late=True)),
                      ("ot64q_bad", dict(q_len=4, qk_early="both"))):
         try:
             MlaDecodeOtSm90(dtype="float8_e4m3fn", num_heads=32, page_size=64, causal=True, num_splits=1,
@@ -202,6 +202,14 @@ _SCRIPT = textwrap.dedent(
     res["ot_t"] = dict(dump_counts(tptx, tsass, n32="n32", n64="n64", qgmma_r="qgmma32_r", qgmma="qgmma32",
                                    ldsm="ldsm", spill="spill", depbar="depbar", shfl="shfl", lds4="lds4"),
                        tiles=[kt.block_m, kt.num_m_blocks, kt.pv_n])
+    # ... with warpgroup 0's next QK right after its P0 store (TOKENSPEED_SM90_DECODE_OT32_QK=wg0, opt-in; B 6: the
+    #     dump's name differs from the compile above)
+    before = set(glob.glob(d + "/*"))
+    kq = MlaDecodeOtSm90(dtype="float8_e4m3fn", num_heads=32, q_len=2, page_size=64, causal=True, num_splits=1,
+                         tokens_per_split=4096, block_n=64, l2_prefetch="late", qk_t=True, qk_early="wg0")
+    cute.compile(kq, *fake_args(kq, 2, 32, 64, 1, B=6))
+    res["ot_tq"] = dump_counts(own(before, ".ptx"), own(before, ".sass"), n32="n32", qgmma_r="qgmma32_r",
+                               qgmma="qgmma32", spill="spill", depbar="depbar")
     # ... the same with the transposed-butterfly column maxima (TOKENSPEED_SM90_DECODE_COLMAX=xpose)
     before = set(glob.glob(d + "/*"))
     kx = MlaDecodeOtSm90(dtype="float8_e4m3fn", num_heads=32, q_len=2, page_size=64, causal=True, num_splits=1,
@@ -522,7 +530,7 @@ def check_compile_result(r: dict) -> None:
     if y["sass"]:
         assert y["qgmma"] == 86 and y["qgmma_r"] == 32 and y["depbar"] <= 12 and y["spill"] <= 110, y
     # qk_early "wg0" only on the 64-row blocks, not with p0_late; an unknown mode named
-    assert "qk_early='wg0': only the 64-row blocks" in r["ot64q_32"], r["ot64q_32"]
+    assert "qk_early='wg0s': not with p0_late, and 'wg0s' only on the 64-row blocks" in r["ot64q_32"], r["ot64q_32"]
     assert "p0_late=True" in r["ot64q_late"], r["ot64q_late"]
     assert "qk_early must be one of ('after', 'wg0', 'wg0s')" in r["ot64q_bad"], r["ot64q_bad"]
     # ... p0_late: the same QGMMAs; P stored once per warpgroup and tile (2 sites of 8 words), no rescale loads; 32 rows
@@ -538,6 +546,11 @@ def check_compile_result(r: dict) -> None:
     assert x["n32"] == 18 * 3 + 32 and x["n64"] == 0 and x["ldsm"] == 32 and x["tiles"] == [32, 2, 32], x
     if x["sass"]:
         assert x["qgmma"] == 18 * 3 + 32 and x["qgmma_r"] == 32 and x["depbar"] <= 12 and x["spill"] == 0, x
+    # ... with OT32_QK=wg0: the same QGMMAs, no serialized wgmma (the QK issued unconditionally), no spill
+    y = r["ot_tq"]
+    assert y["n32"] == x["n32"], y
+    if y["sass"]:
+        assert y["qgmma"] == x["qgmma"] and y["qgmma_r"] == 32 and y["depbar"] <= 12 and y["spill"] == 0, y
     # ... with colmax "xpose": the same QGMMAs; per fold site (one per warpgroup) 7 shuffles instead of 3 x 8 and the 4
     # warps' maxima as 8 16-byte loads instead of 32 scalar ones; no spill
     y = r["ot_x"]

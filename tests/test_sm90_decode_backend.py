@@ -288,32 +288,37 @@ def test_ot64_p0_switch(monkeypatch):
     _assert_rejected(monkeypatch, lambda: run(dtype="bfloat16"), ((m.OT64_P0_ENV, "1"),))
 
 
-def test_resolve_ot64(monkeypatch):
-    """The rule the backend and benchmarks/trace_decode.py share for the O^T loop's 64-row blocks: defaults, not
-    applicable, OT64_P0=late alone (QK "after"), both set (refused, both named), bad values named either way."""
+def test_resolve_ot_loop(monkeypatch):
+    """The rule the backend and benchmarks/trace_decode.py share for the O^T loop's switches: defaults, not applicable,
+    the 32-row tiles' own switch, OT64_P0=late alone (QK "after"), both set (refused, both named), bad values named
+    wherever they apply or not."""
     from tokenspeed_jax.backends import sm90_decode as m
 
-    for env in (m.OT64_QK_ENV, m.OT64_P0_ENV):
+    for env in (m.OT64_QK_ENV, m.OT64_P0_ENV, m.OT32_QK_ENV):
         monkeypatch.delenv(env, raising=False)
-    assert m.resolve_ot64(True) == (False, "wg0") and m.resolve_ot64(False) == (False, "after")
+    r = m.resolve_ot_loop
+    assert m.OT32_QK_ENV in m.TRACE_ENV and m.OT32_QK_DEFAULT == "after" and m.OT32_QK_CHOICES == ("after", "wg0")
+    assert r(True, False) == (False, "wg0") and r(False, False) == (False, "after") and r(False, True) == (False, "after")
+    monkeypatch.setenv(m.OT32_QK_ENV, "wg0")
+    assert r(False, True) == (False, "wg0") and r(True, False) == (False, "wg0") and r(False, False) == (False, "after")
+    monkeypatch.delenv(m.OT32_QK_ENV)
     monkeypatch.setenv(m.OT64_QK_ENV, "wg0s")
-    assert m.resolve_ot64(True) == (False, "wg0s") and m.resolve_ot64(False) == (False, "after")
+    assert r(True, False) == (False, "wg0s") and r(False, True) == (False, "after")
     monkeypatch.delenv(m.OT64_QK_ENV)
     monkeypatch.setenv(m.OT64_P0_ENV, "late")
-    assert m.resolve_ot64(True) == (True, "after") and m.resolve_ot64(False) == (False, "after")
+    assert r(True, False) == (True, "after") and r(False, False) == (False, "after") and r(False, True) == (False, "after")
     monkeypatch.setenv(m.OT64_QK_ENV, "after")
-    assert m.resolve_ot64(True) == (True, "after")
+    assert r(True, False) == (True, "after")
     monkeypatch.setenv(m.OT64_QK_ENV, "wg0s")
     with pytest.raises(ValueError, match=f"{m.OT64_P0_ENV}=late and {m.OT64_QK_ENV}=wg0s"):
-        m.resolve_ot64(True)
-    assert m.resolve_ot64(False) == (False, "after")
-    monkeypatch.setenv(m.OT64_QK_ENV, "early")
-    with pytest.raises(ValueError, match=m.OT64_QK_ENV):
-        m.resolve_ot64(False)
-    monkeypatch.delenv(m.OT64_QK_ENV)
-    monkeypatch.setenv(m.OT64_P0_ENV, "1")
-    with pytest.raises(ValueError, match=m.OT64_P0_ENV):
-        m.resolve_ot64(False)
+        r(True, False)
+    assert r(False, False) == (False, "after")
+    for env, bad in ((m.OT64_QK_ENV, "early"), (m.OT64_P0_ENV, "1"), (m.OT32_QK_ENV, "wg0s")):
+        for e in (m.OT64_QK_ENV, m.OT64_P0_ENV, m.OT32_QK_ENV):
+            monkeypatch.delenv(e, raising=False)
+        monkeypatch.setenv(env, bad)
+        with pytest.raises(ValueError, match=env):
+            r(False, False)
 
 
 def test_ot64_qk_switch(monkeypatch):
@@ -329,7 +334,7 @@ def test_ot64_qk_switch(monkeypatch):
     assert m.OT64_QK_CHOICES == ("after", "wg0", "wg0s")
     seen = _record_custom_calls(monkeypatch)
     bt, sl = jnp.zeros((2, 8), jnp.int32), jnp.full((2,), 100, jnp.int32)
-    for env in (m.OT64_QK_ENV, m.OT64_P0_ENV, m.FP8_PV_ENV):
+    for env in (m.OT64_QK_ENV, m.OT64_P0_ENV, m.OT32_QK_ENV, m.FP8_PV_ENV):
         monkeypatch.delenv(env, raising=False)
 
     def run(dtype="float8_e4m3fn", S=4, H=16):
@@ -341,6 +346,11 @@ def test_ot64_qk_switch(monkeypatch):
     assert run(S=3, H=24) == ("launch_mla_decode_ot", "wg0", "wg0")  # 72 rows: two blocks
     assert run(S=1) == ("launch_mla_decode_ot", "after", "after")  # 16 rows: mode 6's loop (qk_t)
     assert run(dtype="bfloat16") == ("launch_mla_decode_seesaw", "after", "after")
+    monkeypatch.setenv(m.OT32_QK_ENV, "wg0")  # (the 32- and 16-row tiles' own switch)
+    assert run(S=1) == ("launch_mla_decode_ot", "wg0", "wg0")
+    assert run(S=2) == ("launch_mla_decode_ot", "wg0", "wg0")  # 32 rows
+    assert run(dtype="bfloat16", S=1) == ("launch_mla_decode_ot16", "after", "after")  # (the 16-bit loop: none)
+    monkeypatch.delenv(m.OT32_QK_ENV)
     monkeypatch.setenv(m.OT64_QK_ENV, "after")
     assert run() == ("launch_mla_decode_ot", "after", "after")
     monkeypatch.setenv(m.OT64_QK_ENV, "wg0s")

@@ -218,9 +218,17 @@ OT64_P0_DEFAULT = "early"
 OT64_QK_ENV = "TOKENSPEED_SM90_DECODE_OT64_QK"
 OT64_QK_CHOICES = ("after", "wg0", "wg0s")  # (the kernel module's QK_EARLY_MODES; no cutlass import here)
 OT64_QK_DEFAULT = "wg0"
+# The O^T loops' 32- and 16-row tiles (FP8 modes 5 / 6 with S x H <= 32, mode 7): "wg0" issues warpgroup 0's next QK
+# right after it stored the rescaled P0, so that it runs while warpgroup 0 waits for P1_READY, instead of behind its
+# cross PV (kernels/sm90/mla_decode_ot.py, qk_early).  Opt-in, built 2026-12-02 (no spill on the CPU build), not yet
+# measured.  Read at trace time; part of the compile key.
+OT32_QK_ENV = "TOKENSPEED_SM90_DECODE_OT32_QK"
+OT32_QK_CHOICES = ("after", "wg0")
+OT32_QK_DEFAULT = "after"
 TRACE_ENV = (SCHEDULE_ENV, PDL_ENV, FP8_QK_ENV, FP8_PV_ENV, L2_PREFETCH_ENV, PRODUCER16_ENV, RS_STAGES_ENV,
              KV_EVICT_ENV, CROSS_FIRST_ENV, T16_ENV, PDL_MAIN_ENV, PAD_ROWS_ENV, P_STSM_ENV, EPILOGUE_ENV,
-             EPILOGUE_FP8_ENV, T16_PT_ENV, T16_BARS_ENV, COLMAX_ENV, OT64_P0_ENV, OT64_QK_ENV)
+             EPILOGUE_FP8_ENV, T16_PT_ENV, T16_BARS_ENV, COLMAX_ENV, OT64_P0_ENV, OT64_QK_ENV,
+             OT32_QK_ENV)
 SCHEDULES = ("auto", "seesaw", "seesaw-cpasync", "lockstep", "overlap")  # module docstring (no cutlass import here)
 _MIN_PAGE = 8
 _MIN_FP8_SEESAW_PAGE = 16  # the FP8 seesaw needs TMA refills (the kernel's _MIN_TMA_PAGE; no cutlass import here)
@@ -355,14 +363,22 @@ def resolve_ot64_qk() -> str:
     return _env(OT64_QK_ENV, OT64_QK_DEFAULT, OT64_QK_CHOICES)
 
 
-def resolve_ot64(ot64: bool) -> tuple[bool, str]:
-    """``(p0_late, qk_early)`` for the O^T loop's 64-row blocks (``ot64``: the call runs them, i.e. FP8 mode 10's
-    loop without the transposed QK for S x H > 32; otherwise ``(False, "after")``).  Both switches are validated
-    wherever they apply or not.  ``OT64_P0=late`` alone runs the QK "after" (as it was measured; the late P0 store
-    needs the S registers an early QK would hold); with ``OT64_QK`` set to an early mode as well, refused with both
-    variables named.  (The backend and benchmarks/trace_decode.py share this rule.)"""
-    p0, qk = resolve_ot64_p0(), resolve_ot64_qk()
-    if not ot64:
+def resolve_ot32_qk() -> str:
+    """``$TOKENSPEED_SM90_DECODE_OT32_QK`` (one of :data:`OT32_QK_CHOICES`, default :data:`OT32_QK_DEFAULT`)."""
+    return _env(OT32_QK_ENV, OT32_QK_DEFAULT, OT32_QK_CHOICES)
+
+
+def resolve_ot_loop(blocks64: bool, tiles32: bool) -> tuple[bool, str]:
+    """``(p0_late, qk_early)`` of the O^T loop: ``blocks64``, the call runs its 64-row blocks (FP8 mode 10's loop
+    without the transposed QK for S x H > 32; ``$..._OT64_P0`` and ``$..._OT64_QK``); ``tiles32``, its 32- or 16-row
+    tiles (``$..._OT32_QK``); otherwise ``(False, "after")``.  All three switches are validated wherever they apply or
+    not.  ``OT64_P0=late`` alone runs the QK "after" (as it was measured; the late P0 store needs the S registers an
+    early QK would hold); with ``OT64_QK`` set to an early mode as well, refused with both variables named.  (The
+    backend and benchmarks/trace_decode.py share this rule.)"""
+    p0, qk, qk32 = resolve_ot64_p0(), resolve_ot64_qk(), resolve_ot32_qk()
+    if tiles32:
+        return False, qk32
+    if not blocks64:
         return False, "after"
     if p0 == "late" and qk != "after":
         if os.environ.get(OT64_QK_ENV):
@@ -478,7 +494,7 @@ def decode(problem: DecodeProblem, q, kv_cache, block_table, seq_lens, softmax_s
         launch = launch_mla_decode_ot16
     t16_pt_q = resolve_t16_pt() == "q" and t16  # (both validated wherever they apply or not)
     t16_chunk_bars = resolve_t16_bars() == "chunk" and t16
-    p0_late, qk_early = resolve_ot64(pv_ot and not qk_t and not small)  # (the O^T loop's 64-row blocks)
+    p0_late, qk_early = resolve_ot_loop(pv_ot and not qk_t and not small, pv_ot and (qk_t or small))
     colmax = resolve_colmax()  # (validated wherever it applies or not)
     if not (qk_t or t16):  # the transposed loops only
         colmax = "shfl"

@@ -68,6 +68,11 @@ mode "5") removes the copy:
   for it at the end of its iteration, just before it waits for SCALE0 anyway).  After P1_READY warpgroup 0 then goes
   straight to its softmax.  The cost: the O^T accumulators and ``V^T`` registers stay live across the softmax, 35
   ``STL`` / 62 ``LDL`` (144 / 260 bytes) on the CPU build, no serialized wgmma.
+  On the 32- and 16-row tiles (``pv_n`` < 64, with or without ``qk_t``; ``TOKENSPEED_SM90_DECODE_OT32_QK``, opt-in,
+  built 2026-12-02, not yet measured) "wg0" places the QK differently: warpgroup 0 keeps P0 in registers until its
+  rescaled store after SCALE1, so the next QK is issued right after that store, where it runs while warpgroup 0
+  loads the cross ``V^T`` and waits for P1_READY (instead of behind the cross PV); the cross PV then retires before
+  VT1_FREE.  CPU build (H32/S1, 3 splits): 86 QGMMA, no serialized wgmma, no spill ("after": 1 ``STL`` / 4 ``LDL``).
 * ``qk_t`` (FP8 P V mode 6): the QK transposed too, ``S^T = K Q^T`` (the staging is the A operand as it lands, the
   first ``pv_n`` q rows the B operand): its tensor work and accumulators shrink by 64 / ``pv_n``.  A query row's
   keys then lie in all 4 warps, so the softmax exchanges each warp's column maxima through 1 KB of shared memory
@@ -251,9 +256,9 @@ class MlaDecodeOtSm90(MlaDecodeSeesawSm90):
         if qk_early not in QK_EARLY_MODES:
             raise ValueError(f"qk_early must be one of {QK_EARLY_MODES}, got {qk_early!r}")
         self.qk_early = qk_early
-        if qk_early != "after" and (self.pv_n != 64 or self.p0_late):
-            raise ValueError(f"qk_early={qk_early!r}: only the 64-row blocks of the O^T loop without qk_t and p0_late, "
-                             f"got S x H = {self.R}, qk_t={self.qk_t}, p0_late={self.p0_late}")
+        if (qk_early == "wg0s" and self.pv_n != 64) or (qk_early != "after" and self.p0_late):
+            raise ValueError(f"qk_early={qk_early!r}: not with p0_late, and 'wg0s' only on the 64-row blocks of the O^T "
+                             f"loop without qk_t; got S x H = {self.R}, qk_t={self.qk_t}, p0_late={self.p0_late}")
 
     # ------------------------------------------------------------------------------------------ host
     @cute.jit
@@ -730,7 +735,7 @@ class MlaDecodeOtSm90(MlaDecodeSeesawSm90):
                 self.mark(mTrace, cta, 0, wtid, j, 4)
                 if cutlass.const_expr(not self.p0_late):
                     self.pv_tile(pv_mma, pv_thr, acc, a_own, tA_own, bufs, stg0, 2 * u, zero, t0, split_end, 0, wtid)
-                    if cutlass.const_expr(self.qk_early != "after"):  # the next QK behind it (module docstring)
+                    if cutlass.const_expr(self.qk_early != "after" and self.pv_n == 64):  # the next QK behind it
                         if more:
                             self.landed(mbar + 2 * (1 - u), ((j + 1) // 2) % 2)
                         self.qk_tile(qk_mma, qk_thr, acc_s, tSrQ, bufs, 2 * (1 - u))
@@ -774,6 +779,11 @@ class MlaDecodeOtSm90(MlaDecodeSeesawSm90):
                     warpgroup.wait_group(0)
                 else:
                     self.scale_ot(acc, sSc1, None, wtid)
+                if cutlass.const_expr(self.qk_early != "after" and self.pv_n < 64):  # P0 stored: S is free for the
+                    if more:  # next QK, which then runs while this warpgroup waits for P1_READY (module docstring)
+                        self.landed(mbar + 2 * (1 - u), ((j + 1) // 2) % 2)
+                    self.qk_tile(qk_mma, qk_thr, acc_s, tSrQ, bufs, 2 * (1 - u))
+                    warpgroup.commit_group()
                 self.mark(mTrace, cta, 0, wtid, j, 7)
                 # 4. O^T += V1^T P1^T (P1 from WG1).  WG1 waited for that tile's landing; this warpgroup waits on the
                 #    same (completed) phase before it reads the TMA's bytes with ldmatrix
@@ -809,7 +819,9 @@ class MlaDecodeOtSm90(MlaDecodeSeesawSm90):
                             cute.arch.fence_view_async_shared()  # (the ldmatrix reads before the refill's TMA writes)
                             cute.arch.barrier_arrive(barrier_id=int(Barrier.VT1_FREE),
                                                      number_of_threads=self.num_threads)
-                elif cutlass.const_expr(self.qk_early == "wg0"):  # noqa: SIM102 (static + dynamic test)
+                elif cutlass.const_expr(self.qk_early == "wg0"):
+                    if cutlass.const_expr(self.pv_n < 64):
+                        warpgroup.wait_group(0)  # (the cross PV, before its slot is freed)
                     if refill:
                         cute.arch.fence_view_async_shared()
                         cute.arch.barrier_arrive(barrier_id=int(Barrier.VT1_FREE), number_of_threads=self.num_threads)
