@@ -530,7 +530,7 @@ def check_compile_result(r: dict) -> None:
     if y["sass"]:
         assert y["qgmma"] == 86 and y["qgmma_r"] == 32 and y["depbar"] <= 12 and y["spill"] <= 110, y
     # qk_early "wg0" only on the 64-row blocks, not with p0_late; an unknown mode named
-    assert "qk_early='wg0s': not with p0_late, and 'wg0s' only on the 64-row blocks" in r["ot64q_32"], r["ot64q_32"]
+    assert "qk_early='wg0s': not with p0_late, and 'wg0s' only on the 64-row blocks of the" in r["ot64q_32"], r
     assert "p0_late=True" in r["ot64q_late"], r["ot64q_late"]
     assert "qk_early must be one of ('after', 'wg0', 'wg0s')" in r["ot64q_bad"], r["ot64q_bad"]
     # ... p0_late: the same QGMMAs; P stored once per warpgroup and tile (2 sites of 8 words), no rescale loads; 32 rows

@@ -257,8 +257,8 @@ class MlaDecodeOtSm90(MlaDecodeSeesawSm90):
             raise ValueError(f"qk_early must be one of {QK_EARLY_MODES}, got {qk_early!r}")
         self.qk_early = qk_early
         if (qk_early == "wg0s" and self.pv_n != 64) or (qk_early != "after" and self.p0_late):
-            raise ValueError(f"qk_early={qk_early!r}: not with p0_late, and 'wg0s' only on the 64-row blocks of the O^T "
-                             f"loop without qk_t; got S x H = {self.R}, qk_t={self.qk_t}, p0_late={self.p0_late}")
+            raise ValueError(f"qk_early={qk_early!r}: not with p0_late, and 'wg0s' only on the 64-row blocks of the "
+                             f"O^T loop without qk_t; got S x H = {self.R}, qk_t={self.qk_t}, p0_late={self.p0_late}")
 
     # ------------------------------------------------------------------------------------------ host
     @cute.jit
