@@ -220,20 +220,11 @@ def test_colmax_switch(monkeypatch):
     16-bit T16 loop), keyed; validated with the variable named wherever it applies or not (not in mode 10's 64-row
     O^T loop)."""
     pytest.importorskip("cutlass")  # (supports() refuses without it)
-    import jax.numpy as jnp
-
     from tokenspeed_jax.backends import sm90_decode as m
 
     assert m.COLMAX_ENV in m.TRACE_ENV and m.COLMAX_DEFAULT == "shfl" and m.COLMAX_CHOICES == ("shfl", "xpose")
-    seen = _record_custom_calls(monkeypatch)
-    bt, sl = jnp.zeros((2, 8), jnp.int32), jnp.full((2,), 100, jnp.int32)
-    for env in (m.COLMAX_ENV, m.T16_ENV, m.FP8_PV_ENV, m.PRODUCER16_ENV):
-        monkeypatch.delenv(env, raising=False)
-
-    def run(dtype="bfloat16", S=1, H=16):
-        m.decode(_problem(batch=2, q_len=S, num_heads=H, num_pages=16, max_pages=8, dtype=dtype),
-                 jnp.zeros((2, S, H, 576), dtype), jnp.zeros((16, 64, 576), dtype), bt, sl, 0.1, 1.0)
-        return seen["launch"].__name__, seen["key"].colmax, seen["kw"].get("colmax", "shfl")
+    run, _ = _switch_run(monkeypatch, m, (m.COLMAX_ENV, m.T16_ENV, m.FP8_PV_ENV, m.PRODUCER16_ENV), "colmax", "shfl",
+                         "bfloat16", 1, 16)
 
     f8 = "float8_e4m3fn"
     assert run() == ("launch_mla_decode_ot16", "shfl", "shfl")  # the default
@@ -259,20 +250,10 @@ def test_ot64_p0_switch(monkeypatch):
     """``TOKENSPEED_SM90_DECODE_OT64_P0`` (default "early") reaches only the O^T loop's 64-row blocks (FP8 mode 10 with
     S x H > 32), keyed; validated with the variable named wherever it applies or not."""
     pytest.importorskip("cutlass")  # (supports() refuses without it)
-    import jax.numpy as jnp
-
     from tokenspeed_jax.backends import sm90_decode as m
 
     assert m.OT64_P0_ENV in m.TRACE_ENV and m.OT64_P0_DEFAULT == "early" and m.OT64_P0_CHOICES == ("early", "late")
-    seen = _record_custom_calls(monkeypatch)
-    bt, sl = jnp.zeros((2, 8), jnp.int32), jnp.full((2,), 100, jnp.int32)
-    for env in (m.OT64_P0_ENV, m.FP8_PV_ENV):
-        monkeypatch.delenv(env, raising=False)
-
-    def run(dtype="float8_e4m3fn", S=4, H=16):
-        m.decode(_problem(batch=2, q_len=S, num_heads=H, num_pages=16, max_pages=8, dtype=dtype),
-                 jnp.zeros((2, S, H, 576), dtype), jnp.zeros((16, 64, 576), dtype), bt, sl, 0.1, 1.0)
-        return seen["launch"].__name__, seen["key"].p0_late, seen["kw"].get("p0_late", False)
+    run, _ = _switch_run(monkeypatch, m, (m.OT64_P0_ENV, m.FP8_PV_ENV), "p0_late", False, "float8_e4m3fn", 4, 16)
 
     assert run() == ("launch_mla_decode_ot", False, False)  # the default, 64 rows
     monkeypatch.setenv(m.OT64_P0_ENV, "late")
@@ -328,21 +309,12 @@ def test_ot64_qk_switch(monkeypatch):
     S x H > 32), keyed; ``OT64_P0=late`` alone runs the QK "after" (as measured), with ``OT64_QK=wg0`` set as well it
     is refused with both variables named; validated with the variable named wherever it applies or not."""
     pytest.importorskip("cutlass")  # (supports() refuses without it)
-    import jax.numpy as jnp
-
     from tokenspeed_jax.backends import sm90_decode as m
 
     assert m.OT64_QK_ENV in m.TRACE_ENV and m.OT64_QK_DEFAULT == "wg0"
     assert m.OT64_QK_CHOICES == ("after", "wg0", "wg0s")
-    seen = _record_custom_calls(monkeypatch)
-    bt, sl = jnp.zeros((2, 8), jnp.int32), jnp.full((2,), 100, jnp.int32)
-    for env in (m.OT64_QK_ENV, m.OT64_P0_ENV, m.OT32_QK_ENV, m.FP8_PV_ENV):
-        monkeypatch.delenv(env, raising=False)
-
-    def run(dtype="float8_e4m3fn", S=4, H=16):
-        m.decode(_problem(batch=2, q_len=S, num_heads=H, num_pages=16, max_pages=8, dtype=dtype),
-                 jnp.zeros((2, S, H, 576), dtype), jnp.zeros((16, 64, 576), dtype), bt, sl, 0.1, 1.0)
-        return seen["launch"].__name__, seen["key"].qk_early, seen["kw"].get("qk_early", "after")
+    run, seen = _switch_run(monkeypatch, m, (m.OT64_QK_ENV, m.OT64_P0_ENV, m.OT32_QK_ENV, m.FP8_PV_ENV), "qk_early",
+                            "after", "float8_e4m3fn", 4, 16)
 
     assert run() == ("launch_mla_decode_ot", "wg0", "wg0")  # the default, 64 rows
     assert run(S=3, H=24) == ("launch_mla_decode_ot", "wg0", "wg0")  # 72 rows: two blocks
@@ -379,21 +351,11 @@ def test_pad_rows_switch(monkeypatch):
     """``TOKENSPEED_SM90_DECODE_PAD_ROWS`` reaches the seesaw launcher (16-bit and FP8 mode 4) only where a row block
     has rows past S x H, keyed; the O^T and transposed loops (no padded rows) never get it; validated, named."""
     pytest.importorskip("cutlass")  # (supports() refuses without it)
-    import jax.numpy as jnp
-
     from tokenspeed_jax.backends import sm90_decode as m
 
     assert m.PAD_ROWS_ENV in m.TRACE_ENV and m.PAD_ROWS_DEFAULT == "zero"
-    seen = _record_custom_calls(monkeypatch)
-    bt, sl = jnp.zeros((2, 8), jnp.int32), jnp.full((2,), 100, jnp.int32)
-    for env in (m.PAD_ROWS_ENV, m.T16_ENV, m.FP8_PV_ENV, m.PRODUCER16_ENV):
-        monkeypatch.delenv(env, raising=False)
-
-    def run(dtype="bfloat16", S=1, H=16):
-        q = jnp.zeros((2, S, H, 576), dtype)
-        m.decode(_problem(batch=2, q_len=S, num_heads=H, num_pages=16, max_pages=8, dtype=dtype), q,
-                 jnp.zeros((16, 64, 576), dtype), bt, sl, 0.1, 1.0)
-        return seen["launch"].__name__, seen["key"].pad_rows, seen["kw"].get("pad_rows", "copy")
+    run, _ = _switch_run(monkeypatch, m, (m.PAD_ROWS_ENV, m.T16_ENV, m.FP8_PV_ENV, m.PRODUCER16_ENV), "pad_rows",
+                         "copy", "bfloat16", 1, 16)
 
     monkeypatch.setenv(m.T16_ENV, "0")  # (16 rows run the transposed loop by default)
     assert run() == ("launch_mla_decode_seesaw", "zero", "zero")  # the default; 16 rows of 64
@@ -469,6 +431,26 @@ def _assert_rejected(monkeypatch, run, bad_values):
         with pytest.raises(ValueError, match=env):
             run()
         monkeypatch.delenv(env)
+
+
+def _switch_run(monkeypatch, m, clear, field: str, absent, dtype: str, S: int, H: int):
+    """``(run, seen)`` for a switch test: the variables ``clear`` unset, the backend's custom call recorded (no
+    compile); ``run(dtype, S, H)`` (defaults as given) decodes a 2-request problem with 64-token pages and returns
+    ``(launch name, key.<field>, the launch's static argument <field>, or absent when not passed)``."""
+    import jax.numpy as jnp
+
+    seen = _record_custom_calls(monkeypatch)
+    bt, sl = jnp.zeros((2, 8), jnp.int32), jnp.full((2,), 100, jnp.int32)
+    for env in clear:
+        monkeypatch.delenv(env, raising=False)
+    d0, s0, h0 = dtype, S, H
+
+    def run(dtype=d0, S=s0, H=h0):
+        m.decode(_problem(batch=2, q_len=S, num_heads=H, num_pages=16, max_pages=8, dtype=dtype),
+                 jnp.zeros((2, S, H, 576), dtype), jnp.zeros((16, 64, 576), dtype), bt, sl, 0.1, 1.0)
+        return seen["launch"].__name__, getattr(seen["key"], field), seen["kw"].get(field, absent)
+
+    return run, seen
 
 
 def _record_custom_calls(monkeypatch) -> dict:
