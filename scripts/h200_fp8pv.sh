@@ -15,7 +15,9 @@
 #   our kernel at B64/K16384 H32/S4 and H16/S1, FP8 with FP8_PV 0 and $M, and BF16 next to FlashMLA BF16
 #   (its FP8 fork segfaulted under ncu on 2026-12-01).  Files: memcheck.log, ncu_fp8_0.csv, ncu_fp8_$M.csv, ncu_bf16_0.csv
 # ab: the interleaved A/B of the switch $W (default TOKENSPEED_SM90_DECODE_L2_PREFETCH) over the values $AB on the
-#   13 shapes, for each dtype of $DT (default FP8 and BF16), with FP8_PV=$M.  Files: ab_<dtype>.{log,json}
+#   13 shapes, for each dtype of $DT (default FP8 and BF16), with FP8_PV=$M.  Files: ab_<switch>_<dtype>.{log,json}
+#   (<switch>: $W without TOKENSPEED_SM90_DECODE_, so that two A/Bs chained in one call keep both; before 2026-12-02
+#   evening: ab_<dtype>)
 # bench: the decode benchmark against FlashMLA BF16 / FP8 with FP8_PV=$M (decode.json, decode.png, bench.log).
 set -uo pipefail
 . "$(dirname "${BASH_SOURCE[0]}")/h200_lib.sh"
@@ -86,9 +88,10 @@ elif [ "$1" = ab ]; then  # interleaved A/B of the switch $W over the values $AB
   W=${W:-TOKENSPEED_SM90_DECODE_L2_PREFETCH}
   for d in ${DT:-float8_e4m3fn bfloat16}; do
     stamp "A/B $W $AB ($d)"
+    f="$OUT/ab_${W#TOKENSPEED_SM90_DECODE_}_$d"
     timeout 280 env $V=$M python scripts/decode_ab.py $W $AB --dtype $d --cases matrix --prewarm 14 \
-      --out "$OUT/ab_$d.json" > "$OUT/ab_$d.log" 2>&1; echo "ab rc=$?"
-    ab_table "$OUT/ab_$d.log"
+      --out "$f.json" > "$f.log" 2>&1; echo "ab rc=$?"
+    ab_table "$f.log"
   done
 else
   stamp "benchmark vs FlashMLA ($V=$M)"
