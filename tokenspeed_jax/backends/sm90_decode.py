@@ -202,9 +202,9 @@ COLMAX_DEFAULT = "shfl"
 # it in shared memory for warpgroup 1 after WG1's fold; "late" stores it once, after WG1's fold and already times
 # scale1, and runs warpgroup 0's own PV after that, so that only the P store overlaps warpgroup 1's softmax
 # (kernels/sm90/mla_decode_ot.py, p0_late; docs/sm90_decode.md, "64-row O^T loop": warpgroup 1's softmax took 2.2x
-# warpgroup 0's for the same code while warpgroup 0 ran its own PV beside it).  Opt-in, built 2026-12-02 without GPU
-# time left to measure it; on the H200 2026-12-02 17:29 UTC 0.90-0.97x "early" on the 64-row shapes.  Read at trace
-# time; part of the compile key.
+# warpgroup 0's for the same code while warpgroup 0 ran its own PV beside it).  Opt-in: it measured 0.90-0.96x "early"
+# on the 64-row shapes (H200, 2026-12-02 17:29 UTC; docs/sm90_decode.md, "QK early").  Read at trace time; part of the
+# compile key.
 OT64_P0_ENV = "TOKENSPEED_SM90_DECODE_OT64_P0"
 OT64_P0_CHOICES = ("early", "late")
 OT64_P0_DEFAULT = "early"
@@ -271,7 +271,7 @@ class DecodeKernelKey:
     t16_chunk_bars: bool = False  # the transposed loop: per-chunk mbarriers ($TOKENSPEED_SM90_DECODE_T16_BARS)
     colmax: str = "shfl"  # the transposed loops' column maxima ($TOKENSPEED_SM90_DECODE_COLMAX)
     p0_late: bool = False  # mode 10's 64-row O^T loop: P0 stored once, after WG1's fold ($..._OT64_P0 "late")
-    qk_early: str = "after"  # mode 10's 64-row O^T loop: which warpgroups issue the next QK early ($..._OT64_QK)
+    qk_early: str = "after"  # the O^T loop: when warpgroup 0 issues its next QK ($..._OT64_QK, $..._OT32_QK)
 
 
 def supports(problem: DecodeProblem) -> str | None:
@@ -353,21 +353,6 @@ def resolve_t16_pt() -> str:
     return _env(T16_PT_ENV, T16_PT_DEFAULT, T16_PT_CHOICES)
 
 
-def resolve_ot64_p0() -> str:
-    """``$TOKENSPEED_SM90_DECODE_OT64_P0`` (one of :data:`OT64_P0_CHOICES`, default :data:`OT64_P0_DEFAULT`)."""
-    return _env(OT64_P0_ENV, OT64_P0_DEFAULT, OT64_P0_CHOICES)
-
-
-def resolve_ot64_qk() -> str:
-    """``$TOKENSPEED_SM90_DECODE_OT64_QK`` (one of :data:`OT64_QK_CHOICES`, default :data:`OT64_QK_DEFAULT`)."""
-    return _env(OT64_QK_ENV, OT64_QK_DEFAULT, OT64_QK_CHOICES)
-
-
-def resolve_ot32_qk() -> str:
-    """``$TOKENSPEED_SM90_DECODE_OT32_QK`` (one of :data:`OT32_QK_CHOICES`, default :data:`OT32_QK_DEFAULT`)."""
-    return _env(OT32_QK_ENV, OT32_QK_DEFAULT, OT32_QK_CHOICES)
-
-
 def resolve_ot_loop(blocks64: bool, tiles32: bool) -> tuple[bool, str]:
     """``(p0_late, qk_early)`` of the O^T loop: ``blocks64``, the call runs its 64-row blocks (FP8 mode 10's loop
     without the transposed QK for S x H > 32; ``$..._OT64_P0`` and ``$..._OT64_QK``); ``tiles32``, its 32- or 16-row
@@ -375,7 +360,9 @@ def resolve_ot_loop(blocks64: bool, tiles32: bool) -> tuple[bool, str]:
     not.  ``OT64_P0=late`` alone runs the QK "after" (as it was measured; the late P0 store needs the S registers an
     early QK would hold); with ``OT64_QK`` set to an early mode as well, refused with both variables named.  (The
     backend and benchmarks/trace_decode.py share this rule.)"""
-    p0, qk, qk32 = resolve_ot64_p0(), resolve_ot64_qk(), resolve_ot32_qk()
+    p0 = _env(OT64_P0_ENV, OT64_P0_DEFAULT, OT64_P0_CHOICES)
+    qk = _env(OT64_QK_ENV, OT64_QK_DEFAULT, OT64_QK_CHOICES)
+    qk32 = _env(OT32_QK_ENV, OT32_QK_DEFAULT, OT32_QK_CHOICES)
     if tiles32:
         return False, qk32
     if not blocks64:

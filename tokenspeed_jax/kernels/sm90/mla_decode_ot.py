@@ -251,8 +251,10 @@ class MlaDecodeOtSm90(MlaDecodeSeesawSm90):
         if self.p0_late and self.pv_n != 64:
             raise ValueError(f"p0_late: only the 64-row blocks of the O^T loop without qk_t (S x H > 32), got "
                              f"S x H = {self.R}, qk_t={self.qk_t}")
-        # 64-row blocks: warpgroup 0 issues the next pair's QK right behind its own PV ("wg0", the backend's default
-        # since 2026-12-02 17:45 UTC) or once its cross PV retired ("after"; module docstring, "qk_early")
+        # when warpgroup 0 issues the next pair's QK: once its cross PV retired ("after"), or early ("wg0": on the
+        # 64-row blocks behind its own PV, the backend's default there since 2026-12-02 17:45 UTC; on the 32- and
+        # 16-row tiles after its rescaled P0 store), "wg0s" (64-row blocks only) with its next softmax under the cross
+        # PV too (module docstring, "qk_early")
         if qk_early not in QK_EARLY_MODES:
             raise ValueError(f"qk_early must be one of {QK_EARLY_MODES}, got {qk_early!r}")
         self.qk_early = qk_early
