@@ -73,18 +73,17 @@ def traced_decode(c, trace_iters: int, ctas: int, producer: bool = False, ot: st
         b16 = not ot and prob.dtype != "float8_e4m3fn"  # the 16-bit loop's P and O stores
         p_stsm, o_staged = b16 and sm90_decode.resolve_p_stsm(), b16 and sm90_decode.resolve_epilogue() == "staged"
         colmax = sm90_decode.resolve_colmax() if ot in ("6", "7") else "shfl"  # (the transposed QK's column maxima)
-        # (the O^T loop: where P0 is stored and when warpgroup 0 issues its QK, ..._OT64_P0 / _OT64_QK / _OT32_QK)
-        p0_late, qk_early = sm90_decode.resolve_ot_loop(ot == "5" and S * H > 32, ot in ("6", "7") or
-                                                        (ot == "5" and S * H <= 32))
-        key = ("mla_decode_sm90_traced.v8", prob.dtype, H, S, prob.page_size, plan.num_splits, plan.tokens_per_split,
-               trace_iters, ctas, producer, ot, cross_first, kv_evict, pad_rows, p_stsm, o_staged, colmax, p0_late,
-               qk_early)
+        # (the O^T loop's switches as the backend resolves them: where P0 is stored, when warpgroup 0 issues its QK,
+        # where the P0 rescale fences, where the softmax publishes its fold and waits)
+        ot_loop = sm90_decode.resolve_ot_loop(ot == "5" and S * H > 32, ot in ("6", "7") or (ot == "5" and S * H <= 32))
+        key = ("mla_decode_sm90_traced.v9", prob.dtype, H, S, prob.page_size, plan.num_splits, plan.tokens_per_split,
+               trace_iters, ctas, producer, ot, cross_first, kv_evict, pad_rows, p_stsm, o_staged, colmax, *ot_loop)
         common = {"outputs": outputs, "compile_key": key, "dtype": prob.dtype, "num_heads": H, "q_len": S,
                   "page_size": prob.page_size, "causal": True, "num_splits": plan.num_splits,
                   "tokens_per_split": plan.tokens_per_split, "trace": trace_iters}
         if ot:
             call = ffi.custom_call(sm90_decode.TARGET, launch_mla_decode_ot_traced, qk_t=ot != "5", colmax=colmax,
-                                   p0_late=p0_late, qk_early=qk_early, **common)
+                                   **ot_loop._asdict(), **common)
         else:
             call = ffi.custom_call(sm90_decode.TARGET, launch_mla_decode_seesaw_traced, tma_producer=producer,
                                    cross_first=cross_first, kv_evict=kv_evict, pad_rows=pad_rows, p_stsm=p_stsm,

@@ -63,7 +63,22 @@ _SCRIPT = textwrap.dedent(
         # (the inline-asm word stores / loads of the O^T loop's P; the compiler's own b32 accesses are not counted)
         sts32=(r"begin inline asm\\n\\s*st\\.shared\\.b32", "ptx"),
         lds32=(r"begin inline asm\\n\\s*ld\\.shared\\.b32", "ptx"),
-        sts8=(r"st\\.shared\\.u8", "ptx"))
+        sts8=(r"st\\.shared\\.u8", "ptx"),
+        # (a proxy fence that ends a branch: the P0 rescale's with p0_fence "rescaled"; with "always" it follows the
+        # branch's end label)
+        fence_end=(r"fence\\.proxy\\.async\\.shared::cta;\\n\\$L__BB", "ptx"),
+        fence_all=(r"fence\\.proxy\\.async\\.shared::cta;", "ptx"))
+
+    def ex2_after(sass):
+        # MUFU.EX2 between warpgroup 0's SCALE0 arrive (BAR.ARV 0x6), and warpgroup 1's SCALE1 arrive (0x7), and the
+        # next named barrier instruction: the exp that runs after the arrive (the O^T loop's softmax "fold" / "max");
+        # [-1, -1] without SASS
+        res = []
+        for bar in ("BAR.ARV 0x6,", "BAR.ARV 0x7,"):
+            i = sass.find(bar)
+            j = min([k for k in (sass.find("BAR.SYNC", i + 1), sass.find("BAR.ARV", i + 1)) if k > 0] + [len(sass)])
+            res.append(sass[i:j].count("MUFU.EX2") if i >= 0 else -1)
+        return res
 
     def dump_counts(ptx, sass, **names):
         # {result key: number of matches of pattern PATS[name]} in a compile's dump, plus whether it has SASS
@@ -160,20 +175,29 @@ _SCRIPT = textwrap.dedent(
     k64 = MlaDecodeOtSm90(dtype="float8_e4m3fn", num_heads=32, q_len=4, page_size=64, causal=True, num_splits=2,
                           tokens_per_split=4096, block_n=64, qk_early="wg0")
     cute.compile(k64, *fake_args(k64, 4, 32, 64, 2))
-    res["ot64"] = dict(dump_counts(own(before, ".ptx"), own(before, ".sass"), n64="n64", n32="n32", qgmma="qgmma64",
+    qsass = own(before, ".sass")
+    res["ot64"] = dict(dump_counts(own(before, ".ptx"), qsass, n64="n64", n32="n32", qgmma="qgmma64",
                                    qgmma_r="qgmma64_r", ldsm="ldsm", sts32="sts32", lds32="lds32", sts8="sts8",
-                                   spill="spill", depbar="depbar"), tiles=[k64.block_m, k64.num_m_blocks, k64.pv_n])
+                                   spill="spill", depbar="depbar", fence_end="fence_end", fence_all="fence_all"),
+                       tiles=[k64.block_m, k64.num_m_blocks, k64.pv_n], ex2=ex2_after(qsass))
     # ... with the QK once the cross PV retired (TOKENSPEED_SM90_DECODE_OT64_QK=after), and with the next softmax
     #     under the cross PV too (=wg0s, opt-in); B 4 and 5: the dumps' names differ from the compiles around them
-    for name, mode, nb in (("ot64a", "after", 4), ("ot64s", "wg0s", 5)):
+    #     (and "wg0" with the P0 rescale's fence inside its branch, TOKENSPEED_SM90_DECODE_OT64_FENCE=rescaled, opt-in)
+    #     (and "wg0" with both softmaxes' arrives before their exp, TOKENSPEED_SM90_DECODE_OT_SOFTMAX=fold, opt-in)
+    for name, mode, fence, order, nb in (("ot64a", "after", "always", "exp", 4), ("ot64s", "wg0s", "always", "exp", 5),
+                                         ("ot64f", "wg0", "rescaled", "exp", 7), ("ot64e", "wg0", "always", "fold", 8)):
         before = set(glob.glob(d + "/*"))
         kq = MlaDecodeOtSm90(dtype="float8_e4m3fn", num_heads=32, q_len=4, page_size=64, causal=True, num_splits=2,
-                             tokens_per_split=4096, block_n=64, qk_early=mode)
+                             tokens_per_split=4096, block_n=64, qk_early=mode, p0_fence=fence, softmax=order)
         cute.compile(kq, *fake_args(kq, 4, 32, 64, 2, B=nb))
-        res[name] = dump_counts(own(before, ".ptx"), own(before, ".sass"), n64="n64", qgmma="qgmma64",
-                                qgmma_r="qgmma64_r", sts32="sts32", lds32="lds32", spill="spill", depbar="depbar")
+        qsass = own(before, ".sass")
+        res[name] = dict(dump_counts(own(before, ".ptx"), qsass, n64="n64", qgmma="qgmma64", qgmma_r="qgmma64_r",
+                                     sts32="sts32", lds32="lds32", spill="spill", depbar="depbar",
+                                     fence_end="fence_end", fence_all="fence_all"), ex2=ex2_after(qsass))
     for name, kw in (("ot64q_32", dict(q_len=1, qk_early="wg0s")), ("ot64q_late", dict(q_len=4, p0_late=True)),
-                     ("ot64q_bad", dict(q_len=4, qk_early="both"))):
+                     ("ot64q_bad", dict(q_len=4, qk_early="both")), ("ot64f_32", dict(q_len=1, p0_fence="rescaled")),
+                     ("ot64f_late", dict(q_len=4, qk_early="after", p0_late=True, p0_fence="rescaled")),
+                     ("ot64f_bad", dict(q_len=4, p0_fence="never"))):
         try:
             MlaDecodeOtSm90(dtype="float8_e4m3fn", num_heads=32, page_size=64, causal=True, num_splits=1,
                             tokens_per_split=4096, block_n=64, **{"qk_early": "wg0", **kw})
@@ -202,14 +226,19 @@ _SCRIPT = textwrap.dedent(
     res["ot_t"] = dict(dump_counts(tptx, tsass, n32="n32", n64="n64", qgmma_r="qgmma32_r", qgmma="qgmma32",
                                    ldsm="ldsm", spill="spill", depbar="depbar", shfl="shfl", lds4="lds4"),
                        tiles=[kt.block_m, kt.num_m_blocks, kt.pv_n])
-    # ... with warpgroup 0's next QK right after its P0 store (TOKENSPEED_SM90_DECODE_OT32_QK=wg0, opt-in; B 6: the
-    #     dump's name differs from the compile above)
-    before = set(glob.glob(d + "/*"))
-    kq = MlaDecodeOtSm90(dtype="float8_e4m3fn", num_heads=32, q_len=2, page_size=64, causal=True, num_splits=1,
-                         tokens_per_split=4096, block_n=64, l2_prefetch="late", qk_t=True, qk_early="wg0")
-    cute.compile(kq, *fake_args(kq, 2, 32, 64, 1, B=6))
-    res["ot_tq"] = dump_counts(own(before, ".ptx"), own(before, ".sass"), n32="n32", qgmma_r="qgmma32_r",
-                               qgmma="qgmma32", spill="spill", depbar="depbar")
+    # ... with warpgroup 0's next QK right after its P0 store (TOKENSPEED_SM90_DECODE_OT32_QK=wg0, the backend's
+    #     default), and with that and the softmax order "max" (..._OT_SOFTMAX=max, opt-in: both arrives before the
+    #     exps, warpgroup 1's column maxima before its SCALE0 wait); B 6 and 7: the dumps' names differ from the
+    #     compile above
+    for name, order, nb in (("ot_tq", "exp", 6), ("ot_te", "max", 7)):
+        before = set(glob.glob(d + "/*"))
+        kq = MlaDecodeOtSm90(dtype="float8_e4m3fn", num_heads=32, q_len=2, page_size=64, causal=True, num_splits=1,
+                             tokens_per_split=4096, block_n=64, l2_prefetch="late", qk_t=True, qk_early="wg0",
+                             softmax=order)
+        cute.compile(kq, *fake_args(kq, 2, 32, 64, 1, B=nb))
+        qsass = own(before, ".sass")
+        res[name] = dict(dump_counts(own(before, ".ptx"), qsass, n32="n32", qgmma_r="qgmma32_r", qgmma="qgmma32",
+                                     spill="spill", depbar="depbar"), ex2=ex2_after(qsass))
     # ... the same with the transposed-butterfly column maxima (TOKENSPEED_SM90_DECODE_COLMAX=xpose)
     before = set(glob.glob(d + "/*"))
     kx = MlaDecodeOtSm90(dtype="float8_e4m3fn", num_heads=32, q_len=2, page_size=64, causal=True, num_splits=1,
@@ -391,7 +420,8 @@ def check_compile_result(r: dict) -> None:
         # the loop; with 64-token pages, the benchmark's, none); below
         # and mode 10's 64-row O^T loop: 16 bytes of loop-invariant reloads (below)
         assert r["sass_spill"] == (r["ss"]["32_8r"]["spill"] + r["ot64"]["spill"] + r["ot64a"]["spill"]
-                                   + r["ot64s"]["spill"] + r["ot64l"]["spill"]), r
+                                   + r["ot64s"]["spill"] + r["ot64l"]["spill"] + r["ot64f"]["spill"]
+                                   + r["ot64e"]["spill"] + r["ot_te"]["spill"]), r
     assert "tokenspeed_mla_decode_sm90" in r["targets"], r
     # combine over 16 splits: each of a thread's 2 splits (16 / 8 groups) is one 16-byte load; PDL
     assert r["comb"] == {"v4": 2, "wait": 1, "trigger": 1}, r["comb"]
@@ -533,6 +563,25 @@ def check_compile_result(r: dict) -> None:
     assert "qk_early='wg0s': not with p0_late, and 'wg0s' only on the 64-row blocks of the" in r["ot64q_32"], r
     assert "p0_late=True" in r["ot64q_late"], r["ot64q_late"]
     assert "qk_early must be one of ('after', 'wg0', 'wg0s')" in r["ot64q_bad"], r["ot64q_bad"]
+    # ... p0_fence "rescaled": the P0 rescale's fence moves into its branch (the default's follows the branch's end
+    # label: none ends a branch), the other fences and everything else as "wg0" (2026-12-02: the same SASS length and
+    # spills); only on the 64-row blocks without p0_late, an unknown mode named
+    y = r["ot64f"]
+    assert x["fence_end"] == 0 and y["fence_end"] == 1 and y["fence_all"] == x["fence_all"], (x, y)
+    assert y["n64"] == x["n64"] and y["sts32"] == x["sts32"] and y["lds32"] == x["lds32"], y
+    if y["sass"]:
+        assert y["qgmma"] == 86 and y["qgmma_r"] == 32 and y["depbar"] <= 12 and y["spill"] <= 56, y
+    assert "p0_fence='rescaled': only the 64-row blocks" in r["ot64f_32"], r["ot64f_32"]
+    assert "p0_late=True" in r["ot64f_late"], r["ot64f_late"]
+    assert "p0_fence must be one of ('always', 'rescaled')" in r["ot64f_bad"], r["ot64f_bad"]
+    # ... softmax "fold": each exp's 32 MUFU.EX2 a thread after its warpgroup's SCALE0 / SCALE1 arrive (with "exp",
+    # ptxas puts both arrives after all of them); the same QGMMAs, no serialized wgmma (2026-12-02: 34 STL / 76 LDL,
+    # "exp" 10 / 36)
+    y = r["ot64e"]  # (two more word loads: the zero word that orders each exp after its arrive, publish)
+    assert y["n64"] == x["n64"] and y["sts32"] == x["sts32"] and y["lds32"] == x["lds32"] + 2, y
+    if y["sass"]:
+        assert x["ex2"] == [0, 0] and y["ex2"] == [32, 32], (x["ex2"], y["ex2"])
+        assert y["qgmma"] == 86 and y["qgmma_r"] == 32 and y["depbar"] <= 12 and y["spill"] <= 130, y
     # ... p0_late: the same QGMMAs; P stored once per warpgroup and tile (2 sites of 8 words), no rescale loads; 32 rows
     # refused (only the 64-row blocks)
     y = r["ot64l"]
@@ -551,6 +600,13 @@ def check_compile_result(r: dict) -> None:
     assert y["n32"] == x["n32"], y
     if y["sass"]:
         assert y["qgmma"] == x["qgmma"] and y["qgmma_r"] == 32 and y["depbar"] <= 12 and y["spill"] == 0, y
+    # ... and softmax "max": each exp's 16 MUFU.EX2 a thread after its arrive (with "exp" at most 2 there), a few
+    # reloads (2026-12-02: 1 STL / 4 LDL)
+    z = r["ot_te"]
+    assert z["n32"] == x["n32"], z
+    if z["sass"]:
+        assert max(y["ex2"]) <= 2 and z["ex2"] == [16, 16], (y["ex2"], z["ex2"])
+        assert z["qgmma"] == x["qgmma"] and z["qgmma_r"] == 32 and z["depbar"] <= 12 and z["spill"] <= 8, z
     # ... with colmax "xpose": the same QGMMAs; per fold site (one per warpgroup) 7 shuffles instead of 3 x 8 and the 4
     # warps' maxima as 8 16-byte loads instead of 32 scalar ones; no spill
     y = r["ot_x"]

@@ -269,35 +269,106 @@ def test_ot64_p0_switch(monkeypatch):
     _assert_rejected(monkeypatch, lambda: run(dtype="bfloat16"), ((m.OT64_P0_ENV, "1"),))
 
 
-def test_resolve_ot_loop(monkeypatch):
-    """The rule the backend and benchmarks/trace_decode.py share for the O^T loop's switches: defaults, not applicable,
-    the 32-row tiles' own switch, OT64_P0=late alone (QK "after"), both set (refused, both named), bad values named
-    wherever they apply or not."""
+def test_ot64_fence_switch(monkeypatch):
+    """``TOKENSPEED_SM90_DECODE_OT64_FENCE`` (default "always") reaches only the P0 rescale of the O^T loop's 64-row
+    blocks (FP8 mode 10 with S x H > 32, not with ``OT64_P0=late``), keyed; validated with the variable named wherever
+    it applies or not."""
+    pytest.importorskip("cutlass")  # (supports() refuses without it)
     from tokenspeed_jax.backends import sm90_decode as m
 
-    for env in (m.OT64_QK_ENV, m.OT64_P0_ENV, m.OT32_QK_ENV):
+    run, seen = _switch_run(monkeypatch, m, (m.OT64_FENCE_ENV, m.OT64_P0_ENV, m.OT64_QK_ENV, m.FP8_PV_ENV),
+                            "p0_fence", "always", "float8_e4m3fn", 4, 16)
+    assert run() == ("launch_mla_decode_ot", "always", "always")  # the default, 64 rows
+    monkeypatch.setenv(m.OT64_FENCE_ENV, "rescaled")
+    assert run() == ("launch_mla_decode_ot", "rescaled", "rescaled")
+    assert run(S=3, H=24) == ("launch_mla_decode_ot", "rescaled", "rescaled")  # 72 rows: two blocks
+    assert run(S=1) == ("launch_mla_decode_ot", "always", "always")  # 16 rows: mode 6's loop, no P0 rescale
+    assert run(dtype="bfloat16") == ("launch_mla_decode_seesaw", "always", "always")
+    monkeypatch.setenv(m.OT64_P0_ENV, "late")  # (no rescale)
+    assert run() == ("launch_mla_decode_ot", "always", "always") and seen["kw"]["p0_late"]
+    monkeypatch.delenv(m.OT64_P0_ENV)
+    monkeypatch.setenv(m.FP8_PV_ENV, "4")
+    assert run() == ("launch_mla_decode_seesaw", "always", "always")
+    monkeypatch.delenv(m.FP8_PV_ENV)
+    monkeypatch.delenv(m.OT64_FENCE_ENV)
+    _assert_rejected(monkeypatch, run, ((m.OT64_FENCE_ENV, "inside"),))
+    _assert_rejected(monkeypatch, lambda: run(dtype="bfloat16"), ((m.OT64_FENCE_ENV, "1"),))
+
+
+def test_ot_softmax_switch(monkeypatch):
+    """``TOKENSPEED_SM90_DECODE_OT_SOFTMAX`` (default "auto": "max" on the 32- / 16-row tiles, "exp" on the 64-row
+    blocks; a set order reaches every tile size of the O^T loop, FP8 mode 10), keyed; validated with the variable named
+    wherever it applies or not."""
+    pytest.importorskip("cutlass")  # (supports() refuses without it)
+    from tokenspeed_jax.backends import sm90_decode as m
+
+    run, _ = _switch_run(monkeypatch, m, (m.OT_SOFTMAX_ENV, m.OT64_P0_ENV, m.FP8_PV_ENV), "softmax", "exp",
+                         "float8_e4m3fn", 4, 16)
+    assert run() == ("launch_mla_decode_ot", "exp", "exp")  # the default ("auto"), 64 rows
+    assert run(S=1) == ("launch_mla_decode_ot", "max", "max")  # ... 16 rows: mode 6's loop
+    assert run(S=2) == ("launch_mla_decode_ot", "max", "max")  # ... 32 rows
+    assert run(dtype="bfloat16", S=1) == ("launch_mla_decode_ot16", "exp", "exp")  # (the 16-bit loop: not this)
+    for order in ("exp", "fold", "max"):
+        monkeypatch.setenv(m.OT_SOFTMAX_ENV, order)
+        assert run() == ("launch_mla_decode_ot", order, order)
+        assert run(S=1) == ("launch_mla_decode_ot", order, order)  # 16 rows: mode 6's loop
+        assert run(S=3, H=24) == ("launch_mla_decode_ot", order, order)  # 72 rows: two blocks
+        assert run(dtype="bfloat16") == ("launch_mla_decode_seesaw", "exp", "exp")
+        assert run(dtype="bfloat16", S=1) == ("launch_mla_decode_ot16", "exp", "exp")  # (the 16-bit loop: not this)
+    monkeypatch.setenv(m.FP8_PV_ENV, "4")
+    assert run() == ("launch_mla_decode_seesaw", "exp", "exp")
+    monkeypatch.delenv(m.FP8_PV_ENV)
+    monkeypatch.delenv(m.OT_SOFTMAX_ENV)
+    _assert_rejected(monkeypatch, run, ((m.OT_SOFTMAX_ENV, "early"),))
+    _assert_rejected(monkeypatch, lambda: run(dtype="bfloat16"), ((m.OT_SOFTMAX_ENV, "1"),))
+
+
+def test_resolve_ot_loop(monkeypatch):
+    """The rule the backend and benchmarks/trace_decode.py share for the O^T loop's switches: defaults, not applicable,
+    the 32-row tiles' own switch, OT64_P0=late alone (QK "after", no fence to place), both set (refused, both named),
+    the P0 rescale's fence, bad values named wherever they apply or not."""
+    from tokenspeed_jax.backends import sm90_decode as m
+
+    envs = (m.OT64_QK_ENV, m.OT64_P0_ENV, m.OT32_QK_ENV, m.OT64_FENCE_ENV, m.OT_SOFTMAX_ENV)
+    for env in envs:
         monkeypatch.delenv(env, raising=False)
     r = m.resolve_ot_loop
-    assert m.OT32_QK_ENV in m.TRACE_ENV and m.OT32_QK_DEFAULT == "after" and m.OT32_QK_CHOICES == ("after", "wg0")
-    assert r(True, False) == (False, "wg0") and r(False, False) == (False, "after")
-    assert r(False, True) == (False, "after")
-    monkeypatch.setenv(m.OT32_QK_ENV, "wg0")
-    assert r(False, True) == (False, "wg0") and r(True, False) == (False, "wg0") and r(False, False) == (False, "after")
+    assert m.OT32_QK_ENV in m.TRACE_ENV and m.OT32_QK_DEFAULT == "wg0" and m.OT32_QK_CHOICES == ("after", "wg0")
+    assert m.OT64_FENCE_ENV in m.TRACE_ENV and m.OT64_FENCE_DEFAULT == "always"
+    assert m.OT64_FENCE_CHOICES == ("always", "rescaled")
+    assert m.OT_SOFTMAX_ENV in m.TRACE_ENV and m.OT_SOFTMAX_DEFAULT == "auto"
+    assert m.OT_SOFTMAX_CHOICES == ("auto", "exp", "fold", "max")
+    assert r(False, False) == m.OtLoop() and r(True, False)._fields == ("p0_late", "qk_early", "p0_fence",
+                                                                        "softmax")
+    assert r(True, False) == (False, "wg0", "always", "exp") and r(False, False) == (False, "after", "always", "exp")
+    assert r(False, True) == (False, "wg0", "always", "max")
+    monkeypatch.setenv(m.OT32_QK_ENV, "after")
+    assert r(False, True) == (False, "after", "always", "max") and r(True, False) == (False, "wg0", "always", "exp")
+    assert r(False, False) == (False, "after", "always", "exp")
     monkeypatch.delenv(m.OT32_QK_ENV)
     monkeypatch.setenv(m.OT64_QK_ENV, "wg0s")
-    assert r(True, False) == (False, "wg0s") and r(False, True) == (False, "after")
+    assert r(True, False) == (False, "wg0s", "always", "exp") and r(False, True) == (False, "wg0", "always", "max")
     monkeypatch.delenv(m.OT64_QK_ENV)
-    monkeypatch.setenv(m.OT64_P0_ENV, "late")
-    assert r(True, False) == (True, "after") and r(False, False) == (False, "after")
-    assert r(False, True) == (False, "after")
+    monkeypatch.setenv(m.OT_SOFTMAX_ENV, "max")  # (every tile size of the O^T loop)
+    assert r(True, False) == (False, "wg0", "always", "max") and r(False, True) == (False, "wg0", "always", "max")
+    assert r(False, False) == (False, "after", "always", "exp")
+    monkeypatch.delenv(m.OT_SOFTMAX_ENV)
+    monkeypatch.setenv(m.OT64_FENCE_ENV, "rescaled")  # (the 64-row blocks' P0 rescale only)
+    assert r(True, False) == (False, "wg0", "rescaled", "exp") and r(False, True) == (False, "wg0", "always", "max")
+    assert r(False, False) == (False, "after", "always", "exp")
+    monkeypatch.setenv(m.OT64_P0_ENV, "late")  # (no rescale: the fence stays where it is)
+    assert r(True, False) == (True, "after", "always", "exp") and r(False, False) == (False, "after", "always", "exp")
+    assert r(False, True) == (False, "wg0", "always", "max")
+    monkeypatch.delenv(m.OT64_FENCE_ENV)
     monkeypatch.setenv(m.OT64_QK_ENV, "after")
-    assert r(True, False) == (True, "after")
+    assert r(True, False) == (True, "after", "always", "exp")
     monkeypatch.setenv(m.OT64_QK_ENV, "wg0s")
     with pytest.raises(ValueError, match=f"{m.OT64_P0_ENV}=late and {m.OT64_QK_ENV}=wg0s"):
         r(True, False)
-    assert r(False, False) == (False, "after")
-    for env, bad in ((m.OT64_QK_ENV, "early"), (m.OT64_P0_ENV, "1"), (m.OT32_QK_ENV, "wg0s")):
-        for e in (m.OT64_QK_ENV, m.OT64_P0_ENV, m.OT32_QK_ENV):
+    assert r(False, False) == (False, "after", "always", "exp")
+    for env, bad in ((m.OT64_QK_ENV, "early"), (m.OT64_P0_ENV, "1"), (m.OT32_QK_ENV, "wg0s"),
+                     (m.OT64_FENCE_ENV, "never"), (m.OT_SOFTMAX_ENV, "early")):
+        for e in envs:
             monkeypatch.delenv(e, raising=False)
         monkeypatch.setenv(env, bad)
         with pytest.raises(ValueError, match=env):
@@ -318,18 +389,19 @@ def test_ot64_qk_switch(monkeypatch):
 
     assert run() == ("launch_mla_decode_ot", "wg0", "wg0")  # the default, 64 rows
     assert run(S=3, H=24) == ("launch_mla_decode_ot", "wg0", "wg0")  # 72 rows: two blocks
-    assert run(S=1) == ("launch_mla_decode_ot", "after", "after")  # 16 rows: mode 6's loop (qk_t)
-    assert run(dtype="bfloat16") == ("launch_mla_decode_seesaw", "after", "after")
-    monkeypatch.setenv(m.OT32_QK_ENV, "wg0")  # (the 32- and 16-row tiles' own switch)
-    assert run(S=1) == ("launch_mla_decode_ot", "wg0", "wg0")
+    assert run(S=1) == ("launch_mla_decode_ot", "wg0", "wg0")  # 16 rows: mode 6's loop (qk_t), OT32_QK's default
     assert run(S=2) == ("launch_mla_decode_ot", "wg0", "wg0")  # 32 rows
+    assert run(dtype="bfloat16") == ("launch_mla_decode_seesaw", "after", "after")
     assert run(dtype="bfloat16", S=1) == ("launch_mla_decode_ot16", "after", "after")  # (the 16-bit loop: none)
+    monkeypatch.setenv(m.OT32_QK_ENV, "after")  # (the 32- and 16-row tiles' own switch)
+    assert run(S=1) == ("launch_mla_decode_ot", "after", "after")
+    assert run() == ("launch_mla_decode_ot", "wg0", "wg0")  # (64 rows: not this switch)
     monkeypatch.delenv(m.OT32_QK_ENV)
     monkeypatch.setenv(m.OT64_QK_ENV, "after")
     assert run() == ("launch_mla_decode_ot", "after", "after")
     monkeypatch.setenv(m.OT64_QK_ENV, "wg0s")
     assert run() == ("launch_mla_decode_ot", "wg0s", "wg0s")
-    assert run(S=1) == ("launch_mla_decode_ot", "after", "after")
+    assert run(S=1) == ("launch_mla_decode_ot", "wg0", "wg0")
     monkeypatch.setenv(m.FP8_PV_ENV, "4")
     monkeypatch.setenv(m.OT64_QK_ENV, "wg0")
     assert run() == ("launch_mla_decode_seesaw", "after", "after")

@@ -64,6 +64,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -213,22 +214,43 @@ OT64_P0_DEFAULT = "early"
 # "after" once its cross PV retired, on the chain between warpgroup 1's cross PV and warpgroup 0's next softmax (the
 # default before: "wg0" measured 1.01-1.14x faster on the B64/K81920 shapes with 64 or more rows, within 3% elsewhere,
 # bitwise the same outputs; kernels/sm90/mla_decode_ot.py, qk_early; docs/sm90_decode.md, "QK early").  "wg0s"
-# (opt-in, built 2026-12-02, not yet measured): "wg0", and warpgroup 0's next softmax runs while its cross PV still
-# does.  Read at trace time; part of the compile key.
+# (opt-in): "wg0", and warpgroup 0's next softmax runs while its cross PV still does; measured 0.999x "wg0" (0.96-0.98x
+# on the heaviest shapes; 2026-12-02 20:14 UTC).  Read at trace time; part of the compile key.
 OT64_QK_ENV = "TOKENSPEED_SM90_DECODE_OT64_QK"
 OT64_QK_CHOICES = ("after", "wg0", "wg0s")  # (the kernel module's QK_EARLY_MODES; no cutlass import here)
 OT64_QK_DEFAULT = "wg0"
 # The O^T loops' 32- and 16-row tiles (FP8 modes 5 / 6 with S x H <= 32, mode 7): "wg0" issues warpgroup 0's next QK
 # right after it stored the rescaled P0, so that it runs while warpgroup 0 waits for P1_READY, instead of behind its
-# cross PV (kernels/sm90/mla_decode_ot.py, qk_early).  Opt-in, built 2026-12-02 (no spill on the CPU build), not yet
-# measured.  Read at trace time; part of the compile key.
+# cross PV (kernels/sm90/mla_decode_ot.py, qk_early).  The default since 2026-12-02 20:30 UTC: bitwise the same outputs
+# as "after", 1.03x at B64/K81920/H32/S1 (the memory-bound point furthest from its roofline), 1.05x at B1, within 1%
+# on the other two shapes with S x H <= 32 (H200, 2026-12-02 20:16 UTC; the check cases, memcheck and the decode GPU
+# test file passed with it; docs/sm90_decode.md, "QK early").  Read at trace time; part of the compile key.
 OT32_QK_ENV = "TOKENSPEED_SM90_DECODE_OT32_QK"
 OT32_QK_CHOICES = ("after", "wg0")
-OT32_QK_DEFAULT = "after"
+OT32_QK_DEFAULT = "wg0"
+# Mode 10's 64-row P0 rescale: where warpgroup 0 fences its shared-memory writes for warpgroup 1's cross PV, "always"
+# (after the rescale branch, every iteration) or "rescaled" (inside it, only the warps that rewrote P0; opt-in: measured
+# 0.999x "always" on the H200, 2026-12-02 20:54 UTC; kernels/sm90/mla_decode_ot.py, p0_fence).  Read at trace time;
+# part of the compile key.
+OT64_FENCE_ENV = "TOKENSPEED_SM90_DECODE_OT64_FENCE"
+OT64_FENCE_CHOICES = ("always", "rescaled")  # (the kernel module's P0_FENCE_MODES; no cutlass import here)
+OT64_FENCE_DEFAULT = "always"
+# The O^T loop (every tile size): where the warpgroups publish their fold of the shared max (SCALE0 / SCALE1), "exp"
+# (as built before: ptxas places both arrives after the exp), "fold" (right after the fold, the exp kept after the
+# arrive), "max" ("fold", and warpgroup 1 computes its tile max, with the transposed QK its column maxima' exchange,
+# before it waits for SCALE0); "auto" (the default since 2026-12-02 night): "max" on the 32- and 16-row tiles, "exp" on
+# the 64-row blocks.  Bitwise the same outputs; measured on the H200 (2026-12-02 20:53 UTC): "max" 1.05x at
+# B64/K81920/H32/S1 and 1.01-1.02x on the other S x H <= 32 shapes, but 0.96-0.98x on the 64-row blocks, where
+# "fold" and "max" build the same SASS (ptxas moves warpgroup 1's tile max above its SCALE0 wait already) with 3x the
+# spill reloads (kernels/sm90/mla_decode_ot.py, softmax; docs/sm90_decode.md, "Softmax order").  Read at trace time;
+# part of the compile key.
+OT_SOFTMAX_ENV = "TOKENSPEED_SM90_DECODE_OT_SOFTMAX"
+OT_SOFTMAX_CHOICES = ("auto", "exp", "fold", "max")  # (past "auto": the kernel module's SOFTMAX_ORDERS)
+OT_SOFTMAX_DEFAULT = "auto"
 TRACE_ENV = (SCHEDULE_ENV, PDL_ENV, FP8_QK_ENV, FP8_PV_ENV, L2_PREFETCH_ENV, PRODUCER16_ENV, RS_STAGES_ENV,
              KV_EVICT_ENV, CROSS_FIRST_ENV, T16_ENV, PDL_MAIN_ENV, PAD_ROWS_ENV, P_STSM_ENV, EPILOGUE_ENV,
              EPILOGUE_FP8_ENV, T16_PT_ENV, T16_BARS_ENV, COLMAX_ENV, OT64_P0_ENV, OT64_QK_ENV,
-             OT32_QK_ENV)
+             OT32_QK_ENV, OT64_FENCE_ENV, OT_SOFTMAX_ENV)
 SCHEDULES = ("auto", "seesaw", "seesaw-cpasync", "lockstep", "overlap")  # module docstring (no cutlass import here)
 _MIN_PAGE = 8
 _MIN_FP8_SEESAW_PAGE = 16  # the FP8 seesaw needs TMA refills (the kernel's _MIN_TMA_PAGE; no cutlass import here)
@@ -272,6 +294,8 @@ class DecodeKernelKey:
     colmax: str = "shfl"  # the transposed loops' column maxima ($TOKENSPEED_SM90_DECODE_COLMAX)
     p0_late: bool = False  # mode 10's 64-row O^T loop: P0 stored once, after WG1's fold ($..._OT64_P0 "late")
     qk_early: str = "after"  # the O^T loop: when warpgroup 0 issues its next QK ($..._OT64_QK, $..._OT32_QK)
+    p0_fence: str = "always"  # mode 10's 64-row P0 rescale: where it fences its writes ($..._OT64_FENCE)
+    softmax: str = "exp"  # the O^T loop: where the softmax publishes its fold and waits ($..._OT_SOFTMAX)
 
 
 def supports(problem: DecodeProblem) -> str | None:
@@ -353,26 +377,38 @@ def resolve_t16_pt() -> str:
     return _env(T16_PT_ENV, T16_PT_DEFAULT, T16_PT_CHOICES)
 
 
-def resolve_ot_loop(blocks64: bool, tiles32: bool) -> tuple[bool, str]:
-    """``(p0_late, qk_early)`` of the O^T loop: ``blocks64``, the call runs its 64-row blocks (FP8 mode 10's loop
-    without the transposed QK for S x H > 32; ``$..._OT64_P0`` and ``$..._OT64_QK``); ``tiles32``, its 32- or 16-row
-    tiles (``$..._OT32_QK``); otherwise ``(False, "after")``.  All three switches are validated wherever they apply or
-    not.  ``OT64_P0=late`` alone runs the QK "after" (as it was measured; the late P0 store needs the S registers an
-    early QK would hold); with ``OT64_QK`` set to an early mode as well, refused with both variables named.  (The
-    backend and benchmarks/trace_decode.py share this rule.)"""
+class OtLoop(NamedTuple):
+    """The O^T loop's switches as one call runs them (:func:`resolve_ot_loop`)."""
+
+    p0_late: bool = False  # $..._OT64_P0 "late"
+    qk_early: str = "after"  # $..._OT64_QK on 64-row blocks, $..._OT32_QK on 32- / 16-row tiles
+    p0_fence: str = "always"  # $..._OT64_FENCE
+    softmax: str = "exp"  # $..._OT_SOFTMAX
+
+
+def resolve_ot_loop(blocks64: bool, tiles32: bool) -> OtLoop:
+    """The O^T loop's switches for a call: ``blocks64``, the call runs its 64-row blocks (FP8 mode 10's loop without
+    the transposed QK for S x H > 32; ``$..._OT64_P0``, ``$..._OT64_QK``, ``$..._OT64_FENCE``); ``tiles32``, its 32- or
+    16-row tiles (``$..._OT32_QK``); ``$..._OT_SOFTMAX`` on both; neither: the defaults of :class:`OtLoop` (no O^T
+    loop).  All five switches are validated wherever they apply or not.  ``OT64_P0=late`` alone runs the QK "after"
+    (as it was measured; the late P0 store needs the S registers an early QK would hold); with ``OT64_QK`` set to an
+    early mode as well, refused with both variables named; it has no P0 rescale, so no fence to place.  (The backend
+    and benchmarks/trace_decode.py share this rule.)"""
     p0 = _env(OT64_P0_ENV, OT64_P0_DEFAULT, OT64_P0_CHOICES)
     qk = _env(OT64_QK_ENV, OT64_QK_DEFAULT, OT64_QK_CHOICES)
     qk32 = _env(OT32_QK_ENV, OT32_QK_DEFAULT, OT32_QK_CHOICES)
+    fence = _env(OT64_FENCE_ENV, OT64_FENCE_DEFAULT, OT64_FENCE_CHOICES)
+    softmax = _env(OT_SOFTMAX_ENV, OT_SOFTMAX_DEFAULT, OT_SOFTMAX_CHOICES)
     if tiles32:
-        return False, qk32
+        return OtLoop(qk_early=qk32, softmax="max" if softmax == "auto" else softmax)
     if not blocks64:
-        return False, "after"
+        return OtLoop()
     if p0 == "late" and qk != "after":
         if os.environ.get(OT64_QK_ENV):
             raise ValueError(f"{OT64_P0_ENV}=late and {OT64_QK_ENV}={qk} do not combine (the late P0 store needs the "
                              f"S registers of the early QK); unset one of them")
         qk = "after"
-    return p0 == "late", qk
+    return OtLoop(p0 == "late", qk, "always" if p0 == "late" else fence, "exp" if softmax == "auto" else softmax)
 
 
 def resolve_colmax() -> str:
@@ -481,7 +517,7 @@ def decode(problem: DecodeProblem, q, kv_cache, block_table, seq_lens, softmax_s
         launch = launch_mla_decode_ot16
     t16_pt_q = resolve_t16_pt() == "q" and t16  # (both validated wherever they apply or not)
     t16_chunk_bars = resolve_t16_bars() == "chunk" and t16
-    p0_late, qk_early = resolve_ot_loop(pv_ot and not qk_t and not small, pv_ot and (qk_t or small))
+    ot_loop = resolve_ot_loop(pv_ot and not qk_t and not small, pv_ot and (qk_t or small))
     colmax = resolve_colmax()  # (validated wherever it applies or not)
     if not (qk_t or t16):  # the transposed loops only
         colmax = "shfl"
@@ -501,8 +537,7 @@ def decode(problem: DecodeProblem, q, kv_cache, block_table, seq_lens, softmax_s
     key = DecodeKernelKey("mla_decode_sm90.v10", problem.dtype, H, S, problem.page_size, problem.causal,
                           plan.num_splits, plan.tokens_per_split, block_n, schedule, pdl, qk_fp8, l2_prefetch, pv_fp8,
                           early_refill, vt_packed, tma_producer, pv_ot, qk_t, rs_stages, kv_evict, cross_first, t16,
-                          pdl_main, pad_rows, p_stsm, o_staged, t16_pt_q, t16_chunk_bars, colmax, p0_late,
-                          qk_early)
+                          pdl_main, pad_rows, p_stsm, o_staged, t16_pt_q, t16_chunk_bars, colmax, *ot_loop)
     outputs = [jax.ShapeDtypeStruct((B, S, H, problem.kv_lora_rank), jnp.dtype(problem.out_dtype)),
                jax.ShapeDtypeStruct((B, S, H), jnp.float32)]
     outputs += [jax.ShapeDtypeStruct(w.shape, jnp.dtype(w.dtype)) for w in plan.workspace]
@@ -525,8 +560,7 @@ def decode(problem: DecodeProblem, q, kv_cache, block_table, seq_lens, softmax_s
         **({"pt_q": True} if t16_pt_q else {}),
         **({"chunk_bars": True} if t16_chunk_bars else {}),
         **({"colmax": colmax} if colmax != "shfl" else {}),
-        **({"p0_late": True} if p0_late else {}),
-        **({"qk_early": qk_early} if qk_early != "after" else {}),
+        **{k: v for k, v in ot_loop._asdict().items() if v != OtLoop._field_defaults[k]},
     )
     res = call(q, kv_cache, block_table.astype(jnp.int32), seq_lens.astype(jnp.int32),
                ffi.scalar_operand(softmax_scale), ffi.scalar_operand(output_scale))

@@ -61,18 +61,45 @@ mode "5") removes the copy:
   thrown away: a wgmma inside the dynamic ``if`` made ptxas serialize every wgmma (C7520, "WG.AR in divergent path").
   Outputs are bitwise those of "after".  Warpgroup 1 issuing its QK early as well, behind its own PV or its cross PV,
   measured slower (0.93-0.95x, and with 144 bytes of spills 0.94-0.99x; docs/sm90_decode.md, "QK early").
-  "wg0s" (opt-in, built 2026-12-02 without device time left to measure it): "wg0", and warpgroup 0 starts its next
+  "wg0s" (opt-in; measured 2026-12-02 20:14 UTC: 0.999x "wg0" over the 13 shapes, 0.96-0.98x on H32/S4 and the
+  H128 shapes with S >= 4, so it stays opt-in): "wg0", and warpgroup 0 starts its next
   softmax while its cross PV still runs (the cross PV committed as one group per k32 step; before the softmax only
   the QK and the first step retired); the cross PV retires at the start of step 2, before ``O^T *= scale0``, and only
   then does warpgroup 0 free slot 1 of the previous pair (VT1_FREE, one iteration later than "wg0": warpgroup 1 waits
   for it at the end of its iteration, just before it waits for SCALE0 anyway).  After P1_READY warpgroup 0 then goes
   straight to its softmax.  The cost: the O^T accumulators and ``V^T`` registers stay live across the softmax, 35
   ``STL`` / 62 ``LDL`` (144 / 260 bytes) on the CPU build, no serialized wgmma.
-  On the 32- and 16-row tiles (``pv_n`` < 64, with or without ``qk_t``; ``TOKENSPEED_SM90_DECODE_OT32_QK``, opt-in,
-  built 2026-12-02, not yet measured) "wg0" places the QK differently: warpgroup 0 keeps P0 in registers until its
-  rescaled store after SCALE1, so the next QK is issued right after that store, where it runs while warpgroup 0
-  loads the cross ``V^T`` and waits for P1_READY (instead of behind the cross PV); the cross PV then retires before
-  VT1_FREE.  CPU build (H32/S1, 3 splits): 86 QGMMA, no serialized wgmma, no spill ("after": 1 ``STL`` / 4 ``LDL``).
+  On the 32- and 16-row tiles (``pv_n`` < 64, with or without ``qk_t``; ``TOKENSPEED_SM90_DECODE_OT32_QK``, "wg0" the
+  backend's default there since 2026-12-02 20:30 UTC: 1.03x "after" at B64/K81920/H32/S1, within 1% on the other
+  S x H <= 32 shapes, bitwise the same outputs) "wg0" places the QK differently: warpgroup 0 keeps P0 in registers
+  until its rescaled store after SCALE1, so the next QK is issued right after that store, where it runs while
+  warpgroup 0 loads the cross ``V^T`` and waits for P1_READY (instead of behind the cross PV); the cross PV then retires
+  before VT1_FREE.  CPU build (H32/S1, 3 splits): 86 QGMMA, no serialized wgmma, no spill ("after": 1 ``STL`` / 4
+  ``LDL``).
+* ``p0_fence`` (64-row blocks, not with ``p0_late``; ``TOKENSPEED_SM90_DECODE_OT64_FENCE``): where
+  :meth:`rescale_p_tile` fences its shared-memory writes for warpgroup 1's cross PV (generic -> async proxy).
+  "always" (the default): after the rescale branch, so every thread of warpgroup 0 fences every iteration, also in the
+  steady state where no warp rewrites a word (SASS ``MEMBAR.ALL.CTA`` + ``FENCE.VIEW.ASYNC.S``).  "rescaled" (opt-in,
+  built 2026-12-02 night; measured 0.999x "always" over the 13 shapes at 20:54 UTC, within the spread on each, so the
+  fence is not on the chain): inside the branch, only the warps that rewrote P0 (the vote is warp-uniform, and a fence
+  orders the fencing thread's own writes; P0's first store was fenced before the own PV read it, the own PV retired
+  before the rewrite, and the P0_READY barrier orders the fence before warpgroup 1's cross PV).  Same outputs.
+* ``softmax`` (every tile size; ``TOKENSPEED_SM90_DECODE_OT_SOFTMAX``): where the two warpgroups publish their fold
+  of the shared row max (warpgroup 0 on SCALE0, warpgroup 1 on SCALE1) and where warpgroup 1 waits for warpgroup 0's.
+  "exp" (the default): as written before 2026-12-02 night, warpgroup 0 arrives after its exp, warpgroup 1 before its
+  exp; but ptxas moves ALU work above a ``bar.arrive``, and the CPU build shows both arrives after all of the exp's
+  ``MUFU.EX2`` (warpgroup 1's too), so both exps sit on the iteration's chain (warpgroup 0's softmax -> SCALE0 ->
+  warpgroup 1's softmax -> SCALE1 -> ...; the ``clock64`` traces do not show it: their marks are ordering points for
+  ptxas).  "fold" (opt-in, built 2026-12-02 night): both arrive right after their fold, and :meth:`publish` keeps the
+  exp after the arrive (a shared-memory load the exp waits for); the exp reads no shared memory (its reference max is
+  in registers).  "max": "fold", and warpgroup 1 computes its own tile's maximum (the scaled, masked row or column
+  maxima, with ``qk_t`` the shuffles and their shared-memory exchange) before it waits for SCALE0, so only the fold
+  itself waits for warpgroup 0.  The same math in all three: outputs bitwise those of "exp".  On the 64-row blocks
+  "fold" and "max" build the same SASS (ptxas had moved warpgroup 1's row maxima above its SCALE0 wait already: only
+  memory operations stay on their side of a barrier) with 34 ``STL`` / 76 ``LDL`` (10 / 36 with "exp").  Measured on
+  the H200 (2026-12-02 20:53 UTC, docs/sm90_decode.md, "Softmax order"): "max" 1.05x "exp" at B64/K81920/H32/S1 and
+  1.01-1.02x on the other S x H <= 32 shapes (no spill there), 0.96-0.98x on the 64-row blocks; the backend's
+  "auto" (its default) runs "max" on the 32- and 16-row tiles and "exp" on the 64-row blocks.
 * ``qk_t`` (FP8 P V mode 6): the QK transposed too, ``S^T = K Q^T`` (the staging is the A operand as it lands, the
   first ``pv_n`` q rows the B operand): its tensor work and accumulators shrink by 64 / ``pv_n``.  A query row's
   keys then lie in all 4 warps, so the softmax exchanges each warp's column maxima through 1 KB of shared memory
@@ -88,7 +115,9 @@ errors, the GPU test files), and 1.06-1.52x the mode-4 loop where S x H <= 32 wi
 default there: 93% of the bandwidth roofline at B64/K81920/H16/S1); with 64 or more rows the 32-row tiles (mode 7)
 are 0.64-0.79x mode 4 (docs/sm90_decode.md, "O^T schedule").  2026-12-02 16:00 UTC: on whole 64-row blocks (mode 10,
 the FP8 default since) 1.12-1.34x mode 4 on the 9 shapes of the issue matrix with 64 or more rows; correct, memcheck
-clean (docs/sm90_decode.md, "64-row O^T loop").
+clean (docs/sm90_decode.md, "64-row O^T loop").  2026-12-02 20:59 UTC, with the 32-row tiles' QK early and softmax
+order "max" (the defaults since): 84.5% of the copy roofline at B64/K81920/H32/S1 in bursts (79.1% before;
+docs/sm90_decode.md, "Softmax order").
 """
 
 from __future__ import annotations
@@ -114,6 +143,8 @@ _ALL_CHUNKS = (0, 1, 2, 3, 4, 5, 6, 7, 8)
 _MIN_PAGE = 32  # the producer's coordinates (pages of 16: 4 boxes per chunk) spill in its 24 registers
 _MAX_ROWS = 32  # query rows S x H (module docstring, "Registers")
 QK_EARLY_MODES = ("after", "wg0", "wg0s")  # warpgroup 0's next QK and softmax (module docstring, "qk_early")
+P0_FENCE_MODES = ("always", "rescaled")  # the proxy fence of the 64-row P0 rescale (module docstring, "p0_fence")
+SOFTMAX_ORDERS = ("exp", "fold", "max")  # where the softmax publishes and waits (module docstring, "softmax")
 
 # DecodeTraceMixin.mark points of an iteration of this loop (debug builds, benchmarks/trace_decode.py): per
 # warpgroup, what the time since the previous event was spent on; as many slots as the mode-4 loop's TRACE_EVENTS
@@ -223,7 +254,7 @@ class MlaDecodeOtSm90(MlaDecodeSeesawSm90):
     pair_step = 1  # output features of an O^T accumulator row pair q, q + 8 (store_ot_pair): f and f + 1
 
     def __init__(self, *, qk_t: bool = False, colmax: str = "shfl", p0_late: bool = False, qk_early: str = "after",
-                 **kw):
+                 p0_fence: str = "always", softmax: str = "exp", **kw):
         for k in ("qk_fp8", "pv_fp8", "early_refill", "vt_packed", "tma_producer", "kv_load"):
             kw.pop(k, None)
         super().__init__(qk_fp8=True, pv_fp8=True, early_refill=True, vt_packed=True, tma_producer=True,
@@ -261,6 +292,19 @@ class MlaDecodeOtSm90(MlaDecodeSeesawSm90):
         if (qk_early == "wg0s" and self.pv_n != 64) or (qk_early != "after" and self.p0_late):
             raise ValueError(f"qk_early={qk_early!r}: not with p0_late, and 'wg0s' only on the 64-row blocks of the "
                              f"O^T loop without qk_t; got S x H = {self.R}, qk_t={self.qk_t}, p0_late={self.p0_late}")
+        # where the 64-row P0 rescale fences its writes (module docstring, "p0_fence"); only that rescale has one
+        if p0_fence not in P0_FENCE_MODES:
+            raise ValueError(f"p0_fence must be one of {P0_FENCE_MODES}, got {p0_fence!r}")
+        if p0_fence != "always" and (self.pv_n != 64 or self.p0_late):
+            raise ValueError(f"p0_fence={p0_fence!r}: only the 64-row blocks of the O^T loop without qk_t and "
+                             f"p0_late (the P0 rescale); got S x H = {self.R}, qk_t={self.qk_t}, "
+                             f"p0_late={self.p0_late}")
+        self.p0_fence = p0_fence
+        # where the warpgroups publish their fold (SCALE0 / SCALE1) and where warpgroup 1 waits for warpgroup 0's
+        # (module docstring, "softmax")
+        if softmax not in SOFTMAX_ORDERS:
+            raise ValueError(f"softmax must be one of {SOFTMAX_ORDERS}, got {softmax!r}")
+        self.softmax = softmax
 
     # ------------------------------------------------------------------------------------------ host
     @cute.jit
@@ -375,7 +419,23 @@ class MlaDecodeOtSm90(MlaDecodeSeesawSm90):
                     f8 = cute.make_tensor(cute.recast_ptr(r.iterator, dtype=_F8), cute.make_layout(4))
                     f8.store((f8.load().to(Float32) * sc[h]).to(_F8))
                     _sts32(addr, r[0])
-        cute.arch.fence_view_async_shared()
+            if cutlass.const_expr(self.p0_fence == "rescaled"):  # (module docstring, "p0_fence")
+                cute.arch.fence_view_async_shared()
+        if cutlass.const_expr(self.p0_fence == "always"):
+            cute.arch.fence_view_async_shared()
+
+    @cute.jit
+    def publish(self, bar: cutlass.Constexpr, ref: cute.Tensor, zero: Int32):
+        """``softmax`` "fold" / "max": arrive on ``bar`` (SCALE0 or SCALE1) between the fold and the exp (module
+        docstring).  ptxas moves ALU work above a ``bar.arrive`` (in the default build both arrives land after all of
+        the exp's ``MUFU.EX2``), so the exp is made to wait for a shared-memory load after the arrive, which ptxas
+        keeps in order: ``ref`` (the exp's reference max) plus the zero word at ``zero`` (x + 0 = x, -0 aside, which
+        gives the same exp).  "exp": nothing (the caller arrives after the exp, or ptxas moves it there)."""
+        if cutlass.const_expr(self.softmax != "exp"):
+            cute.arch.barrier_arrive(barrier_id=int(bar), number_of_threads=self.num_threads)
+            z = Float32(_lds32(zero))
+            for i in cutlass.range_constexpr(cute.size(ref)):
+                ref[i] = ref[i] + z
 
     def qk_tile(self, qk_mma, qk_thr, acc_s, tSrQ, bufs, k):
         """Issue the QK of the tile in buffer ``k`` (no commit): ``S = Q K^T``, or with ``qk_t`` ``S^T = K Q^T``
@@ -405,20 +465,23 @@ class MlaDecodeOtSm90(MlaDecodeSeesawSm90):
 
     @cute.jit
     def fold_t(self, acc_s, tScS, lim, tile_start, scale_log2, sM, sSc_in, sSc_out, sRed, row_l, ref, sc, wg, wtid,
-               mk=None):
+               mk=None, wait0: bool = False):
         """``qk_t``: :meth:`fold_first` (``sSc_in`` None; warpgroup 0) or :meth:`fold_second` (``sSc_in``: scale0;
         warpgroup 1, which arrives on SCALE1 after this) without the exp, for ``S^T``: a query row's keys are spread
         over the 4 warps (tokens are M), so each warp's column maxima (over its 2 tokens, then its 8 lanes of a
         column) go through ``sRed`` and the warpgroup's barrier (TAIL id).  The shared max is read before that
         barrier and written after it, by warp 0's lanes 0..3 (one writer per row).  ``mk``: ``(mTrace, cta, j,
-        event after the barrier, event at the end or None)`` for :meth:`mark` (debug builds)."""
+        event after the barrier, event at the end or None)`` for :meth:`mark` (debug builds).  ``wait0`` (warpgroup 1,
+        ``softmax`` "max"): wait for SCALE0 after its column maxima and read the shared max after that wait (still
+        before the TAIL barrier), else the caller waited before."""
         nc = self.pv_n // 4
         lane = wtid % 32
         warp = wtid // 32
         mprev = cute.make_rmem_tensor((nc,), Float32)
         mx = cute.make_rmem_tensor((nc,), Float32)
         for i in cutlass.range_constexpr(nc):
-            mprev[i] = sM[self.col_n(i, wtid)]
+            if cutlass.const_expr(not wait0):
+                mprev[i] = sM[self.col_n(i, wtid)]
             mx[i] = -Float32.inf
         for e in cutlass.range_constexpr(cute.size(acc_s)):
             i = e % 2 + 2 * (e // 4)
@@ -435,6 +498,10 @@ class MlaDecodeOtSm90(MlaDecodeSeesawSm90):
                     mx[i] = cute.arch.fmax(mx[i], cute.arch.shuffle_sync_bfly(mx[i], offset=4 << off))
                 if lane < 4:
                     sRed[(4 * wg + warp) * 32 + self.col_n(i, wtid)] = mx[i]
+        if cutlass.const_expr(wait0):
+            cute.arch.barrier(barrier_id=int(Barrier.SCALE0), number_of_threads=self.num_threads)
+            for i in cutlass.range_constexpr(nc):
+                mprev[i] = sM[self.col_n(i, wtid)]
         cute.arch.barrier(barrier_id=int(Barrier.TAIL) + wg, number_of_threads=128)
         if cutlass.const_expr(mk is not None):
             self.mark(mk[0], mk[1], wg, wtid, mk[2], mk[3])
@@ -714,13 +781,18 @@ class MlaDecodeOtSm90(MlaDecodeSeesawSm90):
                 t0 = split_start + 2 * j * bn
                 self.mark(mTrace, cta, 0, wtid, j, 0)
                 # 1. fold tile 2j into the shared max; P0; publish
+                #    (softmax "fold" / "max": SCALE0 out between the fold and the exp, module docstring)
                 if cutlass.const_expr(self.qk_t):
                     self.fold_t(acc_s, tScS, lim, t0, scale_log2, sM, None, sSc0, sRed, row_l, ref, sc, 0, wtid,
                                 (mTrace, cta, j, 1, 2))
+                    self.publish(Barrier.SCALE0, ref, zero)
                     self.exp_t(acc_s, ref, row_l)
                 else:
-                    self.fold_first(acc_s, tScS, lim, t0, scale_log2, sM, sSc0, row_in, row_l, ref, sc, wtid)
-                cute.arch.barrier_arrive(barrier_id=int(Barrier.SCALE0), number_of_threads=self.num_threads)
+                    self.fold_first_max(acc_s, tScS, lim, t0, scale_log2, sM, sSc0, row_in, row_l, ref, sc, wtid)
+                    self.publish(Barrier.SCALE0, ref, zero)
+                    self.exp_rows(acc_s, ref, row_l)
+                if cutlass.const_expr(self.softmax == "exp"):
+                    cute.arch.barrier_arrive(barrier_id=int(Barrier.SCALE0), number_of_threads=self.num_threads)
                 self.mark(mTrace, cta, 0, wtid, j, 3)
                 # 2. P0 -> smem; O^T *= scale0 (all rows' scales: after the warpgroup's barrier); O^T += V0^T P0^T
                 #    (p0_late: none of this yet, step 3 does it).  "wg0s": the previous cross PV retires here, then
@@ -842,17 +914,27 @@ class MlaDecodeOtSm90(MlaDecodeSeesawSm90):
                 refill = j + 2 < n_pairs
                 t1 = split_start + (2 * j + 1) * bn
                 self.mark(mTrace, cta, 1, wtid, j, 0)
-                # 1. after WG0: fold tile 2j+1 into the shared max; P1; publish
-                cute.arch.barrier(barrier_id=int(Barrier.SCALE0), number_of_threads=self.num_threads)
+                # 1. after WG0: fold tile 2j+1 into the shared max; P1; publish (softmax "max": its tile max before
+                #    the SCALE0 wait, inside the fold; "fold" / "max": SCALE1 out before the exp, module docstring)
+                wait0 = self.softmax == "max"
+                if cutlass.const_expr(not wait0):
+                    cute.arch.barrier(barrier_id=int(Barrier.SCALE0), number_of_threads=self.num_threads)
                 self.mark(mTrace, cta, 1, wtid, j, 1)
                 if cutlass.const_expr(self.qk_t):
                     self.fold_t(acc_s, tScS, lim, t1, scale_log2, sM, sSc0, sSc1, sRed, row_l, ref, sc, 1, wtid,
-                                (mTrace, cta, j, 2, None))
-                    cute.arch.barrier_arrive(barrier_id=int(Barrier.SCALE1), number_of_threads=self.num_threads)
+                                (mTrace, cta, j, 2, None), wait0)
+                    if cutlass.const_expr(self.softmax == "exp"):
+                        cute.arch.barrier_arrive(barrier_id=int(Barrier.SCALE1), number_of_threads=self.num_threads)
+                    self.publish(Barrier.SCALE1, ref, zero)
                     self.mark(mTrace, cta, 1, wtid, j, 3)
                     self.exp_t(acc_s, ref, row_l)
-                else:
+                elif cutlass.const_expr(self.softmax == "exp"):
                     self.fold_second(acc_s, tScS, lim, t1, scale_log2, sM, sSc0, sSc1, row_in, row_l, ref, sc, wtid)
+                else:
+                    self.fold_second_max(acc_s, tScS, lim, t1, scale_log2, sM, sSc0, sSc1, row_in, row_l, ref, sc,
+                                         wtid, wait0)
+                    self.publish(Barrier.SCALE1, ref, zero)
+                    self.exp_rows(acc_s, ref, row_l)
                 self.mark(mTrace, cta, 1, wtid, j, 4)
                 # 2. P1 -> smem (both PVs read it); O^T *= scale0 * scale1; O^T += V1^T P1^T
                 self.store_p_tile(acc_s, qk_thr, bufs, 2 * u + 1, wtid)
@@ -1014,13 +1096,14 @@ def launch_mla_decode_ot(stream, q: cute.Tensor, kv: cute.Tensor, block_table: c
                          l2_prefetch: cutlass.Constexpr = "off", qk_t: cutlass.Constexpr = False,
                          kv_evict: cutlass.Constexpr = "normal", pdl_main: cutlass.Constexpr = False,
                          colmax: cutlass.Constexpr = "shfl", p0_late: cutlass.Constexpr = False,
-                         qk_early: cutlass.Constexpr = "after"):
+                         qk_early: cutlass.Constexpr = "after", p0_fence: cutlass.Constexpr = "always",
+                         softmax: cutlass.Constexpr = "exp"):
     """FFI launch function of the O^T schedule (FP8 P V mode "5", with ``qk_t`` mode "6"; same ABI as
     ``launch_mla_decode_seesaw``; ``schedule`` is the backend's, always "seesaw" here)."""
     MlaDecodeOtSm90(dtype=dtype, num_heads=num_heads, q_len=q_len, page_size=page_size, causal=causal,
                     num_splits=num_splits, tokens_per_split=tokens_per_split, block_n=block_n, pdl=pdl,
                     l2_prefetch=l2_prefetch, qk_t=qk_t, kv_evict=kv_evict, pdl_main=pdl_main, colmax=colmax,
-                    p0_late=p0_late, qk_early=qk_early)(
+                    p0_late=p0_late, qk_early=qk_early, p0_fence=p0_fence, softmax=softmax)(
         stream, q, kv, block_table, seq_lens, softmax_scale, output_scale, out, lse, o_accum, lse_accum)
 
 
@@ -1034,17 +1117,18 @@ def launch_mla_decode_ot_traced(stream, q: cute.Tensor, kv: cute.Tensor, block_t
                                 tokens_per_split: cutlass.Constexpr, trace: cutlass.Constexpr,
                                 pdl: cutlass.Constexpr = True, l2_prefetch: cutlass.Constexpr = "off",
                                 qk_t: cutlass.Constexpr = False, colmax: cutlass.Constexpr = "shfl",
-                                p0_late: cutlass.Constexpr = False, qk_early: cutlass.Constexpr = "after"):
+                                p0_late: cutlass.Constexpr = False, qk_early: cutlass.Constexpr = "after",
+                                p0_fence: cutlass.Constexpr = "always", softmax: cutlass.Constexpr = "exp"):
     """Debug build of the O^T loop (FP8 P V mode 5, with ``qk_t`` mode 6) with :meth:`DecodeTraceMixin.mark`
     timestamps at the :data:`TRACE_EVENTS_OT` points in ``trace_buf`` (int64 ``(ctas, 2, trace, len(TRACE_EVENTS))``),
     an extra output after ``lse`` (benchmarks/trace_decode.py)."""
     MlaDecodeOtSm90(dtype=dtype, num_heads=num_heads, q_len=q_len, page_size=page_size, causal=causal,
                     num_splits=num_splits, tokens_per_split=tokens_per_split, block_n=64, pdl=pdl,
                     l2_prefetch=l2_prefetch, qk_t=qk_t, colmax=colmax, p0_late=p0_late, qk_early=qk_early,
-                    trace=trace)(
+                    p0_fence=p0_fence, softmax=softmax, trace=trace)(
         stream, q, kv, block_table, seq_lens, softmax_scale, output_scale, out, lse, o_accum, lse_accum, trace_buf)
 
 
-__all__ = ["COLMAX_MODES", "QK_EARLY_MODES", "TRACE_EVENTS_OT", "VT_A_SELECTORS", "MlaDecodeOtSm90", "check_colmax",
-           "colmax_xpose_column", "colmax_xpose_index", "launch_mla_decode_ot", "launch_mla_decode_ot_traced",
-           "ot_feature", "vt_a_row_offset"]
+__all__ = ["COLMAX_MODES", "P0_FENCE_MODES", "QK_EARLY_MODES", "SOFTMAX_ORDERS", "TRACE_EVENTS_OT", "VT_A_SELECTORS",
+           "MlaDecodeOtSm90", "check_colmax", "colmax_xpose_column", "colmax_xpose_index", "launch_mla_decode_ot",
+           "launch_mla_decode_ot_traced", "ot_feature", "vt_a_row_offset"]

@@ -549,9 +549,15 @@ class MlaDecodeSeesawSm90(Fp8OperandsMixin, KvRefillMixin, DecodeTraceMixin, Mla
 
     @cute.jit
     def fold_first(self, acc_s, tScS, lim, tile_start, scale_log2, sM, sSc0, row_in, row_l, ref, sc, wtid):
-        """Warpgroup 0, first thing of an iteration: fold its tile (keys from ``tile_start``) into the shared row max
-        ``sM``; ``sc`` = its scale (also published in ``sSc0``), the row sums rescaled by it; then ``P`` (in place
-        of ``acc_s``) against ``ref`` and the row sums."""
+        """Warpgroup 0, first thing of an iteration: :meth:`fold_first_max`, then ``P`` (in place of ``acc_s``) against
+        ``ref`` and the row sums."""
+        self.fold_first_max(acc_s, tScS, lim, tile_start, scale_log2, sM, sSc0, row_in, row_l, ref, sc, wtid)
+        self.exp_rows(acc_s, ref, row_l)
+
+    @cute.jit
+    def fold_first_max(self, acc_s, tScS, lim, tile_start, scale_log2, sM, sSc0, row_in, row_l, ref, sc, wtid):
+        """Warpgroup 0: fold its tile (keys from ``tile_start``) into the shared row max ``sM``; ``ref`` = the new
+        reference max, ``sc`` = its scale (also published in ``sSc0``), the row sums rescaled by it."""
         mx = self.scaled_tile_max(acc_s, tScS, lim, tile_start, scale_log2)
         for h in cutlass.range_constexpr(2):
             m_new, ref[h], sc[h] = self.fold_max(sM[row_in[h]], mx[h])
@@ -559,14 +565,23 @@ class MlaDecodeSeesawSm90(Fp8OperandsMixin, KvRefillMixin, DecodeTraceMixin, Mla
             if wtid % 4 == 0:
                 sM[row_in[h]] = m_new
                 sSc0[row_in[h]] = sc[h]
-        self.exp_rows(acc_s, ref, row_l)
 
     @cute.jit
     def fold_second(self, acc_s, tScS, lim, tile_start, scale_log2, sM, sSc0, sSc1, row_in, row_l, ref, sc, wtid):
-        """Warpgroup 1, after SCALE0: fold its tile into the shared row max; ``sc`` = scale0 x its own scale (which
-        it publishes in ``sSc1`` before arriving on SCALE1), the row sums rescaled by it; then ``P`` as
-        :meth:`fold_first`."""
+        """Warpgroup 1, after SCALE0: :meth:`fold_second_max`, arrive on SCALE1, then ``P`` as :meth:`fold_first`."""
+        self.fold_second_max(acc_s, tScS, lim, tile_start, scale_log2, sM, sSc0, sSc1, row_in, row_l, ref, sc, wtid)
+        cute.arch.barrier_arrive(barrier_id=int(Barrier.SCALE1), number_of_threads=self.num_threads)
+        self.exp_rows(acc_s, ref, row_l)
+
+    @cute.jit
+    def fold_second_max(self, acc_s, tScS, lim, tile_start, scale_log2, sM, sSc0, sSc1, row_in, row_l, ref, sc, wtid,
+                        wait0: bool = False):
+        """Warpgroup 1: fold its tile into the shared row max; ``sc`` = scale0 x its own scale (which it publishes in
+        ``sSc1``), the row sums rescaled by it.  ``wait0``: wait for SCALE0 here, between its tile max and the fold
+        (the O^T loop's ``softmax`` "max"), else the caller waited before."""
         mx = self.scaled_tile_max(acc_s, tScS, lim, tile_start, scale_log2)
+        if cutlass.const_expr(wait0):
+            cute.arch.barrier(barrier_id=int(Barrier.SCALE0), number_of_threads=self.num_threads)
         for h in cutlass.range_constexpr(2):
             m_new, ref[h], s1 = self.fold_max(sM[row_in[h]], mx[h])
             sc[h] = sSc0[row_in[h]] * s1
@@ -574,8 +589,6 @@ class MlaDecodeSeesawSm90(Fp8OperandsMixin, KvRefillMixin, DecodeTraceMixin, Mla
             if wtid % 4 == 0:
                 sM[row_in[h]] = m_new
                 sSc1[row_in[h]] = s1
-        cute.arch.barrier_arrive(barrier_id=int(Barrier.SCALE1), number_of_threads=self.num_threads)
-        self.exp_rows(acc_s, ref, row_l)
 
     def v_half(self, sKs: cute.Tensor, v_layout: cute.ComposedLayout, wg):
         """Warpgroup ``wg``'s 256 V features of slot ``sKs`` as a ``(features, tokens)`` MN-major view (``v_layout``:
