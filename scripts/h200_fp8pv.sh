@@ -17,7 +17,8 @@
 # ab: the interleaved A/B of the switch $W (default TOKENSPEED_SM90_DECODE_L2_PREFETCH) over the values $AB on the
 #   13 shapes, for each dtype of $DT (default FP8 and BF16), with FP8_PV=$M.  Files: ab_<switch>_<dtype>.{log,json}
 #   (<switch>: $W without TOKENSPEED_SM90_DECODE_, so that two A/Bs chained in one call keep both; before 2026-12-02
-#   evening: ab_<dtype>)
+#   evening: ab_<dtype>); ab_<switch>_$TAG_<dtype> with TAG set (two A/Bs of one switch in one call, e.g. under
+#   different values of another switch)
 # bench: the decode benchmark against FlashMLA BF16 / FP8 with FP8_PV=$M (decode.json, decode.png, bench.log).
 set -uo pipefail
 . "$(dirname "${BASH_SOURCE[0]}")/h200_lib.sh"
@@ -88,7 +89,7 @@ elif [ "$1" = ab ]; then  # interleaved A/B of the switch $W over the values $AB
   W=${W:-TOKENSPEED_SM90_DECODE_L2_PREFETCH}
   for d in ${DT:-float8_e4m3fn bfloat16}; do
     stamp "A/B $W $AB ($d)"
-    f="$OUT/ab_${W#TOKENSPEED_SM90_DECODE_}_$d"
+    f="$OUT/ab_${W#TOKENSPEED_SM90_DECODE_}${TAG:+_$TAG}_$d"
     timeout 280 env $V=$M python scripts/decode_ab.py $W $AB --dtype $d --cases matrix --prewarm 14 \
       --out "$f.json" > "$f.log" 2>&1; echo "ab rc=$?"
     ab_table "$f.log"
