@@ -261,12 +261,7 @@ def test_ot64_p0_switch(monkeypatch):
     assert run(S=3, H=24) == ("launch_mla_decode_ot", True, True)  # 72 rows: two blocks
     assert run(S=1) == ("launch_mla_decode_ot", False, False)  # 16 rows: mode 6's loop (qk_t)
     assert run(dtype="bfloat16") == ("launch_mla_decode_seesaw", False, False)
-    monkeypatch.setenv(m.FP8_PV_ENV, "4")
-    assert run() == ("launch_mla_decode_seesaw", False, False)
-    monkeypatch.delenv(m.FP8_PV_ENV)
-    monkeypatch.delenv(m.OT64_P0_ENV)
-    _assert_rejected(monkeypatch, run, ((m.OT64_P0_ENV, "lazy"),))
-    _assert_rejected(monkeypatch, lambda: run(dtype="bfloat16"), ((m.OT64_P0_ENV, "1"),))
+    _ot_switch_end(monkeypatch, m, run, m.OT64_P0_ENV, False, "lazy")
 
 
 def test_ot64_fence_switch(monkeypatch):
@@ -287,12 +282,7 @@ def test_ot64_fence_switch(monkeypatch):
     monkeypatch.setenv(m.OT64_P0_ENV, "late")  # (no rescale)
     assert run() == ("launch_mla_decode_ot", "always", "always") and seen["kw"]["p0_late"]
     monkeypatch.delenv(m.OT64_P0_ENV)
-    monkeypatch.setenv(m.FP8_PV_ENV, "4")
-    assert run() == ("launch_mla_decode_seesaw", "always", "always")
-    monkeypatch.delenv(m.FP8_PV_ENV)
-    monkeypatch.delenv(m.OT64_FENCE_ENV)
-    _assert_rejected(monkeypatch, run, ((m.OT64_FENCE_ENV, "inside"),))
-    _assert_rejected(monkeypatch, lambda: run(dtype="bfloat16"), ((m.OT64_FENCE_ENV, "1"),))
+    _ot_switch_end(monkeypatch, m, run, m.OT64_FENCE_ENV, "always", "inside")
 
 
 def test_ot_softmax_switch(monkeypatch):
@@ -315,12 +305,7 @@ def test_ot_softmax_switch(monkeypatch):
         assert run(S=3, H=24) == ("launch_mla_decode_ot", order, order)  # 72 rows: two blocks
         assert run(dtype="bfloat16") == ("launch_mla_decode_seesaw", "exp", "exp")
         assert run(dtype="bfloat16", S=1) == ("launch_mla_decode_ot16", "exp", "exp")  # (the 16-bit loop: not this)
-    monkeypatch.setenv(m.FP8_PV_ENV, "4")
-    assert run() == ("launch_mla_decode_seesaw", "exp", "exp")
-    monkeypatch.delenv(m.FP8_PV_ENV)
-    monkeypatch.delenv(m.OT_SOFTMAX_ENV)
-    _assert_rejected(monkeypatch, run, ((m.OT_SOFTMAX_ENV, "early"),))
-    _assert_rejected(monkeypatch, lambda: run(dtype="bfloat16"), ((m.OT_SOFTMAX_ENV, "1"),))
+    _ot_switch_end(monkeypatch, m, run, m.OT_SOFTMAX_ENV, "exp", "early")
 
 
 def test_resolve_ot_loop(monkeypatch):
@@ -503,6 +488,19 @@ def _assert_rejected(monkeypatch, run, bad_values):
         with pytest.raises(ValueError, match=env):
             run()
         monkeypatch.delenv(env)
+
+
+def _ot_switch_end(monkeypatch, m, run, env: str, off, bad: str):
+    """The common end of an O^T-loop switch test (``env`` set to a non-default value, ``run`` from
+    :func:`_switch_run`): with FP8 P V mode 4 (the seesaw loop) it does not reach the kernel (``off``: the key's and
+    launch's value then); unset, then a bad value ``bad`` is refused with ``env`` named where the switch applies (FP8)
+    and where it does not (BF16)."""
+    monkeypatch.setenv(m.FP8_PV_ENV, "4")
+    assert run() == ("launch_mla_decode_seesaw", off, off)
+    monkeypatch.delenv(m.FP8_PV_ENV)
+    monkeypatch.delenv(env)
+    _assert_rejected(monkeypatch, run, ((env, bad),))
+    _assert_rejected(monkeypatch, lambda: run(dtype="bfloat16"), ((env, "1"),))
 
 
 def _switch_run(monkeypatch, m, clear, field: str, absent, dtype: str, S: int, H: int):
