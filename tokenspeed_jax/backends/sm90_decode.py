@@ -224,7 +224,7 @@ OT64_QK_DEFAULT = "wg0"
 # cross PV (kernels/sm90/mla_decode_ot.py, qk_early).  The default since 2026-12-02 20:30 UTC: bitwise the same outputs
 # as "after", 1.03x at B64/K81920/H32/S1 (the memory-bound point furthest from its roofline), 1.05x at B1, within 1%
 # on the other two shapes with S x H <= 32 (H200, 2026-12-02 20:16 UTC; the check cases, memcheck and the decode GPU
-# test file passed with it; docs/sm90_decode.md, "QK early").  Read at trace time; part of the compile key.
+# test file passed with it; docs/sm90_decode.md, "Softmax order").  Read at trace time; part of the compile key.
 OT32_QK_ENV = "TOKENSPEED_SM90_DECODE_OT32_QK"
 OT32_QK_CHOICES = ("after", "wg0")
 OT32_QK_DEFAULT = "wg0"

@@ -62,8 +62,8 @@ mode "5") removes the copy:
   Outputs are bitwise those of "after".  Warpgroup 1 issuing its QK early as well, behind its own PV or its cross PV,
   measured slower (0.93-0.95x, and with 144 bytes of spills 0.94-0.99x; docs/sm90_decode.md, "QK early").
   "wg0s" (opt-in; measured 2026-12-02 20:14 UTC: 0.999x "wg0" over the 13 shapes, 0.96-0.98x on H32/S4 and the
-  H128 shapes with S >= 4, so it stays opt-in): "wg0", and warpgroup 0 starts its next
-  softmax while its cross PV still runs (the cross PV committed as one group per k32 step; before the softmax only
+  H128 shapes with S >= 4, so it stays opt-in): "wg0", and warpgroup 0 starts its next softmax while its cross PV
+  still runs (the cross PV committed as one group per k32 step; before the softmax only
   the QK and the first step retired); the cross PV retires at the start of step 2, before ``O^T *= scale0``, and only
   then does warpgroup 0 free slot 1 of the previous pair (VT1_FREE, one iteration later than "wg0": warpgroup 1 waits
   for it at the end of its iteration, just before it waits for SCALE0 anyway).  After P1_READY warpgroup 0 then goes
@@ -84,22 +84,23 @@ mode "5") removes the copy:
   fence is not on the chain): inside the branch, only the warps that rewrote P0 (the vote is warp-uniform, and a fence
   orders the fencing thread's own writes; P0's first store was fenced before the own PV read it, the own PV retired
   before the rewrite, and the P0_READY barrier orders the fence before warpgroup 1's cross PV).  Same outputs.
-* ``softmax`` (every tile size; ``TOKENSPEED_SM90_DECODE_OT_SOFTMAX``): where the two warpgroups publish their fold
-  of the shared row max (warpgroup 0 on SCALE0, warpgroup 1 on SCALE1) and where warpgroup 1 waits for warpgroup 0's.
-  "exp" (the default): as written before 2026-12-02 night, warpgroup 0 arrives after its exp, warpgroup 1 before its
-  exp; but ptxas moves ALU work above a ``bar.arrive``, and the CPU build shows both arrives after all of the exp's
-  ``MUFU.EX2`` (warpgroup 1's too), so both exps sit on the iteration's chain (warpgroup 0's softmax -> SCALE0 ->
-  warpgroup 1's softmax -> SCALE1 -> ...; the ``clock64`` traces do not show it: their marks are ordering points for
-  ptxas).  "fold" (opt-in, built 2026-12-02 night): both arrive right after their fold, and :meth:`publish` keeps the
-  exp after the arrive (a shared-memory load the exp waits for); the exp reads no shared memory (its reference max is
-  in registers).  "max": "fold", and warpgroup 1 computes its own tile's maximum (the scaled, masked row or column
-  maxima, with ``qk_t`` the shuffles and their shared-memory exchange) before it waits for SCALE0, so only the fold
-  itself waits for warpgroup 0.  The same math in all three: outputs bitwise those of "exp".  On the 64-row blocks
-  "fold" and "max" build the same SASS (ptxas had moved warpgroup 1's row maxima above its SCALE0 wait already: only
-  memory operations stay on their side of a barrier) with 34 ``STL`` / 76 ``LDL`` (10 / 36 with "exp").  Measured on
-  the H200 (2026-12-02 20:53 UTC, docs/sm90_decode.md, "Softmax order"): "max" 1.05x "exp" at B64/K81920/H32/S1 and
-  1.01-1.02x on the other S x H <= 32 shapes (no spill there), 0.96-0.98x on the 64-row blocks; the backend's
-  "auto" (its default) runs "max" on the 32- and 16-row tiles and "exp" on the 64-row blocks.
+* ``softmax`` (every tile size; ``TOKENSPEED_SM90_DECODE_OT_SOFTMAX``): where the two warpgroups publish their fold of
+  the shared row max (warpgroup 0 on SCALE0, warpgroup 1 on SCALE1) and where warpgroup 1 waits for warpgroup 0's. "exp"
+  (the default): as written before 2026-12-02 night, warpgroup 0 arrives after its exp, warpgroup 1 before its exp; but
+  ptxas moves ALU work above a ``bar.arrive``, and the CPU build shows both arrives after all of the exp's ``MUFU.EX2``
+  (warpgroup 1's too), so both exps sit on the iteration's chain (warpgroup 0's softmax -> SCALE0 -> warpgroup 1's
+  softmax -> SCALE1 -> ...; the ``clock64`` traces time phases, not where an arrive sits inside one, and their builds
+  place the arrives the same way). "fold" (opt-in, built 2026-12-02 night): both arrive right after their fold, and
+  :meth:`publish` keeps the exp after the arrive (a shared-memory load the exp waits for); the exp reads no shared
+  memory (its reference max is in registers). "max": "fold", and warpgroup 1 computes its own tile's maximum (the
+  scaled, masked row or column maxima, with ``qk_t`` the shuffles and their shared-memory exchange) before it waits for
+  SCALE0, so only the fold itself waits for warpgroup 0. The same math in all three: outputs bitwise those of "exp". On
+  the 64-row blocks "fold" and "max" build the same SASS (ptxas had moved warpgroup 1's row maxima above its SCALE0 wait
+  already: only memory operations stay on their side of a barrier) with 34 ``STL`` / 76 ``LDL`` (10 / 36 with "exp").
+  Measured on the H200 (2026-12-02 20:53 UTC, docs/sm90_decode.md, "Softmax order"): "max" 1.05x "exp" at
+  B64/K81920/H32/S1 and 1.01-1.02x on the other S x H <= 32 shapes (no spill there), 0.96-0.98x on the 64-row blocks;
+  the backend's "auto" (its default) runs "max" on the 32- and 16-row tiles and "exp" on the 64-row blocks. ("fold"
+  with the QK "after" builds without new spills there, and is not faster either: 21:18 UTC, same section.)
 * ``qk_t`` (FP8 P V mode 6): the QK transposed too, ``S^T = K Q^T`` (the staging is the A operand as it lands, the
   first ``pv_n`` q rows the B operand): its tensor work and accumulators shrink by 64 / ``pv_n``.  A query row's
   keys then lie in all 4 warps, so the softmax exchanges each warp's column maxima through 1 KB of shared memory
