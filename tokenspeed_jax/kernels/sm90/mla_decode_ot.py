@@ -427,13 +427,13 @@ class MlaDecodeOtSm90(MlaDecodeSeesawSm90):
 
     @cute.jit
     def publish(self, bar: cutlass.Constexpr, ref: cute.Tensor, zero: Int32):
-        """``softmax`` "fold" / "max": arrive on ``bar`` (SCALE0 or SCALE1) between the fold and the exp (module
-        docstring).  ptxas moves ALU work above a ``bar.arrive`` (in the default build both arrives land after all of
-        the exp's ``MUFU.EX2``), so the exp is made to wait for a shared-memory load after the arrive, which ptxas
-        keeps in order: ``ref`` (the exp's reference max) plus the zero word at ``zero`` (x + 0 = x, -0 aside, which
-        gives the same exp).  "exp": nothing (the caller arrives after the exp, or ptxas moves it there)."""
+        """Arrive on ``bar`` (SCALE0 or SCALE1) between the fold and the exp (module docstring, "softmax").  ptxas
+        moves ALU work above a ``bar.arrive`` (in the "exp" build both arrives land after all of the exp's
+        ``MUFU.EX2``), so with "fold" / "max" the exp is made to wait for a shared-memory load after the arrive, which
+        ptxas keeps in order: ``ref`` (the exp's reference max) plus the zero word at ``zero`` (x + 0 = x, -0 aside,
+        which gives the same exp).  (Warpgroup 0 with "exp" arrives after its exp instead, as written before.)"""
+        cute.arch.barrier_arrive(barrier_id=int(bar), number_of_threads=self.num_threads)
         if cutlass.const_expr(self.softmax != "exp"):
-            cute.arch.barrier_arrive(barrier_id=int(bar), number_of_threads=self.num_threads)
             z = Float32(_lds32(zero))
             for i in cutlass.range_constexpr(cute.size(ref)):
                 ref[i] = ref[i] + z
@@ -786,13 +786,15 @@ class MlaDecodeOtSm90(MlaDecodeSeesawSm90):
                 if cutlass.const_expr(self.qk_t):
                     self.fold_t(acc_s, tScS, lim, t0, scale_log2, sM, None, sSc0, sRed, row_l, ref, sc, 0, wtid,
                                 (mTrace, cta, j, 1, 2))
-                    self.publish(Barrier.SCALE0, ref, zero)
+                    if cutlass.const_expr(self.softmax != "exp"):
+                        self.publish(Barrier.SCALE0, ref, zero)
                     self.exp_t(acc_s, ref, row_l)
                 else:
                     self.fold_first_max(acc_s, tScS, lim, t0, scale_log2, sM, sSc0, row_in, row_l, ref, sc, wtid)
-                    self.publish(Barrier.SCALE0, ref, zero)
+                    if cutlass.const_expr(self.softmax != "exp"):
+                        self.publish(Barrier.SCALE0, ref, zero)
                     self.exp_rows(acc_s, ref, row_l)
-                if cutlass.const_expr(self.softmax == "exp"):
+                if cutlass.const_expr(self.softmax == "exp"):  # (as written before "fold": after the exp)
                     cute.arch.barrier_arrive(barrier_id=int(Barrier.SCALE0), number_of_threads=self.num_threads)
                 self.mark(mTrace, cta, 0, wtid, j, 3)
                 # 2. P0 -> smem; O^T *= scale0 (all rows' scales: after the warpgroup's barrier); O^T += V0^T P0^T
@@ -924,13 +926,9 @@ class MlaDecodeOtSm90(MlaDecodeSeesawSm90):
                 if cutlass.const_expr(self.qk_t):
                     self.fold_t(acc_s, tScS, lim, t1, scale_log2, sM, sSc0, sSc1, sRed, row_l, ref, sc, 1, wtid,
                                 (mTrace, cta, j, 2, None), wait0)
-                    if cutlass.const_expr(self.softmax == "exp"):
-                        cute.arch.barrier_arrive(barrier_id=int(Barrier.SCALE1), number_of_threads=self.num_threads)
                     self.publish(Barrier.SCALE1, ref, zero)
                     self.mark(mTrace, cta, 1, wtid, j, 3)
                     self.exp_t(acc_s, ref, row_l)
-                elif cutlass.const_expr(self.softmax == "exp"):
-                    self.fold_second(acc_s, tScS, lim, t1, scale_log2, sM, sSc0, sSc1, row_in, row_l, ref, sc, wtid)
                 else:
                     self.fold_second_max(acc_s, tScS, lim, t1, scale_log2, sM, sSc0, sSc1, row_in, row_l, ref, sc,
                                          wtid, wait0)
