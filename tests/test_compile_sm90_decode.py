@@ -227,9 +227,9 @@ _SCRIPT = textwrap.dedent(
                                    ldsm="ldsm", spill="spill", depbar="depbar", shfl="shfl", lds4="lds4"),
                        tiles=[kt.block_m, kt.num_m_blocks, kt.pv_n])
     # ... with warpgroup 0's next QK right after its P0 store (TOKENSPEED_SM90_DECODE_OT32_QK=wg0, the backend's
-    #     default), and with that and the softmax order "max" (..._OT_SOFTMAX=max, opt-in: both arrives before the
-    #     exps, warpgroup 1's column maxima before its SCALE0 wait); B 6 and 7: the dumps' names differ from the
-    #     compile above
+    #     default), and with that and the softmax order "max" (..._OT_SOFTMAX's "auto", the default, runs it on
+    #     these tiles: both arrives before the exps, warpgroup 1's column maxima before its SCALE0 wait); B 6 and 7:
+    #     the dumps' names differ from the compile above
     for name, order, nb in (("ot_tq", "exp", 6), ("ot_te", "max", 7)):
         before = set(glob.glob(d + "/*"))
         kq = MlaDecodeOtSm90(dtype="float8_e4m3fn", num_heads=32, q_len=2, page_size=64, causal=True, num_splits=1,
