@@ -314,45 +314,56 @@ def test_resolve_ot_loop(monkeypatch):
     the P0 rescale's fence, bad values named wherever they apply or not."""
     from tokenspeed_jax.backends import sm90_decode as m
 
-    envs = (m.OT64_QK_ENV, m.OT64_P0_ENV, m.OT32_QK_ENV, m.OT64_FENCE_ENV, m.OT_SOFTMAX_ENV)
+    envs = (m.OT64_QK_ENV, m.OT64_P0_ENV, m.OT32_QK_ENV, m.OT64_FENCE_ENV, m.OT_SOFTMAX_ENV, m.OT_P1_ENV)
     for env in envs:
         monkeypatch.delenv(env, raising=False)
     r = m.resolve_ot_loop
-    assert m.OT32_QK_ENV in m.TRACE_ENV and m.OT32_QK_DEFAULT == "wg0" and m.OT32_QK_CHOICES == ("after", "wg0")
+    assert m.OT32_QK_ENV in m.TRACE_ENV and m.OT32_QK_DEFAULT == "wg0" and m.OT32_QK_CHOICES == ("after", "wg0", "wg01")
     assert m.OT64_FENCE_ENV in m.TRACE_ENV and m.OT64_FENCE_DEFAULT == "always"
     assert m.OT64_FENCE_CHOICES == ("always", "rescaled")
     assert m.OT_SOFTMAX_ENV in m.TRACE_ENV and m.OT_SOFTMAX_DEFAULT == "auto"
     assert m.OT_SOFTMAX_CHOICES == ("auto", "exp", "fold", "max")
+    assert m.OT_P1_ENV in m.TRACE_ENV and m.OT_P1_DEFAULT == "store" and m.OT_P1_CHOICES == ("cross", "store")
+    monkeypatch.setenv(m.OT_P1_ENV, "cross")  # (every tile size of the O^T loop; nothing without it)
+    assert r(True, False).p1_ready == r(False, True).p1_ready == r(False, False).p1_ready == "cross"
+    monkeypatch.delenv(m.OT_P1_ENV)
     assert r(False, False) == m.OtLoop() and r(True, False)._fields == ("p0_late", "qk_early", "p0_fence",
-                                                                        "softmax")
-    assert r(True, False) == (False, "wg0", "always", "exp") and r(False, False) == (False, "after", "always", "exp")
-    assert r(False, True) == (False, "wg0", "always", "max")
+                                                                        "softmax", "p1_ready")
+    assert r(True, False) == (False, "wg0", "always", "exp", "store")
+    assert r(False, False) == (False, "after", "always", "exp", "cross")
+    assert r(False, True) == (False, "wg0", "always", "max", "store")
     monkeypatch.setenv(m.OT32_QK_ENV, "after")
-    assert r(False, True) == (False, "after", "always", "max") and r(True, False) == (False, "wg0", "always", "exp")
-    assert r(False, False) == (False, "after", "always", "exp")
+    assert r(False, True) == (False, "after", "always", "max", "store")
+    assert r(True, False) == (False, "wg0", "always", "exp", "store")
+    assert r(False, False) == (False, "after", "always", "exp", "cross")
     monkeypatch.delenv(m.OT32_QK_ENV)
     monkeypatch.setenv(m.OT64_QK_ENV, "wg0s")
-    assert r(True, False) == (False, "wg0s", "always", "exp") and r(False, True) == (False, "wg0", "always", "max")
+    assert r(True, False) == (False, "wg0s", "always", "exp", "store")
+    assert r(False, True) == (False, "wg0", "always", "max", "store")
     monkeypatch.delenv(m.OT64_QK_ENV)
     monkeypatch.setenv(m.OT_SOFTMAX_ENV, "max")  # (every tile size of the O^T loop)
-    assert r(True, False) == (False, "wg0", "always", "max") and r(False, True) == (False, "wg0", "always", "max")
-    assert r(False, False) == (False, "after", "always", "exp")
+    assert r(True, False) == (False, "wg0", "always", "max", "store")
+    assert r(False, True) == (False, "wg0", "always", "max", "store")
+    assert r(False, False) == (False, "after", "always", "exp", "cross")
     monkeypatch.delenv(m.OT_SOFTMAX_ENV)
     monkeypatch.setenv(m.OT64_FENCE_ENV, "rescaled")  # (the 64-row blocks' P0 rescale only)
-    assert r(True, False) == (False, "wg0", "rescaled", "exp") and r(False, True) == (False, "wg0", "always", "max")
-    assert r(False, False) == (False, "after", "always", "exp")
+    assert r(True, False) == (False, "wg0", "rescaled", "exp", "store")
+    assert r(False, True) == (False, "wg0", "always", "max", "store")
+    assert r(False, False) == (False, "after", "always", "exp", "cross")
     monkeypatch.setenv(m.OT64_P0_ENV, "late")  # (no rescale: the fence stays where it is)
-    assert r(True, False) == (True, "after", "always", "exp") and r(False, False) == (False, "after", "always", "exp")
-    assert r(False, True) == (False, "wg0", "always", "max")
+    assert r(True, False) == (True, "after", "always", "exp", "store")
+    assert r(False, False) == (False, "after", "always", "exp", "cross")
+    assert r(False, True) == (False, "wg0", "always", "max", "store")
     monkeypatch.delenv(m.OT64_FENCE_ENV)
     monkeypatch.setenv(m.OT64_QK_ENV, "after")
-    assert r(True, False) == (True, "after", "always", "exp")
+    assert r(True, False) == (True, "after", "always", "exp", "store")
     monkeypatch.setenv(m.OT64_QK_ENV, "wg0s")
     with pytest.raises(ValueError, match=f"{m.OT64_P0_ENV}=late and {m.OT64_QK_ENV}=wg0s"):
         r(True, False)
-    assert r(False, False) == (False, "after", "always", "exp")
+    assert r(False, False) == (False, "after", "always", "exp", "cross")
     for env, bad in ((m.OT64_QK_ENV, "early"), (m.OT64_P0_ENV, "1"), (m.OT32_QK_ENV, "wg0s"),
-                     (m.OT64_FENCE_ENV, "never"), (m.OT_SOFTMAX_ENV, "early")):
+                     (m.OT64_FENCE_ENV, "never"), (m.OT_SOFTMAX_ENV, "early"),
+                     (m.OT_P1_ENV, "late")):
         for e in envs:
             monkeypatch.delenv(e, raising=False)
         monkeypatch.setenv(env, bad)

@@ -226,7 +226,7 @@ OT64_QK_DEFAULT = "wg0"
 # on the other two shapes with S x H <= 32 (H200, 2026-12-02 20:16 UTC; the check cases, memcheck and the decode GPU
 # test file passed with it; docs/sm90_decode.md, "Softmax order").  Read at trace time; part of the compile key.
 OT32_QK_ENV = "TOKENSPEED_SM90_DECODE_OT32_QK"
-OT32_QK_CHOICES = ("after", "wg0")
+OT32_QK_CHOICES = ("after", "wg0", "wg01")
 OT32_QK_DEFAULT = "wg0"
 # Mode 10's 64-row P0 rescale: where warpgroup 0 fences its shared-memory writes for warpgroup 1's cross PV, "always"
 # (after the rescale branch, every iteration) or "rescaled" (inside it, only the warps that rewrote P0; opt-in: measured
@@ -247,10 +247,19 @@ OT64_FENCE_DEFAULT = "always"
 OT_SOFTMAX_ENV = "TOKENSPEED_SM90_DECODE_OT_SOFTMAX"
 OT_SOFTMAX_CHOICES = ("auto", "exp", "fold", "max")  # (past "auto": the kernel module's SOFTMAX_ORDERS)
 OT_SOFTMAX_DEFAULT = "auto"
+# The O^T loop (every tile size): where warpgroup 1 releases its P1 to warpgroup 0's cross PV (P1_READY): "store" (the
+# default since 2026-12-03: right after its P1 store and O^T *= scales, so warpgroup 0's cross PV, and with it its next
+# softmax, need not wait for warpgroup 1's own PV, cross V^T loads and P0_READY) or "cross" (as built before: behind
+# warpgroup 1's cross PV's issue).  Bitwise the same outputs; two interleaved A/Bs on the H200 (2026-12-03): "store"
+# 1.017x and 1.021x "cross" over the 13 shapes (kernels/sm90/mla_decode_ot.py, p1_ready; docs/sm90_decode.md, "P1
+# early").  Read at trace time; part of the compile key.
+OT_P1_ENV = "TOKENSPEED_SM90_DECODE_OT_P1"
+OT_P1_CHOICES = ("cross", "store")  # (the kernel module's P1_READY_MODES; no cutlass import here)
+OT_P1_DEFAULT = "store"
 TRACE_ENV = (SCHEDULE_ENV, PDL_ENV, FP8_QK_ENV, FP8_PV_ENV, L2_PREFETCH_ENV, PRODUCER16_ENV, RS_STAGES_ENV,
              KV_EVICT_ENV, CROSS_FIRST_ENV, T16_ENV, PDL_MAIN_ENV, PAD_ROWS_ENV, P_STSM_ENV, EPILOGUE_ENV,
              EPILOGUE_FP8_ENV, T16_PT_ENV, T16_BARS_ENV, COLMAX_ENV, OT64_P0_ENV, OT64_QK_ENV,
-             OT32_QK_ENV, OT64_FENCE_ENV, OT_SOFTMAX_ENV)
+             OT32_QK_ENV, OT64_FENCE_ENV, OT_SOFTMAX_ENV, OT_P1_ENV)
 SCHEDULES = ("auto", "seesaw", "seesaw-cpasync", "lockstep", "overlap")  # module docstring (no cutlass import here)
 _MIN_PAGE = 8
 _MIN_FP8_SEESAW_PAGE = 16  # the FP8 seesaw needs TMA refills (the kernel's _MIN_TMA_PAGE; no cutlass import here)
@@ -296,6 +305,7 @@ class DecodeKernelKey:
     qk_early: str = "after"  # the O^T loop: when warpgroup 0 issues its next QK ($..._OT64_QK, $..._OT32_QK)
     p0_fence: str = "always"  # mode 10's 64-row P0 rescale: where it fences its writes ($..._OT64_FENCE)
     softmax: str = "exp"  # the O^T loop: where the softmax publishes its fold and waits ($..._OT_SOFTMAX)
+    p1_ready: str = "cross"  # the O^T loop: where warpgroup 1 releases P1 to warpgroup 0 ($..._OT_P1)
 
 
 def supports(problem: DecodeProblem) -> str | None:
@@ -384,13 +394,15 @@ class OtLoop(NamedTuple):
     qk_early: str = "after"  # $..._OT64_QK on 64-row blocks, $..._OT32_QK on 32- / 16-row tiles
     p0_fence: str = "always"  # $..._OT64_FENCE
     softmax: str = "exp"  # $..._OT_SOFTMAX
+    p1_ready: str = "cross"  # $..._OT_P1
 
 
 def resolve_ot_loop(blocks64: bool, tiles32: bool) -> OtLoop:
     """The O^T loop's switches for a call: ``blocks64``, the call runs its 64-row blocks (FP8 mode 10's loop without
     the transposed QK for S x H > 32; ``$..._OT64_P0``, ``$..._OT64_QK``, ``$..._OT64_FENCE``); ``tiles32``, its 32- or
-    16-row tiles (``$..._OT32_QK``); ``$..._OT_SOFTMAX`` on both; neither: the defaults of :class:`OtLoop` (no O^T
-    loop).  All five switches are validated wherever they apply or not.  ``OT64_P0=late`` alone runs the QK "after"
+    16-row tiles (``$..._OT32_QK``); ``$..._OT_SOFTMAX`` and ``$..._OT_P1`` on both; neither: the defaults of
+    :class:`OtLoop` (no O^T
+    loop).  All six switches are validated wherever they apply or not.  ``OT64_P0=late`` alone runs the QK "after"
     (as it was measured; the late P0 store needs the S registers an early QK would hold); with ``OT64_QK`` set to an
     early mode as well, refused with both variables named; it has no P0 rescale, so no fence to place.  (The backend
     and benchmarks/trace_decode.py share this rule.)"""
@@ -399,8 +411,9 @@ def resolve_ot_loop(blocks64: bool, tiles32: bool) -> OtLoop:
     qk32 = _env(OT32_QK_ENV, OT32_QK_DEFAULT, OT32_QK_CHOICES)
     fence = _env(OT64_FENCE_ENV, OT64_FENCE_DEFAULT, OT64_FENCE_CHOICES)
     softmax = _env(OT_SOFTMAX_ENV, OT_SOFTMAX_DEFAULT, OT_SOFTMAX_CHOICES)
+    p1 = _env(OT_P1_ENV, OT_P1_DEFAULT, OT_P1_CHOICES)
     if tiles32:
-        return OtLoop(qk_early=qk32, softmax="max" if softmax == "auto" else softmax)
+        return OtLoop(qk_early=qk32, softmax="max" if softmax == "auto" else softmax, p1_ready=p1)
     if not blocks64:
         return OtLoop()
     if p0 == "late" and qk != "after":
@@ -408,7 +421,7 @@ def resolve_ot_loop(blocks64: bool, tiles32: bool) -> OtLoop:
             raise ValueError(f"{OT64_P0_ENV}=late and {OT64_QK_ENV}={qk} do not combine (the late P0 store needs the "
                              f"S registers of the early QK); unset one of them")
         qk = "after"
-    return OtLoop(p0 == "late", qk, "always" if p0 == "late" else fence, "exp" if softmax == "auto" else softmax)
+    return OtLoop(p0 == "late", qk, "always" if p0 == "late" else fence, "exp" if softmax == "auto" else softmax, p1)
 
 
 def resolve_colmax() -> str:

@@ -23,7 +23,7 @@ class Barrier(enum.IntEnum):
     SCALE0 = 6  # WG0 folded its tile into the shared row max (sM, scale0 published)
     SCALE1 = 7  # WG1 folded its tile (scale1 published)
     P0_READY = 8  # WG0's P in smem
-    P1_READY = 9  # WG1's P in smem (and its cross PV issued)
+    P1_READY = 9  # WG1's P in smem (and its cross PV issued; the O^T loop's p1_ready 'store': not)
     # schedule "seesaw" with TMA refills (128 threads of one warpgroup; warps 1-3 arrive, warp 0 syncs and
     # issues): one id per refill site, so no warp can reach a site's next phase before its warp 0 left the
     # last one (a 256-thread barrier separates consecutive uses)

@@ -101,6 +101,16 @@ mode "5") removes the copy:
   B64/K81920/H32/S1 and 1.01-1.02x on the other S x H <= 32 shapes (no spill there), 0.96-0.98x on the 64-row blocks;
   the backend's "auto" (its default) runs "max" on the 32- and 16-row tiles and "exp" on the 64-row blocks. ("fold"
   with the QK "after" builds without new spills there, and is not faster either: 21:18 UTC, same section.)
+* ``p1_ready`` (every tile size; ``TOKENSPEED_SM90_DECODE_OT_P1``): where warpgroup 1 arrives on P1_READY, which
+  warpgroup 0's cross PV waits for.  "cross" (this class's default, as built before 2026-12-03): behind warpgroup 1's
+  cross PV's issue, so after its own PV, its cross ``V^T`` loads and its P0_READY wait.  "store" (the backend's default
+  since 2026-12-03): right after its P1 store (fenced) and ``O^T *= scales``, the last reads of scale0 / scale1 that
+  warpgroup 0's next fold may overwrite; nothing else warpgroup 1 does later touches what warpgroup 0 writes next (P0
+  goes to the other pair's buffer, ``sRed`` has one region per warpgroup), and warpgroup 1 cannot arrive for the next
+  pair before warpgroup 0 passed this one (its next fold waits for SCALE0).  Bitwise the same outputs; measured on the
+  H200 2026-12-03: 1.017x and 1.021x "cross" over the 13 shapes (docs/sm90_decode.md, "P1 early").
+  ``qk_early`` "wg01" (32- and 16-row tiles only, opt-in): "wg0", and warpgroup 1 issues its next QK behind its own PV
+  (for the last pair too, its S thrown away); measured 0.98x (0.89x at H16/S1), so it stays opt-in.
 * ``qk_t`` (FP8 P V mode 6): the QK transposed too, ``S^T = K Q^T`` (the staging is the A operand as it lands, the
   first ``pv_n`` q rows the B operand): its tensor work and accumulators shrink by 64 / ``pv_n``.  A query row's
   keys then lie in all 4 warps, so the softmax exchanges each warp's column maxima through 1 KB of shared memory
@@ -143,9 +153,10 @@ _NBUF = 4  # two per warpgroup (pair j: buffers 2 (j % 2) + {0, 1})
 _ALL_CHUNKS = (0, 1, 2, 3, 4, 5, 6, 7, 8)
 _MIN_PAGE = 32  # the producer's coordinates (pages of 16: 4 boxes per chunk) spill in its 24 registers
 _MAX_ROWS = 32  # query rows S x H (module docstring, "Registers")
-QK_EARLY_MODES = ("after", "wg0", "wg0s")  # warpgroup 0's next QK and softmax (module docstring, "qk_early")
+QK_EARLY_MODES = ("after", "wg0", "wg0s", "wg01")  # warpgroup 0's next QK and softmax (module docstring, "qk_early")
 P0_FENCE_MODES = ("always", "rescaled")  # the proxy fence of the 64-row P0 rescale (module docstring, "p0_fence")
 SOFTMAX_ORDERS = ("exp", "fold", "max")  # where the softmax publishes and waits (module docstring, "softmax")
+P1_READY_MODES = ("cross", "store")  # where warpgroup 1 releases P1 to warpgroup 0 (module docstring, "p1_ready")
 
 # DecodeTraceMixin.mark points of an iteration of this loop (debug builds, benchmarks/trace_decode.py): per
 # warpgroup, what the time since the previous event was spent on; as many slots as the mode-4 loop's TRACE_EVENTS
@@ -255,7 +266,7 @@ class MlaDecodeOtSm90(MlaDecodeSeesawSm90):
     pair_step = 1  # output features of an O^T accumulator row pair q, q + 8 (store_ot_pair): f and f + 1
 
     def __init__(self, *, qk_t: bool = False, colmax: str = "shfl", p0_late: bool = False, qk_early: str = "after",
-                 p0_fence: str = "always", softmax: str = "exp", **kw):
+                 p0_fence: str = "always", softmax: str = "exp", p1_ready: str = "cross", **kw):
         for k in ("qk_fp8", "pv_fp8", "early_refill", "vt_packed", "tma_producer", "kv_load"):
             kw.pop(k, None)
         super().__init__(qk_fp8=True, pv_fp8=True, early_refill=True, vt_packed=True, tma_producer=True,
@@ -293,6 +304,9 @@ class MlaDecodeOtSm90(MlaDecodeSeesawSm90):
         if (qk_early == "wg0s" and self.pv_n != 64) or (qk_early != "after" and self.p0_late):
             raise ValueError(f"qk_early={qk_early!r}: not with p0_late, and 'wg0s' only on the 64-row blocks of the "
                              f"O^T loop without qk_t; got S x H = {self.R}, qk_t={self.qk_t}, p0_late={self.p0_late}")
+        if qk_early == "wg01" and self.pv_n == 64:
+            raise ValueError(f"qk_early='wg01': only the 32- and 16-row tiles of the O^T loop; got S x H = {self.R}, "
+                             f"qk_t={self.qk_t}")
         # where the 64-row P0 rescale fences its writes (module docstring, "p0_fence"); only that rescale has one
         if p0_fence not in P0_FENCE_MODES:
             raise ValueError(f"p0_fence must be one of {P0_FENCE_MODES}, got {p0_fence!r}")
@@ -306,6 +320,11 @@ class MlaDecodeOtSm90(MlaDecodeSeesawSm90):
         if softmax not in SOFTMAX_ORDERS:
             raise ValueError(f"softmax must be one of {SOFTMAX_ORDERS}, got {softmax!r}")
         self.softmax = softmax
+        # where warpgroup 1 arrives on P1_READY: behind its cross PV's issue, or right after its P1 store and
+        # O^T *= scales (module docstring, "p1_ready")
+        if p1_ready not in P1_READY_MODES:
+            raise ValueError(f"p1_ready must be one of {P1_READY_MODES}, got {p1_ready!r}")
+        self.p1_ready = p1_ready
 
     # ------------------------------------------------------------------------------------------ host
     @cute.jit
@@ -896,7 +915,7 @@ class MlaDecodeOtSm90(MlaDecodeSeesawSm90):
                             cute.arch.fence_view_async_shared()  # (the ldmatrix reads before the refill's TMA writes)
                             cute.arch.barrier_arrive(barrier_id=int(Barrier.VT1_FREE),
                                                      number_of_threads=self.num_threads)
-                elif cutlass.const_expr(self.qk_early == "wg0"):
+                elif cutlass.const_expr(self.qk_early in ("wg0", "wg01")):
                     if cutlass.const_expr(self.pv_n < 64):
                         warpgroup.wait_group(0)  # (the cross PV, before its slot is freed)
                     if refill:
@@ -939,8 +958,15 @@ class MlaDecodeOtSm90(MlaDecodeSeesawSm90):
                 self.store_p_tile(acc_s, qk_thr, bufs, 2 * u + 1, wtid)
                 cute.arch.barrier(barrier_id=int(Barrier.TAIL) + 1, number_of_threads=128)
                 self.scale_ot(acc, sSc0, sSc1, wtid)
+                if cutlass.const_expr(self.p1_ready == "store"):  # (P1 stored and fenced, scale0 / scale1 read)
+                    cute.arch.barrier_arrive(barrier_id=int(Barrier.P1_READY), number_of_threads=self.num_threads)
                 self.mark(mTrace, cta, 1, wtid, j, 5)
                 self.pv_tile(pv_mma, pv_thr, acc, a_own, tA_own, bufs, stg0, 2 * u + 1, zero, t1, split_end, 4, wtid)
+                if cutlass.const_expr(self.qk_early == "wg01"):  # its next QK behind its own PV (as warpgroup 0's on
+                    if more:  # the 64-row blocks: issued for the last pair too, on stale staging, its S thrown away)
+                        self.landed(mbar + 2 * (1 - u) + 1, ((j + 1) // 2) % 2)
+                    self.qk_tile(qk_mma, qk_thr, acc_s, tSrQ, bufs, 2 * (1 - u) + 1)
+                    warpgroup.commit_group()
                 self.mark(mTrace, cta, 1, wtid, j, 6)
                 # 3. O^T += V0^T P0^T (P0 from WG0; the tile's landing as in WG0), then release P1 to WG0
                 self.landed(mbar + 2 * u, (j // 2) % 2)
@@ -951,7 +977,8 @@ class MlaDecodeOtSm90(MlaDecodeSeesawSm90):
                 self.mark(mTrace, cta, 1, wtid, j, 7)
                 self.pv_ot(pv_mma, acc, tA_x, self.p_operand(pv_thr, bufs, 2 * u))
                 warpgroup.commit_group()
-                cute.arch.barrier_arrive(barrier_id=int(Barrier.P1_READY), number_of_threads=self.num_threads)
+                if cutlass.const_expr(self.p1_ready == "cross"):
+                    cute.arch.barrier_arrive(barrier_id=int(Barrier.P1_READY), number_of_threads=self.num_threads)
                 self.mark(mTrace, cta, 1, wtid, j, 8)
                 # 4. both PVs retired: slot 0's buffer is free (WG0's own PV retired before its P0_READY), announced
                 #    once the next pair landed (module docstring); then the next QK; slot 1's buffer once WG0's cross
@@ -959,14 +986,16 @@ class MlaDecodeOtSm90(MlaDecodeSeesawSm90):
                 warpgroup.wait_group(0)
                 self.mark(mTrace, cta, 1, wtid, j, 9)
                 if more:
-                    self.landed(mbar + 2 * (1 - u) + 1, ((j + 1) // 2) % 2)
+                    if cutlass.const_expr(self.qk_early != "wg01"):  # ("wg01": waited for before its QK, above)
+                        self.landed(mbar + 2 * (1 - u) + 1, ((j + 1) // 2) % 2)
                     if refill:
                         cute.arch.fence_view_async_shared()
                         cute.arch.barrier_arrive(barrier_id=int(Barrier.SLOT0_FREE), number_of_threads=160)
                     self.mark(mTrace, cta, 1, wtid, j, 10)
-                    self.qk_tile(qk_mma, qk_thr, acc_s, tSrQ, bufs, 2 * (1 - u) + 1)
-                    warpgroup.commit_group()
-                    warpgroup.wait_group(0)
+                    if cutlass.const_expr(self.qk_early != "wg01"):
+                        self.qk_tile(qk_mma, qk_thr, acc_s, tSrQ, bufs, 2 * (1 - u) + 1)
+                        warpgroup.commit_group()
+                        warpgroup.wait_group(0)
                     self.mark(mTrace, cta, 1, wtid, j, 11)
                     if refill:
                         cute.arch.barrier(barrier_id=int(Barrier.VT1_FREE), number_of_threads=self.num_threads)
@@ -1096,13 +1125,13 @@ def launch_mla_decode_ot(stream, q: cute.Tensor, kv: cute.Tensor, block_table: c
                          kv_evict: cutlass.Constexpr = "normal", pdl_main: cutlass.Constexpr = False,
                          colmax: cutlass.Constexpr = "shfl", p0_late: cutlass.Constexpr = False,
                          qk_early: cutlass.Constexpr = "after", p0_fence: cutlass.Constexpr = "always",
-                         softmax: cutlass.Constexpr = "exp"):
+                         softmax: cutlass.Constexpr = "exp", p1_ready: cutlass.Constexpr = "cross"):
     """FFI launch function of the O^T schedule (FP8 P V mode "5", with ``qk_t`` mode "6"; same ABI as
     ``launch_mla_decode_seesaw``; ``schedule`` is the backend's, always "seesaw" here)."""
     MlaDecodeOtSm90(dtype=dtype, num_heads=num_heads, q_len=q_len, page_size=page_size, causal=causal,
                     num_splits=num_splits, tokens_per_split=tokens_per_split, block_n=block_n, pdl=pdl,
                     l2_prefetch=l2_prefetch, qk_t=qk_t, kv_evict=kv_evict, pdl_main=pdl_main, colmax=colmax,
-                    p0_late=p0_late, qk_early=qk_early, p0_fence=p0_fence, softmax=softmax)(
+                    p0_late=p0_late, qk_early=qk_early, p0_fence=p0_fence, softmax=softmax, p1_ready=p1_ready)(
         stream, q, kv, block_table, seq_lens, softmax_scale, output_scale, out, lse, o_accum, lse_accum)
 
 
@@ -1117,17 +1146,18 @@ def launch_mla_decode_ot_traced(stream, q: cute.Tensor, kv: cute.Tensor, block_t
                                 pdl: cutlass.Constexpr = True, l2_prefetch: cutlass.Constexpr = "off",
                                 qk_t: cutlass.Constexpr = False, colmax: cutlass.Constexpr = "shfl",
                                 p0_late: cutlass.Constexpr = False, qk_early: cutlass.Constexpr = "after",
-                                p0_fence: cutlass.Constexpr = "always", softmax: cutlass.Constexpr = "exp"):
+                                p0_fence: cutlass.Constexpr = "always", softmax: cutlass.Constexpr = "exp",
+                                p1_ready: cutlass.Constexpr = "cross"):
     """Debug build of the O^T loop (FP8 P V mode 5, with ``qk_t`` mode 6) with :meth:`DecodeTraceMixin.mark`
     timestamps at the :data:`TRACE_EVENTS_OT` points in ``trace_buf`` (int64 ``(ctas, 2, trace, len(TRACE_EVENTS))``),
     an extra output after ``lse`` (benchmarks/trace_decode.py)."""
     MlaDecodeOtSm90(dtype=dtype, num_heads=num_heads, q_len=q_len, page_size=page_size, causal=causal,
                     num_splits=num_splits, tokens_per_split=tokens_per_split, block_n=64, pdl=pdl,
                     l2_prefetch=l2_prefetch, qk_t=qk_t, colmax=colmax, p0_late=p0_late, qk_early=qk_early,
-                    p0_fence=p0_fence, softmax=softmax, trace=trace)(
+                    p0_fence=p0_fence, softmax=softmax, p1_ready=p1_ready, trace=trace)(
         stream, q, kv, block_table, seq_lens, softmax_scale, output_scale, out, lse, o_accum, lse_accum, trace_buf)
 
 
-__all__ = ["COLMAX_MODES", "P0_FENCE_MODES", "QK_EARLY_MODES", "SOFTMAX_ORDERS", "TRACE_EVENTS_OT", "VT_A_SELECTORS",
-           "MlaDecodeOtSm90", "check_colmax", "colmax_xpose_column", "colmax_xpose_index", "launch_mla_decode_ot",
-           "launch_mla_decode_ot_traced", "ot_feature", "vt_a_row_offset"]
+__all__ = ["COLMAX_MODES", "P0_FENCE_MODES", "P1_READY_MODES", "QK_EARLY_MODES", "SOFTMAX_ORDERS", "TRACE_EVENTS_OT",
+           "VT_A_SELECTORS", "MlaDecodeOtSm90", "check_colmax", "colmax_xpose_column", "colmax_xpose_index",
+           "launch_mla_decode_ot", "launch_mla_decode_ot_traced", "ot_feature", "vt_a_row_offset"]
