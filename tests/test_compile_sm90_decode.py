@@ -562,7 +562,7 @@ def check_compile_result(r: dict) -> None:
     # qk_early "wg0" only on the 64-row blocks, not with p0_late; an unknown mode named
     assert "qk_early='wg0s': not with p0_late, and 'wg0s' only on the 64-row blocks of the" in r["ot64q_32"], r
     assert "p0_late=True" in r["ot64q_late"], r["ot64q_late"]
-    assert "qk_early must be one of ('after', 'wg0', 'wg0s')" in r["ot64q_bad"], r["ot64q_bad"]
+    assert "qk_early must be one of ('after', 'wg0', 'wg0s', 'wg01')" in r["ot64q_bad"], r["ot64q_bad"]
     # ... p0_fence "rescaled": the P0 rescale's fence moves into its branch (the default's follows the branch's end
     # label: none ends a branch), the other fences and everything else as "wg0" (2026-12-02: the same SASS length and
     # spills); only on the 64-row blocks without p0_late, an unknown mode named
