@@ -224,7 +224,9 @@ OT64_QK_DEFAULT = "wg0"
 # cross PV (kernels/sm90/mla_decode_ot.py, qk_early).  The default since 2026-12-02 20:30 UTC: bitwise the same outputs
 # as "after", 1.03x at B64/K81920/H32/S1 (the memory-bound point furthest from its roofline), 1.05x at B1, within 1%
 # on the other two shapes with S x H <= 32 (H200, 2026-12-02 20:16 UTC; the check cases, memcheck and the decode GPU
-# test file passed with it; docs/sm90_decode.md, "Softmax order").  Read at trace time; part of the compile key.
+# test file passed with it; docs/sm90_decode.md, "Softmax order").  "wg01" (opt-in, 2026-12-03): "wg0", and warpgroup
+# 1's next QK behind its own PV; measured 0.98x "wg0" (docs/sm90_decode.md, "P1 early").  Read at trace time; part of
+# the compile key.
 OT32_QK_ENV = "TOKENSPEED_SM90_DECODE_OT32_QK"
 OT32_QK_CHOICES = ("after", "wg0", "wg01")
 OT32_QK_DEFAULT = "wg0"
@@ -401,11 +403,10 @@ def resolve_ot_loop(blocks64: bool, tiles32: bool) -> OtLoop:
     """The O^T loop's switches for a call: ``blocks64``, the call runs its 64-row blocks (FP8 mode 10's loop without
     the transposed QK for S x H > 32; ``$..._OT64_P0``, ``$..._OT64_QK``, ``$..._OT64_FENCE``); ``tiles32``, its 32- or
     16-row tiles (``$..._OT32_QK``); ``$..._OT_SOFTMAX`` and ``$..._OT_P1`` on both; neither: the defaults of
-    :class:`OtLoop` (no O^T
-    loop).  All six switches are validated wherever they apply or not.  ``OT64_P0=late`` alone runs the QK "after"
-    (as it was measured; the late P0 store needs the S registers an early QK would hold); with ``OT64_QK`` set to an
-    early mode as well, refused with both variables named; it has no P0 rescale, so no fence to place.  (The backend
-    and benchmarks/trace_decode.py share this rule.)"""
+    :class:`OtLoop` (no O^T loop).  All six switches are validated wherever they apply or not.  ``OT64_P0=late`` alone
+    runs the QK "after" (as it was measured; the late P0 store needs the S registers an early QK would hold); with
+    ``OT64_QK`` set to an early mode as well, refused with both variables named; it has no P0 rescale, so no fence to
+    place.  (The backend and benchmarks/trace_decode.py share this rule.)"""
     p0 = _env(OT64_P0_ENV, OT64_P0_DEFAULT, OT64_P0_CHOICES)
     qk = _env(OT64_QK_ENV, OT64_QK_DEFAULT, OT64_QK_CHOICES)
     qk32 = _env(OT32_QK_ENV, OT32_QK_DEFAULT, OT32_QK_CHOICES)
