@@ -50,6 +50,7 @@ def traced_decode(c, trace_iters: int, ctas: int, producer: bool = False, ot: st
     from tokenspeed_jax.backends import sm90_decode
     from tokenspeed_jax.decode import _decode_problem
     from tokenspeed_jax.kernels.sm90.mla_decode_ot import launch_mla_decode_ot_traced
+    from tokenspeed_jax.kernels.sm90.mla_decode_ot_own import launch_mla_decode_ot_own_traced
     from tokenspeed_jax.kernels.sm90.mla_decode_seesaw import TRACE_EVENTS, launch_mla_decode_seesaw_traced
     from tokenspeed_jax.planner import plan_for_problem
 
@@ -81,9 +82,12 @@ def traced_decode(c, trace_iters: int, ctas: int, producer: bool = False, ot: st
         common = {"outputs": outputs, "compile_key": key, "dtype": prob.dtype, "num_heads": H, "q_len": S,
                   "page_size": prob.page_size, "causal": True, "num_splits": plan.num_splits,
                   "tokens_per_split": plan.tokens_per_split, "trace": trace_iters}
-        if ot:
+        if ot and ot_loop.loop32 != "shared" and ot != "5":  # ($..._OT32_LOOP "own": each warpgroup its own tiles)
+            call = ffi.custom_call(sm90_decode.TARGET, launch_mla_decode_ot_own_traced, qk_t=True, colmax=colmax,
+                                   loop32=ot_loop.loop32, **common)
+        elif ot:
             call = ffi.custom_call(sm90_decode.TARGET, launch_mla_decode_ot_traced, qk_t=ot != "5", colmax=colmax,
-                                   **ot_loop._asdict(), **common)
+                                   **{k: v for k, v in ot_loop._asdict().items() if k != "loop32"}, **common)
         else:
             call = ffi.custom_call(sm90_decode.TARGET, launch_mla_decode_seesaw_traced, tma_producer=producer,
                                    cross_first=cross_first, kv_evict=kv_evict, pad_rows=pad_rows, p_stsm=p_stsm,
@@ -145,6 +149,7 @@ def main(argv=None):
     from benchmarks.harness import provenance, switches
     from tokenspeed_jax.backends import sm90_decode
     from tokenspeed_jax.kernels.sm90.mla_decode_ot import TRACE_EVENTS_OT
+    from tokenspeed_jax.kernels.sm90.mla_decode_ot_own import TRACE_EVENTS_OWN
     from tokenspeed_jax.kernels.sm90.mla_decode_seesaw import TRACE_EVENTS
 
     mode = sm90_decode.resolve_fp8_pv() if a.dtype == "float8_e4m3fn" else None
@@ -185,7 +190,8 @@ def main(argv=None):
         same = bool(np.array_equal(np.asarray(out.astype(np.float32)), np.asarray(ref[0].astype(np.float32)))
                     and np.array_equal(np.asarray(lse), np.asarray(ref[1])))
         tr = np.asarray(tr)
-        summary = summarize(tr, events=events)
+        own = case_ot in ("6", "7") and sm90_decode.resolve_ot_loop(False, True).loop32 != "shared"
+        summary = summarize(tr, events=TRACE_EVENTS_OWN if own else events)
         report["cases"].append({"case": c.name, "bitwise_equal_to_normal_build": same, "summary": summary,
                                 "trace": tr.tolist()})
         print(f"{c.name}: traced output bitwise equal to the normal build: {same}")

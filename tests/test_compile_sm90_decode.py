@@ -43,6 +43,9 @@ _SCRIPT = textwrap.dedent(
     PATS = dict(
         n32=(r"wgmma.mma_async.sync.aligned.m64n32k32.f32.e4m3.e4m3", "ptx"),
         n64=(r"wgmma.mma_async.sync.aligned.m64n64k32", "ptx"),
+        n16=(r"wgmma.mma_async.sync.aligned.m64n16k32.f32.e4m3.e4m3", "ptx"),
+        qgmma_any=(r"QGMMA\\.64x(?:16|32)x32\\.F32\\.E4M3\\.E4M3", "sass"),
+        qgmma_any_r=(r"QGMMA\\.64x(?:16|32)x32\\.F32\\.E4M3\\.E4M3 R\\d+, R\\d+", "sass"),
         qk8=(r"wgmma.mma_async.sync.aligned.m64n64k32.f32.e4m3.e4m3", "ptx"),
         not32=(r"wgmma.mma_async.sync.aligned.m64n(?!32k32)", "ptx"),
         qgmma32=(r"QGMMA\\.64x32x32\\.F32\\.E4M3\\.E4M3", "sass"),
@@ -246,6 +249,26 @@ _SCRIPT = textwrap.dedent(
     cute.compile(kx, *fake_args(kx, 2, 32, 64, 1, B=3))  # (B 3: the dump's name differs from the compile above)
     res["ot_x"] = dump_counts(own(before, ".ptx"), own(before, ".sass"), n32="n32", qgmma="qgmma32", spill="spill",
                               depbar="depbar", shfl="shfl", lds4="lds4")
+    # ... each warpgroup on its own tiles (TOKENSPEED_SM90_DECODE_OT32_LOOP=own, the backend's default on the 32- and
+    #     16-row tiles): 32 rows with 3 splits (split partials), 16 rows with one (the direct epilogue); B 8 and 9: the
+    #     dumps' names differ from the compiles above
+    from tokenspeed_jax.kernels.sm90.mla_decode_ot_own import MlaDecodeOtOwnSm90
+    for name, H, splits, nb in (("own32", 32, 3, 8), ("own16", 16, 1, 9)):
+        before = set(glob.glob(d + "/*"))
+        ko = MlaDecodeOtOwnSm90(dtype="float8_e4m3fn", num_heads=H, q_len=1, page_size=64, causal=True,
+                                num_splits=splits, tokens_per_split=4096, block_n=64, qk_t=True)
+        cute.compile(ko, *fake_args(ko, 1, H, 64, splits, B=nb))
+        res[name] = dict(dump_counts(own(before, ".ptx"), own(before, ".sass"), n32="n32", n16="n16", n64="n64",
+                                     qgmma="qgmma_any", qgmma_r="qgmma_any_r", ldsm="ldsm", spill="spill",
+                                     depbar="depbar"), tiles=[ko.block_m, ko.num_m_blocks, ko.pv_n])
+    for name, kw in (("own_noqkt", dict(qk_t=False)), ("own_qk", dict(qk_t=True, qk_early="wg0")),
+                     ("own_bad", dict(qk_t=True, loop32="shared"))):
+        try:
+            MlaDecodeOtOwnSm90(dtype="float8_e4m3fn", num_heads=32, q_len=1, page_size=64, causal=True, num_splits=1,
+                               tokens_per_split=4096, block_n=64, **kw)
+            res[name] = "accepted"
+        except ValueError as e:
+            res[name] = str(e)
     # FP8 P V mode 8, the row-split loop (S x H = 128: two 64-row blocks; page 32: 2 boxes per chunk; 3 splits)
     from tokenspeed_jax.kernels.sm90.mla_decode_rs import MlaDecodeRsSm90
     before = set(glob.glob(d + "/*"))
@@ -421,7 +444,8 @@ def check_compile_result(r: dict) -> None:
         # and mode 10's 64-row O^T loop: 16 bytes of loop-invariant reloads (below)
         assert r["sass_spill"] == (r["ss"]["32_8r"]["spill"] + r["ot64"]["spill"] + r["ot64a"]["spill"]
                                    + r["ot64s"]["spill"] + r["ot64l"]["spill"] + r["ot64f"]["spill"]
-                                   + r["ot64e"]["spill"] + r["ot_te"]["spill"]), r
+                                   + r["ot64e"]["spill"] + r["ot_te"]["spill"] + r["own32"]["spill"]
+                                   + r["own16"]["spill"]), r
     assert "tokenspeed_mla_decode_sm90" in r["targets"], r
     # combine over 16 splits: each of a thread's 2 splits (16 / 8 groups) is one 16-byte load; PDL
     assert r["comb"] == {"v4": 2, "wait": 1, "trigger": 1}, r["comb"]
@@ -613,6 +637,21 @@ def check_compile_result(r: dict) -> None:
     assert y["n32"] == x["n32"] and x["shfl"] - y["shfl"] == 2 * (24 - 7) and y["lds4"] - x["lds4"] == 2 * 8, (x, y)
     if y["sass"]:
         assert y["qgmma"] == x["qgmma"] and y["depbar"] <= 12 and y["spill"] == 0, y
+    # the "own" loop (each warpgroup its own tiles over all 512 features): the first QK and the loop's next QK (18 each)
+    # and the PV over 8 m-blocks x 2 k32 steps with V^T from registers (16 ldmatrix.x4.trans), all N = the rows; no
+    # serialized wgmma; spills at 32 rows only outside the loop (2026-12-03, 3 splits: 10 STL / 35 LDL, all in the
+    # prologue and the epilogue's merge; 2 splits: 2 / 2; with the next QK beside the PV, 40 / 79 in the loop), none at
+    # 16 rows
+    for name, n in (("own32", "n32"), ("own16", "n16")):
+        y = r[name]
+        assert y[n] == 18 * 2 + 16 and y["n64"] == 0 and y["ldsm"] == 16, (name, y)
+        assert y["tiles"] == [32, 1, 32 if name == "own32" else 16], (name, y)
+        if y["sass"]:
+            assert y["qgmma"] == 52 and y["qgmma_r"] == 16 and y["depbar"] <= 6, (name, y)
+            assert y["spill"] <= (48 if name == "own32" else 0), (name, y)
+    assert "only the O^T loop's 32- / 16-row tiles (qk_t" in r["own_noqkt"], r["own_noqkt"]
+    assert "qk_early, softmax and p1_ready keep their defaults" in r["own_qk"], r["own_qk"]
+    assert "loop32 must be 'own' here" in r["own_bad"], r["own_bad"]
     # mode 8 (the row-split loop; 128 rows, page 32, 3 splits): only m64n32k32 QGMMAs: the QK (S^T = K Q_w^T, the
     # warpgroup's 32 rows as N) of the first tile and of the loop's next tile, 18 each, and the PV in 4 sets of 2
     # m-blocks x 2 k32 steps with V^T from registers (2 ldmatrix.x4.trans per set and k32 step); TMA: the ring's 4

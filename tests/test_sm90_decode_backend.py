@@ -314,10 +314,20 @@ def test_resolve_ot_loop(monkeypatch):
     the P0 rescale's fence, bad values named wherever they apply or not."""
     from tokenspeed_jax.backends import sm90_decode as m
 
-    envs = (m.OT64_QK_ENV, m.OT64_P0_ENV, m.OT32_QK_ENV, m.OT64_FENCE_ENV, m.OT_SOFTMAX_ENV, m.OT_P1_ENV)
+    envs = (m.OT64_QK_ENV, m.OT64_P0_ENV, m.OT32_QK_ENV, m.OT64_FENCE_ENV, m.OT_SOFTMAX_ENV, m.OT_P1_ENV,
+            m.OT32_LOOP_ENV)
     for env in envs:
         monkeypatch.delenv(env, raising=False)
     r = m.resolve_ot_loop
+    assert m.OT32_LOOP_ENV in m.TRACE_ENV and m.OT32_LOOP_DEFAULT == "own" and m.OT32_LOOP_CHOICES == ("shared", "own")
+    # the default on the 32- / 16-row tiles: each warpgroup its own tiles; no cross-warpgroup chain, so the other
+    # switches keep their defaults there (and still act on the 64-row blocks)
+    monkeypatch.setenv(m.OT_SOFTMAX_ENV, "fold")
+    assert r(False, True) == m.OtLoop(loop32="own") == (False, "after", "always", "exp", "cross", "own")
+    assert r(True, False) == (False, "wg0", "always", "fold", "store", "shared")
+    assert r(False, False) == m.OtLoop()
+    monkeypatch.delenv(m.OT_SOFTMAX_ENV)
+    monkeypatch.setenv(m.OT32_LOOP_ENV, "shared")  # (the shared loop's switches from here on)
     assert m.OT32_QK_ENV in m.TRACE_ENV and m.OT32_QK_DEFAULT == "wg0" and m.OT32_QK_CHOICES == ("after", "wg0", "wg01")
     assert m.OT64_FENCE_ENV in m.TRACE_ENV and m.OT64_FENCE_DEFAULT == "always"
     assert m.OT64_FENCE_CHOICES == ("always", "rescaled")
@@ -328,42 +338,45 @@ def test_resolve_ot_loop(monkeypatch):
     assert r(True, False).p1_ready == r(False, True).p1_ready == r(False, False).p1_ready == "cross"
     monkeypatch.delenv(m.OT_P1_ENV)
     assert r(False, False) == m.OtLoop() and r(True, False)._fields == ("p0_late", "qk_early", "p0_fence",
-                                                                        "softmax", "p1_ready")
-    assert r(True, False) == (False, "wg0", "always", "exp", "store")
-    assert r(False, False) == (False, "after", "always", "exp", "cross")
-    assert r(False, True) == (False, "wg0", "always", "max", "store")
+                                                                        "softmax", "p1_ready",
+                                                                        "loop32")
+    assert r(True, False) == (False, "wg0", "always", "exp", "store", "shared")
+    assert r(False, False) == (False, "after", "always", "exp", "cross", "shared")
+    assert r(False, True) == (False, "wg0", "always", "max", "store", "shared")
     monkeypatch.setenv(m.OT32_QK_ENV, "after")
-    assert r(False, True) == (False, "after", "always", "max", "store")
-    assert r(True, False) == (False, "wg0", "always", "exp", "store")
-    assert r(False, False) == (False, "after", "always", "exp", "cross")
+    assert r(False, True) == (False, "after", "always", "max", "store", "shared")
+    assert r(True, False) == (False, "wg0", "always", "exp", "store", "shared")
+    assert r(False, False) == (False, "after", "always", "exp", "cross", "shared")
     monkeypatch.delenv(m.OT32_QK_ENV)
     monkeypatch.setenv(m.OT64_QK_ENV, "wg0s")
-    assert r(True, False) == (False, "wg0s", "always", "exp", "store")
-    assert r(False, True) == (False, "wg0", "always", "max", "store")
+    assert r(True, False) == (False, "wg0s", "always", "exp", "store", "shared")
+    assert r(False, True) == (False, "wg0", "always", "max", "store", "shared")
     monkeypatch.delenv(m.OT64_QK_ENV)
     monkeypatch.setenv(m.OT_SOFTMAX_ENV, "max")  # (every tile size of the O^T loop)
-    assert r(True, False) == (False, "wg0", "always", "max", "store")
-    assert r(False, True) == (False, "wg0", "always", "max", "store")
-    assert r(False, False) == (False, "after", "always", "exp", "cross")
+    assert r(True, False) == (False, "wg0", "always", "max", "store", "shared")
+    assert r(False, True) == (False, "wg0", "always", "max", "store", "shared")
+    assert r(False, False) == (False, "after", "always", "exp", "cross", "shared")
     monkeypatch.delenv(m.OT_SOFTMAX_ENV)
     monkeypatch.setenv(m.OT64_FENCE_ENV, "rescaled")  # (the 64-row blocks' P0 rescale only)
-    assert r(True, False) == (False, "wg0", "rescaled", "exp", "store")
-    assert r(False, True) == (False, "wg0", "always", "max", "store")
-    assert r(False, False) == (False, "after", "always", "exp", "cross")
+    assert r(True, False) == (False, "wg0", "rescaled", "exp", "store", "shared")
+    assert r(False, True) == (False, "wg0", "always", "max", "store", "shared")
+    assert r(False, False) == (False, "after", "always", "exp", "cross", "shared")
     monkeypatch.setenv(m.OT64_P0_ENV, "late")  # (no rescale: the fence stays where it is)
-    assert r(True, False) == (True, "after", "always", "exp", "store")
-    assert r(False, False) == (False, "after", "always", "exp", "cross")
-    assert r(False, True) == (False, "wg0", "always", "max", "store")
+    assert r(True, False) == (True, "after", "always", "exp", "store", "shared")
+    assert r(False, False) == (False, "after", "always", "exp", "cross", "shared")
+    assert r(False, True) == (False, "wg0", "always", "max", "store", "shared")
     monkeypatch.delenv(m.OT64_FENCE_ENV)
+    monkeypatch.delenv(m.OT64_P0_ENV)
+    monkeypatch.setenv(m.OT64_P0_ENV, "late")
     monkeypatch.setenv(m.OT64_QK_ENV, "after")
-    assert r(True, False) == (True, "after", "always", "exp", "store")
+    assert r(True, False) == (True, "after", "always", "exp", "store", "shared")
     monkeypatch.setenv(m.OT64_QK_ENV, "wg0s")
     with pytest.raises(ValueError, match=f"{m.OT64_P0_ENV}=late and {m.OT64_QK_ENV}=wg0s"):
         r(True, False)
-    assert r(False, False) == (False, "after", "always", "exp", "cross")
+    assert r(False, False) == (False, "after", "always", "exp", "cross", "shared")
     for env, bad in ((m.OT64_QK_ENV, "early"), (m.OT64_P0_ENV, "1"), (m.OT32_QK_ENV, "wg0s"),
                      (m.OT64_FENCE_ENV, "never"), (m.OT_SOFTMAX_ENV, "early"),
-                     (m.OT_P1_ENV, "late")):
+                     (m.OT_P1_ENV, "late"), (m.OT32_LOOP_ENV, "split")):
         for e in envs:
             monkeypatch.delenv(e, raising=False)
         monkeypatch.setenv(env, bad)
@@ -537,9 +550,14 @@ def _switch_run(monkeypatch, m, clear, field: str, absent, dtype: str, S: int, H
 def _record_custom_calls(monkeypatch) -> dict:
     """Replace ``tokenspeed_jax.ffi.custom_call`` by a recorder: the backend's last call leaves its ``launch``
     function, ``key`` (compile key) and ``kw`` (the launch's static arguments) in the returned dict, and the call
-    returns zeros of the declared outputs (no compile)."""
+    returns zeros of the declared outputs (no compile).  It also sets ``$TOKENSPEED_SM90_DECODE_OT32_LOOP=shared``:
+    most switch tests follow the shared O^T loop, whose switches the default "own" loop on the 32- / 16-row tiles
+    does not take (:func:`test_ot32_loop_switch` unsets it)."""
     import jax.numpy as jnp
 
+    from tokenspeed_jax.backends import sm90_decode
+
+    monkeypatch.setenv(sm90_decode.OT32_LOOP_ENV, "shared")
     seen = {}
 
     def fake_call(target, launch, *, outputs, compile_key, **kw):
@@ -600,6 +618,36 @@ def test_sm90_plan(B, S, H, K):
     if B * p.num_m_blocks < 132 and K >= 64 * 4:
         # fills (most of) a wave, unless limited by at least two 64-token blocks per split
         assert ctas >= 100 or p.num_splits == -(-K // 64) // 2
+
+
+def test_ot32_loop_switch(monkeypatch):
+    """``TOKENSPEED_SM90_DECODE_OT32_LOOP`` (default "own") picks the "own" loop's launch function for the O^T loop's
+    32- / 16-row tiles (FP8 mode 10 with S x H <= 32, mode 7 for any S x H), without the shared loop's switches (not
+    passed, at their defaults in the key); "shared" the shared loop; the 64-row blocks, mode 5 (no transposed QK) and
+    BF16 never run it; a bad value is named."""
+    pytest.importorskip("cutlass")
+    from tokenspeed_jax.backends import sm90_decode as m
+
+    run, seen = _switch_run(monkeypatch, m, (m.OT32_LOOP_ENV, m.FP8_PV_ENV, m.OT_SOFTMAX_ENV), "loop32", "shared",
+                            "float8_e4m3fn", 1, 32)
+    # (clear unset the "shared" of _record_custom_calls)
+    assert run() == ("launch_mla_decode_ot_own", "own", "own")  # the default, 32 rows
+    assert all(k not in seen["kw"] for k in ("qk_early", "softmax", "p1_ready")) and seen["kw"]["qk_t"] is True
+    assert (seen["key"].qk_early, seen["key"].softmax, seen["key"].p1_ready) == ("after", "exp", "cross")
+    assert run(H=16) == ("launch_mla_decode_ot_own", "own", "own")  # 16 rows
+    assert run(S=4) == ("launch_mla_decode_ot", "shared", "shared")  # 64 rows: the 64-row blocks
+    assert run(dtype="bfloat16") == ("launch_mla_decode_ot16", "shared", "shared")  # (the 16-bit loop: not this)
+    monkeypatch.setenv(m.FP8_PV_ENV, "7")  # 32-row tiles for any S x H
+    assert run(S=4) == ("launch_mla_decode_ot_own", "own", "own")
+    monkeypatch.setenv(m.FP8_PV_ENV, "5")  # no transposed QK: the shared loop
+    assert run() == ("launch_mla_decode_ot", "shared", "shared")
+    monkeypatch.delenv(m.FP8_PV_ENV)
+    monkeypatch.setenv(m.OT32_LOOP_ENV, "shared")
+    assert run() == ("launch_mla_decode_ot", "shared", "shared")
+    assert seen["kw"]["softmax"] == "max" and seen["kw"]["qk_early"] == "wg0"  # (the shared loop's defaults)
+    monkeypatch.setenv(m.OT32_LOOP_ENV, "split")
+    with pytest.raises(ValueError, match=m.OT32_LOOP_ENV):
+        run(S=4)  # (validated wherever it applies or not)
 
 
 def test_fp8_ot_switch(monkeypatch):

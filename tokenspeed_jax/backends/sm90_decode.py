@@ -258,10 +258,21 @@ OT_SOFTMAX_DEFAULT = "auto"
 OT_P1_ENV = "TOKENSPEED_SM90_DECODE_OT_P1"
 OT_P1_CHOICES = ("cross", "store")  # (the kernel module's P1_READY_MODES; no cutlass import here)
 OT_P1_DEFAULT = "store"
+# The O^T loop's 32- and 16-row tiles (FP8 S x H <= 32, mode 7): "own" (the default since 2026-12-03: each warpgroup
+# its own tiles over all 512 features, its own running max, row sums and O^T, merged once in the epilogue, so no barrier
+# between the warpgroups in the loop; kernels/sm90/mla_decode_ot_own.py) or "shared" (as before: both warpgroups on
+# every tile, 256 features each, one running max chained through both, SCALE0 / SCALE1 / P0_READY / P1_READY; the
+# switches OT32_QK, OT_SOFTMAX and OT_P1 act on it).  "own" measured 1.07x "shared" at B64/K81920/H32/S1 (822.8 ->
+# 770.7 µs), 1.13x at B128/K4096/H16, 1.21x at B1, 0.96x at B64/K81920/H16/S1 (H200, 2026-12-03, docs/sm90_decode.md,
+# "Own tiles").  Outputs differ from "shared" by rounding (the sums accumulate in another order).  Read at trace time;
+# part of the compile key.
+OT32_LOOP_ENV = "TOKENSPEED_SM90_DECODE_OT32_LOOP"
+OT32_LOOP_CHOICES = ("shared", "own")  # (the kernel module's LOOP32_MODES; no cutlass import here)
+OT32_LOOP_DEFAULT = "own"
 TRACE_ENV = (SCHEDULE_ENV, PDL_ENV, FP8_QK_ENV, FP8_PV_ENV, L2_PREFETCH_ENV, PRODUCER16_ENV, RS_STAGES_ENV,
              KV_EVICT_ENV, CROSS_FIRST_ENV, T16_ENV, PDL_MAIN_ENV, PAD_ROWS_ENV, P_STSM_ENV, EPILOGUE_ENV,
              EPILOGUE_FP8_ENV, T16_PT_ENV, T16_BARS_ENV, COLMAX_ENV, OT64_P0_ENV, OT64_QK_ENV,
-             OT32_QK_ENV, OT64_FENCE_ENV, OT_SOFTMAX_ENV, OT_P1_ENV)
+             OT32_QK_ENV, OT64_FENCE_ENV, OT_SOFTMAX_ENV, OT_P1_ENV, OT32_LOOP_ENV)
 SCHEDULES = ("auto", "seesaw", "seesaw-cpasync", "lockstep", "overlap")  # module docstring (no cutlass import here)
 _MIN_PAGE = 8
 _MIN_FP8_SEESAW_PAGE = 16  # the FP8 seesaw needs TMA refills (the kernel's _MIN_TMA_PAGE; no cutlass import here)
@@ -308,6 +319,7 @@ class DecodeKernelKey:
     p0_fence: str = "always"  # mode 10's 64-row P0 rescale: where it fences its writes ($..._OT64_FENCE)
     softmax: str = "exp"  # the O^T loop: where the softmax publishes its fold and waits ($..._OT_SOFTMAX)
     p1_ready: str = "cross"  # the O^T loop: where warpgroup 1 releases P1 to warpgroup 0 ($..._OT_P1)
+    loop32: str = "shared"  # the O^T loop's 32- / 16-row tiles: shared or own tiles per warpgroup ($..._OT32_LOOP)
 
 
 def supports(problem: DecodeProblem) -> str | None:
@@ -397,13 +409,15 @@ class OtLoop(NamedTuple):
     p0_fence: str = "always"  # $..._OT64_FENCE
     softmax: str = "exp"  # $..._OT_SOFTMAX
     p1_ready: str = "cross"  # $..._OT_P1
+    loop32: str = "shared"  # $..._OT32_LOOP (32- / 16-row tiles; with "own*" the fields above keep their defaults)
 
 
 def resolve_ot_loop(blocks64: bool, tiles32: bool) -> OtLoop:
     """The O^T loop's switches for a call: ``blocks64``, the call runs its 64-row blocks (FP8 mode 10's loop without
     the transposed QK for S x H > 32; ``$..._OT64_P0``, ``$..._OT64_QK``, ``$..._OT64_FENCE``); ``tiles32``, its 32- or
-    16-row tiles (``$..._OT32_QK``); ``$..._OT_SOFTMAX`` and ``$..._OT_P1`` on both; neither: the defaults of
-    :class:`OtLoop` (no O^T loop).  All six switches are validated wherever they apply or not.  ``OT64_P0=late`` alone
+    16-row tiles (``$..._OT32_QK``, ``$..._OT32_LOOP``: its "own" loops have no cross-warpgroup chain, so the other
+    switches keep their defaults there); ``$..._OT_SOFTMAX`` and ``$..._OT_P1`` on both; neither: the defaults of
+    :class:`OtLoop` (no O^T loop).  All seven switches are validated wherever they apply or not.  ``OT64_P0=late`` alone
     runs the QK "after" (as it was measured; the late P0 store needs the S registers an early QK would hold); with
     ``OT64_QK`` set to an early mode as well, refused with both variables named; it has no P0 rescale, so no fence to
     place.  (The backend and benchmarks/trace_decode.py share this rule.)"""
@@ -413,6 +427,9 @@ def resolve_ot_loop(blocks64: bool, tiles32: bool) -> OtLoop:
     fence = _env(OT64_FENCE_ENV, OT64_FENCE_DEFAULT, OT64_FENCE_CHOICES)
     softmax = _env(OT_SOFTMAX_ENV, OT_SOFTMAX_DEFAULT, OT_SOFTMAX_CHOICES)
     p1 = _env(OT_P1_ENV, OT_P1_DEFAULT, OT_P1_CHOICES)
+    loop32 = _env(OT32_LOOP_ENV, OT32_LOOP_DEFAULT, OT32_LOOP_CHOICES)
+    if tiles32 and loop32 != "shared":
+        return OtLoop(loop32=loop32)
     if tiles32:
         return OtLoop(qk_early=qk32, softmax="max" if softmax == "auto" else softmax, p1_ready=p1)
     if not blocks64:
@@ -471,6 +488,7 @@ def decode(problem: DecodeProblem, q, kv_cache, block_table, seq_lens, softmax_s
     from tokenspeed_jax.kernels.sm90.mla_decode import launch_mla_decode
     from tokenspeed_jax.kernels.sm90.mla_decode_ot import launch_mla_decode_ot
     from tokenspeed_jax.kernels.sm90.mla_decode_ot16 import launch_mla_decode_ot16
+    from tokenspeed_jax.kernels.sm90.mla_decode_ot_own import launch_mla_decode_ot_own
     from tokenspeed_jax.kernels.sm90.mla_decode_rs import launch_mla_decode_rs
     from tokenspeed_jax.kernels.sm90.mla_decode_seesaw import launch_mla_decode_seesaw
 
@@ -532,6 +550,10 @@ def decode(problem: DecodeProblem, q, kv_cache, block_table, seq_lens, softmax_s
     t16_pt_q = resolve_t16_pt() == "q" and t16  # (both validated wherever they apply or not)
     t16_chunk_bars = resolve_t16_bars() == "chunk" and t16
     ot_loop = resolve_ot_loop(pv_ot and not qk_t and not small, pv_ot and (qk_t or small))
+    if ot_loop.loop32 != "shared" and qk_t:  # (mode 5 on S x H <= 32 has no transposed QK: the shared loop)
+        launch = launch_mla_decode_ot_own
+    elif ot_loop.loop32 != "shared":
+        ot_loop = ot_loop._replace(loop32="shared")
     colmax = resolve_colmax()  # (validated wherever it applies or not)
     if not (qk_t or t16):  # the transposed loops only
         colmax = "shfl"
@@ -548,7 +570,7 @@ def decode(problem: DecodeProblem, q, kv_cache, block_table, seq_lens, softmax_s
         p_stsm, o_staged = False, o_staged8
     if not seesaw_launch:  # the seesaw loops only
         p_stsm = o_staged = False
-    key = DecodeKernelKey("mla_decode_sm90.v10", problem.dtype, H, S, problem.page_size, problem.causal,
+    key = DecodeKernelKey("mla_decode_sm90.v11", problem.dtype, H, S, problem.page_size, problem.causal,
                           plan.num_splits, plan.tokens_per_split, block_n, schedule, pdl, qk_fp8, l2_prefetch, pv_fp8,
                           early_refill, vt_packed, tma_producer, pv_ot, qk_t, rs_stages, kv_evict, cross_first, t16,
                           pdl_main, pad_rows, p_stsm, o_staged, t16_pt_q, t16_chunk_bars, colmax, *ot_loop)

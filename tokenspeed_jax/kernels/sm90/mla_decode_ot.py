@@ -128,7 +128,9 @@ are 0.64-0.79x mode 4 (docs/sm90_decode.md, "O^T schedule").  2026-12-02 16:00 U
 the FP8 default since) 1.12-1.34x mode 4 on the 9 shapes of the issue matrix with 64 or more rows; correct, memcheck
 clean (docs/sm90_decode.md, "64-row O^T loop").  2026-12-02 20:59 UTC, with the 32-row tiles' QK early and softmax
 order "max" (the defaults since): 84.5% of the copy roofline at B64/K81920/H32/S1 in bursts (79.1% before;
-docs/sm90_decode.md, "Softmax order").
+docs/sm90_decode.md, "Softmax order").  Since 2026-12-03 the backend runs the 32- and 16-row tiles on the subclass
+of kernels/sm90/mla_decode_ot_own.py instead (each warpgroup on its own tiles, no chain between them; 87.8% there), and
+this loop on the 64-row blocks (and on those tiles with ``TOKENSPEED_SM90_DECODE_OT32_LOOP=shared``).
 """
 
 from __future__ import annotations
@@ -485,7 +487,7 @@ class MlaDecodeOtSm90(MlaDecodeSeesawSm90):
 
     @cute.jit
     def fold_t(self, acc_s, tScS, lim, tile_start, scale_log2, sM, sSc_in, sSc_out, sRed, row_l, ref, sc, wg, wtid,
-               mk=None, wait0: bool = False):
+               mk=None, wait0: bool = False, m_reg=None):
         """``qk_t``: :meth:`fold_first` (``sSc_in`` None; warpgroup 0) or :meth:`fold_second` (``sSc_in``: scale0;
         warpgroup 1, which arrives on SCALE1 after this) without the exp, for ``S^T``: a query row's keys are spread
         over the 4 warps (tokens are M), so each warp's column maxima (over its 2 tokens, then its 8 lanes of a
@@ -493,14 +495,17 @@ class MlaDecodeOtSm90(MlaDecodeSeesawSm90):
         barrier and written after it, by warp 0's lanes 0..3 (one writer per row).  ``mk``: ``(mTrace, cta, j,
         event after the barrier, event at the end or None)`` for :meth:`mark` (debug builds).  ``wait0`` (warpgroup 1,
         ``softmax`` "max"): wait for SCALE0 after its column maxima and read the shared max after that wait (still
-        before the TAIL barrier), else the caller waited before."""
+        before the TAIL barrier), else the caller waited before.  ``m_reg`` (``loop32`` "own": each warpgroup its own
+        running max): the thread's columns' running max in registers instead of ``sM`` (``sM``, ``sSc_out`` None)."""
         nc = self.pv_n // 4
         lane = wtid % 32
         warp = wtid // 32
         mprev = cute.make_rmem_tensor((nc,), Float32)
         mx = cute.make_rmem_tensor((nc,), Float32)
         for i in cutlass.range_constexpr(nc):
-            if cutlass.const_expr(not wait0):
+            if cutlass.const_expr(m_reg is not None):
+                mprev[i] = m_reg[i]
+            elif cutlass.const_expr(not wait0):
                 mprev[i] = sM[self.col_n(i, wtid)]
             mx[i] = -Float32.inf
         for e in cutlass.range_constexpr(cute.size(acc_s)):
@@ -548,7 +553,9 @@ class MlaDecodeOtSm90(MlaDecodeSeesawSm90):
             if cutlass.const_expr(sSc_in is not None):
                 sc[i] = sSc_in[n] * s
             row_l[i] = row_l[i] * sc[i]
-            if wtid < 4:
+            if cutlass.const_expr(m_reg is not None):
+                m_reg[i] = m_new
+            elif wtid < 4:
                 sM[n] = m_new
                 sSc_out[n] = s
         if cutlass.const_expr(mk is not None and mk[4] is not None):
@@ -651,6 +658,12 @@ class MlaDecodeOtSm90(MlaDecodeSeesawSm90):
                 s[i] = sa[n]
             else:
                 s[i] = sa[n] * sb[n]
+        self.scale_cols(acc, s)
+
+    @cute.jit
+    def scale_cols(self, acc: cute.Tensor, s: cute.Tensor):
+        """``O^T`` (any number of m-blocks) times ``s[i]`` on this thread's column ``i`` (:meth:`col_n`; element ``e``
+        is column ``e % 2 + 2 ((e // 4) % (pv_n / 8))``); nothing when every scale of the warp is 1."""
         one = s[0] == 1.0
         for i in cutlass.range_constexpr(1, self.pv_n // 4):
             one = one & (s[i] == 1.0)
@@ -1031,6 +1044,12 @@ class MlaDecodeOtSm90(MlaDecodeSeesawSm90):
         """Row sums across both warpgroups (with ``qk_t`` across the lanes and warps of a column too), the LSE (by
         one thread per row, :meth:`store_lse`), and ``O = O^T^T / l`` straight from the accumulators: thread ``(warp w, lane 4q + c)`` holds features
         ``f, f + 1`` (:func:`ot_feature`) of rows ``n = 8 v2 + 2c + v0`` (``n < pv_n``), one 2-element store each."""
+        self.row_sums_ot(sM, row_l, row_in, sSum, sRed, mLse, mLacc, mblk, split, b, wg, wtid)
+        self.store_ot_rows(acc, sSum, mOut, mOacc, out_scale, mblk, split, b, wg, wtid, 0)
+
+    @cute.jit
+    def row_sums_ot(self, sM, row_l, row_in, sSum, sRed, mLse, mLacc, mblk, split, b, wg, wtid):
+        """:meth:`epilogue_ot`'s row sums (into ``sSum``) and LSE; two barriers of both warpgroups."""
         if cutlass.const_expr(self.qk_t):  # column sums over the thread's tokens, its column's 8 lanes, 4 warps, 2 WGs
             lane = wtid % 32
             for i in cutlass.range_constexpr(self.pv_n // 4):
@@ -1060,6 +1079,11 @@ class MlaDecodeOtSm90(MlaDecodeSeesawSm90):
                 for h in cutlass.range_constexpr(2):
                     self.store_lse(mLse, mLacc, sM[row_in[h]], sSum[row_in[h]] + sSum[64 + row_in[h]],
                                    mblk * self.block_m + row_in[h], split, b)
+
+    @cute.jit
+    def store_ot_rows(self, acc, sSum, mOut, mOacc, out_scale, mblk, split, b, wg, wtid, mb0: cutlass.Constexpr):
+        """``O = O^T^T / l`` of warpgroup ``wg``'s 256 features from its accumulator m-blocks ``mb0 .. mb0 + 3``
+        (:meth:`epilogue_ot`; ``mb0`` 4 for warpgroup 1 with ``loop32`` "own", whose accumulators hold all 512)."""
         lane = wtid % 32
         c2 = 2 * (lane % 4)
         for i in cutlass.range_constexpr(self.pv_n // 4):
@@ -1072,8 +1096,8 @@ class MlaDecodeOtSm90(MlaDecodeSeesawSm90):
             if r < self.R:
                 for mb in cutlass.range_constexpr(4):
                     f = self.acc_feature(wg, mb, wtid // 32, lane // 4)  # and f + 1 (accumulator row q + 8)
-                    self.store_ot_pair(acc, i % 2 + 4 * (i // 2) + (self.pv_n // 2) * mb, inv, out_scale, mOut, mOacc,
-                                       b, split, r, f)
+                    self.store_ot_pair(acc, i % 2 + 4 * (i // 2) + (self.pv_n // 2) * (mb0 + mb), inv, out_scale,
+                                       mOut, mOacc, b, split, r, f)
 
     def acc_feature(self, wg, mb, warp, q):
         """Output feature of the ``O^T`` accumulator row ``q`` (0..7; row ``q + 8`` is :meth:`store_ot_pair`'s
