@@ -76,13 +76,14 @@ def traced_decode(c, trace_iters: int, ctas: int, producer: bool = False, ot: st
         colmax = sm90_decode.resolve_colmax() if ot in ("6", "7") else "shfl"  # (the transposed QK's column maxima)
         # (the O^T loop's switches as the backend resolves them: where P0 is stored, when warpgroup 0 issues its QK,
         # where the P0 rescale fences, where the softmax publishes its fold and waits)
-        ot_loop = sm90_decode.resolve_ot_loop(ot == "5" and S * H > 32, ot in ("6", "7") or (ot == "5" and S * H <= 32))
+        ot_loop = sm90_decode.resolve_ot_loop(ot == "5" and S * H > 32, ot in ("6", "7") or (ot == "5" and S * H <= 32),
+                                              ot != "5")
         key = ("mla_decode_sm90_traced.v10", prob.dtype, H, S, prob.page_size, plan.num_splits, plan.tokens_per_split,
                trace_iters, ctas, producer, ot, cross_first, kv_evict, pad_rows, p_stsm, o_staged, colmax, *ot_loop)
         common = {"outputs": outputs, "compile_key": key, "dtype": prob.dtype, "num_heads": H, "q_len": S,
                   "page_size": prob.page_size, "causal": True, "num_splits": plan.num_splits,
                   "tokens_per_split": plan.tokens_per_split, "trace": trace_iters}
-        if ot and ot_loop.loop32 != "shared" and ot != "5":  # ($..._OT32_LOOP "own": each warpgroup its own tiles)
+        if ot_loop.loop32 != "shared":  # ($..._OT32_LOOP "own": each warpgroup on its own tiles)
             call = ffi.custom_call(sm90_decode.TARGET, launch_mla_decode_ot_own_traced, qk_t=True, colmax=colmax,
                                    loop32=ot_loop.loop32, **common)
         elif ot:

@@ -326,6 +326,7 @@ def test_resolve_ot_loop(monkeypatch):
     assert r(False, True) == m.OtLoop(loop32="own") == (False, "after", "always", "exp", "cross", "own")
     assert r(True, False) == (False, "wg0", "always", "fold", "store", "shared")
     assert r(False, False) == m.OtLoop()
+    assert r(False, True, False) == (False, "wg0", "always", "fold", "store", "shared")  # (mode 5: no transposed QK)
     monkeypatch.delenv(m.OT_SOFTMAX_ENV)
     monkeypatch.setenv(m.OT32_LOOP_ENV, "shared")  # (the shared loop's switches from here on)
     assert m.OT32_QK_ENV in m.TRACE_ENV and m.OT32_QK_DEFAULT == "wg0" and m.OT32_QK_CHOICES == ("after", "wg0", "wg01")
@@ -639,8 +640,9 @@ def test_ot32_loop_switch(monkeypatch):
     assert run(dtype="bfloat16") == ("launch_mla_decode_ot16", "shared", "shared")  # (the 16-bit loop: not this)
     monkeypatch.setenv(m.FP8_PV_ENV, "7")  # 32-row tiles for any S x H
     assert run(S=4) == ("launch_mla_decode_ot_own", "own", "own")
-    monkeypatch.setenv(m.FP8_PV_ENV, "5")  # no transposed QK: the shared loop
+    monkeypatch.setenv(m.FP8_PV_ENV, "5")  # no transposed QK: the shared loop, with its own switches' defaults
     assert run() == ("launch_mla_decode_ot", "shared", "shared")
+    assert seen["kw"]["softmax"] == "max" and seen["kw"]["qk_early"] == "wg0" and seen["kw"]["qk_t"] is False
     monkeypatch.delenv(m.FP8_PV_ENV)
     monkeypatch.setenv(m.OT32_LOOP_ENV, "shared")
     assert run() == ("launch_mla_decode_ot", "shared", "shared")

@@ -409,14 +409,15 @@ class OtLoop(NamedTuple):
     p0_fence: str = "always"  # $..._OT64_FENCE
     softmax: str = "exp"  # $..._OT_SOFTMAX
     p1_ready: str = "cross"  # $..._OT_P1
-    loop32: str = "shared"  # $..._OT32_LOOP (32- / 16-row tiles; with "own*" the fields above keep their defaults)
+    loop32: str = "shared"  # $..._OT32_LOOP (32- / 16-row tiles; with "own" the fields above keep their defaults)
 
 
-def resolve_ot_loop(blocks64: bool, tiles32: bool) -> OtLoop:
+def resolve_ot_loop(blocks64: bool, tiles32: bool, qk_t: bool = True) -> OtLoop:
     """The O^T loop's switches for a call: ``blocks64``, the call runs its 64-row blocks (FP8 mode 10's loop without
     the transposed QK for S x H > 32; ``$..._OT64_P0``, ``$..._OT64_QK``, ``$..._OT64_FENCE``); ``tiles32``, its 32- or
-    16-row tiles (``$..._OT32_QK``, ``$..._OT32_LOOP``: its "own" loops have no cross-warpgroup chain, so the other
-    switches keep their defaults there); ``$..._OT_SOFTMAX`` and ``$..._OT_P1`` on both; neither: the defaults of
+    16-row tiles (``$..._OT32_QK``, ``$..._OT32_LOOP``: its "own" loop, with the transposed QK only (``qk_t``; FP8 P V
+    mode 5 runs those tiles without it), has no cross-warpgroup chain, so the other switches keep their defaults
+    there); ``$..._OT_SOFTMAX`` and ``$..._OT_P1`` on both; neither: the defaults of
     :class:`OtLoop` (no O^T loop).  All seven switches are validated wherever they apply or not.  ``OT64_P0=late`` alone
     runs the QK "after" (as it was measured; the late P0 store needs the S registers an early QK would hold); with
     ``OT64_QK`` set to an early mode as well, refused with both variables named; it has no P0 rescale, so no fence to
@@ -428,7 +429,7 @@ def resolve_ot_loop(blocks64: bool, tiles32: bool) -> OtLoop:
     softmax = _env(OT_SOFTMAX_ENV, OT_SOFTMAX_DEFAULT, OT_SOFTMAX_CHOICES)
     p1 = _env(OT_P1_ENV, OT_P1_DEFAULT, OT_P1_CHOICES)
     loop32 = _env(OT32_LOOP_ENV, OT32_LOOP_DEFAULT, OT32_LOOP_CHOICES)
-    if tiles32 and loop32 != "shared":
+    if tiles32 and qk_t and loop32 != "shared":
         return OtLoop(loop32=loop32)
     if tiles32:
         return OtLoop(qk_early=qk32, softmax="max" if softmax == "auto" else softmax, p1_ready=p1)
@@ -549,11 +550,9 @@ def decode(problem: DecodeProblem, q, kv_cache, block_table, seq_lens, softmax_s
         launch = launch_mla_decode_ot16
     t16_pt_q = resolve_t16_pt() == "q" and t16  # (both validated wherever they apply or not)
     t16_chunk_bars = resolve_t16_bars() == "chunk" and t16
-    ot_loop = resolve_ot_loop(pv_ot and not qk_t and not small, pv_ot and (qk_t or small))
-    if ot_loop.loop32 != "shared" and qk_t:  # (mode 5 on S x H <= 32 has no transposed QK: the shared loop)
+    ot_loop = resolve_ot_loop(pv_ot and not qk_t and not small, pv_ot and (qk_t or small), qk_t)
+    if ot_loop.loop32 != "shared":  # (each warpgroup on its own 32- / 16-row tiles)
         launch = launch_mla_decode_ot_own
-    elif ot_loop.loop32 != "shared":
-        ot_loop = ot_loop._replace(loop32="shared")
     colmax = resolve_colmax()  # (validated wherever it applies or not)
     if not (qk_t or t16):  # the transposed loops only
         colmax = "shfl"
