@@ -28,6 +28,8 @@ def rank(x, name: str, n: int, layout: str) -> None:
 
 
 def int_dtype(x, name: str) -> None:
+    """Integer arrays only (bool and floats are refused); int32 is the native width, other widths and
+    unsigned types are clamped in their own dtype (:func:`clamp_index`)."""
     if not jnp.issubdtype(x.dtype, jnp.integer):
         raise TypeError(f"{name}: expected an int32 array, got dtype {jnp.dtype(x.dtype).name}")
 
@@ -84,3 +86,41 @@ def f32_scalar(v, name: str):
 
 def is_concrete(*xs) -> bool:
     return not any(isinstance(x, jax.core.Tracer) for x in xs)
+
+
+INT32_MAX = 2**31 - 1
+
+
+def clamp_index(x, lo: int, hi: int):
+    """``x`` clamped to ``[lo, hi]`` **in its own dtype**, then as int32 (the ops' runtime-data clamp).
+
+    Casting first would wrap: uint32 ``2**32 - 1`` or int64 ``2**31`` become -1 / ``-2**31`` in int32 and
+    clamp to the wrong end.  A NumPy array (int64 by default) is clamped by NumPy before JAX sees it,
+    since JAX without ``jax_enable_x64`` converts 64-bit arrays to 32 bits on entry (wrapping); a 64-bit
+    NumPy array passed *into* a ``jax.jit`` is converted at the jit boundary, before this code runs
+    (pass int32 there).  Bounds outside the dtype's range are dropped (no value can pass them)."""
+    hi = min(hi, INT32_MAX)
+    if isinstance(x, (np.ndarray, np.generic)):
+        info = np.iinfo(x.dtype)
+        return jnp.asarray(np.clip(x, max(lo, info.min), min(hi, info.max)).astype(np.int32))
+    info = jnp.iinfo(x.dtype)
+    lo_, hi_ = max(lo, info.min), min(hi, info.max)
+    if lo_ > info.min:
+        x = jnp.maximum(x, jnp.asarray(lo_, x.dtype))
+    if hi_ < info.max:
+        x = jnp.minimum(x, jnp.asarray(hi_, x.dtype))
+    return x.astype(jnp.int32)
+
+
+def index_in_range(x, lo: int | None, hi: int | None):
+    """Boolean array: ``lo <= x <= hi`` (None: no bound) compared in ``x``'s own dtype (NumPy arrays by
+    NumPy), for the ``validate=True`` checks: casting to int32 first would call uint32 ``2**32 - 1``
+    negative and int64 ``2**32`` zero."""
+    npy = isinstance(x, (np.ndarray, np.generic))
+    xp, info = (np, np.iinfo(x.dtype)) if npy else (jnp, jnp.iinfo(x.dtype))
+    ok = xp.ones(np.shape(x), bool)
+    if lo is not None and lo > info.min:
+        ok = ok & (x >= xp.asarray(lo, x.dtype)) if lo <= info.max else xp.zeros(np.shape(x), bool)
+    if hi is not None and hi < info.max:
+        ok = ok & (x <= xp.asarray(hi, x.dtype)) if hi >= info.min else xp.zeros(np.shape(x), bool)
+    return jnp.asarray(ok)

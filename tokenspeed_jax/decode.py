@@ -24,9 +24,18 @@ LSE
 Runtime data safety (clamp, documented decision)
     ``seq_lens`` is clamped to ``[0, max_pages * page_size]`` and block-table entries to
     ``[0, num_pages)`` before any access, so no input can read outside the cache; entries past the pages a
-    request uses are never read for its result and pages it does not own may hold NaN.  Out-of-range
-    values inside a request's used range give an unspecified (but memory-safe) result; ``validate=True``
-    reports them through ``jax.experimental.checkify`` instead.
+    request uses are never read for its result and pages it does not own may hold NaN.  The clamp is done
+    in the input's own integer dtype before the conversion to int32 (``_checks.clamp_index``): uint32
+    ``2**32 - 1`` or an int64 NumPy length past ``2**31`` is a huge length (the capacity), never a wrapped
+    negative one; bool and float arrays are refused.  Out-of-range values inside a request's used range give
+    an unspecified (but memory-safe) result; ``validate=True`` reports them through
+    ``jax.experimental.checkify`` instead (compared in their own dtype as well).
+
+Non-finite values
+    A NaN or Inf in the cache reaches only the output rows whose keys include it: rows past ``seq_len``
+    (also inside an owned page), pages a request does not own, and under ``causal`` the keys a query token
+    cannot see yet (token ``j >= seq_len - S + 1 + i``) may hold anything.  A row that sees no key is
+    exactly 0 (LSE ``-inf``) whatever the scales hold, a NaN or infinite ``output_scale`` included.
 """
 
 from __future__ import annotations
@@ -93,9 +102,34 @@ def mla_decode(
         if validate:
             check_decode_inputs(block_table, seq_lens, num_pages=problem.num_pages,
                                 page_size=problem.page_size)
-        out, lse = _vmappable_decode(impl.name, problem, trace_switches(impl))(
-            q, kv_cache, block_table, seq_lens, ss, os_)
+        # The documented clamp, in the inputs' own dtypes (module docstring); backends get int32 in range.
+        block_table = C.clamp_index(block_table, 0, problem.num_pages - 1)
+        seq_lens = C.clamp_index(seq_lens, 0, problem.max_kv_len)
+        call = _vmappable_decode(impl.name, problem.causal, problem.kv_lora_rank, problem.return_lse,
+                                 problem.target, trace_switches(impl))
+        out, lse = call(q, kv_cache, block_table, seq_lens, ss, os_)
     return (out, lse) if return_lse else out
+
+
+def contract_reason(problem: DecodeProblem) -> str | None:
+    """None if ``problem`` is inside ``mla_decode``'s static limits (every backend's common ground:
+    1..16 query tokens, 1..128 heads, a page size in ``PAGE_SIZES``, ``D > kv_lora_rank``), else the reason.
+    ``mla_decode`` raises ``ValueError`` for the same limits; capability queries (the vLLM backend) ask
+    this before asking the backends, so both always agree."""
+    p = problem
+    if not 1 <= p.q_len <= MAX_Q_LEN:
+        return f"{p.q_len} query tokens per request (mla_decode takes 1..{MAX_Q_LEN})"
+    if not 1 <= p.num_heads <= MAX_HEADS:
+        return f"{p.num_heads} heads (mla_decode takes 1..{MAX_HEADS} per call)"
+    if p.page_size not in PAGE_SIZES:
+        return f"page size {p.page_size} (mla_decode takes {list(PAGE_SIZES)})"
+    if p.head_dim <= p.kv_lora_rank:
+        return f"head dim {p.head_dim} <= kv_lora_rank {p.kv_lora_rank} (no rope dims)"
+    if p.dtype not in ALL_DTYPES:
+        return f"dtype {p.dtype} (mla_decode takes {list(ALL_DTYPES)})"
+    if min(p.batch, p.num_pages, p.max_pages, p.kv_lora_rank) < 1:
+        return "an empty batch, cache or block table"
+    return None
 
 
 def _decode_problem(q, kv_cache, block_table, seq_lens, causal, kv_lora_rank, return_lse) -> DecodeProblem:
@@ -145,26 +179,31 @@ def _decode_problem(q, kv_cache, block_table, seq_lens, causal, kv_lora_rank, re
 def check_decode_inputs(block_table, seq_lens, *, num_pages: int, page_size: int) -> None:
     """checkify checks of the runtime decode data (see ``mla_decode(validate=True)``)."""
     max_pages = block_table.shape[1]
-    sl = seq_lens.astype(jnp.int32)
-    checkify.check(jnp.all(sl >= 0), "seq_lens: expected every length >= 0, got a negative length")
+    cap = max_pages * page_size
+    checkify.check(jnp.all(C.index_in_range(seq_lens, 0, None)),
+                   "seq_lens: expected every length >= 0, got a negative length")
     checkify.check(
-        jnp.all(sl <= max_pages * page_size),
-        f"seq_lens: expected every length <= max_pages * page_size = {max_pages * page_size}",
+        jnp.all(C.index_in_range(seq_lens, None, cap)),
+        f"seq_lens: expected every length <= max_pages * page_size = {cap}",
     )
+    sl = C.clamp_index(seq_lens, 0, cap)
     used = jnp.arange(max_pages)[None, :] < (sl[:, None] + page_size - 1) // page_size
-    ok = (block_table >= 0) & (block_table < num_pages)
+    ok = C.index_in_range(block_table, 0, num_pages - 1)
     checkify.check(
         jnp.all(ok | ~used),
         f"block_table: expected page ids in [0, {num_pages}) for every page a request uses",
     )
 
 
-@functools.lru_cache(maxsize=None)
-def _vmappable_decode(backend_name: str, problem: DecodeProblem, switches: tuple = ()):
+@functools.lru_cache(maxsize=64)
+def _vmappable_decode(backend_name: str, causal: bool, kv_lora_rank: int, return_lse: bool, target,
+                      switches: tuple = ()):
     """The backend call wrapped in a ``custom_vmap`` that folds a vmapped axis into the batch.
 
-    Cached per (backend, problem, ``switches``): JAX caches the trace of the returned function, so the
-    values of the backend's trace-time environment switches (``Backend.trace_env``) are part of the key.
+    Cached on the static flags only, never on shapes (batch, pages and table width vary per call in a
+    serving process and are read from the operands inside), and bounded: the values of the backend's
+    trace-time environment switches (``Backend.trace_env``) are part of the key, since JAX caches the trace
+    of the returned function.
 
     A vmapped axis of size V over q / block_table / seq_lens becomes V*B requests.  A vmapped kv_cache
     ``[V, num_pages, ...]`` is folded into ``V*num_pages`` pages with block-table entries offset by
@@ -177,9 +216,8 @@ def _vmappable_decode(backend_name: str, problem: DecodeProblem, switches: tuple
 
     @jax.custom_batching.custom_vmap
     def call(q, kv_cache, block_table, seq_lens, ss, os_):
-        p = _decode_problem(q, kv_cache, block_table, seq_lens, problem.causal, problem.kv_lora_rank,
-                            problem.return_lse)
-        p = DecodeProblem(**{**p.__dict__, "target": problem.target})
+        p = _decode_problem(q, kv_cache, block_table, seq_lens, causal, kv_lora_rank, return_lse)
+        p = DecodeProblem(**{**p.__dict__, "target": target})
         out, lse = impl.decode(p, q, kv_cache, block_table, seq_lens, ss, os_)
         if lse is None:
             lse = jnp.zeros((), jnp.float32)  # placeholder; dropped by mla_decode
@@ -208,8 +246,8 @@ def _vmappable_decode(backend_name: str, problem: DecodeProblem, switches: tuple
             seq_lens.reshape(V * B), ss, os_,
         )
         out = out.reshape((V, B) + out.shape[1:])
-        if problem.return_lse:
+        if return_lse:
             lse = lse.reshape((V, B) + lse.shape[1:])
-        return (out, lse), (True, problem.return_lse)
+        return (out, lse), (True, return_lse)
 
     return call

@@ -11,17 +11,25 @@ Contract (normative)
     output and LSE ``-inf``.
 
     K/V rows past the last request (``cu_seqlens_k[-1] <= row < Tk``; padding the caller may leave as
-    garbage): the ``xla`` backend never reads them.  Kernel backends (``sm90``, ``sm100``) load whole key
-    tiles of at most 128 rows, so they read up to 127 rows past ``cu_seqlens_k[-1]`` and multiply those v
-    rows by probabilities that are exactly 0; ``0 * NaN`` is NaN, so **k/v rows in
+    garbage, NaN included): the ``xla`` backend never reads them; the ``sm90`` backend's kernel reads up to 127
+    rows past ``cu_seqlens_k[-1]``, and the backend zeroes those V rows before the call, so any content is
+    safe on both.  The ``sm100``
+    backend loads whole key tiles of at most 128 rows and multiplies the v rows past the last request by
+    probabilities that are exactly 0; ``0 * NaN`` is NaN, so **there k/v rows in
     ``[cu_seqlens_k[-1], cu_seqlens_k[-1] + 127)`` must hold finite values** (zeros, stale data, any finite
-    garbage), or the last request's output may become NaN.  Rows from ``cu_seqlens_k[-1] + 127`` on are
-    never read and may hold anything.  The safe spellings: pass k/v with exactly ``cu_seqlens_k[-1]`` rows,
-    or zero their padding where k/v are produced (fused into the producer it is nearly free; a separate
-    pass over v is not, which is why the kernels do not do it).  The same holds inside the requests: on kernel
-    backends a non-finite v row may reach every output row whose key tile covers it, also where its
-    probability is 0 (a causally masked key of its own request, or request ``b + 1``'s first rows for
-    request ``b``); the ``xla`` backend confines it to the rows that see it.
+    garbage), or the last request's output may become NaN.  The safe spellings everywhere: pass k/v with
+    exactly ``cu_seqlens_k[-1]`` rows, or zero their padding where k/v are produced.
+
+    Non-finite values inside the requests: on the ``xla`` backend a NaN or Inf in a v row reaches exactly
+    the output rows that see that key (its own request's rows allowed by the mask), never another request
+    and never a row outside every request.  On kernel backends a non-finite v row may reach every output row
+    whose key tile covers it, also where its probability is 0 (a causally masked key of its own request, or
+    request ``b + 1``'s first rows, up to 127, for request ``b``).
+
+    Runtime data safety: ``cu_seqlens_q`` / ``cu_seqlens_k`` are clamped to ``[0, Tq]`` / ``[0, Tk]`` in
+    their own integer dtype before the conversion to int32 (as ``mla_decode``'s lengths: uint32 or int64
+    values never wrap); offsets that decrease or do not start at 0 give an unspecified but memory-safe
+    result, and ``validate=True`` reports them.
 """
 
 from __future__ import annotations
@@ -30,6 +38,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.experimental import checkify
 
 from tokenspeed_jax import _checks as C
@@ -57,8 +66,8 @@ def mla_prefill(
 
     Args:
       q: ``[Tq, Hq, Dqk]``; k: ``[Tk, Hk, Dqk]``; v: ``[Tk, Hk, Dv]``; all bf16, fp16 or float8_e4m3fn
-        (float32 on the xla backend), one dtype.  Rows past ``cu_seqlens_k[-1]``: kernel backends read
-        up to 127 of them, which must be finite (module docstring); exactly-sized or zero-padded k/v
+        (float32 on the xla backend), one dtype.  Rows past ``cu_seqlens_k[-1]``: the sm100 backend reads
+        up to 127 of them, which must be finite there (module docstring); exactly-sized or zero-padded k/v
         are safe everywhere.
       cu_seqlens_q, cu_seqlens_k: int32 ``[B + 1]`` request boundaries (non-decreasing, starting at 0).
       softmax_scale: runtime float32 scalar.
@@ -85,11 +94,16 @@ def mla_prefill(
         if validate:
             check_prefill_inputs(cu_seqlens_q, cu_seqlens_k, num_q_tokens=problem.num_q_tokens,
                                  num_k_tokens=problem.num_k_tokens)
+        # The clamp of the module docstring, in the offsets' own dtype; backends get int32 in range.
+        cu_q = C.clamp_index(cu_seqlens_q, 0, problem.num_q_tokens)
+        cu_k = C.clamp_index(cu_seqlens_k, 0, problem.num_k_tokens)
         if impl.name == "xla":  # pure JAX: vmap batches it natively
-            out, lse = impl.prefill(problem, q, k, v, cu_seqlens_q, cu_seqlens_k, ss)
+            out, lse = impl.prefill(problem, q, k, v, cu_q, cu_k, ss)
         else:
-            out, lse = _sequential_under_vmap(impl.name, problem, trace_switches(impl))(
-                q, k, v, cu_seqlens_q, cu_seqlens_k, ss)
+            p = problem
+            call = _sequential_under_vmap(impl.name, p.causal, p.return_lse, p.max_seqlen_q, p.max_seqlen_k,
+                                          p.target, trace_switches(impl))
+            out, lse = call(q, k, v, cu_q, cu_k, ss)
     return (out, lse) if return_lse else out
 
 
@@ -97,25 +111,32 @@ def check_prefill_inputs(cu_seqlens_q, cu_seqlens_k, *, num_q_tokens: int, num_k
     """checkify checks of the runtime prefill offsets (see ``mla_prefill(validate=True)``)."""
     for cu, name, rows in ((cu_seqlens_q, "cu_seqlens_q", num_q_tokens),
                            (cu_seqlens_k, "cu_seqlens_k", num_k_tokens)):
-        c = jnp.asarray(cu).astype(jnp.int32)
-        checkify.check(c[0] == 0, f"{name}: expected the first offset to be 0, got a nonzero one")
-        checkify.check(jnp.all(c[1:] >= c[:-1]), f"{name}: expected non-decreasing offsets, got a decrease")
-        checkify.check(c[-1] <= rows, f"{name}: expected the last offset <= {rows} (rows of the array)")
+        # Compared in the offsets' own dtype (NumPy arrays by NumPy): an int32 cast would wrap uint32 /
+        # int64 values and report the wrong defect.
+        xp = np if isinstance(cu, (np.ndarray, np.generic)) else jnp
+        checkify.check(jnp.asarray(cu[0] == 0), f"{name}: expected the first offset to be 0, got a nonzero one")
+        checkify.check(jnp.asarray(xp.all(cu[1:] >= cu[:-1])),
+                       f"{name}: expected non-decreasing offsets, got a decrease")
+        checkify.check(C.index_in_range(cu[-1], None, rows),
+                       f"{name}: expected the last offset <= {rows} (rows of the array)")
 
 
-@functools.lru_cache(maxsize=None)
-def _sequential_under_vmap(backend_name: str, problem: PrefillProblem, switches: tuple = ()):
+@functools.lru_cache(maxsize=64)
+def _sequential_under_vmap(backend_name: str, causal: bool, return_lse: bool, max_seqlen_q, max_seqlen_k,
+                           target, switches: tuple = ()):
     """Kernel backends take one ragged batch per call; under ``jax.vmap`` the mapped calls run one after
     another (``lax.map``).  Folding would need re-offsetting cu_seqlens into one larger ragged batch;
     a caller who wants that concatenates the requests itself, which is what ragged layouts are for.
-    Cached per (backend, problem, ``switches``): the backend's trace-time switches (``Backend.trace_env``),
-    as in ``tokenspeed_jax.decode._vmappable_decode``."""
+    Cached, bounded, on the static flags and the backend's trace-time switches (``Backend.trace_env``), as
+    ``tokenspeed_jax.decode._vmappable_decode``: token counts and batch sizes are read from the operands."""
     from tokenspeed_jax.backends import get_backend
 
     impl = get_backend(backend_name)
 
     @jax.custom_batching.custom_vmap
     def call(q, k, v, cu_q, cu_k, ss):
+        problem = _prefill_problem(q, k, v, cu_q, cu_k, causal, return_lse, max_seqlen_q, max_seqlen_k)
+        problem = PrefillProblem(**{**problem.__dict__, "target": target})
         out, lse = impl.prefill(problem, q, k, v, cu_q, cu_k, ss)
         return out, (jnp.zeros((), jnp.float32) if lse is None else lse)
 
@@ -125,6 +146,21 @@ def _sequential_under_vmap(backend_name: str, problem: PrefillProblem, switches:
         return jax.lax.map(lambda a: call(*a), tuple(args)), (True, True)
 
     return call
+
+
+def contract_reason(problem: PrefillProblem) -> str | None:
+    """None if ``problem`` is inside ``mla_prefill``'s static limits, else the reason (as
+    :func:`tokenspeed_jax.decode.contract_reason`)."""
+    p = problem
+    if p.num_q_heads < 1 or p.num_kv_heads < 1 or p.num_q_heads % p.num_kv_heads:
+        return f"{p.num_q_heads} query heads is not a positive multiple of {p.num_kv_heads} KV heads"
+    if p.head_dim_qk < 1 or p.head_dim_v < 1:
+        return f"head dims (Dqk, Dv) = ({p.head_dim_qk}, {p.head_dim_v}) are not positive"
+    if p.dtype not in ALL_DTYPES:
+        return f"dtype {p.dtype} (mla_prefill takes {list(ALL_DTYPES)})"
+    if p.batch < 1:
+        return "an empty batch"
+    return None
 
 
 def _prefill_problem(q, k, v, cu_q, cu_k, causal, return_lse, max_seqlen_q, max_seqlen_k) -> PrefillProblem:

@@ -5,6 +5,17 @@ inputs are multiplied with fp32 accumulation (their products are exact in fp32),
 ``Precision.HIGHEST`` (no TF32), softmax and normalisation run in fp32, and P @ V multiplies fp32 P by V
 upcast to fp32.  Masked keys are zeroed before any arithmetic so NaN in memory a request does not own
 never reaches a result.
+
+Non-finite values reach exactly the rows that see them.  P @ V sums over every key of the block (every
+cached token of a decode request, every packed row of a prefill batch), so a masked key's V row is
+multiplied by a probability of exactly 0, and ``0 * NaN`` is NaN.  The matmul therefore runs on V with its
+non-finite entries replaced by 0, and a second, 0/1 product counts per output row and column the visible
+keys whose V entry is NaN or +inf, and NaN or -inf (two counts suffice: both nonzero means NaN or both
+infinities, i.e. NaN; one of them means +inf or -inf).  Those are added back as NaN / +-inf, so a row's
+output column is non-finite iff a key the row sees holds a non-finite value there (IEEE's ``p * inf`` for
+a visible key, also when p underflows).  A NaN or infinite score of a visible key makes its row NaN (LSE
+NaN too).  A row that sees no key is exactly 0 with LSE -inf whatever the scales hold (a NaN
+``output_scale`` included).
 """
 
 from __future__ import annotations
@@ -25,18 +36,37 @@ def _operand(x):
 
 
 def _softmax_rows(s, valid):
-    """Masked, exactly-zero-safe softmax pieces: returns (p unnormalised, row sum l, row max m_safe)."""
+    """Masked, exactly-zero-safe softmax pieces: returns (p unnormalised, row sum l, row max m_safe).
+
+    A row max of -inf (no visible key) uses 0 as reference (exact zeros); a NaN or +inf max (a visible
+    non-finite score) is kept, so that row's p, l and LSE are NaN as in exact arithmetic."""
     s = jnp.where(valid, s, -jnp.inf)
     m = jnp.max(s, axis=-1, keepdims=True, initial=-jnp.inf)  # initial: no keys at all (Tk = 0)
-    m_safe = jnp.where(jnp.isfinite(m), m, 0.0)
+    m_safe = jnp.where(m == -jnp.inf, 0.0, m)
     p = jnp.exp(s - m_safe)  # masked entries: exp(-inf) = 0
     return p, jnp.sum(p, axis=-1), m_safe[..., 0]
 
 
-def _finish(acc, l, m_safe, out_scale, out_dtype):
-    has = l > 0
-    inv = jnp.where(has, 1.0 / jnp.where(has, l, 1.0), 0.0)
-    out = (acc * (inv * out_scale)[..., None]).astype(out_dtype)
+def _finite_and_counts(v):
+    """``(v with non-finite entries 0, 0/1 indicators [..., 2 * Dv])``: per entry ``[NaN or +inf | NaN or
+    -inf]`` (module docstring); v is float32 with its values last."""
+    fin = jnp.isfinite(v)
+    nan = jnp.isnan(v)
+    ind = jnp.concatenate([nan | (v == jnp.inf), nan | (v == -jnp.inf)], axis=-1)
+    return jnp.where(fin, v, 0.0), ind.astype(jnp.bfloat16)  # 0/1: exact in bf16, counts exact in fp32
+
+
+def _nonfinite(counts, dv: int):
+    """The non-finite part of P @ V from the indicator counts: 0, NaN, +inf or -inf per element."""
+    a, b = counts[..., :dv] > 0, counts[..., dv:] > 0
+    return jnp.where(a & b, jnp.nan, jnp.where(a, jnp.inf, jnp.where(b, -jnp.inf, 0.0)))
+
+
+def _finish(acc, l, m_safe, out_scale, out_dtype, has):
+    """Normalise; ``has`` (bool, l's shape) marks the rows that see at least one key: the others are
+    exactly 0 with LSE -inf whatever ``acc`` and ``out_scale`` hold."""
+    inv = 1.0 / jnp.where(has, l, 1.0)
+    out = jnp.where(has[..., None], acc * (inv * out_scale)[..., None], 0.0).astype(out_dtype)
     lse = jnp.where(has, m_safe + jnp.log(jnp.where(has, l, 1.0)), -jnp.inf).astype(jnp.float32)
     return out, lse
 
@@ -44,6 +74,11 @@ def _finish(acc, l, m_safe, out_scale, out_dtype):
 def decode_probs(p: DecodeProblem, q, kv_cache, block_table, seq_lens, softmax_scale):
     """The decode reference up to P: ``(p [B,S,H,K] unnormalised, l [B,S,H], m_safe [B,S,H], v [B,K,L] fp32)``,
     masked keys exactly zero in p and v (also the tests' yardstick of the FP8 P V's P rounding)."""
+    return _decode_parts(p, q, kv_cache, block_table, seq_lens, softmax_scale)[:4]
+
+
+def _decode_parts(p: DecodeProblem, q, kv_cache, block_table, seq_lens, softmax_scale):
+    """:func:`decode_probs` plus the visibility mask ``[B, S, K]``."""
     B, S, _, D = q.shape
     L = p.kv_lora_rank
     K = p.max_kv_len
@@ -61,7 +96,7 @@ def decode_probs(p: DecodeProblem, q, kv_cache, block_table, seq_lens, softmax_s
         limit = jnp.broadcast_to(sl[:, None], (B, S))
     valid = (j[None, None, :] < limit[:, :, None])[:, :, None, :]  # [B, S, 1, K]
     pr, l, m = _softmax_rows(s, valid)
-    return pr, l, m, kv[..., :L].astype(jnp.float32)
+    return pr, l, m, kv[..., :L].astype(jnp.float32), valid[:, :, 0, :]
 
 
 class XlaBackend:
@@ -80,9 +115,13 @@ class XlaBackend:
 
     # ------------------------------------------------------------------------------------------ decode
     def decode(self, p: DecodeProblem, q, kv_cache, block_table, seq_lens, softmax_scale, output_scale):
-        pr, l, m, v = decode_probs(p, q, kv_cache, block_table, seq_lens, softmax_scale)
-        acc = jnp.einsum("bshk,bkl->bshl", pr, v, precision=HIGHEST)
-        out, lse = _finish(acc, l, m, output_scale, jnp.dtype(p.out_dtype))
+        pr, l, m, v, vis = _decode_parts(p, q, kv_cache, block_table, seq_lens, softmax_scale)
+        vf, ind = _finite_and_counts(v)
+        acc = jnp.einsum("bshk,bkl->bshl", pr, vf, precision=HIGHEST)
+        cnt = jnp.einsum("bsk,bkl->bsl", vis.astype(jnp.bfloat16), ind, preferred_element_type=jnp.float32)
+        acc = acc + _nonfinite(cnt, v.shape[-1])[:, :, None, :]
+        has = jnp.broadcast_to(jnp.any(vis, axis=-1)[:, :, None], l.shape)
+        out, lse = _finish(acc, l, m, output_scale, jnp.dtype(p.out_dtype), has)
         return out, (lse if p.return_lse else None)
 
     # ----------------------------------------------------------------------------------------- prefill
@@ -95,6 +134,7 @@ class XlaBackend:
         valid_k = seg_k < p.batch
         kz = jnp.where(valid_k[:, None, None], _operand(k), jnp.zeros((), _operand(k).dtype))
         vz = jnp.where(valid_k[:, None, None], v.astype(jnp.float32), 0.0)
+        vz, ind = _finite_and_counts(vz)  # [Tk, Hk, Dv], [Tk, Hk, 2 Dv]
         # Per q row: visible key rows are those of its own request with pos_k <= pos_q + Lk - Lq.
         cu_k = cu_seqlens_k.astype(jnp.int32)
         lk_of_q = jnp.take(cu_k[1:] - cu_k[:-1], jnp.clip(seg_q, 0, p.batch - 1), mode="clip")
@@ -118,9 +158,12 @@ class XlaBackend:
                 vis &= pos_k[None, :] <= sh[:, None]
             pr, l, m = _softmax_rows(s, vis[None, None])
             acc = jnp.einsum("hgqk,khd->qhgd", pr, vz, precision=HIGHEST)
+            cnt = jnp.einsum("qk,khd->qhd", vis.astype(jnp.bfloat16), ind, preferred_element_type=jnp.float32)
+            acc = acc + _nonfinite(cnt, Dv)[:, :, None, :]
             l = jnp.moveaxis(l, -1, 0)
             m = jnp.moveaxis(m, -1, 0)
-            return _finish(acc, l, m, 1.0, jnp.dtype(p.out_dtype))
+            has = jnp.broadcast_to(jnp.any(vis, axis=-1)[:, None, None], l.shape)
+            return _finish(acc, l, m, 1.0, jnp.dtype(p.out_dtype), has)
 
         if nblk == 1:
             out, lse = block((q4[0], segq[0], shq[0]))
