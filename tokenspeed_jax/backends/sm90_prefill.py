@@ -22,19 +22,20 @@ Decisions:
   ``lax.cond`` was also tried: the host-side predicate of the conditional cost about 50 µs a call.) cu_seqlens
   are clipped to ``[0, Tq]`` / ``[0, Tk]`` in one tiny fused XLA op (clamp, not trap: garbage lengths stay in
   bounds).
-* **K/V rows past ``cu_seqlens_k[-1]`` (contract in :mod:`tokenspeed_jax.prefill`): up to
-  ``KV_TAIL_ROWS`` = 127 are read and must be finite.** FA4 loads whole ``tile_n``-row K/V tiles
-  (``tile_n`` <= 128 for every head-dim pair here) by TMA; inside the buffer the rows past a request's
-  end belong to the next request (finite, probability exactly 0), but past ``cu_seqlens_k[-1]`` they are
-  the caller's padding, and ``0 * NaN`` in the P@V tensor-core product turns NaN/Inf there into NaN
-  outputs. (K rows are harmless: masked scores are replaced by -inf before the softmax.) We keep this a
-  documented precondition, as the ``sm100`` backend does, instead of fixing it, because every fix
-  costs: zeroing the tail in XLA copies all of V when V is not donated (an extra pass, about 4% at
-  S=8192); bounding the TMA descriptor at ``cu_seqlens_k[-1]`` needs that device value on the host (a
-  sync, no CUDA graphs); zeroing the tail in shared memory means re-implementing FA4's consumer loop
-  (both math warpgroups read each V stage) for the one partial tile. Callers pass exactly-sized k/v or
-  zero the padding where they produce it (the DeepSeek model does: its gathered context rows past the
-  last request are zeroed inside the gather, its padded new tokens are projections of real embeddings).
+* **K/V rows past ``cu_seqlens_k[-1]`` are made finite here, by construction** (:func:`finite_v_tail`).
+  FA4 loads whole ``tile_n``-row K/V tiles (``tile_n`` <= 128 for every head-dim pair here) by TMA, so it
+  reads up to ``KV_TAIL_ROWS`` = 127 rows past ``cu_seqlens_k[-1]``, the caller's padding, and multiplies
+  their V by probabilities that are exactly 0; ``0 * NaN`` in the P@V tensor-core product would turn NaN/Inf
+  there into NaN outputs of the last request.  (K rows are harmless: masked scores are replaced by -inf
+  before the softmax.)  Before the call the ``KV_TAIL_ROWS`` V rows from ``cu_seqlens_k[-1]`` on are set to
+  0 with a dynamic slice / select / dynamic-update-slice of ``KV_TAIL_ROWS x Hk x Dv`` elements: XLA does
+  that in place when V is an intermediate of the same jit (the model's and the vLLM adapter's V is the
+  ``kv_b_proj`` up-projection), and copies V once when V is a non-donated jit argument (about 4% at S=8192,
+  the price of the guarantee; donate V to avoid it).  Rejected alternatives: bounding the TMA descriptor at
+  ``cu_seqlens_k[-1]`` needs that device value on the host (a sync, no CUDA graphs); zeroing the tail in
+  shared memory means re-implementing FA4's consumer loop for the one partial tile.  Inside the buffer the
+  rows past a request's end belong to the next request: a non-finite V row there may still reach the rows of
+  every request whose tiles cover it (contract in :mod:`tokenspeed_jax.prefill`).
 * **LSE** is written by FA4 straight into our ``[Tq, Hq]`` layout through a transposed view; it is
   already the natural log. Without ``return_lse`` no LSE is computed.
 * **FP8 e4m3 inputs** are upcast to bf16 before the call (exact: every e4m3 value is a bf16 value),
@@ -172,6 +173,7 @@ def prefill(problem: PrefillProblem, q, k, v, cu_seqlens_q, cu_seqlens_k, softma
         raise ValueError(f"{EMPTY_ROWS_ENV}: expected 'fixup' or 'kernel', got {mode!r}")
     cu_q = jnp.clip(cu_seqlens_q.astype(jnp.int32), 0, Tq)
     cu_k = jnp.clip(cu_seqlens_k.astype(jnp.int32), 0, Tk)
+    v = finite_v_tail(v, cu_k[-1])
     if mode == "kernel":  # one extra key-less request covers q rows past cu_seqlens_q[-1] (written as 0 / -inf)
         cu_q = jnp.concatenate([cu_q, jnp.full((1,), Tq, jnp.int32)])
         cu_k = jnp.concatenate([cu_k, cu_k[-1:]])
@@ -200,6 +202,19 @@ def prefill(problem: PrefillProblem, q, k, v, cu_seqlens_q, cu_seqlens_k, softma
     )
     res = call(q, k, v, cu_q, cu_k, scale)
     return res[0], (res[1] if problem.return_lse else None)
+
+
+def finite_v_tail(v, end):
+    """``v [Tk, Hk, Dv]`` with rows ``[end, end + KV_TAIL_ROWS)`` (those FA4 may read past the last request,
+    module docstring) set to 0; ``end`` is the int32 ``cu_seqlens_k[-1]`` in ``[0, Tk]``.  The window is read
+    back from v, so rows before ``end`` are kept where the window has to start earlier (``end`` near Tk)."""
+    Tk = v.shape[0]
+    rows = min(KV_TAIL_ROWS, Tk)
+    start = jnp.clip(end, 0, Tk - rows)
+    win = jax.lax.dynamic_slice_in_dim(v, start, rows, axis=0)
+    past = (start + jnp.arange(rows, dtype=jnp.int32)) >= end
+    win = jnp.where(past[:, None, None], jnp.zeros((), v.dtype), win)
+    return jax.lax.dynamic_update_slice_in_dim(v, win, start, axis=0)
 
 
 def _launch():
