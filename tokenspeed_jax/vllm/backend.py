@@ -23,6 +23,8 @@ from typing import Any, ClassVar
 
 from tokenspeed_jax.backends import all_backends, backend_reasons
 from tokenspeed_jax.decode import PAGE_SIZES
+from tokenspeed_jax.decode import contract_reason as decode_limits
+from tokenspeed_jax.prefill import contract_reason as prefill_limits
 from tokenspeed_jax.problems import FP8_DTYPE, DecodeProblem, PrefillProblem, Target
 from tokenspeed_jax.runtime import arch_from_capability, current_target, target_override
 from tokenspeed_jax.vllm.config import DeviceCapability, MLAModelConfig, dtype_name, get_current_mla_config
@@ -54,6 +56,11 @@ def resolve_kernel_backend(op: str, problem: DecodeProblem | PrefillProblem,
                            requested: str = "auto") -> tuple[str | None, str | None]:
     """``(backend name, None)`` if a tokenspeed backend can run ``op`` on ``problem``, else
     ``(None, reason)`` quoting every backend's own reason (module docstring for ``"auto"``)."""
+    # The op's own static limits first (heads, query tokens, page size, ...): backends answer only for
+    # calls the op accepts, so a configuration the op would refuse is refused here, with the op's reason.
+    limit = (decode_limits if op == "decode" else prefill_limits)(problem)
+    if limit is not None:
+        return None, f"mla_{op} cannot run MLA {op} for {_describe(problem)}: {limit}"
     reasons = backend_reasons(op, problem)
     on_cuda = problem.target.platform == "cuda"
     if requested == "auto":
@@ -345,6 +352,9 @@ class TokenspeedMLAPrefillBackend:
         self._prefill_metadata = None
 
     def prepare_metadata(self, prefill_metadata) -> None:
+        """Install the metadata the ``run_prefill_*`` calls read (vLLM's surface).  Under ``jax.jit`` the
+        metadata holds tracers: reset it (``prepare_metadata(None)``) before the trace ends, as
+        ``TokenspeedMLAImpl.forward_mha`` does."""
         self._prefill_metadata = prefill_metadata
 
     def _run(self, q, k, v, cu_q, cu_k, *, causal, return_lse, max_q, max_k):

@@ -300,19 +300,25 @@ class TokenspeedMLAImpl:
         dt = q.dtype
         k, v = self._keys_values(kv_c_normed.astype(dt), k_pe.astype(dt))
         pb = self.prefill_backend
+        # The metadata (arrays, tracers under jit) is installed for this call only: state set while
+        # tracing must not outlive the trace (a leaked tracer fails far from here, on its next use).
+        before = pb._prefill_metadata
         pb.prepare_metadata(pre)
-        has_ctx = pre.chunked_context is not None
-        res = pb.run_prefill_new_tokens(q, k, v, return_softmax_lse=has_ctx)
-        if has_ctx:
-            out, lse = res
-            ks = _scalar(k_scale, "k_scale") if fp8 else None
-            for ch in pre.chunked_context:
-                ws = self._gather_chunk(kv_cache, pre.block_table, ch, ks, dt)
-                kc, vc = self._keys_values(ws[:, : self.kv_lora_rank], ws[:, self.kv_lora_rank:])
-                o_c, lse_c = pb.run_prefill_context_chunk(ch.chunk_index, q, kc, vc)
-                out, lse = merge_attn_states(o_c, lse_c, out, lse)
-        else:
-            out = res
+        try:
+            has_ctx = pre.chunked_context is not None
+            res = pb.run_prefill_new_tokens(q, k, v, return_softmax_lse=has_ctx)
+            if has_ctx:
+                out, lse = res
+                ks = _scalar(k_scale, "k_scale") if fp8 else None
+                for ch in pre.chunked_context:
+                    ws = self._gather_chunk(kv_cache, pre.block_table, ch, ks, dt)
+                    kc, vc = self._keys_values(ws[:, : self.kv_lora_rank], ws[:, self.kv_lora_rank:])
+                    o_c, lse_c = pb.run_prefill_context_chunk(ch.chunk_index, q, kc, vc)
+                    out, lse = merge_attn_states(o_c, lse_c, out, lse)
+            else:
+                out = res
+        finally:
+            pb._prefill_metadata = before
         out = out.reshape(Tp, N * self.v_head_dim)
         if output is not None:
             if output.shape not in ((Tp, N * self.v_head_dim), (Tp, N, self.v_head_dim)):
