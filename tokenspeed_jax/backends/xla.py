@@ -9,13 +9,15 @@ never reaches a result.
 Non-finite values reach exactly the rows that see them.  P @ V sums over every key of the block (every
 cached token of a decode request, every packed row of a prefill batch), so a masked key's V row is
 multiplied by a probability of exactly 0, and ``0 * NaN`` is NaN.  The matmul therefore runs on V with its
-non-finite entries replaced by 0, and a second, 0/1 product counts per output row and column the visible
-keys whose V entry is NaN or +inf, and NaN or -inf (two counts suffice: both nonzero means NaN or both
-infinities, i.e. NaN; one of them means +inf or -inf).  Those are added back as NaN / +-inf, so a row's
-output column is non-finite iff a key the row sees holds a non-finite value there (IEEE's ``p * inf`` for
-a visible key, also when p underflows).  A NaN or infinite score of a visible key makes its row NaN (LSE
-NaN too).  A row that sees no key is exactly 0 with LSE -inf whatever the scales hold (a NaN
-``output_scale`` included).
+non-finite entries replaced by 0, and 0/1 products add back, per output row and column, what IEEE
+arithmetic gives over the **visible** keys only: ``p * NaN`` is NaN, ``p * inf`` is +-inf for ``p > 0``
+and NaN for a visible key whose probability is exactly 0 (a score of -inf, or an underflow), +inf plus
+-inf is NaN.  Two counts per element carry that (``[NaN or +inf]`` and ``[NaN or -inf]`` over keys with
+``p > 0``, plus ``[non-finite]`` over visible keys with ``p == 0`` added to both): both nonzero means NaN,
+one of them +inf or -inf.  So an output element is non-finite iff exact IEEE arithmetic over the keys its
+row sees makes it so, and masked or unowned memory never matters.  A NaN or +inf score of a visible key
+makes its row NaN (LSE NaN too).  A row that sees no key is exactly 0 with LSE -inf whatever the scales
+hold (a NaN ``output_scale`` included).
 """
 
 from __future__ import annotations
@@ -47,19 +49,33 @@ def _softmax_rows(s, valid):
     return p, jnp.sum(p, axis=-1), m_safe[..., 0]
 
 
-def _finite_and_counts(v):
-    """``(v with non-finite entries 0, 0/1 indicators [..., 2 * Dv])``: per entry ``[NaN or +inf | NaN or
-    -inf]`` (module docstring); v is float32 with its values last."""
+def _finite_and_indicators(v):
+    """``(v with non-finite entries 0, [NaN or +inf | NaN or -inf] [..., 2 Dv], [non-finite] [..., Dv])``
+    for float32 ``v`` with its values last; the indicators are 0/1 float32 (counts exact to 2^24)."""
     fin = jnp.isfinite(v)
     nan = jnp.isnan(v)
-    ind = jnp.concatenate([nan | (v == jnp.inf), nan | (v == -jnp.inf)], axis=-1)
-    return jnp.where(fin, v, 0.0), ind.astype(jnp.bfloat16)  # 0/1: exact in bf16, counts exact in fp32
+    signed = jnp.concatenate([nan | (v == jnp.inf), nan | (v == -jnp.inf)], axis=-1)
+    return jnp.where(fin, v, 0.0), signed.astype(jnp.float32), (~fin).astype(jnp.float32)
 
 
-def _nonfinite(counts, dv: int):
-    """The non-finite part of P @ V from the indicator counts: 0, NaN, +inf or -inf per element."""
-    a, b = counts[..., :dv] > 0, counts[..., dv:] > 0
+def _nonfinite(signed_counts, zero_counts):
+    """The non-finite part of P @ V (module docstring): 0, NaN, +inf or -inf per element."""
+    dv = zero_counts.shape[-1]
+    a = signed_counts[..., :dv] + zero_counts > 0
+    b = signed_counts[..., dv:] + zero_counts > 0
     return jnp.where(a & b, jnp.nan, jnp.where(a, jnp.inf, jnp.where(b, -jnp.inf, 0.0)))
+
+
+def _pv(spec: str, pr, visible, v):
+    """``pr @ v`` with IEEE semantics over the visible keys only (module docstring); ``spec`` is the
+    einsum of P (unnormalised, masked entries 0) and V; ``visible`` broadcasts to ``pr``."""
+    vf, signed, nonfin = _finite_and_indicators(v)
+    acc = jnp.einsum(spec, pr, vf, precision=HIGHEST)
+    pos = (pr > 0).astype(jnp.float32)
+    zero = (visible & (pr == 0)).astype(jnp.float32)
+    cnt = jnp.einsum(spec, pos, signed, preferred_element_type=jnp.float32)
+    zcnt = jnp.einsum(spec, zero, nonfin, preferred_element_type=jnp.float32)
+    return acc + _nonfinite(cnt, zcnt)
 
 
 def _finish(acc, l, m_safe, out_scale, out_dtype, has):
@@ -116,10 +132,7 @@ class XlaBackend:
     # ------------------------------------------------------------------------------------------ decode
     def decode(self, p: DecodeProblem, q, kv_cache, block_table, seq_lens, softmax_scale, output_scale):
         pr, l, m, v, vis = _decode_parts(p, q, kv_cache, block_table, seq_lens, softmax_scale)
-        vf, ind = _finite_and_counts(v)
-        acc = jnp.einsum("bshk,bkl->bshl", pr, vf, precision=HIGHEST)
-        cnt = jnp.einsum("bsk,bkl->bsl", vis.astype(jnp.bfloat16), ind, preferred_element_type=jnp.float32)
-        acc = acc + _nonfinite(cnt, v.shape[-1])[:, :, None, :]
+        acc = _pv("bshk,bkl->bshl", pr, vis[:, :, None, :], v)
         has = jnp.broadcast_to(jnp.any(vis, axis=-1)[:, :, None], l.shape)
         out, lse = _finish(acc, l, m, output_scale, jnp.dtype(p.out_dtype), has)
         return out, (lse if p.return_lse else None)
@@ -134,7 +147,6 @@ class XlaBackend:
         valid_k = seg_k < p.batch
         kz = jnp.where(valid_k[:, None, None], _operand(k), jnp.zeros((), _operand(k).dtype))
         vz = jnp.where(valid_k[:, None, None], v.astype(jnp.float32), 0.0)
-        vz, ind = _finite_and_counts(vz)  # [Tk, Hk, Dv], [Tk, Hk, 2 Dv]
         # Per q row: visible key rows are those of its own request with pos_k <= pos_q + Lk - Lq.
         cu_k = cu_seqlens_k.astype(jnp.int32)
         lk_of_q = jnp.take(cu_k[1:] - cu_k[:-1], jnp.clip(seg_q, 0, p.batch - 1), mode="clip")
@@ -157,9 +169,7 @@ class XlaBackend:
             if p.causal:
                 vis &= pos_k[None, :] <= sh[:, None]
             pr, l, m = _softmax_rows(s, vis[None, None])
-            acc = jnp.einsum("hgqk,khd->qhgd", pr, vz, precision=HIGHEST)
-            cnt = jnp.einsum("qk,khd->qhd", vis.astype(jnp.bfloat16), ind, preferred_element_type=jnp.float32)
-            acc = acc + _nonfinite(cnt, Dv)[:, :, None, :]
+            acc = _pv("hgqk,khd->qhgd", pr, vis[None, None], vz)
             l = jnp.moveaxis(l, -1, 0)
             m = jnp.moveaxis(m, -1, 0)
             has = jnp.broadcast_to(jnp.any(vis, axis=-1)[:, None, None], l.shape)
