@@ -18,6 +18,15 @@ Decisions (written down here once):
 * Every problem raises :class:`CheckpointError` (a ``ValueError``) naming the tensor and the file:
   missing or unexpected tensors, wrong shapes (expected vs given), unsupported dtypes, FP8 weights
   without scales, and a corrupt or inconsistent index.
+* Safetensors headers are untrusted: every entry is checked when a shard is opened
+  (:class:`SafetensorsFile`), so a corrupt header is a ``CheckpointError``, never header bytes read as
+  weights.
+* Symbolic links (:func:`checkpoint_file`): ``config.json``, the index and every shard may be links (Hugging
+  Face cache snapshots are made of them: ``models--ORG--NAME/snapshots/REV/x -> ../../blobs/SHA``) as long
+  as the file they resolve to lies inside the checkpoint directory (after resolving the directory's own
+  links), or, for a directory that is a cache snapshot (``.../models--*/snapshots/REV``), inside that
+  ``models--*`` repository folder.  A link anywhere else is refused, and so is a shard name that is not a
+  plain file name (``../x``, ``sub/x``): the index cannot make the loader read an arbitrary file.
 * Ignored names: ``*.rotary_emb.inv_freq`` and the MTP layers' ``embed_tokens.weight`` (a copy of the main
   embedding).  A checkpoint without any MTP tensor (e.g. one written by transformers, which drops MTP)
   loads with ``num_nextn_predict_layers = 0`` and a warning; a partial MTP layer is an error.
@@ -53,6 +62,9 @@ _DTYPES = {
     "I32": np.dtype(np.int32),
     "I16": np.dtype(np.int16),
     "I8": np.dtype(np.int8),
+    "U64": np.dtype(np.uint64),
+    "U32": np.dtype(np.uint32),
+    "U16": np.dtype(np.uint16),
     "U8": np.dtype(np.uint8),
     "BOOL": np.dtype(np.bool_),
 }
@@ -67,7 +79,18 @@ class CheckpointError(ValueError):
 
 # ----------------------------------------------------------------------------------- safetensors I/O
 class SafetensorsFile:
-    """Header-parsed, memory-mapped safetensors file; ``get(name)`` returns a read-only numpy view."""
+    """Header-parsed, memory-mapped safetensors file; ``get(name)`` returns a read-only numpy view.
+
+    The header is untrusted input and every entry is checked when the file is opened, so a corrupt or
+    hostile file raises :class:`CheckpointError` naming the tensor and the file instead of a KeyError,
+    TypeError or numpy error later (or, worse, loading header bytes as weights): the header must be a JSON
+    object of at most ``MAX_HEADER_BYTES``; ``__metadata__``, if present, an object; every other entry an
+    object with ``dtype`` a known safetensors dtype name, ``shape`` a list of non-negative ints and
+    ``data_offsets`` two ints ``0 <= start <= end <= data bytes`` (offsets count from the end of the
+    header, so none can point into it) with ``end - start = prod(shape) * itemsize``; no two tensors'
+    byte ranges overlap."""
+
+    MAX_HEADER_BYTES = 100 << 20  # the safetensors format's own limit
 
     def __init__(self, path: str):
         self.path = path
@@ -80,19 +103,59 @@ class SafetensorsFile:
                     )
                 (n,) = struct.unpack("<Q", raw)
                 size = os.fstat(f.fileno()).st_size
-                if n > size - 8:
+                if n > size - 8 or n > self.MAX_HEADER_BYTES:
                     raise CheckpointError(
-                        f"{path}: corrupt safetensors header (length {n} > file size {size})"
+                        f"{path}: corrupt safetensors header (length {n} > file size {size} or "
+                        f"> {self.MAX_HEADER_BYTES})"
                     )
                 header = json.loads(f.read(n))
         except FileNotFoundError:
             raise CheckpointError(f"{path}: shard file not found") from None
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
             raise CheckpointError(f"{path}: corrupt safetensors header ({e})") from None
-        header.pop("__metadata__", None)
+        if not isinstance(header, dict):
+            raise CheckpointError(
+                f"{path}: corrupt safetensors header, expected a JSON object, got {type(header).__name__}"
+            )
+        meta = header.pop("__metadata__", None)
+        if meta is not None and not isinstance(meta, dict):
+            raise CheckpointError(
+                f"{path}: corrupt safetensors header, __metadata__ must be an object, got {type(meta).__name__}"
+            )
         self.header = header
         self.data_start = 8 + n
         self.size = size
+        spans = sorted((self._check_entry(name, info), name) for name, info in header.items())
+        for ((s0, e0), n0), ((s1, e1), n1) in zip(spans, spans[1:]):
+            if s1 < e0 and s1 < e1:  # empty tensors (start == end) overlap nothing
+                raise CheckpointError(
+                    f"{n1} in {path}: data offsets {s1}..{e1} overlap those of {n0} ({s0}..{e0})"
+                )
+
+    def _check_entry(self, name, info) -> tuple[int, int]:
+        where = f"{name} in {self.path}"
+        if not isinstance(info, dict):
+            raise CheckpointError(f"{where}: corrupt header entry, expected an object, got {info!r:.80}")
+        for key in ("dtype", "shape", "data_offsets"):
+            if key not in info:
+                raise CheckpointError(f"{where}: corrupt header entry, no {key!r}")
+        dt = info["dtype"]
+        if not isinstance(dt, str) or dt not in _DTYPES:
+            raise CheckpointError(f"{where}: unsupported safetensors dtype {dt!r:.40} (known: {sorted(_DTYPES)})")
+        shape, offs = info["shape"], info["data_offsets"]
+        if not isinstance(shape, list) or not all(_is_int(d) and d >= 0 for d in shape):
+            raise CheckpointError(f"{where}: corrupt shape {shape!r:.80}, expected a list of non-negative ints")
+        if not isinstance(offs, list) or len(offs) != 2 or not all(_is_int(o) for o in offs):
+            raise CheckpointError(f"{where}: corrupt data_offsets {offs!r:.80}, expected [start, end] ints")
+        start, end = offs
+        nbytes = math.prod(shape) * _DTYPES[dt].itemsize
+        avail = self.size - self.data_start
+        if not 0 <= start <= end <= avail or end - start != nbytes:
+            raise CheckpointError(
+                f"{where}: data offsets {start}..{end} do not match shape {tuple(shape)} x {dt} "
+                f"({nbytes} bytes) or the file's {avail} data bytes"
+            )
+        return start, end
 
     def keys(self):
         return self.header.keys()
@@ -110,20 +173,17 @@ class SafetensorsFile:
         return tuple(self.header[name]["shape"])
 
     def get(self, name: str) -> np.ndarray:
-        info = self.header[name]
-        dt = _DTYPES.get(info["dtype"])
-        if dt is None:
-            raise CheckpointError(f"{name} in {self.path}: unsupported safetensors dtype {info['dtype']}")
-        start, end = info["data_offsets"]
+        info = self.header[name]  # checked in __init__
+        dt = _DTYPES[info["dtype"]]
+        start, _ = info["data_offsets"]
         shape = tuple(info["shape"])
-        if end - start != math.prod(shape) * dt.itemsize or self.data_start + end > self.size:
-            raise CheckpointError(
-                f"{name} in {self.path}: data offsets {start}..{end} do not match shape "
-                f"{shape} x {info['dtype']} or the file size"
-            )
         if math.prod(shape) == 0:
             return np.zeros(shape, dt)
         return np.memmap(self.path, dtype=dt, mode="r", offset=self.data_start + start, shape=shape)
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
 
 
 def save_safetensors(
@@ -231,10 +291,35 @@ def _expected_shape(path, expert, transpose, params) -> tuple[int, ...]:
 
 
 # ------------------------------------------------------------------------------------------ loading
+def checkpoint_file(root: str, name: str) -> str:
+    """``root/name`` if the link policy (module docstring) allows it, else :class:`CheckpointError`.
+
+    ``name`` must be a plain file name; the file it resolves to (``os.path.realpath``) must lie inside
+    ``realpath(root)`` or, when ``root`` is a Hugging Face cache snapshot ``.../models--*/snapshots/REV``
+    (checked on the path as given and as resolved), inside that ``models--*`` folder."""
+    if not isinstance(name, str) or name in ("", ".", "..") or os.path.basename(name) != name:
+        raise CheckpointError(f"{root}: expected a plain file name inside the checkpoint, got {name!r}")
+    full = os.path.join(root, name)
+    real = os.path.realpath(full)
+    allowed = {os.path.realpath(root)}
+    for r in (os.path.abspath(root), os.path.realpath(root)):
+        snaps, rev = os.path.split(r)
+        repo, snap_dir = os.path.split(snaps)
+        if rev and snap_dir == "snapshots" and os.path.basename(repo).startswith("models--"):
+            allowed.add(os.path.realpath(repo))
+    if not any(real == a or real.startswith(a.rstrip(os.sep) + os.sep) for a in allowed):
+        raise CheckpointError(
+            f"{full}: resolves to {real}, outside the checkpoint directory; refused (links must stay inside "
+            f"the checkpoint directory or its Hugging Face cache repository: {sorted(allowed)})"
+        )
+    return full
+
+
 def _open_index(path: str) -> dict[str, str]:
     """``{tensor name: shard file}`` from the index, or from a single ``model.safetensors``."""
     idx = os.path.join(path, INDEX_FILE)
     if os.path.isfile(idx):
+        checkpoint_file(path, INDEX_FILE)
         try:
             with open(idx) as f:
                 data = json.load(f)
@@ -251,10 +336,11 @@ def _open_index(path: str) -> dict[str, str]:
                     f"{idx}: corrupt index, shard {shard!r} (listed for "
                     f"{next(k for k, v in wm.items() if v == shard)!r}) does not exist in {path}"
                 )
+            checkpoint_file(path, shard)
         return wm
     single = os.path.join(path, SINGLE_FILE)
     if os.path.isfile(single):
-        return {k: SINGLE_FILE for k in SafetensorsFile(single)}
+        return {k: SINGLE_FILE for k in SafetensorsFile(checkpoint_file(path, SINGLE_FILE))}
     raise CheckpointError(f"{path}: expected {INDEX_FILE} or {SINGLE_FILE}, found neither")
 
 
@@ -281,7 +367,7 @@ def load_checkpoint(
     if not os.path.isdir(path):
         raise CheckpointError(f"path: expected a checkpoint directory, got {path!r}")
     param_dtype = dtype if param_dtype is None else param_dtype
-    config = DeepseekV3Config.from_json(path) if config is None else config
+    config = DeepseekV3Config.from_json(checkpoint_file(path, "config.json")) if config is None else config
     weight_map = _open_index(path)
     shards = {s: SafetensorsFile(os.path.join(path, s)) for s in sorted(set(weight_map.values()))}
     for name, shard in weight_map.items():
