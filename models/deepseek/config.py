@@ -11,6 +11,13 @@ Presets (``DeepseekV3Config.preset(name)``):
 * ``small`` -- the CLI demo: 4 layers, hidden 512, 16 heads, 16 experts, vocab 4096.
 * ``tiny`` -- tests: 2 layers (1 dense + 1 MoE), hidden 64, 2 heads, 8 experts, vocab 256.
 
+Reading config.json (:meth:`DeepseekV3Config.from_dict`): the file is untrusted input.  It must be a JSON
+object, and every known key must have its field's JSON type (ints, numbers, bools, strings, objects for
+``rope_scaling`` / ``rope_parameters`` / ``quantization_config``); a wrong one raises ``ValueError``
+naming the key.  A missing ``rope_scaling`` (and no ``rope_parameters``) means **no RoPE scaling**, as in
+transformers (the published R1 config spells its YaRN out; only the ``deepseek-r1`` preset has it built
+in).  Unknown keys are ignored.
+
 Every preset keeps the attention dims of the real model (kv_lora_rank 512, qk_rope_head_dim 64,
 qk_nope_head_dim 128, v_head_dim 128), which are what the MLA kernels are specialised for.
 """
@@ -43,6 +50,15 @@ class RopeScaling:
     mscale: float = 1.0
     mscale_all_dim: float = 1.0
 
+    def __post_init__(self):
+        for name in ("factor", "beta_fast", "beta_slow", "mscale", "mscale_all_dim"):
+            _check_number(f"rope_scaling.{name}", getattr(self, name))
+        if not _is_int(self.original_max_position_embeddings) or self.original_max_position_embeddings < 1:
+            raise ValueError(f"rope_scaling.original_max_position_embeddings: expected a positive int, "
+                             f"got {self.original_max_position_embeddings!r}")
+        if not self.factor > 0:
+            raise ValueError(f"rope_scaling.factor: expected a positive number, got {self.factor!r}")
+
 
 @dataclasses.dataclass(frozen=True)
 class QuantizationConfig:
@@ -52,6 +68,40 @@ class QuantizationConfig:
     fmt: str = "e4m3"
     activation_scheme: str = "dynamic"
     weight_block_size: tuple[int, int] = (128, 128)
+
+    def __post_init__(self):
+        b = self.weight_block_size
+        if not isinstance(b, (tuple, list)) or len(b) != 2 or not all(_is_int(x) and x >= 1 for x in b):
+            raise ValueError(
+                f"quantization_config.weight_block_size: expected two positive ints [out, in], got {b!r}"
+            )
+        object.__setattr__(self, "weight_block_size", tuple(b))
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _check_number(key: str, v) -> None:
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+        raise ValueError(f"{key}: expected a finite number, got {v!r}")
+
+
+# The JSON type of each DeepseekV3Config field (checked by from_dict before construction).
+_JSON_TYPES = {"int": "an int", "float": "a number", "bool": "a bool (true/false)", "str": "a string",
+               "int | None": "an int or null"}
+
+
+def _check_json_type(key: str, annotation: str, v) -> None:
+    ok = {
+        "int": lambda: _is_int(v),
+        "int | None": lambda: v is None or _is_int(v),
+        "float": lambda: not isinstance(v, bool) and isinstance(v, (int, float)),
+        "bool": lambda: isinstance(v, bool),
+        "str": lambda: isinstance(v, str),
+    }.get(annotation)
+    if ok is not None and not ok():
+        raise ValueError(f"{key}: expected {_JSON_TYPES[annotation]}, got {v!r:.80}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -136,6 +186,12 @@ class DeepseekV3Config:
             )
         if self.hidden_act != "silu":
             raise ValueError(f"hidden_act: expected 'silu', got {self.hidden_act!r}")
+        for name in ("rms_norm_eps", "rope_theta", "routed_scaling_factor"):
+            _check_number(name, getattr(self, name))
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name}: expected a positive number, got {getattr(self, name)!r}")
+        if self.rope_scaling is not None and not isinstance(self.rope_scaling, RopeScaling):
+            raise ValueError(f"rope_scaling: expected a RopeScaling or None, got {self.rope_scaling!r:.80}")
         if self.rope_scaling is not None and self.rope_scaling.type != "yarn":
             raise ValueError(
                 f"rope_scaling: expected type 'yarn' or no scaling, got {self.rope_scaling.type!r}"
@@ -173,40 +229,55 @@ class DeepseekV3Config:
     # -------------------------------------------------------------------------------- construction
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> DeepseekV3Config:
-        """From a ``config.json`` dict; unknown keys (architectures, torch_dtype, ...) are ignored."""
+        """From a ``config.json`` dict; unknown keys (architectures, torch_dtype, ...) are ignored, known
+        keys are type-checked (module docstring), and a missing ``rope_scaling`` means no scaling."""
+        if not isinstance(d, dict):
+            raise ValueError(f"config.json: expected a JSON object, got {type(d).__name__}")
         d = dict(d)
-        fields = {f.name for f in dataclasses.fields(cls)}
+        fields = {f.name: f.type for f in dataclasses.fields(cls)}
         kw = {k: v for k, v in d.items() if k in fields}
         rp = d.get("rope_parameters")
+        if rp is not None and not isinstance(rp, dict):
+            raise ValueError(f"rope_parameters: expected an object or null, got {rp!r:.80}")
         if rp and "rope_scaling" not in d:  # transformers >= 5 spelling
             kw["rope_theta"] = rp.get("rope_theta", kw.get("rope_theta", 10000.0))
             rtype = rp.get("rope_type", rp.get("type", "default"))
             kw["rope_scaling"] = None if rtype == "default" else rp
-        rs = kw.get("rope_scaling", RopeScaling())
+        rs = kw.get("rope_scaling")  # missing: no scaling (transformers' default), not R1's YaRN
+        if rs is not None and not isinstance(rs, dict):
+            raise ValueError(f"rope_scaling: expected an object or null, got {rs!r:.80}")
         if isinstance(rs, dict):
             rs = dict(rs)
             rtype = rs.pop("rope_type", None) or rs.pop("type", "yarn")
             rs.pop("type", None)
+            if not isinstance(rtype, str):
+                raise ValueError(f"rope_scaling.type: expected a string, got {rtype!r:.80}")
             rf = {f.name for f in dataclasses.fields(RopeScaling)}
-            rs = RopeScaling(type=rtype, **{k: v for k, v in rs.items() if k in rf and v is not None})
+            rs = None if rtype == "default" else RopeScaling(
+                type=rtype, **{k: v for k, v in rs.items() if k in rf and v is not None})
         kw["rope_scaling"] = rs
         qc = kw.get("quantization_config")
+        if qc is not None and not isinstance(qc, dict):
+            raise ValueError(f"quantization_config: expected an object or null, got {qc!r:.80}")
         if isinstance(qc, dict):
             if qc.get("quant_method", "fp8") != "fp8" or qc.get("fmt", "e4m3") != "e4m3":
                 raise ValueError(
                     f"quantization_config: only DeepSeek's fp8/e4m3 block quantisation is supported, got {qc}"
                 )
+            wbs = qc.get("weight_block_size", (128, 128))
             kw["quantization_config"] = QuantizationConfig(
                 quant_method="fp8",
                 fmt="e4m3",
                 activation_scheme=qc.get("activation_scheme", "dynamic"),
-                weight_block_size=tuple(qc.get("weight_block_size", (128, 128))),
+                weight_block_size=tuple(wbs) if isinstance(wbs, list) else wbs,
             )
         for k in ("eos_token_id", "bos_token_id"):
             if isinstance(kw.get(k), list):
                 kw[k] = kw[k][0] if kw[k] else None
         if kw.get("num_key_value_heads") is None:
             kw["num_key_value_heads"] = kw.get("num_attention_heads", cls.num_attention_heads)
+        for k, v in kw.items():
+            _check_json_type(k, fields[k], v)
         return cls(**kw)
 
     @classmethod
@@ -220,9 +291,12 @@ class DeepseekV3Config:
                 d = json.load(f)
         except FileNotFoundError:
             raise FileNotFoundError(f"config.json: no such file {path!r}") from None
-        except json.JSONDecodeError as e:
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise ValueError(f"config.json: {path!r} is not valid JSON ({e})") from None
-        return cls.from_dict(d)
+        try:
+            return cls.from_dict(d)
+        except (ValueError, TypeError) as e:
+            raise ValueError(f"{path}: {e}") from None
 
     def to_dict(self) -> dict[str, Any]:
         """A ``config.json`` dict (published field names, loadable by transformers' DeepseekV3Config)."""
