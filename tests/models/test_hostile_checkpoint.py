@@ -1,0 +1,291 @@
+"""Hostile checkpoints (issue 34): corrupt safetensors headers and data, FP8 block sizes, config.json
+types, symbolic links and path tricks, and a config.json without ``rope_scaling`` against transformers.
+Every failure must be a ``CheckpointError`` / ``ValueError`` naming the tensor (or key) and the file."""
+
+# ruff: noqa: E501  (tables of cases read best one per line)
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import struct
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from tokenspeed_jax.models.deepseek.config import DeepseekV3Config
+from tokenspeed_jax.models.deepseek.weights import (
+    CheckpointError,
+    SafetensorsFile,
+    checkpoint_file,
+    load_checkpoint,
+    save_checkpoint,
+    save_safetensors,
+)
+
+
+def raw_file(path, header, data: bytes = b"", *, length: int | None = None, header_bytes: bytes | None = None):
+    """A safetensors file with an arbitrary (possibly hostile) header."""
+    hb = header_bytes if header_bytes is not None else json.dumps(header).encode()
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(hb) if length is None else length))
+        f.write(hb)
+        f.write(data)
+    return str(path)
+
+
+W = {"dtype": "F32", "shape": [2, 2], "data_offsets": [0, 16]}
+DATA = np.arange(4, dtype=np.float32).tobytes() + np.arange(4, dtype=np.float32).tobytes()
+
+# (case, header, regex the message must match); every message must also name the file.
+HEADERS = [
+    ("entry without dtype", {"w": {"shape": [2, 2], "data_offsets": [0, 16]}}, r"^w in .*: corrupt header entry, no 'dtype'"),
+    ("entry without data_offsets", {"w": {"dtype": "F32", "shape": [2, 2]}}, r"^w in .*: corrupt header entry, no 'data_offsets'"),
+    ("entry without shape", {"w": {"dtype": "F32", "data_offsets": [0, 16]}}, r"^w in .*: corrupt header entry, no 'shape'"),
+    ("int in place of an entry", {"w": 7}, r"^w in .*: corrupt header entry, expected an object, got 7"),
+    ("list in place of an entry", {"w": [1, 2]}, r"^w in .*: corrupt header entry, expected an object"),
+    ("unknown dtype", {"w": {**W, "dtype": "F4"}}, r"^w in .*: unsupported safetensors dtype 'F4'"),
+    ("dtype not a string", {"w": {**W, "dtype": 3}}, r"^w in .*: unsupported safetensors dtype 3"),
+    ("float offsets", {"w": {**W, "data_offsets": [0.0, 16.0]}}, r"^w in .*: corrupt data_offsets \[0.0, 16.0\]"),
+    ("bool offsets", {"w": {**W, "data_offsets": [False, 16]}}, r"^w in .*: corrupt data_offsets"),
+    ("three offsets", {"w": {**W, "data_offsets": [0, 8, 16]}}, r"^w in .*: corrupt data_offsets"),
+    ("negative offsets", {"w": {**W, "data_offsets": [-16, 0]}}, r"^w in .*: data offsets -16..0 do not match"),
+    ("offsets into the header", {"w": {**W, "data_offsets": [-24, -8]}}, r"^w in .*: data offsets -24..-8 do not match"),
+    ("offsets past the file", {"w": {**W, "data_offsets": [24, 40]}}, r"^w in .*: data offsets 24..40 do not match .*the file's 32 data bytes"),
+    ("size != prod(shape) x itemsize", {"w": {**W, "shape": [2, 3]}}, r"^w in .*: data offsets 0..16 do not match shape \(2, 3\) x F32 \(24 bytes\)"),
+    ("negative shape", {"w_scale_inv": {**W, "shape": [-1, 4]}}, r"^w_scale_inv in .*: corrupt shape \[-1, 4\]"),
+    ("float shape", {"w": {**W, "shape": [2.0, 2]}}, r"^w in .*: corrupt shape"),
+    ("shape not a list", {"w": {**W, "shape": 4}}, r"^w in .*: corrupt shape 4"),
+    ("huge shape", {"w": {**W, "shape": [2**40, 2**40]}}, r"^w in .*: data offsets 0..16 do not match"),
+    ("overlapping tensors", {"a": W, "b": {**W, "data_offsets": [8, 24]}}, r"^b in .*: data offsets 8..24 overlap those of a \(0..16\)"),
+    ("duplicate ranges", {"a": W, "b": W}, r"^b in .*: data offsets 0..16 overlap those of a"),
+    ("__metadata__ a list", {"__metadata__": [1], "w": W}, r": corrupt safetensors header, __metadata__ must be an object"),
+    ("JSON array header", [W], r": corrupt safetensors header, expected a JSON object, got list"),
+    ("JSON string header", "w", r": corrupt safetensors header, expected a JSON object, got str"),
+]
+
+
+@pytest.mark.parametrize("case,header,pattern", HEADERS, ids=[c[0] for c in HEADERS])
+def test_corrupt_header_entries(tmp_path, case, header, pattern):
+    path = raw_file(tmp_path / "x.safetensors", header, DATA)
+    with pytest.raises(CheckpointError, match=pattern) as e:
+        f = SafetensorsFile(path)
+        for n in f:  # if opening passed, reading must not (it never does: checked on open)
+            f.get(n)
+    assert path in str(e.value)
+
+
+def test_offsets_overlapping_the_header_never_load(tmp_path):
+    """The issue's silent case: offsets [-16, -16 + n] would read header bytes as weights."""
+    good = raw_file(tmp_path / "g.safetensors", {"w": W}, DATA[:16])
+    np.testing.assert_array_equal(SafetensorsFile(good).get("w"), np.arange(4, dtype=np.float32).reshape(2, 2))
+    bad = raw_file(tmp_path / "b.safetensors", {"w": {**W, "data_offsets": [-16, 0]}}, DATA[:16])
+    with pytest.raises(CheckpointError, match=r"^w in .*b\.safetensors: data offsets -16..0"):
+        SafetensorsFile(bad)
+
+
+@pytest.mark.parametrize("case,build,pattern", [
+    ("empty file", lambda p: open(p, "wb").close(), r"not a safetensors file \(shorter than its 8-byte"),
+    ("header length past the file", lambda p: raw_file(p, {"w": W}, DATA, length=10**6), r"corrupt safetensors header \(length 1000000 > file size"),
+    ("header length past the format's limit", lambda p: raw_file(p, {"w": W}, DATA, length=2**63), r"corrupt safetensors header \(length"),
+    ("header not UTF-8", lambda p: raw_file(p, None, DATA, header_bytes=b"\xff\xfe{}"), r"corrupt safetensors header \("),
+    ("header not JSON", lambda p: raw_file(p, None, DATA, header_bytes=b"{'w': 1}"), r"corrupt safetensors header \("),
+    ("deeply nested header", lambda p: raw_file(p, None, DATA, header_bytes=b"[" * 100000 + b"]" * 100000), r"corrupt safetensors header"),
+    ("truncated data", lambda p: raw_file(p, {"a": W, "b": {**W, "data_offsets": [16, 32]}}, DATA[:20]), r"^b in .*: data offsets 16..32 do not match"),
+])
+def test_corrupt_files(tmp_path, case, build, pattern):
+    path = str(tmp_path / "x.safetensors")
+    build(path)
+    with pytest.raises(CheckpointError, match=pattern) as e:
+        SafetensorsFile(path)
+    assert path in str(e.value)
+
+
+def test_every_known_dtype_and_empty_tensors_still_load(tmp_path):
+    import ml_dtypes
+
+    t = {"u16": np.arange(3, dtype=np.uint16), "u32": np.arange(3, dtype=np.uint32), "e": np.zeros((0, 4), np.float32),
+         "bf": np.ones((2,), ml_dtypes.bfloat16), "e2": np.zeros((3, 0), np.int8)}
+    save_safetensors(t, str(tmp_path / "x.safetensors"))
+    f = SafetensorsFile(str(tmp_path / "x.safetensors"))
+    for n, a in t.items():
+        np.testing.assert_array_equal(np.asarray(f.get(n)), a)
+        assert f.get(n).dtype == a.dtype
+
+
+# ----------------------------------------------------------------------------- checkpoints on disk
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    from tokenspeed_jax.models.deepseek.model import DeepseekV3
+
+    model = DeepseekV3.random(DeepseekV3Config.preset("tiny").replace(num_nextn_predict_layers=0), seed=3)
+    path = tmp_path_factory.mktemp("tiny")
+    save_checkpoint(model, path, num_shards=2)
+    return path
+
+
+def _copy(src, dst):
+    shutil.copytree(src, dst)
+    return dst
+
+
+def _load(path):
+    return load_checkpoint(path, dtype=jnp.float32, progress=False)
+
+
+def test_zero_block_size_is_a_clear_error(tiny_dir, tmp_path):
+    path = _copy(tiny_dir, tmp_path / "c")
+    cfg = json.loads((path / "config.json").read_text())
+    for bad, shown in (([0, 0], r"\(0, 0\)"), ([128], r"\(128,\)"), ([128, -1], r"\(128, -1\)"), ("x", "'x'"), ([1.5, 128], r"\(1.5, 128\)")):
+        cfg["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": bad}
+        (path / "config.json").write_text(json.dumps(cfg))
+        with pytest.raises(ValueError, match=rf"config.json: quantization_config.weight_block_size: expected two positive ints \[out, in\], got {shown}"):
+            _load(path)
+
+
+CONFIG_ATTACKS = [
+    ("a list", lambda d: [d], r"config.json: expected a JSON object, got list"),
+    ("a string", lambda d: "x", r"config.json: expected a JSON object, got str"),
+    ("list rope_scaling", lambda d: {**d, "rope_scaling": [1, 2]}, r"rope_scaling: expected an object or null, got \[1, 2\]"),
+    ("string rope_scaling", lambda d: {**d, "rope_scaling": "yarn"}, r"rope_scaling: expected an object or null"),
+    ("rope_scaling factor a string", lambda d: {**d, "rope_scaling": {"type": "yarn", "factor": "40"}}, r"rope_scaling.factor: expected a finite number, got '40'"),
+    ("rope_scaling factor 0", lambda d: {**d, "rope_scaling": {"type": "yarn", "factor": 0}}, r"rope_scaling.factor: expected a positive number, got 0"),
+    ("rope_parameters a list", lambda d: {**{k: v for k, v in d.items() if k != "rope_scaling"}, "rope_parameters": [1]}, r"rope_parameters: expected an object or null"),
+    ("rms_norm_eps a string", lambda d: {**d, "rms_norm_eps": "x"}, r"rms_norm_eps: expected a number, got 'x'"),
+    ("rms_norm_eps negative", lambda d: {**d, "rms_norm_eps": -1e-6}, r"rms_norm_eps: expected a positive number"),
+    ("rope_theta NaN", lambda d: {**d, "rope_theta": float("nan")}, r"rope_theta: expected a finite number"),
+    ("hidden_size a float", lambda d: {**d, "hidden_size": 64.0}, r"hidden_size: expected an int, got 64.0"),
+    ("num_hidden_layers a bool", lambda d: {**d, "num_hidden_layers": True}, r"num_hidden_layers: expected an int, got True"),
+    ("q_lora_rank a string", lambda d: {**d, "q_lora_rank": "32"}, r"q_lora_rank: expected an int or null, got '32'"),
+    ("norm_topk_prob a string", lambda d: {**d, "norm_topk_prob": "yes"}, r"norm_topk_prob: expected a bool"),
+    ("hidden_act a list", lambda d: {**d, "hidden_act": ["silu"]}, r"hidden_act: expected a string"),
+    ("quantization_config a list", lambda d: {**d, "quantization_config": [128, 128]}, r"quantization_config: expected an object or null"),
+]
+
+
+@pytest.mark.parametrize("case,mutate,pattern", CONFIG_ATTACKS, ids=[c[0] for c in CONFIG_ATTACKS])
+def test_config_json_types(tmp_path, case, mutate, pattern):
+    d = DeepseekV3Config.preset("tiny").to_dict()
+    (tmp_path / "config.json").write_text(json.dumps(mutate(d)))
+    with pytest.raises(ValueError, match=pattern) as e:
+        DeepseekV3Config.from_json(tmp_path)
+    assert str(tmp_path) in str(e.value)
+
+
+def test_config_json_not_json(tmp_path):
+    (tmp_path / "config.json").write_bytes(b"\xff\xfe")
+    with pytest.raises(ValueError, match="config.json: .* is not valid JSON"):
+        DeepseekV3Config.from_json(tmp_path)
+
+
+# ------------------------------------------------------------------------------- links and paths
+def test_link_policy_inside_directory_loads(tiny_dir, tmp_path):
+    """Links that resolve inside the checkpoint directory (e.g. a renamed shard) are followed."""
+    path = _copy(tiny_dir, tmp_path / "c")
+    shard = "model-00001-of-00002.safetensors"
+    os.rename(path / shard, path / "real.bin")
+    os.symlink("real.bin", path / shard)
+    ref = _load(tiny_dir)
+    m = _load(path)
+    assert m.config == ref.config
+
+
+def test_link_outside_directory_is_refused(tiny_dir, tmp_path):
+    path = _copy(tiny_dir, tmp_path / "c")
+    outside = tmp_path / "elsewhere"
+    outside.mkdir()
+    shard = "model-00002-of-00002.safetensors"
+    shutil.move(str(path / shard), str(outside / shard))
+    os.symlink(outside / shard, path / shard)
+    with pytest.raises(CheckpointError, match=rf"{re.escape(str(path / shard))}: resolves to .*elsewhere.*outside the checkpoint directory"):
+        _load(path)
+    # the same for config.json and the index
+    for name in ("config.json", "model.safetensors.index.json"):
+        p2 = _copy(tiny_dir, tmp_path / f"d-{name}")
+        shutil.move(str(p2 / name), str(outside / name))
+        os.symlink(outside / name, p2 / name)
+        with pytest.raises(CheckpointError, match=rf"{re.escape(name)}: resolves to .*outside the checkpoint"):
+            _load(p2)
+
+
+def test_link_chain_escaping_through_an_inside_link_is_refused(tiny_dir, tmp_path):
+    """A link to an inside link that points outside resolves outside: refused."""
+    path = _copy(tiny_dir, tmp_path / "c")
+    outside = tmp_path / "o"
+    outside.mkdir()
+    shard = "model-00001-of-00002.safetensors"
+    shutil.move(str(path / shard), str(outside / shard))
+    os.symlink(outside / shard, path / "hop")
+    os.symlink("hop", path / shard)
+    with pytest.raises(CheckpointError, match="outside the checkpoint directory"):
+        _load(path)
+
+
+def test_hugging_face_cache_layout_loads(tiny_dir, tmp_path):
+    """``models--ORG--NAME/snapshots/REV/*`` are links to ``../../blobs/SHA``: allowed (same cache repo);
+    a link from the snapshot to another repo's blobs is not."""
+    repo = tmp_path / "hub" / "models--org--tiny"
+    blobs, snap = repo / "blobs", repo / "snapshots" / "0123abc"
+    blobs.mkdir(parents=True)
+    snap.mkdir(parents=True)
+    for i, name in enumerate(sorted(os.listdir(tiny_dir))):
+        shutil.copy(tiny_dir / name, blobs / f"sha{i}")
+        os.symlink(os.path.join("..", "..", "blobs", f"sha{i}"), snap / name)
+    m = _load(snap)
+    assert m.config.num_hidden_layers == 2
+    other = tmp_path / "hub" / "models--org--other" / "blobs"
+    other.mkdir(parents=True)
+    name = "model-00002-of-00002.safetensors"
+    target = os.path.realpath(snap / name)
+    shutil.move(target, other / "x")
+    os.remove(snap / name)
+    os.symlink(other / "x", snap / name)
+    with pytest.raises(CheckpointError, match="outside the checkpoint directory"):
+        _load(snap)
+
+
+def test_index_cannot_name_a_path(tiny_dir, tmp_path):
+    path = _copy(tiny_dir, tmp_path / "c")
+    idx = path / "model.safetensors.index.json"
+    data = json.loads(idx.read_text())
+    shutil.copy(path / "model-00001-of-00002.safetensors", tmp_path / "up.safetensors")
+    for bad in ("../up.safetensors", str(tmp_path / "up.safetensors"), "./model-00001-of-00002.safetensors"):
+        d = json.loads(json.dumps(data))
+        d["weight_map"] = {k: (bad if v.startswith("model-00001") else v) for k, v in d["weight_map"].items()}
+        idx.write_text(json.dumps(d))
+        with pytest.raises(CheckpointError, match=rf"shard {re.escape(repr(bad))} .*does not exist"):
+            _load(path)
+
+
+def test_checkpoint_file_names(tmp_path):
+    for bad in ("", ".", "..", "../x", "a/b", "/etc/passwd"):
+        with pytest.raises(CheckpointError, match="expected a plain file name"):
+            checkpoint_file(str(tmp_path), bad)
+    assert checkpoint_file(str(tmp_path), "x") == os.path.join(str(tmp_path), "x")
+
+
+# --------------------------------------------------------------- 11. no rope_scaling = no scaling
+def test_missing_rope_scaling_means_no_scaling_as_in_transformers():
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    from tokenspeed_jax.models.deepseek.rope import rope_frequencies
+    from transformers.models.deepseek_v3 import modeling_deepseek_v3 as M
+
+    base = DeepseekV3Config.preset("tiny").to_dict()
+    with_yarn = {**base, "rope_scaling": {"type": "yarn", "factor": 8.0, "original_max_position_embeddings": 64,
+                                          "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0},
+                 "max_position_embeddings": 512}
+    without = {k: v for k, v in with_yarn.items() if k != "rope_scaling"}
+    for d in (without, with_yarn):  # the yarn one is the control: both spellings must agree with transformers
+        ours = DeepseekV3Config.from_dict(d)
+        hf = transformers.DeepseekV3Config(**{k: v for k, v in d.items() if k not in ("architectures", "model_type")})
+        attn = M.DeepseekV3Attention(hf, layer_idx=0)
+        rot = M.DeepseekV3RotaryEmbedding(hf)
+        inv, factor = rope_frequencies(ours)
+        assert ours.softmax_scale == pytest.approx(attn.scaling, rel=1e-6)
+        np.testing.assert_allclose(inv, rot.inv_freq.to(torch.float64).numpy(), rtol=1e-6)
+        assert factor == pytest.approx(float(rot.attention_scaling), rel=1e-6)
+    assert DeepseekV3Config.from_dict(without).rope_scaling is None
+    assert DeepseekV3Config.from_dict(without).softmax_scale == pytest.approx(192**-0.5)
