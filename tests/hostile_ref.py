@@ -16,10 +16,12 @@ from tests.reference import f64
 
 
 def _attend(qrows: np.ndarray, keys: np.ndarray, vals: np.ndarray, scale: float):
-    """qrows [R, D] over keys [n >= 1, D] / vals [n, Dv] in float64 with IEEE propagation."""
-    with np.errstate(invalid="ignore", over="ignore"):
+    """qrows [R, D] over keys [n >= 1, D] / vals [n, Dv] in float64 with IEEE propagation.  Every score
+    -inf: LSE ``log(0) = -inf`` and output ``0 / 0 = NaN`` (the max shift uses 0 there)."""
+    with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
         s = scale * np.einsum("rd,nd->rn", qrows, keys)
         m = s.max(axis=1, keepdims=True)
+        m = np.where(np.isneginf(m), 0.0, m)
         p = np.exp(s - m)
         den = p.sum(axis=1)
         return np.einsum("rn,nv->rv", p, vals) / den[:, None], m[:, 0] + np.log(den)

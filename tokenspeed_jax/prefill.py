@@ -11,9 +11,9 @@ Contract (normative)
     output and LSE ``-inf``.
 
     K/V rows past the last request (``cu_seqlens_k[-1] <= row < Tk``; padding the caller may leave as
-    garbage, NaN included): the ``xla`` backend never reads them; the ``sm90`` backend's kernel reads up to 127
-    rows past ``cu_seqlens_k[-1]``, and the backend zeroes those V rows before the call, so any content is
-    safe on both.  The ``sm100``
+    garbage, NaN included): the ``xla`` backend never reads them; the ``sm90`` backend's kernel reads
+    up to 127 rows past ``cu_seqlens_k[-1]``, and the backend zeroes those V rows before the call, so any
+    content is safe on both.  The ``sm100``
     backend loads whole key tiles of at most 128 rows and multiplies the v rows past the last request by
     probabilities that are exactly 0; ``0 * NaN`` is NaN, so **there k/v rows in
     ``[cu_seqlens_k[-1], cu_seqlens_k[-1] + 127)`` must hold finite values** (zeros, stale data, any finite
@@ -114,7 +114,8 @@ def check_prefill_inputs(cu_seqlens_q, cu_seqlens_k, *, num_q_tokens: int, num_k
         # Compared in the offsets' own dtype (NumPy arrays by NumPy): an int32 cast would wrap uint32 /
         # int64 values and report the wrong defect.
         xp = np if isinstance(cu, (np.ndarray, np.generic)) else jnp
-        checkify.check(jnp.asarray(cu[0] == 0), f"{name}: expected the first offset to be 0, got a nonzero one")
+        checkify.check(jnp.asarray(cu[0] == 0),
+                       f"{name}: expected the first offset to be 0, got a nonzero one")
         checkify.check(jnp.asarray(xp.all(cu[1:] >= cu[:-1])),
                        f"{name}: expected non-decreasing offsets, got a decrease")
         checkify.check(C.index_in_range(cu[-1], None, rows),

@@ -120,7 +120,8 @@ class SafetensorsFile:
         meta = header.pop("__metadata__", None)
         if meta is not None and not isinstance(meta, dict):
             raise CheckpointError(
-                f"{path}: corrupt safetensors header, __metadata__ must be an object, got {type(meta).__name__}"
+                f"{path}: corrupt safetensors header, __metadata__ must be an object, "
+                f"got {type(meta).__name__}"
             )
         self.header = header
         self.data_start = 8 + n
@@ -141,10 +142,14 @@ class SafetensorsFile:
                 raise CheckpointError(f"{where}: corrupt header entry, no {key!r}")
         dt = info["dtype"]
         if not isinstance(dt, str) or dt not in _DTYPES:
-            raise CheckpointError(f"{where}: unsupported safetensors dtype {dt!r:.40} (known: {sorted(_DTYPES)})")
+            raise CheckpointError(
+                f"{where}: unsupported safetensors dtype {dt!r:.40} (known: {sorted(_DTYPES)})"
+            )
         shape, offs = info["shape"], info["data_offsets"]
         if not isinstance(shape, list) or not all(_is_int(d) and d >= 0 for d in shape):
-            raise CheckpointError(f"{where}: corrupt shape {shape!r:.80}, expected a list of non-negative ints")
+            raise CheckpointError(
+                f"{where}: corrupt shape {shape!r:.80}, expected a list of non-negative ints"
+            )
         if not isinstance(offs, list) or len(offs) != 2 or not all(_is_int(o) for o in offs):
             raise CheckpointError(f"{where}: corrupt data_offsets {offs!r:.80}, expected [start, end] ints")
         start, end = offs
