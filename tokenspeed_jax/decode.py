@@ -35,7 +35,10 @@ Non-finite values
     A NaN or Inf in the cache reaches only the output rows whose keys include it: rows past ``seq_len``
     (also inside an owned page), pages a request does not own, and under ``causal`` the keys a query token
     cannot see yet (token ``j >= seq_len - S + 1 + i``) may hold anything.  A row that sees no key is
-    exactly 0 (LSE ``-inf``) whatever the scales hold, a NaN or infinite ``output_scale`` included.
+    exactly 0 (LSE ``-inf``) whatever the scales hold, a NaN or infinite ``output_scale`` included.  The
+    ``xla`` backend holds all of it by construction (``backends/xla.py``); kernel backends document how
+    they keep rows past ``seq_len`` and unowned pages out of their products, and the causally masked keys
+    and non-finite scales are checked on the GPU by ``tests/gpu/test_hostile_sm90.py``.
 """
 
 from __future__ import annotations

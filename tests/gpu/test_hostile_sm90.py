@@ -146,11 +146,12 @@ def test_decode_nonfinite_output_scale_keeps_empty_rows_zero(page, dtype, rng):
 @pytest.mark.parametrize("page,dtype", CONFIGS[:1], ids=["p16-bflo"])
 def test_decode_uint32_length_clamps_to_capacity(page, dtype, rng):
     q, kv, bt, sl = _decode_inputs(int(rng.integers(2**31)), page, dtype)
-    kv = np.nan_to_num(kv)  # a length at the capacity reads every row the table names
+    kv = np.where(np.isnan(kv.astype(np.float32)), 0, kv).astype(kv.dtype)  # (np.nan_to_num skips bf16)
+    # a length at the capacity reads every row the table names: all finite now
     sl = np.array([2**32 - 1, 90, 0, 200], np.uint32)
     got, want = _run_decode(q, kv, bt, sl)
     check(got, want, atol=DECODE_ATOL[dtype])
-    assert np.asarray(got[1])[0].min() > -np.inf  # not wrapped to length 0
+    assert np.isfinite(np.asarray(got[1])[0]).all()  # not wrapped to length 0 (LSE -inf)
 
 
 # ---------------------------------------------------------------------------------------- prefill
