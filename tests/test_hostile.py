@@ -396,3 +396,20 @@ def test_errors_name_the_argument_for_sizes_the_vllm_shapes_reach():
         with pytest.raises(ValueError, match=pat):
             tj.mla_decode(jnp.zeros(shape, jnp.bfloat16), kv, jnp.zeros((1, 1), jnp.int32), jnp.ones((1,), jnp.int32),
                           softmax_scale=0.1)
+
+
+# ------------------------------------------------- 1. sm90 prefill: the tail is finite by construction
+@pytest.mark.parametrize("end,T", [(50, 200), (150, 200), (73, 200), (0, 200), (200, 200), (3, 10), (0, 1)])
+def test_sm90_finite_v_tail(end, T):
+    """``sm90_prefill.finite_v_tail`` (pure JAX, the step before FA4): the KV_TAIL_ROWS rows from
+    ``cu_seqlens_k[-1]`` are 0, rows before it keep their values (also when the window must start earlier),
+    rows from ``end + 127`` on are untouched."""
+    from tokenspeed_jax.backends.sm90_prefill import KV_TAIL_ROWS, finite_v_tail
+
+    v = np.full((T, 2, 4), np.nan, np.float32)
+    v[:end] = np.arange(end * 8, dtype=np.float32).reshape(end, 2, 4)
+    v[end:] = np.where(np.arange(T - end)[:, None, None] % 2, np.inf, np.nan)
+    out = np.asarray(jax.jit(finite_v_tail)(jnp.asarray(v).astype(jnp.bfloat16), jnp.int32(end)), np.float32)
+    np.testing.assert_array_equal(out[:end], v[:end].astype(jnp.bfloat16).astype(np.float32))
+    assert (out[end:end + KV_TAIL_ROWS] == 0).all()
+    np.testing.assert_array_equal(out[end + KV_TAIL_ROWS:], v[end + KV_TAIL_ROWS:])
