@@ -152,8 +152,9 @@ class XlaBackend:
         lk_of_q = jnp.take(cu_k[1:] - cu_k[:-1], jnp.clip(seg_q, 0, p.batch - 1), mode="clip")
         shift_q = jnp.where(seg_q < p.batch, pos_q + lk_of_q - len_q, -1)
 
-        # Query blocks bound the fp32 score tile to ~256 MiB; the reference stays usable at 32k+ tokens.
-        qb = max(1, min(Tq, (1 << 26) // max(1, Hq * max(Tk, 1))))
+        # Query blocks bound each fp32 [H, q, k] tile (scores, P and P @ V's two 0/1 indicator operands) to
+        # ~128 MiB; the reference stays usable at 32k+ tokens.
+        qb = max(1, min(Tq, (1 << 25) // max(1, Hq * max(Tk, 1))))
         qb = 1 << int(math.floor(math.log2(qb))) if qb < Tq else max(Tq, 1)  # Tq = 0: one empty block
         nblk = -(-Tq // qb)
         pad = nblk * qb - Tq
