@@ -9,6 +9,9 @@ keyword-only):
 * :func:`concat_and_cache_mla` -- write ``[kv_c | k_pe]`` rows into the paged latent cache.
 * :func:`mla_kv_pack_quantize_fp8` -- pack and quantize prefill K/V to float8_e4m3fn.
 * :func:`plan_mla_decode` -- the pure-Python planner of the decode kernels.
+* :func:`explain` -- each backend's reason for one call, given the op's own arguments.
+* :func:`export_for_gpu` -- ``jax.export`` for a CUDA GPU from any host (a CPU is enough).
+* :func:`target_override` -- trace as if for a GPU architecture (``TOKENSPEED_JAX_TARGET`` does the same).
 
 Backends are chosen per call (``backend="auto"`` or a name); see :mod:`tokenspeed_jax.backends`.
 """
@@ -34,7 +37,9 @@ from tokenspeed_jax.decode import mla_decode  # noqa: E402
 from tokenspeed_jax.merge import merge_attn_states  # noqa: E402
 from tokenspeed_jax.planner import DecodePlan, plan_mla_decode  # noqa: E402
 from tokenspeed_jax.prefill import mla_prefill  # noqa: E402
-from tokenspeed_jax.backends import available_backends, backend_reasons, get_backend  # noqa: E402
+from tokenspeed_jax.backends import available_backends, backend_reasons, explain, get_backend  # noqa: E402
+from tokenspeed_jax.gpu_export import export_for_gpu  # noqa: E402
+from tokenspeed_jax.runtime import current_target, target_override  # noqa: E402
 
 __version__ = "0.1.0"
 
@@ -43,10 +48,14 @@ __all__ = [
     "available_backends",
     "backend_reasons",
     "concat_and_cache_mla",
+    "current_target",
+    "explain",
+    "export_for_gpu",
     "get_backend",
     "merge_attn_states",
     "mla_decode",
     "mla_kv_pack_quantize_fp8",
     "mla_prefill",
     "plan_mla_decode",
+    "target_override",
 ]

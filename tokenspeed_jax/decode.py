@@ -38,7 +38,7 @@ import jax.numpy as jnp
 from jax.experimental import checkify
 
 from tokenspeed_jax import _checks as C
-from tokenspeed_jax.backends import select_backend, trace_switches
+from tokenspeed_jax.backends import defer_to_lowering_platform, select_backend, trace_switches
 from tokenspeed_jax.problems import ALL_DTYPES, DecodeProblem
 from tokenspeed_jax.runtime import current_target
 
@@ -93,7 +93,8 @@ def mla_decode(
         if validate:
             check_decode_inputs(block_table, seq_lens, num_pages=problem.num_pages,
                                 page_size=problem.page_size)
-        out, lse = _vmappable_decode(impl.name, problem, trace_switches(impl))(
+        out, lse = defer_to_lowering_platform(
+            "decode", problem, backend, _vmappable_decode(impl.name, problem, trace_switches(impl)),
             q, kv_cache, block_table, seq_lens, ss, os_)
     return (out, lse) if return_lse else out
 

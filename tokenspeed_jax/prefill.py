@@ -33,7 +33,7 @@ import jax.numpy as jnp
 from jax.experimental import checkify
 
 from tokenspeed_jax import _checks as C
-from tokenspeed_jax.backends import select_backend, trace_switches
+from tokenspeed_jax.backends import defer_to_lowering_platform, select_backend, trace_switches
 from tokenspeed_jax.problems import ALL_DTYPES, PrefillProblem
 from tokenspeed_jax.runtime import current_target
 
@@ -86,7 +86,9 @@ def mla_prefill(
             check_prefill_inputs(cu_seqlens_q, cu_seqlens_k, num_q_tokens=problem.num_q_tokens,
                                  num_k_tokens=problem.num_k_tokens)
         if impl.name == "xla":  # pure JAX: vmap batches it natively
-            out, lse = impl.prefill(problem, q, k, v, cu_seqlens_q, cu_seqlens_k, ss)
+            out, lse = defer_to_lowering_platform(
+                "prefill", problem, backend, functools.partial(impl.prefill, problem),
+                q, k, v, cu_seqlens_q, cu_seqlens_k, ss)
         else:
             out, lse = _sequential_under_vmap(impl.name, problem, trace_switches(impl))(
                 q, k, v, cu_seqlens_q, cu_seqlens_k, ss)

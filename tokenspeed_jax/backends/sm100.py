@@ -83,7 +83,7 @@ def tokenspeed_version() -> str:
 
 def _target_reason(target) -> str | None:
     if target.platform != "cuda" or not target.arch:
-        return f"needs a CUDA Blackwell GPU (sm_100a / sm_103a), the call targets {target.platform}"
+        return f"needs a CUDA Blackwell GPU (sm_100a / sm_103a), the call targets {target}"
     if target.arch not in P.SUPPORTED_ARCHS:
         return (
             f"arch {target.arch} is not supported by the TokenSpeed MLA kernels as built here "
