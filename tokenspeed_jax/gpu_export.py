@@ -62,7 +62,7 @@ def export_for_gpu(
     ``exp.serialize()`` gives the bytes to ship. Deserialising needs ``tokenspeed_jax`` imported and its
     targets registered (:func:`tokenspeed_jax.ffi.register_target`, done by tracing any op).
     """
-    from tokenspeed_jax import ffi
+    import tokenspeed_jax.ffi as ffi
     from tokenspeed_jax.runtime import target_override
 
     if "cutlass" not in sys.modules and not os.environ.get("CUTE_DSL_ARCH"):
