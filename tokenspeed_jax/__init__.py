@@ -62,10 +62,11 @@ from tokenspeed_jax._explain import explain  # noqa: E402
 from tokenspeed_jax.gpu_export import export_for_gpu  # noqa: E402
 from tokenspeed_jax.runtime import current_target, target_override  # noqa: E402
 
-__version__ = "0.1.0"
+from tokenspeed_jax._version import __version__  # noqa: E402
 
 __all__ = [
     "DecodePlan",
+    "__version__",
     "available_backends",
     "backend_reasons",
     "concat_and_cache_mla",
