@@ -4,18 +4,18 @@
     python -m benchmarks.device check    [--op decode|prefill|all]           # the check matrices
     python -m benchmarks.device memcheck                                      # compute-sanitizer, decode
     python -m benchmarks.device bench    [--op decode|prefill|all] [-- ARGS] # JSON + PNG per op
-    python -m benchmarks.device ab       -- --config A --config B [...]      # python -m benchmarks.decode ARGS
+    python -m benchmarks.device ab       -- --config A --config B [...]      # benchmarks.decode ARGS
     python -m benchmarks.device profile  [--ncu]                              # XLA trace (+ Nsight Compute)
 
 Every subcommand takes ``--out DIR`` (default ``$OUT``, else ``results/device``; the device tool returns the
 files under ``$OUT``), ``--arch`` (``CUTE_DSL_ARCH``, default ``sm_90a``), ``--budget SECONDS`` (the whole
-call; each step gets its own ``timeout`` inside it) and ``--dry-run`` (print the steps, run nothing).  Each step
-writes ``DIR/<step>.log``; ``DIR/manifest.json`` records the commit, the UTC date, the device (``nvidia-smi``)
-and every step's command, return code and duration, and every JSON a step writes under ``DIR`` gains the
-commit (the benchmarks record their command, date and device themselves).  The steps run one at a time, so
-no two GPU jobs share the device.  Kernels are compiled first in CPU worker processes (``--prewarm``, the
-FFI disk cache under ``TOKENSPEED_JAX_CACHE_DIR``, default ``/tmp/tsj_cache``), so the GPU steps only load
-them.
+call; each step gets its own ``timeout`` inside it) and ``--dry-run`` (print the steps, run nothing). Each
+step writes ``DIR/<step>.log``; ``DIR/manifest.json`` records the commit, the UTC date, the device
+(``nvidia-smi``) and every step's command, return code and duration, and every JSON a step writes under
+``DIR`` gains the commit (the benchmarks record their command, date and device themselves). The steps run
+one at a time, so no two GPU jobs share the device. Kernels are compiled first in CPU worker processes
+(``--prewarm``, the FFI disk cache under ``TOKENSPEED_JAX_CACHE_DIR``, default ``/tmp/tsj_cache``), so the
+GPU steps only load them.
 
 The commit comes from ``git rev-parse HEAD`` where the checkout has ``.git``, else ``--commit`` or
 ``$TOKENSPEED_JAX_COMMIT`` (a copy of the working tree on the GPU machine has no history: pass it).
@@ -60,14 +60,15 @@ def _pytest(files: Sequence[str], *extra: str) -> tuple[str, ...]:
 def steps_for(args: argparse.Namespace) -> list[Step]:
     """The steps of the parsed subcommand (pure: tested on CPU)."""
     out = Path(args.out)
-    ops = ("decode", "prefill") if getattr(args, "op", "decode") == "all" else (getattr(args, "op", "decode"),)
+    op = getattr(args, "op", "decode")
+    ops = ("decode", "prefill") if op == "all" else (op,)
     jobs = str(args.jobs)
     s: list[Step] = []
     if args.cmd == "tests":
         files = args.files or ["tests/gpu"]
         if any("sm90_prefill" in f or f.rstrip("/") == "tests/gpu" for f in files):
-            s.append(Step("prewarm_prefill", (PY, "-m", "benchmarks.prefill", "--prewarm", jobs, "--prewarm-only",
-                                              "--with-test-configs"), 120))
+            s.append(Step("prewarm_prefill", (PY, "-m", "benchmarks.prefill", "--prewarm", jobs,
+                                              "--prewarm-only", "--with-test-configs"), 120))
         if any("sm90_decode" in f or f.rstrip("/") == "tests/gpu" for f in files):
             s.append(Step("prewarm_decode", (PY, "-c", "from benchmarks.decode import CHECK, prewarm; "
                                              f"prewarm(CHECK, {jobs})"), 150))
@@ -77,21 +78,22 @@ def steps_for(args: argparse.Namespace) -> list[Step]:
         if "decode" in ops:
             s.append(Step("check_decode", (PY, "-m", "benchmarks.decode", "--prewarm", jobs, "--check",
                                            *(("--cases", args.cases) if args.cases else ()),
-                                           "--out", str(out / "decode.json")), 330))  # writes decode_check.json
+                                           "--out", str(out / "decode.json")), 330))  # -> decode_check.json
         if "prefill" in ops:
-            s.append(Step("prewarm_prefill", (PY, "-m", "benchmarks.prefill", "--prewarm", jobs, "--prewarm-only",
-                                              "--with-test-configs"), 120))
+            s.append(Step("prewarm_prefill", (PY, "-m", "benchmarks.prefill", "--prewarm", jobs,
+                                              "--prewarm-only", "--with-test-configs"), 120))
             s.append(Step("check_prefill", _pytest(["tests/gpu/test_sm90_prefill.py"]), 240))
     elif args.cmd == "memcheck":
         s.append(Step("memcheck", _pytest(["tests/gpu/test_sm90_decode.py"], "-s", "-k", "memcheck"), 200,
                       (("TOKENSPEED_SANITIZER", "1"),)))
     elif args.cmd == "bench":
         if "decode" in ops:
-            s.append(Step("bench_decode", (PY, "-m", "benchmarks.decode", "--prewarm", jobs, "--bench", "--no-xla",
-                                           *args.rest, "--out", str(out / "decode.json"),
+            s.append(Step("bench_decode", (PY, "-m", "benchmarks.decode", "--prewarm", jobs, "--bench",
+                                           "--no-xla", *args.rest, "--out", str(out / "decode.json"),
                                            "--png", str(out / "decode.png")), 420))
         if "prefill" in ops:
-            s.append(Step("bench_prefill", (PY, "-m", "benchmarks.prefill", "--prewarm", jobs, "--fp8", *args.rest,
+            s.append(Step("bench_prefill", (PY, "-m", "benchmarks.prefill", "--prewarm", jobs, "--fp8",
+                                            *args.rest,
                                             "--out", str(out / "prefill.json"),
                                             "--png", str(out / "prefill.png")), 330))
     elif args.cmd == "ab":
@@ -106,7 +108,8 @@ def steps_for(args: argparse.Namespace) -> list[Step]:
         s.append(Step("trace", (PY, "-m", "tokenspeed_jax.demo", "--large", "--no-check",
                                 "--profile", str(out / "trace")), 300))
         if args.ncu:
-            s.append(Step("ncu_decode", ("ncu", "--kernel-name", "regex:MlaDecode|splitkv", "--launch-count", "12",
+            s.append(Step("ncu_decode", ("ncu", "--kernel-name", "regex:MlaDecode|splitkv",
+                                         "--launch-count", "12",
                                          "--set", "full", "-o", str(out / "decode"), "-f",
                                          PY, "-m", "benchmarks.profile_decode", *args.rest), 240))
     else:  # pragma: no cover - argparse rejects it first
@@ -118,13 +121,14 @@ def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m benchmarks.device", description=__doc__.split("\n\n")[0])
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--out", default=os.environ.get("OUT") or str(ROOT / "results" / "device"),
-                        help="directory for logs, JSON, PNG and manifest.json (default: $OUT or results/device)")
+                        help="logs, JSON, PNG and manifest.json (default: $OUT or results/device)")
     common.add_argument("--arch", default=os.environ.get("CUTE_DSL_ARCH", "sm_90a"), help="CUTE_DSL_ARCH")
     common.add_argument("--budget", type=int, default=575, help="seconds for the whole call")
     common.add_argument("--jobs", type=int, default=15, help="CPU processes compiling kernels first")
     common.add_argument("--commit", default=os.environ.get("TOKENSPEED_JAX_COMMIT", ""),
                         help="commit to record when the checkout has no .git")
-    common.add_argument("--dry-run", action="store_true", help="print the steps and the environment, run nothing")
+    common.add_argument("--dry-run", action="store_true",
+                        help="print the steps and the environment, run nothing")
     sub = ap.add_subparsers(dest="cmd", required=True)
     t = sub.add_parser("tests", parents=[common], help="pytest of the GPU tests (memcheck excluded)")
     t.add_argument("--files", nargs="+", default=None, help="test files (default: tests/gpu)")
@@ -212,7 +216,8 @@ def run(args: argparse.Namespace) -> int:
     for st in steps:
         left = args.budget - int(time.monotonic() - t0)
         if left < 10:
-            manifest["steps"].append({"name": st.name, "command": st.shell(), "rc": None, "skipped": "budget spent"})
+            manifest["steps"].append({"name": st.name, "command": st.shell(), "rc": None,
+                                      "skipped": "budget spent"})
             print(f"[{st.name}] skipped: the budget is spent")
             rc_all = rc_all or 124
             continue

@@ -78,7 +78,13 @@ from __future__ import annotations
 from typing import Any
 
 from .call import custom_call, scalar_operand
-from .compile_cache import CompileKey, cache_dir, cache_stats, cutlass_cache_layout_problem, install_disk_cache
+from .compile_cache import (
+    CompileKey,
+    cache_dir,
+    cache_stats,
+    cutlass_cache_layout_problem,
+    install_disk_cache,
+)
 from .names import (
     TARGET_PREFIX,
     export_disabled_safety_checks,

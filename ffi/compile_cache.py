@@ -223,9 +223,10 @@ _EXPECTED_FIELDS = {
 
 
 def cutlass_cache_layout_problem(ccompile: ModuleType | Any) -> str | None:
-    """None when ``ccompile`` (``cutlass.jax.compile``) has the private layout :class:`_DiskBackedCompileCache`
-    relies on, else what differs: the ``_CUTLASS_COMPILE_CACHE`` dict, the fields of ``CompileResult`` and
-    ``CompileCacheKey``, and ``get_or_compile_kernel`` reading and filling that module global."""
+    """None when ``ccompile`` (``cutlass.jax.compile``) has the private layout that
+    :class:`_DiskBackedCompileCache` relies on, else what differs: the ``_CUTLASS_COMPILE_CACHE`` dict,
+    the fields of ``CompileResult`` and ``CompileCacheKey``, and ``get_or_compile_kernel`` reading and
+    filling that module global."""
     cache = getattr(ccompile, "_CUTLASS_COMPILE_CACHE", None)
     if not isinstance(cache, dict):
         return f"_CUTLASS_COMPILE_CACHE is {type(cache).__name__}, expected a dict"

@@ -30,8 +30,8 @@ LATEST = {
 
 
 def _tracked_text() -> str:
-    files = subprocess.run(["git", "ls-files", "*.md", "*.py", "*.sh", "*.toml"], cwd=ROOT, capture_output=True,
-                           text=True, check=True).stdout.split()
+    files = subprocess.run(["git", "ls-files", "*.md", "*.py", "*.sh", "*.toml"], cwd=ROOT,
+                           capture_output=True, text=True, check=True).stdout.split()
     return "\n".join((ROOT / f).read_text(errors="replace") for f in files
                      if not f.startswith("benchmarks/results/") and (ROOT / f).is_file())
 

@@ -39,9 +39,12 @@ def test_skip_markers_are_few_and_give_a_reason():
     assert all(len(line) > len(SKIP) + 10 for _, line in skipped), skipped
 
 
+def _runnable(p: Path) -> bool:
+    return any(not b.startswith(SKIP) for b in python_blocks(p))
+
+
 @pytest.mark.skipif(jax.default_backend() != "cpu", reason="the snippets' printed backends assume a CPU")
-@pytest.mark.parametrize("path", [p for p in doc_files()
-                                  if any(not b.startswith(SKIP) for b in python_blocks(p))], ids=lambda p: p.name)
+@pytest.mark.parametrize("path", [p for p in doc_files() if _runnable(p)], ids=lambda p: p.name)
 def test_python_snippets_run(path, monkeypatch):
     monkeypatch.delenv("TOKENSPEED_JAX_TARGET", raising=False)
     ns: dict = {"__name__": f"snippets_{path.stem}"}

@@ -96,7 +96,8 @@ def test_explain_takes_the_ops_arguments(monkeypatch):
 
 def test_errors_never_print_kernel_binaries():
     blob = "\\7FELF" + "\\00\\01" * 100000
-    msg = f'Cannot serialize ... stablehlo.custom_call @tokenspeed_mla_decode_sm90(%a) {{module = "{blob}", key = "{blob[:300]}"}}'
+    msg = ("Cannot serialize ... stablehlo.custom_call @tokenspeed_mla_decode_sm90(%a) "
+           f'{{module = "{blob}", key = "{blob[:300]}"}}')
     s = summarize_module_error(msg)
     assert len(s) < 2100 and "tokenspeed_mla_decode_sm90" in s and "bytes elided" in s
 

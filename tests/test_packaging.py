@@ -92,7 +92,8 @@ def test_base_dependencies_are_what_the_package_imports():
     imported = _third_party_imports()
     assert imported - optional <= base | {"jaxlib"}, sorted(imported - optional - base)
     assert base - {"jaxlib"} <= imported, sorted(base - imported)
-    extras = {re.split(r"[<>=!~; \[]", d)[0] for e in ("cute", "hopper", "sm100") for d in cfg["optional-dependencies"][e]}
+    extras = {re.split(r"[<>=!~; \[]", d)[0] for e in ("cute", "hopper", "sm100")
+              for d in cfg["optional-dependencies"][e]}
     assert {"nvidia-cutlass-dsl", "flash-attn-4", "tokenspeed-mla"} <= extras
 
 

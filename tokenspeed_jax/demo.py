@@ -124,7 +124,8 @@ def run(large: bool = False, backend: str = "auto", seed: int = 0, check: bool |
     for c in prefill_cases:
         q, k, v, cu = _prefill_inputs(c, rng)
         mx = max(c.lens)
-        reasons = explain("prefill", q, k, v, cu, cu, softmax_scale=192**-0.5, max_seqlen_q=mx, max_seqlen_k=mx)
+        reasons = explain("prefill", q, k, v, cu, cu, softmax_scale=192**-0.5, max_seqlen_q=mx,
+                          max_seqlen_k=mx)
         chosen = _choose(reasons, backend)
         f = jax.jit(lambda q, k, v, cu, s, b=chosen: mla_prefill(q, k, v, cu, cu, softmax_scale=s, backend=b,
                                                                    max_seqlen_q=mx, max_seqlen_k=mx))

@@ -240,5 +240,5 @@ def plan_for_problem(problem, block_m: int | None = None) -> DecodePlan:
     )
 
 
-__all__ = ["DecodePlan", "WorkspaceBuffer", "plan_mla_decode", "plan_for_problem", "plan_sm100", "register_planner",
-           "FP8_DTYPE"]
+__all__ = ["DecodePlan", "WorkspaceBuffer", "plan_mla_decode", "plan_for_problem", "plan_sm100",
+           "register_planner", "FP8_DTYPE"]

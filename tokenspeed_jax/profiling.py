@@ -56,7 +56,8 @@ def _trace_json_events(path: str) -> Iterable[tuple[str, str, list[str]]]:
         if ev.get("ph") not in ("X", "B", "E", "i", "I"):
             continue
         args = ev.get("args") or {}
-        yield str(ev.get("pid", "")), str(ev.get("name", "")), [v for v in args.values() if isinstance(v, str)]
+        stats = [v for v in args.values() if isinstance(v, str)]
+        yield str(ev.get("pid", "")), str(ev.get("name", "")), stats
 
 
 def trace_names(directory: str, names: Iterable[str] = TOKENSPEED_NAMES) -> dict[str, dict[str, int]]:
