@@ -3,16 +3,18 @@
     python scripts/prune_results.py            # list what would go
     python scripts/prune_results.py --delete   # git rm it
 
-A result file stays when it is the current result of a benchmark (:data:`LATEST`: stable names, replaced
-by each new run of ``python -m benchmarks.device bench``) or when a tracked document or source file names
-it (the docs cite the measurement behind a decision); every other file is removed.  After a document stops
-citing a dated result, run this again.  ``tests/test_docs_snippets.py`` checks that every results path the
+A result file stays when it is the current result of a benchmark (:data:`LATEST`; a new run of
+``python -m benchmarks.device bench`` adds its files and updates that table) or when a tracked document or
+source file names it, with or without its extension (``name.json``, ``name.{json,png}``, ``name.*``: the
+docs cite the measurement behind a decision); every other file is removed.  After a document stops citing
+a dated result, run this again.  ``tests/test_docs_snippets.py`` checks that every results path the
 README and docs/ name exists and that no file here is neither latest nor cited.
 """
 
 from __future__ import annotations
 
 import argparse
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -23,7 +25,8 @@ RESULTS = ROOT / "benchmarks" / "results"
 # benchmark -> its current result files (each JSON records commit, command, date and device)
 LATEST = {
     "mla_decode sm90 (benchmarks/decode.py --bench)": (
-        "decode_sm90.json", "decode_sm90.png", "decode_sm90_sustained.json", "decode_sm90_sustained.png"),
+        "decode_sm90_own_bench_20261203.json", "decode_sm90_own_bench_20261203.png",
+        "decode_sm90_own_bench_sustained_20261203.json", "decode_sm90_own_bench_sustained_20261203.png"),
     "mla_prefill sm90 (benchmarks/prefill.py)": ("prefill_sm90.json", "prefill_sm90.png"),
     "DeepSeek model CLI (python -m tokenspeed_jax.models.deepseek --json)": ("deepseek_small_h200.json",),
 }
@@ -36,11 +39,17 @@ def _tracked_text() -> str:
                      if not f.startswith("benchmarks/results/") and (ROOT / f).is_file())
 
 
+def _cited(stem: str, text: str) -> bool:
+    """``stem`` (a file name without its extension) named as a whole word in ``text``."""
+    return re.search(rf"(?<![\w]){re.escape(stem)}(?![\w])", text) is not None
+
+
 def to_remove() -> list[Path]:
     """Result files that are neither the latest of a benchmark nor cited by a tracked file."""
     keep = {n for names in LATEST.values() for n in names}
     text = _tracked_text()
-    return sorted(p for p in RESULTS.iterdir() if p.is_file() and p.name not in keep and p.name not in text)
+    return sorted(p for p in RESULTS.iterdir()
+                  if p.is_file() and p.name not in keep and not _cited(p.name.rsplit(".", 1)[0], text))
 
 
 def main(argv: list[str] | None = None) -> int:
