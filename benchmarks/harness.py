@@ -246,7 +246,7 @@ SWITCH_PREFIX = "TOKENSPEED_SM90_DECODE_"
 def switches(var: str, value: str):
     """``var=value`` set inside the block; with ``var`` ``-``, ``value`` is a set of sm90 decode switches,
     ``NAME=VALUE[,NAME=VALUE...]`` with ``NAME`` after the ``TOKENSPEED_SM90_DECODE_`` prefix (``-`` alone: none
-    set), as ``scripts/decode_ab.py`` and ``scripts/clock_probe.py`` take them."""
+    set), as ``scripts/decode_ab.py`` takes them."""
     pairs = [(var, value)] if var != "-" else [
         (SWITCH_PREFIX + kv.partition("=")[0], kv.partition("=")[2]) for kv in value.split(",") if kv != "-"]
     for name, v in pairs:

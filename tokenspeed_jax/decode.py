@@ -50,7 +50,7 @@ import jax.numpy as jnp
 from jax.experimental import checkify
 
 from tokenspeed_jax import _checks as C
-from tokenspeed_jax.backends import select_backend, trace_switches
+from tokenspeed_jax.backends import defer_to_lowering_platform, select_backend, trace_switches
 from tokenspeed_jax.problems import ALL_DTYPES, DecodeProblem
 from tokenspeed_jax.runtime import current_target
 
@@ -110,7 +110,8 @@ def mla_decode(
         seq_lens = C.clamp_index(seq_lens, 0, problem.max_kv_len)
         call = _vmappable_decode(impl.name, problem.causal, problem.kv_lora_rank, problem.return_lse,
                                  problem.target, trace_switches(impl))
-        out, lse = call(q, kv_cache, block_table, seq_lens, ss, os_)
+        out, lse = defer_to_lowering_platform("decode", problem, backend, call, q, kv_cache, block_table, seq_lens,
+                                              ss, os_)
     return (out, lse) if return_lse else out
 
 

@@ -1,9 +1,12 @@
 """The main job on its embedded default: run MLA decode, MTP decode and prefill on generated data with
-the best available backend, check each against the exact ``xla`` reference, and print what ran where and
-how fast.
+the best available backend, check each kernel result against the exact ``xla`` reference, and print what
+ran where, why the other backends did not, and how fast.
 
-    python -m tokenspeed_jax.demo            # or: tokenspeed-jax-demo
-    python -m tokenspeed_jax.demo --large    # DeepSeek-R1 serving-sized shapes (use on a GPU)
+    python -m tokenspeed_jax.demo                  # or: tokenspeed-jax-demo
+    python -m tokenspeed_jax.demo --large          # DeepSeek-R1 serving-sized shapes (use on a GPU)
+    python -m tokenspeed_jax.demo --profile /tmp/t # also write an XLA profiler trace and read it back
+
+On a CPU the ``xla`` backend runs: it *is* the reference, so there is nothing to check and the demo says so.
 
 DeepSeek-R1 attention dims: decode D = 576 (512 latent + 64 rope), V = 512; prefill Dqk 192 / Dv 128.
 """
@@ -17,9 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from tokenspeed_jax import backends, mla_decode, mla_prefill
-from tokenspeed_jax.decode import _decode_problem
-from tokenspeed_jax.prefill import _prefill_problem
+from tokenspeed_jax import current_target, explain, mla_decode, mla_prefill
 from tokenspeed_jax.timing import bench
 
 
@@ -78,19 +79,35 @@ def _rel_err(a, b) -> float:
     return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
 
 
+def _choose(reasons: dict[str, str | None], backend: str) -> str:
+    if backend == "auto":
+        return next(n for n, r in reasons.items() if r is None)
+    if reasons.get(backend, "unknown backend") is not None:
+        raise SystemExit(f"--backend {backend}: {reasons.get(backend, 'unknown backend')}")
+    return backend
+
+
+def _check_note(check: bool, chosen: str) -> str:
+    if chosen == "xla":
+        return "reference check: skipped (the xla backend ran, and it is the reference)"
+    return "reference check: skipped (--no-check)" if not check else ""
+
+
 def run(large: bool = False, backend: str = "auto", seed: int = 0, check: bool | None = None) -> list[dict]:
     """Run the demo; ``check`` (default: on for the small shapes) compares every kernel result with the
     ``xla`` reference, whose compile dominates the run time on serving-sized shapes."""
     check = (not large) if check is None else check
     rng = np.random.default_rng(seed)
     dev = jax.devices()[0]
-    print(f"device: {dev.platform} {getattr(dev, 'device_kind', '')}  jax {jax.__version__}")
+    kind = getattr(dev, "device_kind", "")
+    kind = f" ({kind})" if kind and kind.lower() != dev.platform else ""
+    print(f"device: {dev.platform}{kind}; calls target: {current_target()}; jax {jax.__version__}")
     decode_cases, prefill_cases = LARGE if large else SMALL
     results = []
     for c in decode_cases:
         q, kv, bt, sl = _decode_inputs(c, rng)
-        problem = _decode_problem(q, kv, bt, sl, True, 512, False)
-        chosen = backends.select_backend("decode", problem, backend).name
+        reasons = explain("decode", q, kv, bt, sl, softmax_scale=576**-0.5)
+        chosen = _choose(reasons, backend)
         f = jax.jit(lambda q, kv, bt, sl, s, b=chosen: mla_decode(q, kv, bt, sl, softmax_scale=s, backend=b))
         ref = jax.jit(lambda q, kv, bt, sl, s: mla_decode(q, kv, bt, sl, softmax_scale=s, backend="xla"))
         scale = 576**-0.5
@@ -101,14 +118,15 @@ def run(large: bool = False, backend: str = "auto", seed: int = 0, check: bool |
         nbytes = kv_tokens * 576 * elt + c.batch * c.q_len * c.heads * (576 * elt + 512 * 2)
         flops = 2.0 * kv_tokens * c.q_len * c.heads * (576 + 512)
         r = dict(op="mla_decode", case=str(c), backend=chosen, us=t, gbps=nbytes / t / 1e3,
-                 tflops=flops / t / 1e6, rel_err_vs_xla=err)
+                 tflops=flops / t / 1e6, rel_err_vs_xla=err, check=_check_note(check, chosen))
         results.append(r)
-        _print(r, problem, "decode")
+        _print(r, reasons)
     for c in prefill_cases:
         q, k, v, cu = _prefill_inputs(c, rng)
-        problem = _prefill_problem(q, k, v, cu, cu, True, False, None, None)
-        chosen = backends.select_backend("prefill", problem, backend).name
         mx = max(c.lens)
+        reasons = explain("prefill", q, k, v, cu, cu, softmax_scale=192**-0.5, max_seqlen_q=mx,
+                          max_seqlen_k=mx)
+        chosen = _choose(reasons, backend)
         f = jax.jit(lambda q, k, v, cu, s, b=chosen: mla_prefill(q, k, v, cu, cu, softmax_scale=s, backend=b,
                                                                    max_seqlen_q=mx, max_seqlen_k=mx))
         ref = jax.jit(lambda q, k, v, cu, s: mla_prefill(q, k, v, cu, cu, softmax_scale=s, backend="xla"))
@@ -117,20 +135,38 @@ def run(large: bool = False, backend: str = "auto", seed: int = 0, check: bool |
         t = bench(lambda: f(q, k, v, cu, scale), repeats=3)["median_us"]
         flops = sum(2.0 * c.heads * (n * (n + 1) / 2) * (192 + 128) for n in c.lens)
         r = dict(op="mla_prefill", case=str(c), backend=chosen, us=t, tflops=flops / t / 1e6,
-                 rel_err_vs_xla=err)
+                 rel_err_vs_xla=err, check=_check_note(check, chosen))
         results.append(r)
-        _print(r, problem, "prefill")
+        _print(r, reasons)
     return results
 
 
-def _print(r: dict, problem, op: str) -> None:
+def _print(r: dict, reasons: dict[str, str | None]) -> None:
     rate = f"{r['gbps']:8.1f} GB/s " if "gbps" in r else " " * 14
     print(f"{r['op']:12s} {r['case']:70s} backend={r['backend']:6s} {r['us']:10.1f} us {rate}"
-          f"{r['tflops']:7.2f} TFLOP/s  " + ("" if r["rel_err_vs_xla"] is None else
+          f"{r['tflops']:7.2f} TFLOP/s  " + (r["check"] if r["rel_err_vs_xla"] is None else
                                              f"rel.err vs xla {r['rel_err_vs_xla']:.1e}"))
-    others = {n: why for n, why in backends.backend_reasons(op, problem).items() if why}
-    for n, why in others.items():
-        print(f"{'':14s}not {n}: {why}")
+    for n, why in reasons.items():
+        if why:
+            print(f"{'':14s}not {n}: {why}")
+
+
+def profile(directory: str, **kwargs) -> dict[str, dict[str, int]]:
+    """Run the demo under ``jax.profiler.trace(directory)`` and report which tokenspeed names the trace's
+    events show (:func:`tokenspeed_jax.profiling.trace_names`: as XProf's trace viewer, not raw bytes)."""
+    from tokenspeed_jax.profiling import trace_names
+
+    with jax.profiler.trace(directory):
+        results = run(**kwargs)
+    found = trace_names(directory)
+    ran = {r["backend"] for r in results}
+    for name, planes in found.items():
+        where = ", ".join(f"{p}: {n} events" for p, n in planes.items()) or "no events"
+        print(f"trace: {name}: {where}")
+    if ran == {"xla"}:
+        print("trace: on a CPU the ops run as the fused XLA reference, whose events carry HLO names only; "
+              "the tokenspeed names show on a GPU (custom calls tokenspeed_mla_*_sm90 / _sm100)")
+    return found
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -140,8 +176,14 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--check", action=argparse.BooleanOptionalAction, default=None,
                     help="compare with the xla reference (default: on unless --large)")
+    ap.add_argument("--profile", metavar="DIR", default=None,
+                    help="write an XLA profiler trace to DIR and report the tokenspeed events in it")
     args = ap.parse_args(argv)
-    run(large=args.large, backend=args.backend, seed=args.seed, check=args.check)
+    kw = dict(large=args.large, backend=args.backend, seed=args.seed, check=args.check)
+    if args.profile:
+        profile(args.profile, **kw)
+    else:
+        run(**kw)
 
 
 if __name__ == "__main__":

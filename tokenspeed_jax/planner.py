@@ -16,6 +16,7 @@ import dataclasses
 import math
 from collections.abc import Callable
 
+from tokenspeed_jax.kernels.sm100 import plan as P
 from tokenspeed_jax.problems import FP8_DTYPE, KERNEL_DTYPES
 
 
@@ -127,6 +128,58 @@ def _plan_sm90(*, batch, q_len, num_heads, max_kv_len, page_size, dtype, kv_lora
 _PLANNERS: dict[str, Callable[..., DecodePlan]] = {"sm90": _plan_sm90}
 
 
+SM100_MAX_HEADS = 128
+
+
+# ------------------------------------------------------------------------------------ sm100 (TokenSpeed)
+def plan_sm100(*, batch, q_len, num_heads, max_kv_len, page_size, dtype, kv_lora_rank, rope_dim, arch,
+               num_sms) -> DecodePlan:
+    """Plan a TokenSpeed decode call (see :mod:`tokenspeed_jax.kernels.sm100.plan` for the policy).
+
+    ``fold`` is TokenSpeed's fold factor (query tokens folded into the heads of one M tile; 1 when the
+    rows are packed), ``num_m_blocks`` the M tiles per request (``S_eff``), ``block_m`` the MMA M (64 or
+    128), ``block_n`` 128, ``grid`` the split-KV kernel's grid ``(cluster_m, B * S_eff, splits)``, and
+    ``tokens_per_split`` the split width at full capacity (the kernel re-divides each request's runtime
+    length).  ``extra`` records the packing, ``heads_eff``, ``cluster_m``, ``max_active_clusters`` and the
+    FP8 reducer settings.  Workspace: one float32 buffer ``o_lse_accum`` of
+    ``B * S_eff * H_eff * splits * (kv_lora_rank + 1)`` elements when ``splits > 1``.
+    """
+    if kv_lora_rank != P.LATENT_DIM or rope_dim != P.ROPE_DIM:
+        raise ValueError(
+            f"kv_lora_rank/rope_dim: the sm100 kernels need {P.LATENT_DIM}/{P.ROPE_DIM}, got "
+            f"{kv_lora_rank}/{rope_dim}"
+        )
+    if num_heads > SM100_MAX_HEADS:
+        raise ValueError(f"num_heads: expected <= {SM100_MAX_HEADS}, got {num_heads}")
+    fp8 = dtype == FP8_DTYPE
+    lay = P.query_layout(num_heads=num_heads, q_len=q_len, fp8=fp8, arch=arch)
+    splits = P.num_splits(batch=batch, layout=lay, max_kv_len=max_kv_len, fp8=fp8, num_sms=num_sms)
+    elems = P.workspace_elems(batch=batch, layout=lay, splits=splits, kv_lora_rank=kv_lora_rank)
+    ws = (WorkspaceBuffer("o_lse_accum", (elems,), "float32"),) if elems else ()
+    k_tiles = P.ceil_div(max_kv_len, P.BLOCK_N)
+    d_tiles = P.reducer_d_tiles(batch=batch, q_len=q_len, num_heads=num_heads, num_sms=num_sms, splits=splits)
+    return DecodePlan(
+        arch=arch, num_sms=num_sms, batch=batch, q_len=q_len, num_heads=num_heads, rows=q_len * num_heads,
+        fold=lay.fold, block_m=lay.m_tile, block_n=P.BLOCK_N, num_m_blocks=lay.q_len_eff, num_splits=splits,
+        tokens_per_split=P.ceil_div(k_tiles, splits) * P.BLOCK_N,
+        grid=(lay.cluster_m, batch * lay.q_len_eff, splits), workspace=ws,
+        extra=(
+            ("packing", "pack" if lay.pack_q else ("fold" if lay.fold > 1 else "none")),
+            ("pack_q", lay.pack_q),
+            ("heads_eff", lay.heads_eff),
+            ("cluster_m", lay.cluster_m),
+            ("max_active_clusters", max(1, num_sms // lay.cluster_m)),
+            ("reducer_d_tiles", d_tiles if fp8 else 1),
+            ("reducer_max_splits", P.reducer_max_splits(splits) if fp8 else 256),
+        ),
+    )
+
+
+
+
+_PLANNERS["sm100"] = plan_sm100
+
+
 def register_planner(family: str, fn: Callable[..., DecodePlan]) -> None:
     """Install the planning function of a GPU family (``"sm90"``, ``"sm100"``)."""
     _PLANNERS[family] = fn
@@ -159,8 +212,6 @@ def plan_mla_decode(
     if dtype not in KERNEL_DTYPES:
         raise ValueError(f"dtype: expected one of {KERNEL_DTYPES}, got {dtype!r}")
     family = _family(arch)
-    if family == "sm100" and "sm100" not in _PLANNERS:
-        import tokenspeed_jax.backends.sm100  # noqa: F401  (registers its planner)
     if family not in _PLANNERS:
         raise ValueError(f"arch: no decode planner registered for {arch!r} (family {family!r}; "
                          f"planners: {sorted(_PLANNERS)})")
@@ -189,5 +240,5 @@ def plan_for_problem(problem, block_m: int | None = None) -> DecodePlan:
     )
 
 
-__all__ = ["DecodePlan", "WorkspaceBuffer", "plan_mla_decode", "plan_for_problem", "register_planner",
-           "FP8_DTYPE"]
+__all__ = ["DecodePlan", "WorkspaceBuffer", "plan_mla_decode", "plan_for_problem", "plan_sm100",
+           "register_planner", "FP8_DTYPE"]

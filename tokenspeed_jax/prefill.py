@@ -42,7 +42,7 @@ import numpy as np
 from jax.experimental import checkify
 
 from tokenspeed_jax import _checks as C
-from tokenspeed_jax.backends import select_backend, trace_switches
+from tokenspeed_jax.backends import defer_to_lowering_platform, select_backend, trace_switches
 from tokenspeed_jax.problems import ALL_DTYPES, PrefillProblem
 from tokenspeed_jax.runtime import current_target
 
@@ -98,7 +98,8 @@ def mla_prefill(
         cu_q = C.clamp_index(cu_seqlens_q, 0, problem.num_q_tokens)
         cu_k = C.clamp_index(cu_seqlens_k, 0, problem.num_k_tokens)
         if impl.name == "xla":  # pure JAX: vmap batches it natively
-            out, lse = impl.prefill(problem, q, k, v, cu_q, cu_k, ss)
+            out, lse = defer_to_lowering_platform(
+                "prefill", problem, backend, functools.partial(impl.prefill, problem), q, k, v, cu_q, cu_k, ss)
         else:
             p = problem
             call = _sequential_under_vmap(impl.name, p.causal, p.return_lse, p.max_seqlen_q, p.max_seqlen_k,

@@ -31,6 +31,13 @@ class Target:
     arch: str | None = None  # "sm_90a", "sm_100a", "sm_103a", ... (CUDA only)
     num_sms: int | None = None
 
+    def __str__(self) -> str:
+        """``"cpu"``, ``"cuda sm_90a (132 SMs)"``: the form reason strings and messages use."""
+        if self.platform != "cuda":
+            return self.platform
+        sms = f" ({self.num_sms} SMs)" if self.num_sms else ""
+        return f"cuda {self.arch or '(arch unknown)'}{sms}"
+
     @property
     def sm(self) -> int | None:
         """Compute capability as an int (90, 100, 103, ...), or None off CUDA."""

@@ -57,6 +57,12 @@ def _device_target(platform: str) -> Target:
     return Target("cuda", arch_from_capability(major, minor), getattr(dev, "core_count", None))
 
 
+def target_is_explicit() -> bool:
+    """True when the target comes from :func:`target_override` or ``TOKENSPEED_JAX_TARGET``, not from JAX's
+    default device (then ``backend="auto"`` defers the choice for CUDA to the lowering platform)."""
+    return _override.get() is not None or bool(os.environ.get("TOKENSPEED_JAX_TARGET"))
+
+
 def current_target() -> Target:
     """The target a call traced now will run on (see the module docstring for the order)."""
     t = _override.get()

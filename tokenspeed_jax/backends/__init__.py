@@ -24,7 +24,10 @@ from __future__ import annotations
 
 import importlib
 import os
+from collections.abc import Callable
 from typing import Any, Protocol
+
+import jax
 
 from tokenspeed_jax.problems import DecodeProblem, PrefillProblem
 
@@ -127,5 +130,71 @@ def select_backend(op: str, problem: DecodeProblem | PrefillProblem, backend: st
             return chosen
     lines = "\n".join(f"  {n}: {r or 'ok'}" for n, r in backend_reasons(op, problem).items())
     what = "no backend can" if chosen is None else f"backend {backend!r} cannot"
+    hint = ""
+    if problem.target.platform != "cuda":
+        hint = (f"\nThe call targets {problem.target} (JAX's default device). To trace or export for a GPU "
+                "from this host, wrap the trace in tokenspeed_jax.target_override('sm_90a') (or 'sm_100a'), "
+                "set TOKENSPEED_JAX_TARGET=sm_90a, or use tokenspeed_jax.export_for_gpu.")
     raise ValueError(f"backend: expected a backend that can run this call; {what} run this mla_{op} call "
-                     f"({problem}).\nReasons:\n{lines}")
+                     f"({problem}).\nReasons:\n{lines}{hint}")
+
+
+# ------------------------------------------------------------------ choosing by the lowering platform
+def _unresolved_abstract_eval(*, shape, dtype, message):
+    del message
+    return jax.core.ShapedArray(shape, dtype)
+
+
+def _unresolved_lowering(ctx, *, shape, dtype, message):
+    raise ValueError(message)
+
+
+def _make_unresolved_primitive():
+    from jax.extend.core import Primitive
+    from jax.interpreters import mlir
+
+    p = Primitive("tokenspeed_unresolved_target")
+    p.def_abstract_eval(_unresolved_abstract_eval)
+    mlir.register_lowering(p, _unresolved_lowering)
+    return p
+
+
+_UNRESOLVED = None
+
+
+def defer_to_lowering_platform(op: str, problem: Any, backend: str, run: Callable[..., Any],
+                               *operands: Any) -> Any:
+    """``run(*operands)``, the call of the backend chosen for ``problem``; where that choice came from JAX's
+    default device rather than from the lowering platform, a lowering for CUDA fails clearly.
+
+    With ``backend="auto"`` and no explicit target (:func:`tokenspeed_jax.target_override` or
+    ``TOKENSPEED_JAX_TARGET``), a call traced on a host whose default device is not a CUDA GPU picks the
+    ``xla`` reference.  That is right when the module runs on that host, and wrong when it is lowered for
+    CUDA (``jax.export(..., platforms=("cuda",))`` from a CPU machine): the GPU architecture is unknown
+    there, so instead of exporting the slow reference silently, the call is wrapped in
+    ``jax.lax.platform_dependent``: every platform but CUDA lowers ``run``; CUDA lowers a placeholder
+    whose lowering raises a ``ValueError`` naming ``target_override`` and ``TOKENSPEED_JAX_TARGET``.
+    The CUDA branch is never lowered for CPU, so ordinary CPU use is unchanged.
+    """
+    global _UNRESOLVED
+    from tokenspeed_jax.runtime import target_is_explicit
+
+    if backend != "auto" or problem.target.platform == "cuda" or target_is_explicit():
+        return run(*operands)
+    if _UNRESOLVED is None:
+        _UNRESOLVED = _make_unresolved_primitive()
+    message = (
+        f"mla_{op}: lowering for CUDA a call traced with backend='auto' on a host whose default JAX device "
+        f"is {problem.target}: the GPU architecture is unknown here, so no GPU kernel was traced (only the "
+        "XLA reference, which this error keeps out of a CUDA module). Trace under "
+        "tokenspeed_jax.target_override('sm_90a') (or 'sm_100a'), or set TOKENSPEED_JAX_TARGET=sm_90a "
+        "(and CUTE_DSL_ARCH=sm_90a) before starting Python, or use tokenspeed_jax.export_for_gpu(fn, *args, "
+        "arch='sm_90a'); pass backend='xla' to export the reference on purpose."
+    )
+    shapes = jax.eval_shape(run, *operands)
+
+    def unresolved(*_):
+        return jax.tree.map(
+            lambda s: _UNRESOLVED.bind(shape=tuple(s.shape), dtype=s.dtype, message=message), shapes)
+
+    return jax.lax.platform_dependent(*operands, default=run, cuda=unresolved)

@@ -326,7 +326,7 @@ def supports(problem: DecodeProblem) -> str | None:
     """None when the sm90 decode kernel runs ``problem``, else why not."""
     t = problem.target
     if t.platform != "cuda" or t.sm is None or t.sm // 10 != 9:
-        return f"sm90 decode needs a CUDA sm_90 target, got {t.platform} {t.arch}"
+        return f"sm90 decode needs a CUDA sm_90 target, the call targets {t}"
     if problem.dtype not in KERNEL_DTYPES:
         return f"sm90 decode kernel supports dtypes {KERNEL_DTYPES}, got {problem.dtype}"
     if problem.kv_lora_rank != 512 or problem.head_dim != 576:

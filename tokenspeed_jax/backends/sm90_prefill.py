@@ -125,7 +125,7 @@ def supports(problem: PrefillProblem) -> str | None:
     """None when this backend runs ``problem``, else the reason (cheap; imports nothing heavy)."""
     t = problem.target
     if t.platform != "cuda" or t.arch != "sm_90a":
-        return f"needs a Hopper sm_90a target, got {t.platform}{'' if t.arch is None else ' ' + t.arch}"
+        return f"needs a Hopper sm_90a target, the call targets {t}"
     if problem.dtype not in _DTYPES:
         return f"dtype {problem.dtype} is not supported (bfloat16, float16, float8_e4m3fn)"
     dims = (problem.head_dim_qk, problem.head_dim_v)

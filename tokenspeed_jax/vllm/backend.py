@@ -144,9 +144,9 @@ class TokenspeedMLABackend:
 
     @staticmethod
     def get_impl_cls():
-        from tokenspeed_jax.vllm.impl import TokenspeedMLAImpl
-
-        return TokenspeedMLAImpl
+        # By qualified name, as vLLM's registry resolves backends: impl.py imports this module (its checks
+        # and the prefill backend), so importing impl here would close an import circle.
+        return _resolve("tokenspeed_jax.vllm.impl.TokenspeedMLAImpl")
 
     @staticmethod
     def get_builder_cls():
@@ -279,6 +279,14 @@ class TokenspeedMLABackend:
     @classmethod
     def get_required_kv_cache_layout(cls):
         return None
+
+
+def _resolve(qualname: str) -> Any:
+    """The object at ``module.attr`` (vLLM's ``resolve_obj_by_qualname``)."""
+    import importlib
+
+    module, _, attr = qualname.rpartition(".")
+    return getattr(importlib.import_module(module), attr)
 
 
 def _safe_dtype(d) -> str:
