@@ -1,10 +1,10 @@
 """SM clock and power while our decode and FlashMLA each run back to back (one device call, carry [".device"]):
 
     source .device/bootstrap.sh && python scripts/clock_probe.py --cases 64,81920,64,16,1 --dtype bfloat16
-    python scripts/clock_probe.py --ours - PAD_ROWS=copy T16=0      # three builds of ours beside FlashMLA
+    python scripts/clock_probe.py --ours - seesaw      # two builds of ours beside FlashMLA
 
-``--ours`` takes switch sets as ``scripts/decode_ab.py`` does (``NAME=VALUE[,...]`` after the
-``TOKENSPEED_SM90_DECODE_`` prefix, ``-``: the defaults); each is one contender ``ours[SET]``.
+``--ours`` takes kernel configs, names of ``tokenspeed_jax.backends.sm90_decode.CONFIGS`` (``-``: the one
+``select_config`` picks); each is one contender ``ours[NAME]``.
 Times every contender with :func:`benchmarks.harness.sustained`: back to back for ``--secs`` seconds each, twice
 (A B C A B C, the order rotated), the µs per call over the second half of each window, while ``nvidia-smi`` is polled
 (SM clock, power, clock-throttle reasons; read only, nothing is changed).  Prints and writes (``--out``) one row per
@@ -16,22 +16,21 @@ import os
 
 
 def probe_case(spec: str, secs: float, res: list, ours_sets=("-",)) -> None:
-    """The contenders (ours per switch set of ``ours_sets``, FlashMLA) on one case (module docstring); rows appended
-    to ``res``."""
+    """The contenders (ours per config of ``ours_sets``, FlashMLA) on one case (module docstring); rows appended to
+    ``res``."""
     import flash_mla as fm
     import jax
     import torch
 
     from benchmarks.decode import bench_case, bench_inputs, decode_fn
-    from benchmarks.harness import sustained, switches
+    from benchmarks.harness import sustained
 
     c = bench_case(*(int(x) for x in spec.split(",")))
     q, kv, bt, sl, scale = bench_inputs(c)
     fns = {}
     for sw in ours_sets:
-        with switches("-", sw):  # (read when the call is traced: here)
-            f = decode_fn(c, "sm90")
-            jax.block_until_ready(f(q, kv, bt, sl, scale))
+        f = decode_fn(c, "sm90", None if sw == "-" else sw)
+        jax.block_until_ready(f(q, kv, bt, sl, scale))
         fns["ours" if sw == "-" else f"ours[{sw}]"] = lambda f=f: f(q, kv, bt, sl, scale)
     tq, tk = torch.from_dlpack(q), torch.from_dlpack(kv).view(c.num_pages, c.page, 1, 576)
     tbt, tsl = torch.from_dlpack(bt), torch.from_dlpack(sl)
@@ -49,7 +48,7 @@ def main() -> None:
     ap.add_argument("--cases", nargs="+", default=["64,81920,64,16,1"])
     ap.add_argument("--dtype", default="bfloat16", choices=("bfloat16",))
     ap.add_argument("--secs", type=float, default=3.0)
-    ap.add_argument("--ours", nargs="+", default=["-"], help="switch sets, one contender each (module docstring)")
+    ap.add_argument("--ours", nargs="+", default=["-"], help="kernel configs, one contender each (module docstring)")
     ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "/tmp"), "clock_probe.json"))
     a = ap.parse_args()
     os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")

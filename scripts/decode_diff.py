@@ -1,11 +1,11 @@
 """Where two builds of the sm90 decode differ on the same inputs (one device call, carry [".device"]):
 
-    source .device/bootstrap.sh && python scripts/decode_diff.py --cases 64,16384,64,16,1 --sets - - PAD_ROWS=copy
+    source .device/bootstrap.sh && python scripts/decode_diff.py --cases 64,16384,64,16,1 --sets - - seesaw
 
-Each ``--sets`` entry is a switch set as ``scripts/decode_ab.py`` takes them (``NAME=VALUE[,...]`` after the
-``TOKENSPEED_SM90_DECODE_`` prefix, ``-``: the defaults; a repeated set is a second build of the same
-configuration, i.e. run-to-run determinism).  For every set after the first, prints and writes (``--out``) how many
-output and LSE elements differ from the first set's, the largest difference, and the requests and heads they lie in.
+Each ``--sets`` entry is a kernel config, a name of ``tokenspeed_jax.backends.sm90_decode.CONFIGS`` (``-``: the one
+``select_config`` picks; a repeated entry is a second call of the same build, i.e. run-to-run determinism).  For every
+entry after the first, prints and writes (``--out``) how many output and LSE elements differ from the first entry's,
+the largest difference, and the requests and heads they lie in.
 """
 import argparse
 import dataclasses
@@ -16,13 +16,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from benchmarks.decode import bench_case, bench_inputs, decode_fn
-from benchmarks.harness import provenance, switches
+from benchmarks.harness import provenance
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--cases", nargs="+", default=["64,16384,64,16,1"])
-    ap.add_argument("--sets", nargs="+", default=["-", "-", "PAD_ROWS=copy"])
+    ap.add_argument("--sets", nargs="+", default=["-", "-", "seesaw"])
     ap.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float8_e4m3fn"))
     ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "/tmp"), "decode_diff.json"))
     a = ap.parse_args()
@@ -33,8 +33,7 @@ def main() -> None:
         q, kv = q.astype(a.dtype), kv.astype(a.dtype)
         res = []
         for sw in a.sets:
-            with switches("-", sw):  # (read when the call is traced: here)
-                o, lse = decode_fn(c, "sm90")(q, kv, bt, sl, scale)
+            o, lse = decode_fn(c, "sm90", None if sw == "-" else sw)(q, kv, bt, sl, scale)
             res.append((np.asarray(o.astype(jnp.float32)), np.asarray(lse)))
         o0, l0 = res[0]
         for sw, (o, lse) in zip(a.sets[1:], res[1:]):

@@ -11,12 +11,11 @@ import cutlass
 from cutlass import Int32, Int64, cute
 
 # DecodeTraceMixin.mark: the points of an iteration of the seesaw loop a debug build times, per warpgroup (WG0 /
-# WG1: what the time since the previous event was spent on), named for the FP8 P V loop with early refills.  In the
-# 16-bit loop "P store + TAIL" is WG0's conversion of P to the register operand and WG1's conversion and store of P1
-# for the cross PV (since 2026-12-02; before, unmarked, and the trace buffer was not cleared, so those rows printed
-# garbage), "QK issue + cross PV retired" is the first QK half, "QK retired" adds the slot-1 column refill, the second
-# landed wait and QK half; "wait VT*_FREE", "transpose" and "refill issue" are empty there (DecodeTraceMixin.
-# clear_trace zeroes the buffer, so an unmarked event reads 0 and its interval is left out)
+# WG1: what the time since the previous event was spent on).  In the 16-bit loop "P store + TAIL" is WG0's conversion
+# of P to the register operand and WG1's conversion and store of P1 for the cross PV, "QK issue + cross PV retired" is
+# the first QK half, "QK retired" adds the slot-1 column refill, the second landed wait and QK half; "transpose" is
+# the FP8 V^T build; "wait VT*_FREE" and "refill issue" are empty (DecodeTraceMixin.clear_trace zeroes the buffer, so an
+# unmarked event reads 0 and its interval is left out)
 TRACE_EVENTS = (
     ("top", "top"),
     ("softmax", "wait SCALE0 (WG0's max)"),

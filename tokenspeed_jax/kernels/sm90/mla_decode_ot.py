@@ -1,136 +1,48 @@
 """FP8 MLA decode for Hopper with the P V transposed: ``O^T = V^T P^T``, ``V^T`` the register A operand.
 
-The FP8 seesaw loop (:class:`~tokenspeed_jax.kernels.sm90.mla_decode_seesaw.MlaDecodeSeesawSm90`, FP8 P V mode
-"4") computes ``O += P V`` on FP8 tensor cores.  8-bit wgmmas take only K-major shared-memory operands, so each
-warpgroup first transposes V of its tile into a ``V^T`` copy (``ldmatrix.trans`` + ``prmt`` + ``stmatrix``):
-about 1150 of the 5580 cycles of an iteration on the H200, with both warpgroups transposing at once and no
-tensor work beside them (the ``clock64`` timeline of 2026-12-01, docs/sm90_decode.md).  This schedule (FP8 P V
-mode "5") removes the copy:
+8-bit wgmmas take only K-major shared-memory operands, so ``O += P V`` on FP8 tensor cores needs a ``V^T`` copy in
+shared memory (the FP8 seesaw builds one).  This loop has none:
 
-* ``O^T (512 x rows) = V^T (512 x tokens) P^T (tokens x rows)``: ``V^T`` is the A operand, from registers
-  (8-bit register A operands may come from anywhere), loaded straight from the landed e4m3 staging with
-  ``ldmatrix.x4.trans`` and four ``prmt.b32`` per 16 features x 32 tokens (:func:`vt_a_row_offset`,
-  :data:`VT_A_SELECTORS`); P is the K-major B operand exactly as the mode-4 loop stores it (tokens in
-  :data:`~tokenspeed_jax.kernels.sm90.fp8_operands.P8_TOKEN_ORDER` inside each 16-token group, which is the
-  order the ``ldmatrix.trans`` words come in).  Each warpgroup still owns 256 output features: 4 m64nNk32
-  QGMMAs (one per 64 features, N the query rows, below) per 32 tokens.
+* ``O^T (512 x rows) = V^T (512 x tokens) P^T (tokens x rows)``: ``V^T`` is the A operand, from registers (8-bit
+  register A operands may come from anywhere), loaded straight from the landed e4m3 staging with ``ldmatrix.x4.trans``
+  and four ``prmt.b32`` per 16 features x 32 tokens (:func:`vt_a_row_offset`, :data:`VT_A_SELECTORS`); P is the
+  K-major B operand, tokens in :data:`~tokenspeed_jax.kernels.sm90.fp8_operands.P8_TOKEN_ORDER` inside each 16-token
+  group (the order the ``ldmatrix.trans`` words come in).  Each warpgroup owns 256 output features: 4 m64nNk32 QGMMAs
+  (one per 64 features, N the query rows) per 32 tokens.
 * The A fragment's row ``q`` of a warp's 16 is feature ``2q``, row ``q + 8`` feature ``2q + 1`` (a fixed row
-  permutation of ``O^T``): both features of a pair sit in one thread, and the epilogue stores them as one
-  bf16x2 (fp32x2 for split partials) straight from the accumulators.
-* The O rescales are per column of ``O^T``: each thread reads the scales of its columns from the row scales the
-  seesaw already shares in shared memory, and skips the multiplies when all of its warp's are 1 (the steady state).
-* No ``V^T`` copy, so the staging must live until both warpgroups' PVs read it, half an iteration longer than
-  in mode 4.  The 32 KB per slot that ``V^T`` took pay for two staging buffers per warpgroup: 4 x (36 KB
-  staging + 4 KB P) + 36 KB Q = 196 KB.  Pair ``j`` uses buffers ``2 (j % 2) + {0, 1}``; the producer
-  warpgroup refills them with pair ``j + 2`` once both PVs of pair ``j`` retired, about as early as mode 4's
-  early refill.
-* Barriers (all named, ids of :class:`~tokenspeed_jax.kernels.sm90.helpers.Barrier`): SCALE0 / SCALE1 /
-  P0_READY / P1_READY and TAIL as in mode 4.  SLOT0_FREE and SLOT1_FREE (160 threads: warpgroup 1 arrives,
-  the producer's warp syncs): warpgroup 1 knows when both PVs of a buffer retired: of slot 0 after its cross
-  PV (warpgroup 0's own PV retired before its P0_READY, which that cross PV waited for); of slot 1 after its
-  own PV and a sync on VT1_FREE, which warpgroup 0 arrives at once its cross PV of slot 1 retired.  Warpgroup 1
-  arrives for pair ``j`` only after its wait for pair ``j + 1`` landed, which the producer loaded after it
-  synced on pair ``j - 1``'s arrivals: no arrival can overtake the producer's sync of the previous one.  Each
-  warpgroup also waits on the (completed) mbarrier phase of the other warpgroup's tile before its ``ldmatrix``
-  reads it, and fences (proxy) its reads before the arrivals that let the TMA overwrite them.
-* Registers: the PVs' N is the rows rounded up to 16 or 32 for S x H <= 32 (:attr:`pv_n`): the padded rows need no
-  P V, and the ``O^T`` accumulators take 32 or 64 registers instead of 128.  With more rows (FP8 P V mode 10) the
-  loop runs the default plan's whole 64-row blocks (``pv_n`` 64): 128 accumulators, 32 of the QK's S and 32 of
-  ``V^T`` in 240 registers.  Three things make them fit (2026-12-02; before, ptxas spilled about 130 values an
-  iteration, then with the spills gone it serialized all 86 wgmmas, C7512 "insufficient register resources"):
-  one ``V^T`` fragment set, not two (warpgroup 1 retires its own PV before it loads the cross ``V^T``, warpgroup 0
-  its cross PV before the next QK); P stored as 8 32-bit words a thread (:meth:`store_p_tile`; the view's byte
-  stores held about 20 address registers); and warpgroup 0 rescales P0 for warpgroup 1 from the e4m3 words in
-  shared memory (:meth:`rescale_p_tile`) instead of keeping its fp32 P across the own PV.  What is left: 16 bytes
-  of loop-invariant reloads.  The rescale rounds a word to e4m3 twice where a row's max grew in warpgroup 1's
-  tile (the steady state skips it: scale 1).
-* ``p0_late`` (64-row blocks only; ``TOKENSPEED_SM90_DECODE_OT64_P0=late``, opt-in, not yet measured): warpgroup 0
-  stores P0 once, after warpgroup 1's fold and already times scale1 (so no rescale in shared memory and no double
-  rounding), then scales ``O^T`` by scale0 x scale1 and runs its own PV; while warpgroup 1 computes its softmax,
-  warpgroup 0 then only waits, instead of storing P0, loading ``V^T`` and issuing its own PV beside it (the 2026-12-02
-  timeline: warpgroup 1's softmax took 2.2x warpgroup 0's for the same code; docs/sm90_decode.md, "64-row O^T loop").
-  The cost: warpgroup 0's own PV moves after SCALE1, into the window of warpgroup 1's cross PV.  Measured on the H200
-  (2026-12-02 17:29 UTC): 0.90-0.96x "early" on the shapes with 64 or more rows, so it stays opt-in.
-* ``qk_early`` (64-row blocks only; ``TOKENSPEED_SM90_DECODE_OT64_QK``): when warpgroup 0 issues the QK of the next
-  pair's tile.  "after" (until 2026-12-02): once its cross PV retired, so the QK sat on the iteration's critical chain
-  (warpgroup 1's cross PV -> P1_READY -> warpgroup 0's cross PV -> its next QK -> its next softmax -> SCALE0).
-  "wg0" (the backend's default since 2026-12-02 17:45 UTC): right behind its own PV (after waiting for that tile's
-  landing), so it runs on the tensor cores during warpgroup 1's softmax; its S registers stay live across the own PV,
-  the P0 rescale and the cross PV (4 -> 10 ``STL``, 29 -> 36 ``LDL``, no serialized wgmma).  The QK of the last pair
-  is issued too (on the stale staging of the pair before, or never-written shared memory with one pair) and its S is
-  thrown away: a wgmma inside the dynamic ``if`` made ptxas serialize every wgmma (C7520, "WG.AR in divergent path").
-  Outputs are bitwise those of "after".  Warpgroup 1 issuing its QK early as well, behind its own PV or its cross PV,
-  measured slower (0.93-0.95x, and with 144 bytes of spills 0.94-0.99x; docs/sm90_decode.md, "QK early").
-  "wg0s" (opt-in; measured 2026-12-02 20:14 UTC: 0.999x "wg0" over the 13 shapes, 0.96-0.98x on H32/S4 and the
-  H128 shapes with S >= 4, so it stays opt-in): "wg0", and warpgroup 0 starts its next softmax while its cross PV
-  still runs (the cross PV committed as one group per k32 step; before the softmax only
-  the QK and the first step retired); the cross PV retires at the start of step 2, before ``O^T *= scale0``, and only
-  then does warpgroup 0 free slot 1 of the previous pair (VT1_FREE, one iteration later than "wg0": warpgroup 1 waits
-  for it at the end of its iteration, just before it waits for SCALE0 anyway).  After P1_READY warpgroup 0 then goes
-  straight to its softmax.  The cost: the O^T accumulators and ``V^T`` registers stay live across the softmax, 35
-  ``STL`` / 62 ``LDL`` (144 / 260 bytes) on the CPU build, no serialized wgmma.
-  On the 32- and 16-row tiles (``pv_n`` < 64, with or without ``qk_t``; ``TOKENSPEED_SM90_DECODE_OT32_QK``, "wg0" the
-  backend's default there since 2026-12-02 20:30 UTC: 1.03x "after" at B64/K81920/H32/S1, within 1% on the other
-  S x H <= 32 shapes, bitwise the same outputs) "wg0" places the QK differently: warpgroup 0 keeps P0 in registers
-  until its rescaled store after SCALE1, so the next QK is issued right after that store, where it runs while
-  warpgroup 0 loads the cross ``V^T`` and waits for P1_READY (instead of behind the cross PV); the cross PV then retires
-  before VT1_FREE.  CPU build (H32/S1, 3 splits): 86 QGMMA, no serialized wgmma, no spill ("after": 1 ``STL`` / 4
-  ``LDL``).
-* ``p0_fence`` (64-row blocks, not with ``p0_late``; ``TOKENSPEED_SM90_DECODE_OT64_FENCE``): where
-  :meth:`rescale_p_tile` fences its shared-memory writes for warpgroup 1's cross PV (generic -> async proxy).
-  "always" (the default): after the rescale branch, so every thread of warpgroup 0 fences every iteration, also in the
-  steady state where no warp rewrites a word (SASS ``MEMBAR.ALL.CTA`` + ``FENCE.VIEW.ASYNC.S``).  "rescaled" (opt-in,
-  built 2026-12-02 night; measured 0.999x "always" over the 13 shapes at 20:54 UTC, within the spread on each, so the
-  fence is not on the chain): inside the branch, only the warps that rewrote P0 (the vote is warp-uniform, and a fence
-  orders the fencing thread's own writes; P0's first store was fenced before the own PV read it, the own PV retired
-  before the rewrite, and the P0_READY barrier orders the fence before warpgroup 1's cross PV).  Same outputs.
-* ``softmax`` (every tile size; ``TOKENSPEED_SM90_DECODE_OT_SOFTMAX``): where the two warpgroups publish their fold of
-  the shared row max (warpgroup 0 on SCALE0, warpgroup 1 on SCALE1) and where warpgroup 1 waits for warpgroup 0's. "exp"
-  (the default): as written before 2026-12-02 night, warpgroup 0 arrives after its exp, warpgroup 1 before its exp; but
-  ptxas moves ALU work above a ``bar.arrive``, and the CPU build shows both arrives after all of the exp's ``MUFU.EX2``
-  (warpgroup 1's too), so both exps sit on the iteration's chain (warpgroup 0's softmax -> SCALE0 -> warpgroup 1's
-  softmax -> SCALE1 -> ...; the ``clock64`` traces time phases, not where an arrive sits inside one, and their builds
-  place the arrives the same way). "fold" (opt-in, built 2026-12-02 night): both arrive right after their fold, and
-  :meth:`publish` keeps the exp after the arrive (a shared-memory load the exp waits for); the exp reads no shared
-  memory (its reference max is in registers). "max": "fold", and warpgroup 1 computes its own tile's maximum (the
-  scaled, masked row or column maxima, with ``qk_t`` the shuffles and their shared-memory exchange) before it waits for
-  SCALE0, so only the fold itself waits for warpgroup 0. The same math in all three: outputs bitwise those of "exp". On
-  the 64-row blocks "fold" and "max" build the same SASS (ptxas had moved warpgroup 1's row maxima above its SCALE0 wait
-  already: only memory operations stay on their side of a barrier) with 34 ``STL`` / 76 ``LDL`` (10 / 36 with "exp").
-  Measured on the H200 (2026-12-02 20:53 UTC, docs/sm90_decode.md, "Softmax order"): "max" 1.05x "exp" at
-  B64/K81920/H32/S1 and 1.01-1.02x on the other S x H <= 32 shapes (no spill there), 0.96-0.98x on the 64-row blocks;
-  the backend's "auto" (its default) runs "max" on the 32- and 16-row tiles and "exp" on the 64-row blocks. ("fold"
-  with the QK "after" builds without new spills there, and is not faster either: 21:18 UTC, same section.)
-* ``p1_ready`` (every tile size; ``TOKENSPEED_SM90_DECODE_OT_P1``): where warpgroup 1 arrives on P1_READY, which
-  warpgroup 0's cross PV waits for.  "cross" (this class's default, as built before 2026-12-03): behind warpgroup 1's
-  cross PV's issue, so after its own PV, its cross ``V^T`` loads and its P0_READY wait.  "store" (the backend's default
-  since 2026-12-03): right after its P1 store (fenced) and ``O^T *= scales``, the last reads of scale0 / scale1 that
-  warpgroup 0's next fold may overwrite; nothing else warpgroup 1 does later touches what warpgroup 0 writes next (P0
-  goes to the other pair's buffer, ``sRed`` has one region per warpgroup), and warpgroup 1 cannot arrive for the next
-  pair before warpgroup 0 passed this one (its next fold waits for SCALE0).  Bitwise the same outputs; measured on the
-  H200 2026-12-03: 1.017x and 1.021x "cross" over the 13 shapes (docs/sm90_decode.md, "P1 early").
-  ``qk_early`` "wg01" (32- and 16-row tiles only, opt-in): "wg0", and warpgroup 1 issues its next QK behind its own PV
-  (for the last pair too, its S thrown away); measured 0.98x (0.89x at H16/S1), so it stays opt-in.
-* ``qk_t`` (FP8 P V mode 6): the QK transposed too, ``S^T = K Q^T`` (the staging is the A operand as it lands, the
-  first ``pv_n`` q rows the B operand): its tensor work and accumulators shrink by 64 / ``pv_n``.  A query row's
-  keys then lie in all 4 warps, so the softmax exchanges each warp's column maxima through 1 KB of shared memory
-  (:meth:`fold_t`).  With it every CTA computes 32 rows (``block_m`` 32, the planner's ``block_m=32`` plan), so any
-  S x H runs, in ``ceil(S x H / 32)`` row tiles that each read the KV once (from L2 after the first).
+  permutation of ``O^T``): both features of a pair sit in one thread, and the epilogue stores them as one bf16x2 (fp32x2
+  for split partials) straight from the accumulators.
+* The O rescales are per column of ``O^T``: each thread reads the scales of its columns from the row scales shared in
+  shared memory, and skips the multiplies when all of its warp's are 1 (the steady state).
+* Buffers: the staging must live until both warpgroups' PVs read it, so each warpgroup has two: 4 x (36 KB staging +
+  4 KB P) + 36 KB Q = 196 KB.  Pair ``j`` uses buffers ``2 (j % 2) + {0, 1}``; the producer warpgroup refills them
+  with pair ``j + 2`` once both PVs of pair ``j`` retired.
+* Barriers (ids of :class:`~tokenspeed_jax.kernels.sm90.helpers.Barrier`): SCALE0 / SCALE1 / P0_READY / P1_READY and
+  TAIL as in the seesaw loop.  SLOT0_FREE and SLOT1_FREE (160 threads: warpgroup 1 arrives, the producer's warp
+  syncs): warpgroup 1 knows when both PVs of a buffer retired: of slot 0 after its cross PV (warpgroup 0's own PV
+  retired before its P0_READY, which that cross PV waited for); of slot 1 after its own PV and a sync on VT1_FREE,
+  which warpgroup 0 arrives at once its cross PV of slot 1 retired.  Warpgroup 1 arrives for pair ``j`` only after its
+  wait for pair ``j + 1`` landed, which the producer loaded after it synced on pair ``j - 1``'s arrivals: no arrival
+  can overtake the producer's sync of the previous one.  Each warpgroup also waits on the (completed) mbarrier phase
+  of the other warpgroup's tile before its ``ldmatrix`` reads it, and fences (proxy) its reads before the arrivals
+  that let the TMA overwrite them.
+* This class runs whole 64-row blocks (S x H > 32; ``pv_n`` 64): 128 accumulators, 32 of the QK's S and 32 of ``V^T``
+  in 240 registers.  They fit because there is one ``V^T`` fragment set, not two (warpgroup 1 retires its own PV
+  before it loads the cross ``V^T``, warpgroup 0 its cross PV before the next QK retires); P is stored as 8 32-bit
+  words a thread (:meth:`MlaDecodeOtSm90.store_p_tile`); and warpgroup 0 rescales P0 for warpgroup 1 from the e4m3
+  words in shared memory (:meth:`MlaDecodeOtSm90.rescale_p_tile`, which rounds a word to e4m3 twice where a row's max
+  grew in warpgroup 1's tile) instead of keeping its fp32 P across the own PV.
+* QK early: warpgroup 0 issues the QK of the next pair's tile right behind its own PV, so that it runs on the tensor
+  cores during warpgroup 1's softmax (issued for the last pair too, on stale staging, its S thrown away: a wgmma
+  inside the dynamic ``if`` made ptxas serialize every wgmma, C7520).  Warpgroup 1 releases P1 right after its P1
+  store and ``O^T *= scales``, so warpgroup 0's cross PV need not wait for warpgroup 1's own PV.
+* ``qk_t`` (the subclass of :mod:`.mla_decode_ot_own`): the QK transposed too, ``S^T = K Q^T`` (the staging is the A
+  operand as it lands, the first ``pv_n`` q rows the B operand) on 32-row tiles (``block_m`` 32, the planner's
+  ``block_m=32`` plan); a query row's keys then lie in all 4 warps, so the softmax exchanges each warp's column maxima
+  through 1 KB of shared memory (:meth:`MlaDecodeOtSm90.fold_t`).
 
-Same contract, grid, plan, split-KV partials and combine kernel as the seesaw loop; FP8 (e4m3) only, TMA
-refills with pages >= 32, the producer warpgroup and the L2 prefetch of the mode-4 loop.  P is rounded to e4m3
-as ``2^8 p`` there, the row sums stay over the unrounded P (the same precision as mode 4).
-
-Status (H200, 2026-12-01): correct on its first GPU run (the check matrix's FP8 cases, compute-sanitizer memcheck 0
-errors, the GPU test files), and 1.06-1.52x the mode-4 loop where S x H <= 32 with the transposed QK (mode 6, the
-default there: 93% of the bandwidth roofline at B64/K81920/H16/S1); with 64 or more rows the 32-row tiles (mode 7)
-are 0.64-0.79x mode 4 (docs/sm90_decode.md, "O^T schedule").  2026-12-02 16:00 UTC: on whole 64-row blocks (mode 10,
-the FP8 default since) 1.12-1.34x mode 4 on the 9 shapes of the issue matrix with 64 or more rows; correct, memcheck
-clean (docs/sm90_decode.md, "64-row O^T loop").  2026-12-02 20:59 UTC, with the 32-row tiles' QK early and softmax
-order "max" (the defaults since): 84.5% of the copy roofline at B64/K81920/H32/S1 in bursts (79.1% before;
-docs/sm90_decode.md, "Softmax order").  Since 2026-12-03 the backend runs the 32- and 16-row tiles on the subclass
-of kernels/sm90/mla_decode_ot_own.py instead (each warpgroup on its own tiles, no chain between them; 87.8% there), and
-this loop on the 64-row blocks (and on those tiles with ``TOKENSPEED_SM90_DECODE_OT32_LOOP=shared``).
+Same contract, grid, split-KV partials and combine kernel as the seesaw loop; FP8 (e4m3) only, TMA refills with
+pages >= 32 and the producer warpgroup.  P is rounded to e4m3 as ``2^8 p``, the row sums stay over the unrounded P.
 """
 
 from __future__ import annotations
@@ -141,7 +53,7 @@ from cutlass import Float32, Int32, Int64, cute
 from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.tensor_utils import LayoutEnum
 
-from tokenspeed_jax.kernels.sm90.fp8_operands import _lds4f, _ldsm4t, _prmt, sw64
+from tokenspeed_jax.kernels.sm90.fp8_operands import _ldsm4t, _prmt, sw64
 from tokenspeed_jax.kernels.sm90.helpers import LN_2, LOG2_E, Barrier, quad_sum, row_ptr
 from tokenspeed_jax.kernels.sm90.mla_decode_seesaw import TRACE_EVENTS, MlaDecodeSeesawSm90
 
@@ -155,17 +67,11 @@ _NBUF = 4  # two per warpgroup (pair j: buffers 2 (j % 2) + {0, 1})
 _ALL_CHUNKS = (0, 1, 2, 3, 4, 5, 6, 7, 8)
 _MIN_PAGE = 32  # the producer's coordinates (pages of 16: 4 boxes per chunk) spill in its 24 registers
 _MAX_ROWS = 32  # query rows S x H (module docstring, "Registers")
-QK_EARLY_MODES = ("after", "wg0", "wg0s", "wg01")  # when the next QKs are issued (module docstring, "qk_early")
-P0_FENCE_MODES = ("always", "rescaled")  # the proxy fence of the 64-row P0 rescale (module docstring, "p0_fence")
-SOFTMAX_ORDERS = ("exp", "fold", "max")  # where the softmax publishes and waits (module docstring, "softmax")
-P1_READY_MODES = ("cross", "store")  # where warpgroup 1 releases P1 to warpgroup 0 (module docstring, "p1_ready")
 
 # DecodeTraceMixin.mark points of an iteration of this loop (debug builds, benchmarks/trace_decode.py): per
-# warpgroup, what the time since the previous event was spent on; as many slots as the mode-4 loop's TRACE_EVENTS
-# (the trace buffer's shape), "-" unused.  The softmax is split in three with ``qk_t`` (fold_t's marks; 2026-12-02:
-# warpgroup 1's softmax took 1652 cycles at 32 rows against warpgroup 0's 716); without ``qk_t`` (mode 5) the first two
-# of those marks are not written and the whole softmax shows under the third.  With ``qk_early`` warpgroup 0's marks 9
-# and 10 are not written either: its "own PV" phase includes the next QK's issue, its "QK retired" phase is the cross
+# warpgroup, what the time since the previous event was spent on; as many slots as the seesaw loop's TRACE_EVENTS
+# (the trace buffer's shape), "-" unused.  On the 64-row blocks warpgroup 0's marks 1, 2, 9 and 10 are not written:
+# its softmax shows under mark 3, its "own PV" phase includes the next QK's issue, its "QK retired" phase is the cross
 # PV's issue and retire
 TRACE_EVENTS_OT = (
     ("top", "top"),
@@ -233,100 +139,29 @@ def _sts32(addr, v):
     cute.arch.inline_ptx("st.shared.b32 [{$r0}], {$r1};", read_only_args=[Int32(addr), Int32(v)])
 
 
-COLMAX_MODES = ("shfl", "xpose")  # fold_t's column maxima: 3 shuffles per column, or the transposed butterfly
-
-
-def check_colmax(colmax: str) -> str:
-    """``colmax`` validated against :data:`COLMAX_MODES` (the kernel classes' argument)."""
-    if colmax not in COLMAX_MODES:
-        raise ValueError(f"colmax: expected one of {COLMAX_MODES}, got {colmax!r}")
-    return colmax
-
-
-def colmax_xpose_column(lane, pv_n):
-    """``colmax="xpose"``: the column index ``i`` (of :meth:`MlaDecodeOtSm90.col_n`) whose warp maximum lane ``lane``
-    holds after :meth:`MlaDecodeOtSm90.colmax_xpose`: lane bit ``2 + r`` picks the upper half in round ``r`` while
-    the thread has columns to halve.  Python ints (tests)."""
-    i, h = 0, pv_n // 4
-    for r in range(3):
-        h //= 2
-        if h:
-            i += ((lane >> (2 + r)) & 1) * h
-    return i
-
-
-def colmax_xpose_index(wg, w, c, i):
-    """``colmax="xpose"``: the ``sRed`` slot (floats) of warp ``w``'s maximum of column ``i`` of the lanes with
-    ``lane % 4 == c`` in warpgroup ``wg``: ``128 wg + 32 c + 8 (i // 2) + 2 w + i % 2``, so a thread's columns
-    (``8 (i // 2) + 2 c + i % 2``) of all 4 warps lie in 32 consecutive floats.  Python ints and DSL values."""
-    return 128 * wg + 32 * c + 8 * (i // 2) + 2 * w + i % 2
-
-
 class MlaDecodeOtSm90(MlaDecodeSeesawSm90):
     """FP8 MLA decode with ``O^T = V^T P^T`` (module docstring).  Same arguments as the seesaw class; FP8 only."""
 
     pair_step = 1  # output features of an O^T accumulator row pair q, q + 8 (store_ot_pair): f and f + 1
 
-    def __init__(self, *, qk_t: bool = False, colmax: str = "shfl", p0_late: bool = False, qk_early: str = "after",
-                 p0_fence: str = "always", softmax: str = "exp", p1_ready: str = "cross", **kw):
-        for k in ("qk_fp8", "pv_fp8", "early_refill", "vt_packed", "tma_producer", "kv_load"):
-            kw.pop(k, None)
-        super().__init__(qk_fp8=True, pv_fp8=True, early_refill=True, vt_packed=True, tma_producer=True,
-                         kv_load="tma", **kw)
-        self.colmax = check_colmax(colmax)
+    def __init__(self, *, qk_t: bool = False, **kw):
+        super().__init__(pad_zero=False, **kw)
         if not self.fp8:
-            raise ValueError(f"the O^T schedule (FP8 P V mode 5) needs float8_e4m3fn inputs, got {self.dtype}")
+            raise ValueError(f"the O^T loop needs float8_e4m3fn inputs, got {self.dtype_name}")
         if self.page_size < _MIN_PAGE:
-            raise ValueError(f"the O^T schedule (FP8 P V mode 5) needs page_size >= {_MIN_PAGE}, got {self.page_size}")
-        self.schedule = "seesaw-ot"
-        # query rows the PVs compute (the O^T accumulators' N): a request's rows S x H fill one 64-row block or less;
-        # with R <= 32 the padded rows need no P V (tensor work and O^T registers halve, or quarter with R <= 16)
-        # FP8 P V mode 6: the QK transposed too, S^T = K Q^T with the pv_n rows as N (qk_t; module docstring), on
-        # row tiles of 32 rows (block_m; the planner's block_m=32 plan), so any S x H
+            raise ValueError(f"the O^T loop needs page_size >= {_MIN_PAGE}, got {self.page_size}")
+        # the producer warpgroup issues every refill (24 registers; the computing warpgroups get 240)
+        self.producer = True
+        self.cta_threads = self.num_threads + 128
+        # the QK transposed too, S^T = K Q^T with the pv_n query rows as N, on row tiles of 32 rows (block_m; the
+        # planner's block_m=32 plan)
         self.qk_t = bool(qk_t)
         if self.qk_t:
             self.block_m = _MAX_ROWS
             self.num_m_blocks = -(-self.R // self.block_m)
-        # without qk_t, more than 32 rows run whole 64-row blocks (the default plan's): pv_n 64 (module docstring,
-        # "Registers")
+        # query rows the PVs compute (the O^T accumulators' N): 16 or 32 for S x H <= 32 (the padded rows need no
+        # P V), else the whole 64-row blocks (module docstring, "Registers")
         self.pv_n = 16 if self.R <= 16 else (32 if self.R <= _MAX_ROWS or self.qk_t else 64)
-        # 64-row blocks: warpgroup 0 stores P0 once, after warpgroup 1's fold, already times scale1, and runs its own
-        # PV after that (TOKENSPEED_SM90_DECODE_OT64_P0=late, opt-in; module docstring, "p0_late")
-        self.p0_late = bool(p0_late)
-        if self.p0_late and self.pv_n != 64:
-            raise ValueError(f"p0_late: only the 64-row blocks of the O^T loop without qk_t (S x H > 32), got "
-                             f"S x H = {self.R}, qk_t={self.qk_t}")
-        # when warpgroup 0 issues the next pair's QK: once its cross PV retired ("after"), or early ("wg0": on the
-        # 64-row blocks behind its own PV, the backend's default there since 2026-12-02 17:45 UTC; on the 32- and
-        # 16-row tiles after its rescaled P0 store), "wg0s" (64-row blocks only) with its next softmax under the cross
-        # PV too (module docstring, "qk_early")
-        if qk_early not in QK_EARLY_MODES:
-            raise ValueError(f"qk_early must be one of {QK_EARLY_MODES}, got {qk_early!r}")
-        self.qk_early = qk_early
-        if (qk_early == "wg0s" and self.pv_n != 64) or (qk_early != "after" and self.p0_late):
-            raise ValueError(f"qk_early={qk_early!r}: not with p0_late, and 'wg0s' only on the 64-row blocks of the "
-                             f"O^T loop without qk_t; got S x H = {self.R}, qk_t={self.qk_t}, p0_late={self.p0_late}")
-        if qk_early == "wg01" and self.pv_n == 64:
-            raise ValueError(f"qk_early='wg01': only the 32- and 16-row tiles of the O^T loop; got S x H = {self.R}, "
-                             f"qk_t={self.qk_t}")
-        # where the 64-row P0 rescale fences its writes (module docstring, "p0_fence"); only that rescale has one
-        if p0_fence not in P0_FENCE_MODES:
-            raise ValueError(f"p0_fence must be one of {P0_FENCE_MODES}, got {p0_fence!r}")
-        if p0_fence != "always" and (self.pv_n != 64 or self.p0_late):
-            raise ValueError(f"p0_fence={p0_fence!r}: only the 64-row blocks of the O^T loop without qk_t and "
-                             f"p0_late (the P0 rescale); got S x H = {self.R}, qk_t={self.qk_t}, "
-                             f"p0_late={self.p0_late}")
-        self.p0_fence = p0_fence
-        # where the warpgroups publish their fold (SCALE0 / SCALE1) and where warpgroup 1 waits for warpgroup 0's
-        # (module docstring, "softmax")
-        if softmax not in SOFTMAX_ORDERS:
-            raise ValueError(f"softmax must be one of {SOFTMAX_ORDERS}, got {softmax!r}")
-        self.softmax = softmax
-        # where warpgroup 1 arrives on P1_READY: behind its cross PV's issue, or right after its P1 store and
-        # O^T *= scales (module docstring, "p1_ready")
-        if p1_ready not in P1_READY_MODES:
-            raise ValueError(f"p1_ready must be one of {P1_READY_MODES}, got {p1_ready!r}")
-        self.p1_ready = p1_ready
 
     # ------------------------------------------------------------------------------------------ host
     @cute.jit
@@ -362,7 +197,7 @@ class MlaDecodeOtSm90(MlaDecodeSeesawSm90):
         self.ot_kernel(qk_mma, pv_mma, q, kv, block_table, seq_lens, softmax_scale, output_scale, out, lse, o_accum,
                        lse_accum, trace_buf, q_layout, tma_atom, tma_kv, Storage).launch(
             grid=(self.num_m_blocks, self.num_splits, q.shape[0]), block=(self.cta_threads, 1, 1),
-            smem=Storage.size_in_bytes(), stream=stream, min_blocks_per_mp=1, use_pdl=self.pdl_main)
+            smem=Storage.size_in_bytes(), stream=stream, min_blocks_per_mp=1)
         if cutlass.const_expr(self.num_splits > 1):
             self.launch_combine(stream, o_accum, lse_accum, output_scale, out, lse, q.shape[0])
 
@@ -429,7 +264,7 @@ class MlaDecodeOtSm90(MlaDecodeSeesawSm90):
         thread's 2 rows) for warpgroup 1's cross PV, from the e4m3 words themselves (:func:`p8_word_offset`), so the
         fp32 P is not kept across the own PV (module docstring, "Registers").  Nothing for a warp whose 16 rows all
         have scale 1 (the steady state: the stored P is then exact); otherwise each of those words is rounded to
-        e4m3 twice (docs/sm90_decode.md)."""
+        e4m3 twice (docs/sm90_decode.md, "FP8 error bounds")."""
         if not cute.arch.vote_all_sync((sc[0] == 1.0) & (sc[1] == 1.0)):
             base = bufs.toint() + k * _BUF_BYTES
             lane = wtid % 32
@@ -441,23 +276,7 @@ class MlaDecodeOtSm90(MlaDecodeSeesawSm90):
                     f8 = cute.make_tensor(cute.recast_ptr(r.iterator, dtype=_F8), cute.make_layout(4))
                     f8.store((f8.load().to(Float32) * sc[h]).to(_F8))
                     _sts32(addr, r[0])
-            if cutlass.const_expr(self.p0_fence == "rescaled"):  # (module docstring, "p0_fence")
-                cute.arch.fence_view_async_shared()
-        if cutlass.const_expr(self.p0_fence == "always"):
-            cute.arch.fence_view_async_shared()
-
-    @cute.jit
-    def publish(self, bar: cutlass.Constexpr, ref: cute.Tensor, zero: Int32):
-        """Arrive on ``bar`` (SCALE0 or SCALE1) between the fold and the exp (module docstring, "softmax").  ptxas
-        moves ALU work above a ``bar.arrive`` (in the "exp" build both arrives land after all of the exp's
-        ``MUFU.EX2``), so with "fold" / "max" the exp is made to wait for a shared-memory load after the arrive, which
-        ptxas keeps in order: ``ref`` (the exp's reference max) plus the zero word at ``zero`` (x + 0 = x, -0 aside,
-        which gives the same exp).  (Warpgroup 0 with "exp" arrives after its exp instead, as written before.)"""
-        cute.arch.barrier_arrive(barrier_id=int(bar), number_of_threads=self.num_threads)
-        if cutlass.const_expr(self.softmax != "exp"):
-            z = Float32(_lds32(zero))
-            for i in cutlass.range_constexpr(cute.size(ref)):
-                ref[i] = ref[i] + z
+        cute.arch.fence_view_async_shared()  # (every iteration, for warpgroup 1's cross PV)
 
     def qk_tile(self, qk_mma, qk_thr, acc_s, tSrQ, bufs, k):
         """Issue the QK of the tile in buffer ``k`` (no commit): ``S = Q K^T``, or with ``qk_t`` ``S^T = K Q^T``
@@ -487,16 +306,15 @@ class MlaDecodeOtSm90(MlaDecodeSeesawSm90):
 
     @cute.jit
     def fold_t(self, acc_s, tScS, lim, tile_start, scale_log2, sM, sSc_in, sSc_out, sRed, row_l, ref, sc, wg, wtid,
-               mk=None, wait0: bool = False, m_reg=None):
+               mk=None, m_reg=None):
         """``qk_t``: :meth:`fold_first` (``sSc_in`` None; warpgroup 0) or :meth:`fold_second` (``sSc_in``: scale0;
         warpgroup 1, which arrives on SCALE1 after this) without the exp, for ``S^T``: a query row's keys are spread
         over the 4 warps (tokens are M), so each warp's column maxima (over its 2 tokens, then its 8 lanes of a
-        column) go through ``sRed`` and the warpgroup's barrier (TAIL id).  The shared max is read before that
-        barrier and written after it, by warp 0's lanes 0..3 (one writer per row).  ``mk``: ``(mTrace, cta, j,
-        event after the barrier, event at the end or None)`` for :meth:`mark` (debug builds).  ``wait0`` (warpgroup 1,
-        ``softmax`` "max"): wait for SCALE0 after its column maxima and read the shared max after that wait (still
-        before the TAIL barrier), else the caller waited before.  ``m_reg`` (``loop32`` "own": each warpgroup its own
-        running max): the thread's columns' running max in registers instead of ``sM`` (``sM``, ``sSc_out`` None)."""
+        column, 3 butterfly shuffles) go through ``sRed`` and the warpgroup's barrier (TAIL id).  The shared max is
+        read before that barrier and written after it, by warp 0's lanes 0..3 (one writer per row).  ``mk``:
+        ``(mTrace, cta, j, event after the barrier, event at the end or None)`` for :meth:`mark` (debug builds).
+        ``m_reg`` (each warpgroup its own running max): the thread's columns' running max in registers instead of
+        ``sM`` (``sM``, ``sSc_out`` None)."""
         nc = self.pv_n // 4
         lane = wtid % 32
         warp = wtid // 32
@@ -505,7 +323,7 @@ class MlaDecodeOtSm90(MlaDecodeSeesawSm90):
         for i in cutlass.range_constexpr(nc):
             if cutlass.const_expr(m_reg is not None):
                 mprev[i] = m_reg[i]
-            elif cutlass.const_expr(not wait0):
+            else:
                 mprev[i] = sM[self.col_n(i, wtid)]
             mx[i] = -Float32.inf
         for e in cutlass.range_constexpr(cute.size(acc_s)):
@@ -515,39 +333,19 @@ class MlaDecodeOtSm90(MlaDecodeSeesawSm90):
                 v = -Float32.inf
             acc_s[e] = v
             mx[i] = cute.arch.fmax(mx[i], v)
-        if cutlass.const_expr(self.colmax == "xpose"):
-            self.colmax_xpose(mx, sRed, wg, warp, lane)
-        else:
-            for i in cutlass.range_constexpr(nc):
-                for off in cutlass.range_constexpr(3):
-                    mx[i] = cute.arch.fmax(mx[i], cute.arch.shuffle_sync_bfly(mx[i], offset=4 << off))
-                if lane < 4:
-                    sRed[(4 * wg + warp) * 32 + self.col_n(i, wtid)] = mx[i]
-        if cutlass.const_expr(wait0):
-            cute.arch.barrier(barrier_id=int(Barrier.SCALE0), number_of_threads=self.num_threads)
-            for i in cutlass.range_constexpr(nc):
-                mprev[i] = sM[self.col_n(i, wtid)]
+        for i in cutlass.range_constexpr(nc):
+            for off in cutlass.range_constexpr(3):
+                mx[i] = cute.arch.fmax(mx[i], cute.arch.shuffle_sync_bfly(mx[i], offset=4 << off))
+            if lane < 4:
+                sRed[(4 * wg + warp) * 32 + self.col_n(i, wtid)] = mx[i]
         cute.arch.barrier(barrier_id=int(Barrier.TAIL) + wg, number_of_threads=128)
         if cutlass.const_expr(mk is not None):
             self.mark(mk[0], mk[1], wg, wtid, mk[2], mk[3])
-        tx = None
-        if cutlass.const_expr(self.colmax == "xpose"):  # a thread's columns of all 4 warps: 32 floats, 16-byte loads
-            tx = cute.make_rmem_tensor((nc,), Float32)
-            red = sRed.iterator.toint()
-            for k in cutlass.range_constexpr(nc // 2):
-                a = _lds4f(red + 4 * colmax_xpose_index(wg, 0, lane % 4, 2 * k))  # warps 0, 1 x columns 2k, 2k + 1
-                b = _lds4f(red + 4 * colmax_xpose_index(wg, 2, lane % 4, 2 * k))  # warps 2, 3
-                for p in cutlass.range_constexpr(2):
-                    tx[2 * k + p] = cute.arch.fmax(cute.arch.fmax(a[p], a[2 + p]), cute.arch.fmax(b[p], b[2 + p]))
         for i in cutlass.range_constexpr(nc):
             n = self.col_n(i, wtid)
-            t = None
-            if cutlass.const_expr(self.colmax == "xpose"):
-                t = tx[i]
-            else:
-                t = sRed[4 * wg * 32 + n]
-                for w in cutlass.range_constexpr(1, 4):
-                    t = cute.arch.fmax(t, sRed[(4 * wg + w) * 32 + n])
+            t = sRed[4 * wg * 32 + n]
+            for w in cutlass.range_constexpr(1, 4):
+                t = cute.arch.fmax(t, sRed[(4 * wg + w) * 32 + n])
             m_new, ref[i], s = self.fold_max(mprev[i], t)
             sc[i] = s
             if cutlass.const_expr(sSc_in is not None):
@@ -560,35 +358,6 @@ class MlaDecodeOtSm90(MlaDecodeSeesawSm90):
                 sSc_out[n] = s
         if cutlass.const_expr(mk is not None and mk[4] is not None):
             self.mark(mk[0], mk[1], wg, wtid, mk[2], mk[4])
-
-    @cute.jit
-    def colmax_xpose(self, mx: cute.Tensor, sRed: cute.Tensor, wg: Int32, warp: Int32, lane: Int32):
-        """``colmax="xpose"``: the warp's column maxima of :meth:`fold_t` by a transposed butterfly.  The 8 lanes of a
-        column group (``lane % 4``, lane bits 2..4) halve their columns each round: the lane whose bit is 0 keeps the
-        lower half and sends the upper, its partner the other way round, so the ``pv_n / 4`` columns of a thread take
-        ``pv_n / 4 - 1`` shuffles (7 at 32 rows, 3 + 1 at 16) instead of 3 each (24 / 12), and every lane ends with
-        the warp's maximum of one column (:func:`colmax_xpose_column`), which it stores at
-        :func:`colmax_xpose_index` (the 4 warps' values of a thread's columns side by side).  Maxima are exact, so
-        ``fold_t``'s results are bitwise those of the shuffles per column.  Measured on the H200 (2026-12-02,
-        docs/sm90_decode.md, "Afternoon run"): bitwise equal, and slower at 32 rows (FP8 0.89x, BF16 0.95x at
-        B64/K81920/H32/S1; why was not measured), so ``colmax`` defaults to "shfl"
-        (``TOKENSPEED_SM90_DECODE_COLMAX``)."""
-        vals = [mx[i] for i in range(self.pv_n // 4)]
-        own = Int32(0)
-        for r in cutlass.range_constexpr(3):
-            h = len(vals) // 2
-            if cutlass.const_expr(h == 0):  # (16 rows: one column left, the last round a plain butterfly)
-                vals[0] = cute.arch.fmax(vals[0], cute.arch.shuffle_sync_bfly(vals[0], offset=4 << r))
-            else:
-                up = ((lane >> (2 + r)) & 1) == 1
-                nv = []
-                for k in cutlass.range_constexpr(h):
-                    send = Float32(cutlass.select_(up, vals[k], vals[h + k]))
-                    keep = Float32(cutlass.select_(up, vals[h + k], vals[k]))
-                    nv.append(cute.arch.fmax(keep, cute.arch.shuffle_sync_bfly(send, offset=4 << r)))
-                vals = nv
-                own = own + Int32(cutlass.select_(up, Int32(h), Int32(0)))
-        sRed[colmax_xpose_index(wg, warp, lane % 4, own)] = vals[0]
 
     @cute.jit
     def exp_t(self, acc_s: cute.Tensor, ref: cute.Tensor, row_l: cute.Tensor):
@@ -706,21 +475,13 @@ class MlaDecodeOtSm90(MlaDecodeSeesawSm90):
             t, tAg = cpasync.tma_partition(tma_atom, 0, cute.make_layout(1), cute.group_modes(
                 cute.local_tile(self.stg_view(bufs, k), (self.box_rows, _CHUNK), (None, None)), 0, 2), gKV)
             tAs.append(t)
-        if n_pairs > 0:
+        if n_pairs > 0:  # noqa: SIM102 (dynamic tests)
             if wg == 2:  # the producer loads pairs 0 and 1 into buffers 0..3
                 for k in cutlass.range_constexpr(_NBUF):
                     t0 = split_start + k * bn
                     if k < 2 or n_pairs > 1:
-                        crd = self.coords(mBT, b, t0, split_end, num_pages, wtid)
-                        self.refill(None, tAs[k], tAg, tma_atom, mbar + k, mKV, crd, t0, split_end, num_pages, wg,
-                                    wtid, _ALL_CHUNKS, None)
-            if cutlass.const_expr(self.l2_prefetch != "off"):  # the first pair not loaded here into L2
-                pf = split_start + 2 * (self.pf_ahead - 1) * bn
-                if pf < split_end:
-                    crd0 = self.tma_coords(mBT, b, pf, split_end, num_pages)
-                    crd1 = self.tma_coords(mBT, b, pf + bn, split_end, num_pages)
-                    if tid + mblk == 0:
-                        self.l2_prefetch_pair(mKV, crd0, crd1, pf, split_end)
+                        crd = self.coords(mBT, b, t0, split_end, num_pages)
+                        self.refill(tAs[k], tAg, tma_atom, mbar + k, crd, wtid, _ALL_CHUNKS, None)
         cute.arch.fence_view_async_shared()  # q (generic stores) before the QGMMAs read it
         cute.arch.barrier()
 
@@ -734,11 +495,10 @@ class MlaDecodeOtSm90(MlaDecodeSeesawSm90):
                     u = j % 2
                     for g in cutlass.range_constexpr(2):
                         t0 = split_start + (2 * j + 4 + g) * bn
-                        crd = self.coords(mBT, b, t0, split_end, num_pages, wtid)
+                        crd = self.coords(mBT, b, t0, split_end, num_pages)
                         dst = cute.make_tensor(tAs[g].iterator + u * (2 * _BUF_BYTES), tAs[g].layout)
                         cute.arch.barrier(barrier_id=int(Barrier.SLOT0_FREE) + g, number_of_threads=160)
-                        self.refill(None, dst, tAg, tma_atom, mbar + 2 * u + g, mKV, crd, t0, split_end, num_pages, wg,
-                                    wtid, _ALL_CHUNKS, None)
+                        self.refill(dst, tAg, tma_atom, mbar + 2 * u + g, crd, wtid, _ALL_CHUNKS, None)
             cute.arch.barrier()  # the consumers' barrier before their epilogue
         else:
             cute.arch.setmaxregister_increase(self.consumer_regs)
@@ -751,8 +511,8 @@ class MlaDecodeOtSm90(MlaDecodeSeesawSm90):
     @cute.jit
     def consume_ot(self, qk_mma, pv_mma, sQ, st, bufs, wg, wtid, mblk, split, b, seq, split_start, split_end, n_pairs,
                    mbar, scale_log2, out_scale, mBT, mKV, num_pages, mOut, mLse, mOacc, mLacc, tr):
-        """The two computing warpgroups: first QK, the seesaw loop (module docstring), epilogue.  ``tr``: ``(mTrace,
-        cta)`` for :meth:`mark` (debug builds; the events are :data:`TRACE_EVENTS_OT`)."""
+        """The two computing warpgroups on whole 64-row blocks: first QK, the seesaw loop (module docstring),
+        epilogue.  ``tr``: ``(mTrace, cta)`` for :meth:`mark` (debug builds; the events are :data:`TRACE_EVENTS_OT`)."""
         bn = self.block_n
         mTrace, cta = tr
         sM = st.row_max.get_tensor(cute.make_layout(64))
@@ -764,41 +524,26 @@ class MlaDecodeOtSm90(MlaDecodeSeesawSm90):
         qk_thr = qk_mma.get_slice(wtid)
         pv_thr = pv_mma.get_slice(wtid)
         sRed = st.red.get_tensor(cute.make_layout(2 * 4 * 32))
-        if cutlass.const_expr(self.qk_t):  # S^T: q (its first pv_n rows) is the B operand, (tokens, rows) accumulators
-            tSrQ = qk_thr.make_fragment_B(qk_thr.partition_B(
-                cute.local_tile(sQ[None, None, 0], (self.pv_n, self.D), (0, 0))))
-            acc_s = qk_thr.make_fragment_C(qk_thr.partition_shape_C((bn, self.pv_n)))
-            tScS = qk_thr.partition_C(cute.make_identity_tensor((bn, self.pv_n)))
-        else:
-            tSrQ = qk_thr.make_fragment_A(qk_thr.partition_A(sQ[None, None, 0]))
-            acc_s = qk_thr.make_fragment_C(qk_thr.partition_shape_C((self.block_m, bn)))
-            tScS = qk_thr.partition_C(cute.make_identity_tensor((self.block_m, bn)))
+        tSrQ = qk_thr.make_fragment_A(qk_thr.partition_A(sQ[None, None, 0]))
+        acc_s = qk_thr.make_fragment_C(qk_thr.partition_shape_C((self.block_m, bn)))
+        tScS = qk_thr.partition_C(cute.make_identity_tensor((self.block_m, bn)))
         acc = pv_thr.make_fragment_C(pv_thr.partition_shape_C((self.DV // 2, self.pv_n)))  # O^T, 256 features
         acc.fill(0.0)
         a_layout = pv_thr.make_fragment_A(pv_thr.partition_shape_A((self.DV // 2, bn))).layout
-        # the V^T fragments of the own tile and of the other one (32 registers each: both PVs may be in flight); with
-        # 64 rows one set for both, each PV retired before the next V^T loads (module docstring, "Registers")
+        # one V^T fragment set for the own tile and the other one: each PV retires before the next V^T loads (module
+        # docstring, "Registers")
         a_own = cute.make_rmem_tensor((32,), Int32)
         tA_own = cute.make_tensor(cute.recast_ptr(a_own.iterator, dtype=_F8), a_layout)
         a_x, tA_x = a_own, tA_own
-        if cutlass.const_expr(self.pv_n < 64):
-            a_x = cute.make_rmem_tensor((32,), Int32)
-            tA_x = cute.make_tensor(cute.recast_ptr(a_x.iterator, dtype=_F8), a_layout)
         qk_mma.set(warpgroup.Field.ACCUMULATE, True)
         pv_mma.set(warpgroup.Field.ACCUMULATE, True)
 
-        nst = 2  # row statistics per thread: its 2 accumulator rows, or with qk_t its pv_n / 4 columns
-        row_in, lim = None, None
-        if cutlass.const_expr(self.qk_t):
-            nst = self.pv_n // 4
-            lim = self.col_limits(mblk, seq, split_end, wtid)
-        else:
-            row_in, lim = self.row_limits(tScS, mblk, seq, split_end)
-        row_l = cute.make_rmem_tensor((nst,), Float32)
-        for i in cutlass.range_constexpr(nst):
+        row_in, lim = self.row_limits(tScS, mblk, seq, split_end)
+        row_l = cute.make_rmem_tensor((2,), Float32)
+        for i in cutlass.range_constexpr(2):
             row_l[i] = 0.0
-        ref = cute.make_rmem_tensor((nst,), Float32)
-        sc = cute.make_rmem_tensor((nst,), Float32)
+        ref = cute.make_rmem_tensor((2,), Float32)
+        sc = cute.make_rmem_tensor((2,), Float32)
 
         if n_pairs > 0:  # first QK: pair 0, buffer wg
             self.landed(mbar + wg, 0)
@@ -814,85 +559,33 @@ class MlaDecodeOtSm90(MlaDecodeSeesawSm90):
                 t0 = split_start + 2 * j * bn
                 self.mark(mTrace, cta, 0, wtid, j, 0)
                 # 1. fold tile 2j into the shared max; P0; publish
-                #    (softmax "fold" / "max": SCALE0 out between the fold and the exp, module docstring)
-                if cutlass.const_expr(self.qk_t):
-                    self.fold_t(acc_s, tScS, lim, t0, scale_log2, sM, None, sSc0, sRed, row_l, ref, sc, 0, wtid,
-                                (mTrace, cta, j, 1, 2))
-                    if cutlass.const_expr(self.softmax != "exp"):
-                        self.publish(Barrier.SCALE0, ref, zero)
-                    self.exp_t(acc_s, ref, row_l)
-                else:
-                    self.fold_first_max(acc_s, tScS, lim, t0, scale_log2, sM, sSc0, row_in, row_l, ref, sc, wtid)
-                    if cutlass.const_expr(self.softmax != "exp"):
-                        self.publish(Barrier.SCALE0, ref, zero)
-                    self.exp_rows(acc_s, ref, row_l)
-                if cutlass.const_expr(self.softmax == "exp"):  # (as written before "fold": after the exp)
-                    cute.arch.barrier_arrive(barrier_id=int(Barrier.SCALE0), number_of_threads=self.num_threads)
+                self.fold_first_max(acc_s, tScS, lim, t0, scale_log2, sM, sSc0, row_in, row_l, ref, sc, wtid)
+                self.exp_rows(acc_s, ref, row_l)
+                cute.arch.barrier_arrive(barrier_id=int(Barrier.SCALE0), number_of_threads=self.num_threads)
                 self.mark(mTrace, cta, 0, wtid, j, 3)
-                # 2. P0 -> smem; O^T *= scale0 (all rows' scales: after the warpgroup's barrier); O^T += V0^T P0^T
-                #    (p0_late: none of this yet, step 3 does it).  "wg0s": the previous cross PV retires here, then
-                #    slot 1 of the previous pair is free for its refill with pair j + 1 (VT1_FREE)
-                if cutlass.const_expr(self.qk_early == "wg0s"):
-                    warpgroup.wait_group(0)
-                    if j >= 1 and more:
-                        cute.arch.fence_view_async_shared()
-                        cute.arch.barrier_arrive(barrier_id=int(Barrier.VT1_FREE), number_of_threads=self.num_threads)
-                if cutlass.const_expr(not self.p0_late):
-                    self.store_p_tile(acc_s, qk_thr, bufs, 2 * u, wtid)
-                    cute.arch.barrier(barrier_id=int(Barrier.TAIL), number_of_threads=128)
-                    self.scale_ot(acc, sSc0, None, wtid)
+                # 2. P0 -> smem; O^T *= scale0 (all rows' scales: after the warpgroup's barrier); O^T += V0^T P0^T,
+                #    and the next QK right behind it, so that it runs during warpgroup 1's softmax (module docstring,
+                #    "QK early": issued for the last pair too, its S thrown away)
+                self.store_p_tile(acc_s, qk_thr, bufs, 2 * u, wtid)
+                cute.arch.barrier(barrier_id=int(Barrier.TAIL), number_of_threads=128)
+                self.scale_ot(acc, sSc0, None, wtid)
                 self.mark(mTrace, cta, 0, wtid, j, 4)
-                if cutlass.const_expr(not self.p0_late):
-                    self.pv_tile(pv_mma, pv_thr, acc, a_own, tA_own, bufs, stg0, 2 * u, zero, t0, split_end, 0, wtid)
-                    if cutlass.const_expr(self.qk_early != "after" and self.pv_n == 64):  # the next QK behind it
-                        if more:
-                            self.landed(mbar + 2 * (1 - u), ((j + 1) // 2) % 2)
-                        self.qk_tile(qk_mma, qk_thr, acc_s, tSrQ, bufs, 2 * (1 - u))
-                        warpgroup.commit_group()
-                        warpgroup.wait_group(1)  # (the own PV retired; the QK may still run)
-                    else:
-                        warpgroup.wait_group(0)
+                self.pv_tile(pv_mma, pv_thr, acc, a_own, tA_own, bufs, stg0, 2 * u, zero, t0, split_end, 0, wtid)
+                if more:
+                    self.landed(mbar + 2 * (1 - u), ((j + 1) // 2) % 2)
+                self.qk_tile(qk_mma, qk_thr, acc_s, tSrQ, bufs, 2 * (1 - u))
+                warpgroup.commit_group()
+                warpgroup.wait_group(1)  # (the own PV retired; the QK may still run)
                 self.mark(mTrace, cta, 0, wtid, j, 5)
-                # (the L2 prefetch's coordinates, for the end of the iteration)
-                pf = split_start + 2 * (j + self.pf_ahead) * bn
-                crdP0, crdP1 = None, None
-                if cutlass.const_expr(self.l2_prefetch != "off"):
-                    crdP0 = self.tma_coords(mBT, b, cutlass.min(pf, split_end - 1), split_end, num_pages)
-                    crdP1 = self.tma_coords(mBT, b, cutlass.min(pf + bn, split_end - 1), split_end, num_pages)
-                # 3. WG1 folded tile 2j+1: rescale P0 (-> smem for WG1), l and O^T by scale1
+                # 3. WG1 folded tile 2j+1: rescale P0 (in smem, for WG1), l and O^T by scale1
                 cute.arch.barrier(barrier_id=int(Barrier.SCALE1), number_of_threads=self.num_threads)
                 self.mark(mTrace, cta, 0, wtid, j, 6)
-                if cutlass.const_expr(self.qk_t):
-                    for i in cutlass.range_constexpr(nst):
-                        sc[i] = sSc1[self.col_n(i, wtid)]
-                        row_l[i] = row_l[i] * sc[i]
-                    for e in cutlass.range_constexpr(cute.size(acc_s)):
-                        acc_s[e] = acc_s[e] * sc[e % 2 + 2 * (e // 4)]
-                else:
-                    for h in cutlass.range_constexpr(2):
-                        sc[h] = sSc1[row_in[h]]
-                        row_l[h] = row_l[h] * sc[h]
-                    if cutlass.const_expr(self.pv_n < 64 or self.p0_late):
-                        for e in cutlass.range_constexpr(cute.size(acc_s)):
-                            acc_s[e] = acc_s[e] * sc[(e // 2) % 2]
-                # (the own PV, which read P0, retired; p0_late: P0 is stored here for the first time)
-                if cutlass.const_expr(self.pv_n == 64 and not self.p0_late):
-                    self.rescale_p_tile(bufs, 2 * u, sc, wtid)
-                else:
-                    self.store_p_tile(acc_s, qk_thr, bufs, 2 * u, wtid)
+                for h in cutlass.range_constexpr(2):
+                    sc[h] = sSc1[row_in[h]]
+                    row_l[h] = row_l[h] * sc[h]
+                self.rescale_p_tile(bufs, 2 * u, sc, wtid)  # (the own PV, which read P0, retired)
                 cute.arch.barrier_arrive(barrier_id=int(Barrier.P0_READY), number_of_threads=self.num_threads)
-                if cutlass.const_expr(self.p0_late):  # O^T *= scale0 * scale1; O^T += V0^T (P0 scale1) ^T
-                    cute.arch.barrier(barrier_id=int(Barrier.TAIL), number_of_threads=128)  # (all of P0 stored)
-                    self.scale_ot(acc, sSc0, sSc1, wtid)
-                    self.pv_tile(pv_mma, pv_thr, acc, a_own, tA_own, bufs, stg0, 2 * u, zero, t0, split_end, 0, wtid)
-                    warpgroup.wait_group(0)
-                else:
-                    self.scale_ot(acc, sSc1, None, wtid)
-                if cutlass.const_expr(self.qk_early != "after" and self.pv_n < 64):  # P0 stored: S is free for the
-                    if more:  # next QK, which then runs while this warpgroup waits for P1_READY (module docstring)
-                        self.landed(mbar + 2 * (1 - u), ((j + 1) // 2) % 2)
-                    self.qk_tile(qk_mma, qk_thr, acc_s, tSrQ, bufs, 2 * (1 - u))
-                    warpgroup.commit_group()
+                self.scale_ot(acc, sSc1, None, wtid)
                 self.mark(mTrace, cta, 0, wtid, j, 7)
                 # 4. O^T += V1^T P1^T (P1 from WG1).  WG1 waited for that tile's landing; this warpgroup waits on the
                 #    same (completed) phase before it reads the TMA's bytes with ldmatrix
@@ -900,48 +593,15 @@ class MlaDecodeOtSm90(MlaDecodeSeesawSm90):
                 self.load_vt(a_x, stg0 + (2 * u + 1) * _BUF_BYTES, zero, t0 + bn, split_end, 0, wtid)
                 cute.arch.barrier(barrier_id=int(Barrier.P1_READY), number_of_threads=self.num_threads)
                 self.mark(mTrace, cta, 0, wtid, j, 8)
-                if cutlass.const_expr(self.qk_early == "wg0s"):  # one group per k32 step: the first one's V^T
-                    tB1 = self.p_operand(pv_thr, bufs, 2 * u + 1)  # registers are free before the next softmax
-                    warpgroup.fence()
-                    for kb in cutlass.range_constexpr(self.block_n // 32):
-                        cute.gemm(pv_mma, acc, tA_x[None, None, kb], tB1[None, None, kb], acc)
-                        warpgroup.commit_group()
-                else:
-                    self.pv_ot(pv_mma, acc, tA_x, self.p_operand(pv_thr, bufs, 2 * u + 1))
-                    warpgroup.commit_group()
-                if cutlass.const_expr(self.qk_early == "wg0s"):  # (the QK and the first k step retired)
-                    warpgroup.wait_group(1)
-                elif cutlass.const_expr(self.pv_n == 64):
-                    warpgroup.wait_group(0)
-                # 5. next QK (pair j + 1, buffer 2 (1 - u)) behind the cross PV; once that retired, WG1 may free slot 1
-                #    (qk_early: the QK was issued in step 2 and has retired with the cross PV; "wg0s": slot 1 is freed
-                #    in the next iteration's step 2, once the cross PV retired)
-                if cutlass.const_expr(self.qk_early == "after"):
-                    if more:
-                        self.landed(mbar + 2 * (1 - u), ((j + 1) // 2) % 2)
-                        self.mark(mTrace, cta, 0, wtid, j, 9)
-                        self.qk_tile(qk_mma, qk_thr, acc_s, tSrQ, bufs, 2 * (1 - u))
-                        warpgroup.commit_group()
-                        warpgroup.wait_group(1)
-                        self.mark(mTrace, cta, 0, wtid, j, 10)
-                        if refill:
-                            cute.arch.fence_view_async_shared()  # (the ldmatrix reads before the refill's TMA writes)
-                            cute.arch.barrier_arrive(barrier_id=int(Barrier.VT1_FREE),
-                                                     number_of_threads=self.num_threads)
-                elif cutlass.const_expr(self.qk_early in ("wg0", "wg01")):
-                    if cutlass.const_expr(self.pv_n < 64):
-                        warpgroup.wait_group(0)  # (the cross PV, before its slot is freed)
-                    if refill:
-                        cute.arch.fence_view_async_shared()
-                        cute.arch.barrier_arrive(barrier_id=int(Barrier.VT1_FREE), number_of_threads=self.num_threads)
-                if cutlass.const_expr(self.l2_prefetch != "off"):  # noqa: SIM102 (static + dynamic test)
-                    if wtid + mblk == 0:
-                        self.l2_prefetch_pair(mKV, crdP0, crdP1, pf, split_end)
-                if cutlass.const_expr(self.qk_early != "wg0s"):
-                    warpgroup.wait_group(0)
+                self.pv_ot(pv_mma, acc, tA_x, self.p_operand(pv_thr, bufs, 2 * u + 1))
+                warpgroup.commit_group()
+                warpgroup.wait_group(0)
+                # 5. the cross PV (and the next QK) retired: WG1 may free slot 1 (VT1_FREE)
+                if refill:
+                    cute.arch.fence_view_async_shared()  # (the ldmatrix reads before the refill's TMA writes)
+                    cute.arch.barrier_arrive(barrier_id=int(Barrier.VT1_FREE), number_of_threads=self.num_threads)
+                warpgroup.wait_group(0)
                 self.mark(mTrace, cta, 0, wtid, j, 11)
-            if cutlass.const_expr(self.qk_early == "wg0s"):
-                warpgroup.wait_group(0)  # (the last cross PV, before the epilogue)
         else:
             for j in cutlass.range(n_pairs, unroll=1):
                 u = j % 2
@@ -949,49 +609,30 @@ class MlaDecodeOtSm90(MlaDecodeSeesawSm90):
                 refill = j + 2 < n_pairs
                 t1 = split_start + (2 * j + 1) * bn
                 self.mark(mTrace, cta, 1, wtid, j, 0)
-                # 1. after WG0: fold tile 2j+1 into the shared max; P1; publish (softmax "max": its tile max before
-                #    the SCALE0 wait, inside the fold; "fold" / "max": SCALE1 out before the exp, module docstring)
-                wait0 = self.softmax == "max"
-                if cutlass.const_expr(not wait0):
-                    cute.arch.barrier(barrier_id=int(Barrier.SCALE0), number_of_threads=self.num_threads)
+                # 1. after WG0: fold tile 2j+1 into the shared max; P1; publish
+                cute.arch.barrier(barrier_id=int(Barrier.SCALE0), number_of_threads=self.num_threads)
                 self.mark(mTrace, cta, 1, wtid, j, 1)
-                if cutlass.const_expr(self.qk_t):
-                    self.fold_t(acc_s, tScS, lim, t1, scale_log2, sM, sSc0, sSc1, sRed, row_l, ref, sc, 1, wtid,
-                                (mTrace, cta, j, 2, None), wait0)
-                    self.publish(Barrier.SCALE1, ref, zero)
-                    self.mark(mTrace, cta, 1, wtid, j, 3)
-                    self.exp_t(acc_s, ref, row_l)
-                else:
-                    self.fold_second_max(acc_s, tScS, lim, t1, scale_log2, sM, sSc0, sSc1, row_in, row_l, ref, sc,
-                                         wtid, wait0)
-                    self.publish(Barrier.SCALE1, ref, zero)
-                    self.exp_rows(acc_s, ref, row_l)
+                self.fold_second_max(acc_s, tScS, lim, t1, scale_log2, sM, sSc0, sSc1, row_in, row_l, ref, sc, wtid)
+                cute.arch.barrier_arrive(barrier_id=int(Barrier.SCALE1), number_of_threads=self.num_threads)
+                self.exp_rows(acc_s, ref, row_l)
                 self.mark(mTrace, cta, 1, wtid, j, 4)
-                # 2. P1 -> smem (both PVs read it); O^T *= scale0 * scale1; O^T += V1^T P1^T
+                # 2. P1 -> smem (both PVs read it); O^T *= scale0 * scale1; release P1 to WG0 (stored and fenced,
+                #    scale0 / scale1 read); O^T += V1^T P1^T
                 self.store_p_tile(acc_s, qk_thr, bufs, 2 * u + 1, wtid)
                 cute.arch.barrier(barrier_id=int(Barrier.TAIL) + 1, number_of_threads=128)
                 self.scale_ot(acc, sSc0, sSc1, wtid)
-                if cutlass.const_expr(self.p1_ready == "store"):  # (P1 stored and fenced, scale0 / scale1 read)
-                    cute.arch.barrier_arrive(barrier_id=int(Barrier.P1_READY), number_of_threads=self.num_threads)
+                cute.arch.barrier_arrive(barrier_id=int(Barrier.P1_READY), number_of_threads=self.num_threads)
                 self.mark(mTrace, cta, 1, wtid, j, 5)
                 self.pv_tile(pv_mma, pv_thr, acc, a_own, tA_own, bufs, stg0, 2 * u + 1, zero, t1, split_end, 4, wtid)
-                if cutlass.const_expr(self.qk_early == "wg01"):  # its next QK behind its own PV (as warpgroup 0's on
-                    if more:  # the 64-row blocks: issued for the last pair too, on stale staging, its S thrown away)
-                        self.landed(mbar + 2 * (1 - u) + 1, ((j + 1) // 2) % 2)
-                    self.qk_tile(qk_mma, qk_thr, acc_s, tSrQ, bufs, 2 * (1 - u) + 1)
-                    warpgroup.commit_group()
                 self.mark(mTrace, cta, 1, wtid, j, 6)
-                # 3. O^T += V0^T P0^T (P0 from WG0; the tile's landing as in WG0), then release P1 to WG0
+                # 3. O^T += V0^T P0^T (P0 from WG0; the tile's landing as in WG0)
                 self.landed(mbar + 2 * u, (j // 2) % 2)
-                if cutlass.const_expr(self.pv_n == 64):
-                    warpgroup.wait_group(0)
+                warpgroup.wait_group(0)
                 self.load_vt(a_x, stg0 + 2 * u * _BUF_BYTES, zero, t1 - bn, split_end, 4, wtid)
                 cute.arch.barrier(barrier_id=int(Barrier.P0_READY), number_of_threads=self.num_threads)
                 self.mark(mTrace, cta, 1, wtid, j, 7)
                 self.pv_ot(pv_mma, acc, tA_x, self.p_operand(pv_thr, bufs, 2 * u))
                 warpgroup.commit_group()
-                if cutlass.const_expr(self.p1_ready == "cross"):
-                    cute.arch.barrier_arrive(barrier_id=int(Barrier.P1_READY), number_of_threads=self.num_threads)
                 self.mark(mTrace, cta, 1, wtid, j, 8)
                 # 4. both PVs retired: slot 0's buffer is free (WG0's own PV retired before its P0_READY), announced
                 #    once the next pair landed (module docstring); then the next QK; slot 1's buffer once WG0's cross
@@ -999,16 +640,14 @@ class MlaDecodeOtSm90(MlaDecodeSeesawSm90):
                 warpgroup.wait_group(0)
                 self.mark(mTrace, cta, 1, wtid, j, 9)
                 if more:
-                    if cutlass.const_expr(self.qk_early != "wg01"):  # ("wg01": waited for before its QK, above)
-                        self.landed(mbar + 2 * (1 - u) + 1, ((j + 1) // 2) % 2)
+                    self.landed(mbar + 2 * (1 - u) + 1, ((j + 1) // 2) % 2)
                     if refill:
                         cute.arch.fence_view_async_shared()
                         cute.arch.barrier_arrive(barrier_id=int(Barrier.SLOT0_FREE), number_of_threads=160)
                     self.mark(mTrace, cta, 1, wtid, j, 10)
-                    if cutlass.const_expr(self.qk_early != "wg01"):
-                        self.qk_tile(qk_mma, qk_thr, acc_s, tSrQ, bufs, 2 * (1 - u) + 1)
-                        warpgroup.commit_group()
-                        warpgroup.wait_group(0)
+                    self.qk_tile(qk_mma, qk_thr, acc_s, tSrQ, bufs, 2 * (1 - u) + 1)
+                    warpgroup.commit_group()
+                    warpgroup.wait_group(0)
                     self.mark(mTrace, cta, 1, wtid, j, 11)
                     if refill:
                         cute.arch.barrier(barrier_id=int(Barrier.VT1_FREE), number_of_threads=self.num_threads)
@@ -1137,51 +776,4 @@ class MlaDecodeOtSm90(MlaDecodeSeesawSm90):
 
 
 
-@cute.jit
-def launch_mla_decode_ot(stream, q: cute.Tensor, kv: cute.Tensor, block_table: cute.Tensor, seq_lens: cute.Tensor,
-                         softmax_scale: cute.Tensor, output_scale: cute.Tensor, out: cute.Tensor, lse: cute.Tensor,
-                         o_accum: cute.Tensor = None, lse_accum: cute.Tensor = None, *, dtype: cutlass.Constexpr,
-                         num_heads: cutlass.Constexpr, q_len: cutlass.Constexpr, page_size: cutlass.Constexpr,
-                         causal: cutlass.Constexpr, num_splits: cutlass.Constexpr,
-                         tokens_per_split: cutlass.Constexpr, block_n: cutlass.Constexpr = 64,
-                         schedule: cutlass.Constexpr = "seesaw", pdl: cutlass.Constexpr = True,
-                         l2_prefetch: cutlass.Constexpr = "off", qk_t: cutlass.Constexpr = False,
-                         kv_evict: cutlass.Constexpr = "normal", pdl_main: cutlass.Constexpr = False,
-                         colmax: cutlass.Constexpr = "shfl", p0_late: cutlass.Constexpr = False,
-                         qk_early: cutlass.Constexpr = "after", p0_fence: cutlass.Constexpr = "always",
-                         softmax: cutlass.Constexpr = "exp", p1_ready: cutlass.Constexpr = "cross"):
-    """FFI launch function of the O^T schedule (FP8 P V mode "5", with ``qk_t`` mode "6"; same ABI as
-    ``launch_mla_decode_seesaw``; ``schedule`` is the backend's, always "seesaw" here)."""
-    MlaDecodeOtSm90(dtype=dtype, num_heads=num_heads, q_len=q_len, page_size=page_size, causal=causal,
-                    num_splits=num_splits, tokens_per_split=tokens_per_split, block_n=block_n, pdl=pdl,
-                    l2_prefetch=l2_prefetch, qk_t=qk_t, kv_evict=kv_evict, pdl_main=pdl_main, colmax=colmax,
-                    p0_late=p0_late, qk_early=qk_early, p0_fence=p0_fence, softmax=softmax, p1_ready=p1_ready)(
-        stream, q, kv, block_table, seq_lens, softmax_scale, output_scale, out, lse, o_accum, lse_accum)
-
-
-@cute.jit
-def launch_mla_decode_ot_traced(stream, q: cute.Tensor, kv: cute.Tensor, block_table: cute.Tensor,
-                                seq_lens: cute.Tensor, softmax_scale: cute.Tensor, output_scale: cute.Tensor,
-                                out: cute.Tensor, lse: cute.Tensor, trace_buf: cute.Tensor, o_accum: cute.Tensor = None,
-                                lse_accum: cute.Tensor = None, *, dtype: cutlass.Constexpr,
-                                num_heads: cutlass.Constexpr, q_len: cutlass.Constexpr, page_size: cutlass.Constexpr,
-                                causal: cutlass.Constexpr, num_splits: cutlass.Constexpr,
-                                tokens_per_split: cutlass.Constexpr, trace: cutlass.Constexpr,
-                                pdl: cutlass.Constexpr = True, l2_prefetch: cutlass.Constexpr = "off",
-                                qk_t: cutlass.Constexpr = False, colmax: cutlass.Constexpr = "shfl",
-                                p0_late: cutlass.Constexpr = False, qk_early: cutlass.Constexpr = "after",
-                                p0_fence: cutlass.Constexpr = "always", softmax: cutlass.Constexpr = "exp",
-                                p1_ready: cutlass.Constexpr = "cross"):
-    """Debug build of the O^T loop (FP8 P V mode 5, with ``qk_t`` mode 6) with :meth:`DecodeTraceMixin.mark`
-    timestamps at the :data:`TRACE_EVENTS_OT` points in ``trace_buf`` (int64 ``(ctas, 2, trace, len(TRACE_EVENTS))``),
-    an extra output after ``lse`` (benchmarks/trace_decode.py)."""
-    MlaDecodeOtSm90(dtype=dtype, num_heads=num_heads, q_len=q_len, page_size=page_size, causal=causal,
-                    num_splits=num_splits, tokens_per_split=tokens_per_split, block_n=64, pdl=pdl,
-                    l2_prefetch=l2_prefetch, qk_t=qk_t, colmax=colmax, p0_late=p0_late, qk_early=qk_early,
-                    p0_fence=p0_fence, softmax=softmax, p1_ready=p1_ready, trace=trace)(
-        stream, q, kv, block_table, seq_lens, softmax_scale, output_scale, out, lse, o_accum, lse_accum, trace_buf)
-
-
-__all__ = ["COLMAX_MODES", "P0_FENCE_MODES", "P1_READY_MODES", "QK_EARLY_MODES", "SOFTMAX_ORDERS", "TRACE_EVENTS_OT",
-           "VT_A_SELECTORS", "MlaDecodeOtSm90", "check_colmax", "colmax_xpose_column", "colmax_xpose_index",
-           "launch_mla_decode_ot", "launch_mla_decode_ot_traced", "ot_feature", "vt_a_row_offset"]
+__all__ = ["TRACE_EVENTS_OT", "VT_A_SELECTORS", "MlaDecodeOtSm90", "ot_feature", "vt_a_row_offset"]
