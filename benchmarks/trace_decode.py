@@ -50,8 +50,8 @@ def traced_config(prob, name: str | None = None):
 def trace_events(cfg):
     """The event names of ``cfg``'s loop (its ``TRACE_EVENTS`` table)."""
     from tokenspeed_jax.kernels.sm90.decode_trace import TRACE_EVENTS
-    from tokenspeed_jax.kernels.sm90.mla_decode_ot import TRACE_EVENTS_OT
-    from tokenspeed_jax.kernels.sm90.mla_decode_ot_own import TRACE_EVENTS_OWN
+    from tokenspeed_jax.kernels.sm90.fp8_transposed_pv import TRACE_EVENTS_OT
+    from tokenspeed_jax.kernels.sm90.fp8_transposed import TRACE_EVENTS_OWN
 
     return {"fp8_transposed_pv": TRACE_EVENTS_OT, "fp8_transposed": TRACE_EVENTS_OWN}.get(cfg.loop, TRACE_EVENTS)
 

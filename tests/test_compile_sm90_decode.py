@@ -370,7 +370,7 @@ def test_trace_summary():
 
 
 # The QGMMA m64n32k32 register-A / accumulator layouts (thread, value) -> (m, k) / (m, n) that the O^T schedule's
-# addressing assumes (MlaDecodeOtSm90.load_vt, scale_ot, epilogue_ot); the compile test checks that CuTe's tiled
+# addressing assumes (MlaDecodeFp8TransposedPvSm90.load_vt, scale_ot, epilogue_ot); the compile test checks that CuTe's tiled
 # MMA prints exactly these.
 OT_TV_A = "((4,8,4),(4,2,2)):((256,1,16),(64,8,1024))"
 OT_TV_C = "((4,8,4),(2,2,4)):((128,1,16),(64,8,512))"  # N = 32 rows (16 rows: (2,2,2))
@@ -389,7 +389,7 @@ def _tv(layout: str, t: int, v: int, vshape, vstride) -> int:
 
 
 def test_fp8_ot_vt_fragment_mapping():
-    """The O^T schedule's ``V^T`` A fragments (``MlaDecodeOtSm90.load_vt``: ``ldmatrix.x4.trans`` at
+    """The O^T schedule's ``V^T`` A fragments (``MlaDecodeFp8TransposedPvSm90.load_vt``: ``ldmatrix.x4.trans`` at
     ``vt_a_row_offset``, ``prmt`` with ``VT_A_SELECTORS``) on a model of those instructions, of the swizzled e4m3
     staging and of the QGMMA's register-A layout: every A element of both warpgroups is the staging byte of feature
     ``ot_feature(...)`` and token ``P8_TOKEN_ORDER`` (the order P is stored in, i.e. the B operand's k), zero for
@@ -398,7 +398,7 @@ def test_fp8_ot_vt_fragment_mapping():
     import numpy as np
 
     from tokenspeed_jax.kernels.sm90.fp8_operands import P8_TOKEN_ORDER, sw64
-    from tokenspeed_jax.kernels.sm90.mla_decode_ot import VT_A_SELECTORS, ot_feature, vt_a_row_offset
+    from tokenspeed_jax.kernels.sm90.fp8_transposed_pv import VT_A_SELECTORS, ot_feature, vt_a_row_offset
 
     rng = np.random.default_rng(2)
     v = rng.integers(1, 256, (64, 576), dtype=np.uint8)  # token, feature (logical)
@@ -455,7 +455,7 @@ def test_fp8_ot_vt_fragment_mapping():
 
 
 def test_fp8_ot_p_word_mapping():
-    """The O^T loop's P stores on 64-row blocks (``MlaDecodeOtSm90.store_p_tile`` without ``qk_t``, and
+    """The O^T loop's P stores on 64-row blocks (``MlaDecodeFp8TransposedPvSm90.store_p_tile`` without ``qk_t``, and
     ``rescale_p_tile``): on a model of the QGMMA m64n64 accumulator layout, of the thread's e4m3 words and of
     ``prmt``, word ``(h, g)`` at ``p8_word_offset`` holds exactly the bytes the store view (``p_views``: rows of 64
     bytes, tokens in ``P8_TOKEN_ORDER``, the 64-byte swizzle) puts there, and the 8 words of the 128 threads cover
@@ -464,7 +464,7 @@ def test_fp8_ot_p_word_mapping():
     import numpy as np
 
     from tokenspeed_jax.kernels.sm90.fp8_operands import P8_TOKEN_ORDER, sw64
-    from tokenspeed_jax.kernels.sm90.mla_decode_ot import P8_WORD_SELECTORS, p8_word_elements, p8_word_offset
+    from tokenspeed_jax.kernels.sm90.fp8_transposed_pv import P8_WORD_SELECTORS, p8_word_elements, p8_word_offset
 
     def prmt(a, b, sel):  # byte j of the result: byte (sel >> 4 j) & 7 of {b, a}
         src = a | (b << 32)
@@ -500,7 +500,7 @@ def test_staged_pass_features():
     """The staged epilogue's passes: one (bf16) or two (fp32) through the 16-bit Q tile (72 KB), two or four through
     the e4m3 one (36 KB); every choice fits both warpgroups' padded tiles; too little shared memory is refused."""
     pytest.importorskip("cutlass")
-    from tokenspeed_jax.kernels.sm90.mla_decode import staged_pass_features
+    from tokenspeed_jax.kernels.sm90.decode_common import staged_pass_features
 
     q16, q8 = 64 * 576 * 2, 64 * 576
     assert [staged_pass_features(eb, q) for q in (q16, q8) for eb in (2, 4)] == [256, 128, 128, 64]

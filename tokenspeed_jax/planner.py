@@ -77,7 +77,7 @@ def _family(arch: str) -> str:
 
 def _plan_sm90(*, batch, q_len, num_heads, max_kv_len, page_size, dtype, kv_lora_rank, rope_dim, arch,
                num_sms, block_m=64) -> DecodePlan:
-    """Hopper (kernel: ``tokenspeed_jax.kernels.sm90.mla_decode``): 64-row wgmma tiles over rows = S*H
+    """Hopper (kernels: ``tokenspeed_jax.kernels.sm90``): 64-row wgmma tiles over rows = S*H
     (tokens and heads packed, heads fastest), 64-token KV steps, one CTA per SM (225 KB of smem), and a
     static split-KV count chosen for whole waves: among ``splits <= ceil(num_sms / (batch * m_blocks))``
     with at least two 64-token blocks per split, the one that maximises ``ctas / (waves * num_sms)`` (``ctas = batch * m_blocks * splits``), the

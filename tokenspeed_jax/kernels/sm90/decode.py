@@ -2,24 +2,24 @@
 loop a :class:`tokenspeed_jax.backends.sm90_decode.Sm90DecodeConfig` names and launches it (plus the split-KV
 combine kernel when the plan splits KV).  The loops:
 
-* ``"seesaw"`` (:mod:`.mla_decode_seesaw`): two warpgroups own alternate 64-token tiles of 64 query rows and work out
+* ``"seesaw"`` (:mod:`.seesaw`): two warpgroups own alternate 64-token tiles of 64 query rows and work out
   of phase; 16-bit, or FP8 with 16-token pages (QK and P V on FP8 tensor cores, V^T built in a packed slot);
   ``producer``: a third warpgroup issues the TMA refills (pages >= 32).
-* ``"transposed"`` (:mod:`.mla_decode_ot16`): 16-bit, S x H <= 32 query rows: S^T = K Q^T and O^T = V^T P^T on the
+* ``"transposed"`` (:mod:`.transposed`): 16-bit, S x H <= 32 query rows: S^T = K Q^T and O^T = V^T P^T on the
   real rows as the N dimension, the seesaw's refills, always with the producer warpgroup.
-* ``"fp8_transposed_pv"`` (:mod:`.mla_decode_ot`): FP8, S x H > 32, pages >= 32: 64-row blocks, O^T = V^T P^T with
+* ``"fp8_transposed_pv"`` (:mod:`.fp8_transposed_pv`): FP8, S x H > 32, pages >= 32: 64-row blocks, O^T = V^T P^T with
   V^T a register operand loaded straight from the e4m3 staging.
-* ``"fp8_transposed"`` (:mod:`.mla_decode_ot_own`): FP8, S x H <= 32, pages >= 32: both matmuls transposed, each
+* ``"fp8_transposed"`` (:mod:`.fp8_transposed`): FP8, S x H <= 32, pages >= 32: both matmuls transposed, each
   warpgroup its own KV tiles over all 512 features, merged in the epilogue.
 """
 
 import cutlass
 import cutlass.cute as cute
 
-from tokenspeed_jax.kernels.sm90.mla_decode_ot import MlaDecodeOtSm90
-from tokenspeed_jax.kernels.sm90.mla_decode_ot16 import MlaDecodeOt16Sm90
-from tokenspeed_jax.kernels.sm90.mla_decode_ot_own import MlaDecodeOtOwnSm90
-from tokenspeed_jax.kernels.sm90.mla_decode_seesaw import MlaDecodeSeesawSm90
+from tokenspeed_jax.kernels.sm90.fp8_transposed import MlaDecodeFp8TransposedSm90
+from tokenspeed_jax.kernels.sm90.fp8_transposed_pv import MlaDecodeFp8TransposedPvSm90
+from tokenspeed_jax.kernels.sm90.seesaw import MlaDecodeSeesawSm90
+from tokenspeed_jax.kernels.sm90.transposed import MlaDecodeTransposedSm90
 
 LOOPS = ("seesaw", "transposed", "fp8_transposed_pv", "fp8_transposed")
 
@@ -37,11 +37,11 @@ def build_decode_kernel(*, loop: str, producer: bool, dtype: str, num_heads: int
     if loop == "transposed":
         if trace:
             raise ValueError("trace: the transposed 16-bit loop has no debug build")
-        return MlaDecodeOt16Sm90(**kw)
+        return MlaDecodeTransposedSm90(**kw)
     if loop == "fp8_transposed_pv":
-        return MlaDecodeOtSm90(trace=trace, **kw)
+        return MlaDecodeFp8TransposedPvSm90(trace=trace, **kw)
     if loop == "fp8_transposed":
-        return MlaDecodeOtOwnSm90(trace=trace, **kw)
+        return MlaDecodeFp8TransposedSm90(trace=trace, **kw)
     raise ValueError(f"loop: expected one of {LOOPS}, got {loop!r}")
 
 

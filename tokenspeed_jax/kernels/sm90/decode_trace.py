@@ -1,6 +1,6 @@
 """Debug timelines of the sm90 decode loops (``benchmarks/trace_decode.py``): where a debug build stores ``clock64``
 timestamps, and the names of the seesaw loop's trace points.  A mixin of
-:class:`~tokenspeed_jax.kernels.sm90.mla_decode_seesaw.MlaDecodeSeesawSm90` (and so of the loops built on it), which
+:class:`~tokenspeed_jax.kernels.sm90.seesaw.MlaDecodeSeesawSm90` (and so of the loops built on it), which
 sets :attr:`trace` (the iterations timed per warpgroup; 0: a normal build, in which every method here emits nothing).
 Split from the loop by responsibility: this module knows the trace buffer; the loops decide where to mark.
 """

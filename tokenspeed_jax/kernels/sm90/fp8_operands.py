@@ -1,8 +1,9 @@
-"""FP8 operands of the seesaw decode loop (:class:`~tokenspeed_jax.kernels.sm90.mla_decode_seesaw.MlaDecodeSeesawSm90`):
-the e4m3 staging of a KV slot as TMA lands it, its upcast for the 16-bit paths, and for the FP8 P V the e4m3
-``V^T`` (built by a transpose in shared memory) and P tiles that the QGMMA PVs read, in the two slot layouts
-(fp16-sized chunks, or packed: ``vt_packed``).  Split from the loop by responsibility: this module knows where
-the bytes of a slot live and how they are rearranged; the loop (``mla_decode_seesaw``) decides when.
+"""FP8 operands of the seesaw decode loop (:class:`~tokenspeed_jax.kernels.sm90.seesaw.MlaDecodeSeesawSm90` with e4m3
+inputs): where the bytes of a packed KV slot live (``[V^T 32 KB | P 4 KB | e4m3 staging 36 KB]``, each a QGMMA
+K-major operand with 64-byte rows and the 64-byte swizzle) and how ``V^T`` is built from the landed staging
+(``ldmatrix.trans`` + ``prmt`` + ``stmatrix``, tokens permuted inside 16-token groups; P is stored in the same order).
+The loop decides when; this module knows where and how.  Also the e4m3 P store shared with the FP8 O^T loops
+(:func:`store_p8`) and the inline-PTX shared-memory accesses they use.
 
 The module-level address functions work on Python ints and DSL Int32 alike, so
 tests/test_compile_sm90_decode.py checks the kernel's own addressing on a model of shared memory.
@@ -87,9 +88,9 @@ def _prmt(a, b, sel):
 
 
 class Fp8OperandsMixin:
-    """The FP8 operand methods of :class:`~tokenspeed_jax.kernels.sm90.mla_decode_seesaw.MlaDecodeSeesawSm90`
-    (which sets the attributes they read: ``fp8``, ``qk8``, ``pv8``, ``vt_packed``, ``block_m``, ``block_n``,
-    ``D``, ``DV``, ``mma_dtype``, ``expand_group``, and the base class's ``_row_copy``)."""
+    """The FP8 operand methods of :class:`~tokenspeed_jax.kernels.sm90.seesaw.MlaDecodeSeesawSm90`
+    (which sets the attributes they read: ``block_m``, ``block_n``, ``D``, ``DV`` and ``mma_dtype``, the 16-bit
+    dtype whose slot size the packed slot keeps)."""
 
     def staging(self, slots_ptr):
         """e4m3 views ``(64 tokens, 576)`` of the two slots' staging areas, where TMA lands the raw cache rows: after
@@ -104,7 +105,7 @@ class Fp8OperandsMixin:
                                       layout) for g in range(2))
 
     def _packed_staging_offset(self):
-        """Packed slot (:attr:`vt_packed`): byte offset of the e4m3 staging, after ``V^T`` (DV x 64) and P (64 x 64)."""
+        """Byte offset of the e4m3 staging in a packed slot, after ``V^T`` (DV x 64) and P (64 x 64)."""
         return (self.DV + self.block_m) * self.block_n
 
     def pv8_views(self, slots_ptr):
@@ -170,14 +171,17 @@ class Fp8OperandsMixin:
         cute.arch.fence_view_async_shared()
         cute.arch.barrier(barrier_id=int(Barrier.TAIL) + wg, number_of_threads=128)
 
-    @cute.jit
-    def store_p8(self, acc_s: cute.Tensor, tSsP: cute.Tensor):
-        """P (fp32, already scaled by 2^8) -> e4m3 in the slot's P tile; the proxy fence publishes it to wgmma (the
-        caller adds the barrier its readers need)."""
-        rP8 = cute.make_rmem_tensor_like(acc_s, _F8)
-        rP8.store(acc_s.load().to(_F8))
-        cute.autovec_copy(rP8, tSsP)
-        cute.arch.fence_view_async_shared()
 
 
-__all__ = ["P8_TOKEN_ORDER", "Fp8OperandsMixin", "ldsm_row_offset", "p8_selectors", "stsm_row_offset", "sw64"]
+
+@cute.jit
+def store_p8(acc_s: cute.Tensor, tSsP: cute.Tensor):
+    """P (fp32, already scaled by 2^8) -> e4m3 into a P tile through its accumulator-layout partition ``tSsP``; the proxy
+    fence publishes it to wgmma (the caller adds the barrier its readers need)."""
+    rP8 = cute.make_rmem_tensor_like(acc_s, _F8)
+    rP8.store(acc_s.load().to(_F8))
+    cute.autovec_copy(rP8, tSsP)
+    cute.arch.fence_view_async_shared()
+
+
+__all__ = ["P8_TOKEN_ORDER", "Fp8OperandsMixin", "ldsm_row_offset", "p8_selectors", "store_p8", "stsm_row_offset", "sw64"]

@@ -9,7 +9,7 @@ sustained load:
   K-major B operand (``N`` = :attr:`pv_n`, the rows rounded up to 16 or 32); 36 m64nNk16 per tile instead of 36
   m64n64k16, and 8 or 16 accumulator registers instead of 32.
 * The softmax is per column of ``S^T`` (a query row's 64 keys lie in all 4 warps): column maxima through 1 KB of shared
-  memory and the warpgroup's barrier (:meth:`~.mla_decode_ot.MlaDecodeOtSm90.fold_t`, ``exp_t``).
+  memory and the warpgroup's barrier (:meth:`~.transposed_out.TransposedOutMixin.fold_t`, ``exp_t``).
 * ``P^T`` (N rows x 64 tokens, K-major, 2 or 4 KB) goes to the rope columns of its slot, where the seesaw loop keeps
   P: only the QK reads them, and it retired.  Both PVs read it from there (SS); warpgroup 0 stores its P twice, as the
   seesaw loop does (before its own PV, and rescaled by scale1 for the cross PV once its own PV retired).
@@ -34,24 +34,21 @@ from cutlass.cute.nvgpu import warpgroup
 from cutlass.tensor_utils import LayoutEnum
 
 from tokenspeed_jax.kernels.sm90.helpers import Barrier
-from tokenspeed_jax.kernels.sm90.kv_refill import _CHUNK
-from tokenspeed_jax.kernels.sm90.mla_decode_ot import MlaDecodeOtSm90
-from tokenspeed_jax.kernels.sm90.mla_decode_seesaw import MlaDecodeSeesawSm90
+from tokenspeed_jax.kernels.sm90.seesaw import MlaDecodeSeesawSm90
+from tokenspeed_jax.kernels.sm90.transposed_out import TransposedOutMixin
 
 _MAX_ROWS = 32  # query rows S x H (pv_n 16 or 32; the O^T loop's limit)
 _MIN_PAGE = 32  # the producer warpgroup's (its coordinates of 16-token pages spill in 24 registers)
 _ALL_CHUNKS = tuple(range(9))  # the first QK of each warpgroup (both groups of its slot landed)
 
 
-class MlaDecodeOt16Sm90(MlaDecodeOtSm90):
-    """16-bit MLA decode with ``S^T = K Q^T`` and ``O^T = V^T P^T`` (module docstring).  Same arguments as the seesaw
-    class; 16-bit dtypes, S x H <= 32, page_size >= 32."""
+class MlaDecodeTransposedSm90(TransposedOutMixin, MlaDecodeSeesawSm90):
+    """16-bit MLA decode with ``S^T = K Q^T`` and ``O^T = V^T P^T`` (module docstring): the seesaw loop's host side,
+    prologue and producer with its own computing part (:meth:`consume`).  The base class's arguments; 16-bit dtypes,
+    S x H <= 32, page_size >= 32."""
 
     red_floats = 2 * 4 * 32  # the seesaw storage's column statistics: per warpgroup and warp, 32 columns (fold_t)
     pair_step = 8  # accumulator rows q and q + 8 are features f and f + 8 (natural order; store_ot_pair)
-    # the seesaw loop's host side (layouts, TMA atom, storage, launch; the MMAs from :meth:`seesaw_mmas`), not the
-    # FP8 O^T loop's, which this class inherits its column-statistics and epilogue methods from
-    __call__ = MlaDecodeSeesawSm90.__call__
 
     def __init__(self, **kw):
         if kw.get("dtype") not in ("bfloat16", "float16"):
@@ -251,4 +248,4 @@ class MlaDecodeOt16Sm90(MlaDecodeOtSm90):
                          wtid)
 
 
-__all__ = ["MlaDecodeOt16Sm90"]
+__all__ = ["MlaDecodeTransposedSm90"]

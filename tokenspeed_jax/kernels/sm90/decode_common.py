@@ -21,10 +21,13 @@ from __future__ import annotations
 
 import cutlass
 from cutlass import Float32, Int32, Int64, cute
-from cutlass.cute.nvgpu import cpasync
+from cutlass.cute.nvgpu import cpasync, warpgroup
 
-from tokenspeed_jax.kernels.sm90.helpers import LN_2, LOG2_E, Barrier, clamp, quad_sum, row_ptr
+from tokenspeed_jax.kernels.sm90.helpers import LN_2, LOG2_E, Barrier, clamp, quad_max, quad_sum, row_ptr
 
+_K16 = 16  # wgmma K of 16-bit operands
+_K32 = 32  # wgmma K of 8-bit operands
+_CHUNK = 64  # columns of one 64-column chunk of a KV tile
 _DTYPES = {"bfloat16": cutlass.BFloat16, "float16": cutlass.Float16, "float8_e4m3fn": cutlass.Float8E4M3FN}
 _MIN_PAGE = 16  # TMA refills: at most 4 boxes of whole pages per 64-token chunk
 
@@ -64,6 +67,9 @@ class MlaDecodeSm90:
         # matmuls' A operands are zeros (q) and exact zeros (P): less switching in the tensor cores, which lowers the
         # power draw and so holds a higher SM clock under sustained load (docs/sm90_decode.md)
         self.pad_zero = bool(pad_zero)
+        # FP8: P is computed as 2^8 p (max 256 < 448, e4m3's largest finite), so p down to 2^-14 stays a normal e4m3
+        # number (3 mantissa bits) and down to 2^-17 a subnormal; O and l carry the factor, the LSE takes it out
+        self.p8_bias = 8.0 if self.fp8 else 0.0
 
     @staticmethod
     def can_implement(*, dtype, num_heads, q_len, page_size, tokens_per_split):
@@ -206,6 +212,96 @@ class MlaDecodeSm90:
                 if mblk * self.block_m + row_in[h] >= self.R:
                     lim[h] = 0  # a padded row: every key masked, P exactly 0
         return row_in, lim
+
+    @cute.jit
+    def landed(self, mbar_ptr, phase):
+        """Wait for a column group's refill (completion ``phase`` of its mbarrier)."""
+        cute.arch.mbarrier_wait(mbar_ptr, phase)
+
+    @cute.jit
+    def qk_chunks(self, qk_mma: cute.TiledMma, acc_s: cute.Tensor, tSrQ: cute.Tensor, tSrK: cute.Tensor,
+                  chunks: cutlass.Constexpr, first: cutlass.Constexpr):
+        """Issue ``S (+)= Q[:, chunks] K[:, chunks]^T`` (no commit); ``first``: S starts from zero.  (The MMA
+        always accumulates: its ACCUMULATE field is set once at kernel scope, because a field set inside one
+        warpgroup's branch would not dominate the other branch's uses.)"""
+        if cutlass.const_expr(first):
+            acc_s.fill(0.0)
+        warpgroup.fence()
+        kpc = _CHUNK // (_K32 if cutlass.const_expr(self.fp8) else _K16)  # wgmma k-steps per 64-column chunk
+        for c in cutlass.range_constexpr(len(chunks)):
+            for kk in cutlass.range_constexpr(kpc):
+                k = chunks[c] * kpc + kk
+                cute.gemm(qk_mma, acc_s, tSrQ[None, None, k], tSrK[None, None, k], acc_s)
+
+    @cute.jit
+    def scaled_tile_max(self, acc_s: cute.Tensor, tScS: cute.Tensor, lim: cute.Tensor, tile_start: Int32,
+                        scale_log2: Float32):
+        """S -> exp2 domain in place, -inf for keys at or past the row's ``lim``; the quad-reduced row maxima."""
+        mx = cute.make_rmem_tensor((2,), Float32)
+        mx[0] = -Float32.inf
+        mx[1] = -Float32.inf
+        for e in cutlass.range_constexpr(cute.size(acc_s)):
+            h = (e // 2) % 2
+            v = acc_s[e] * scale_log2
+            if tile_start + tScS[e][1] >= lim[h]:
+                v = -Float32.inf
+            acc_s[e] = v
+            mx[h] = cute.arch.fmax(mx[h], v)
+        for h in cutlass.range_constexpr(2):
+            mx[h] = quad_max(mx[h])
+        return mx
+
+    @cute.jit
+    def fold_max(self, m_prev: Float32, mx: Float32):
+        """Fold a tile's row max ``mx`` into the shared running max ``m_prev``: returns ``(m_new, ref,
+        scale)``, where ``ref`` is what P is computed against (0 while the max is still -inf, so exp2 gives
+        exact zeros) and ``scale = exp2(m_prev - ref)`` rescales state relative to ``m_prev``."""
+        m_new = cute.arch.fmax(m_prev, mx)
+        ref = m_new
+        if m_new == -Float32.inf:
+            ref = Float32(0.0)
+        return m_new, ref, cute.arch.exp2(m_prev - ref)
+
+    @cute.jit
+    def exp_rows(self, acc_s: cute.Tensor, ref: cute.Tensor, row_l: cute.Tensor):
+        """``P = exp2(S - ref)`` in place, added to the thread's partial row sums.  FP8: ``2^8 P`` (the e4m3 cast keeps
+        P's small values as normals; :attr:`p8_bias`); O and l carry the same factor until the epilogue (which
+        subtracts it from the row max for the LSE)."""
+        rb = ref
+        if cutlass.const_expr(self.fp8):
+            rb = cute.make_rmem_tensor((2,), Float32)
+            for h in cutlass.range_constexpr(2):
+                rb[h] = ref[h] - self.p8_bias
+        for e in cutlass.range_constexpr(cute.size(acc_s)):
+            h = (e // 2) % 2
+            p = cute.arch.exp2(acc_s[e] - rb[h])
+            acc_s[e] = p
+            row_l[h] = row_l[h] + p
+
+    @cute.jit
+    def fold_first_max(self, acc_s, tScS, lim, tile_start, scale_log2, sM, sSc0, row_in, row_l, ref, sc, wtid):
+        """Warpgroup 0: fold its tile (keys from ``tile_start``) into the shared row max ``sM``; ``ref`` = the new
+        reference max, ``sc`` = its scale (also published in ``sSc0``), the row sums rescaled by it."""
+        mx = self.scaled_tile_max(acc_s, tScS, lim, tile_start, scale_log2)
+        for h in cutlass.range_constexpr(2):
+            m_new, ref[h], sc[h] = self.fold_max(sM[row_in[h]], mx[h])
+            row_l[h] = row_l[h] * sc[h]
+            if wtid % 4 == 0:
+                sM[row_in[h]] = m_new
+                sSc0[row_in[h]] = sc[h]
+
+    @cute.jit
+    def fold_second_max(self, acc_s, tScS, lim, tile_start, scale_log2, sM, sSc0, sSc1, row_in, row_l, ref, sc, wtid):
+        """Warpgroup 1, after SCALE0: fold its tile into the shared row max; ``sc`` = scale0 x its own scale (which it
+        publishes in ``sSc1``), the row sums rescaled by it."""
+        mx = self.scaled_tile_max(acc_s, tScS, lim, tile_start, scale_log2)
+        for h in cutlass.range_constexpr(2):
+            m_new, ref[h], s1 = self.fold_max(sM[row_in[h]], mx[h])
+            sc[h] = sSc0[row_in[h]] * s1
+            row_l[h] = row_l[h] * sc[h]
+            if wtid % 4 == 0:
+                sM[row_in[h]] = m_new
+                sSc1[row_in[h]] = s1
 
     @cute.jit
     def epilogue(self, pv_thr, acc_o, row_m, row_l, row_in, sSum, mOut, mLse, mOacc, mLacc, out_scale, mblk,

@@ -16,7 +16,7 @@ SCALE1 -> ..., which on these memory-bound shapes, not the bytes, would set the 
   contributes zeros), swaps the half of ``O^T`` it does not store through the freed KV buffers (``4 pv_n / 2`` floats
   a thread each way, laid out ``[writer][element][thread]``: both warpgroups' accumulators have the same fragment
   layout, so thread ``t`` of one holds exactly the elements thread ``t`` of the other needs), and stores its 256
-  features (:meth:`~tokenspeed_jax.kernels.sm90.mla_decode_ot.MlaDecodeOtSm90.store_ot_rows`).
+  features (:meth:`~tokenspeed_jax.kernels.sm90.transposed_out.TransposedOutMixin.store_ot_rows`).
 * Each warpgroup frees its own buffers (warpgroup ``g`` arrives on ``SLOT0_FREE + g`` once its PV of the buffer
   retired and its next tile landed; that tile was loaded after the producer synced on the warpgroup's previous
   arrival, so no arrival overtakes the producer's sync of the one before).
@@ -31,9 +31,9 @@ import cutlass
 from cutlass import Float32, Int32, cute
 from cutlass.cute.nvgpu import warpgroup
 
+from tokenspeed_jax.kernels.sm90.decode_trace import TRACE_EVENTS
+from tokenspeed_jax.kernels.sm90.fp8_transposed_pv import _BUF_BYTES, _F8, _P_BYTES, MlaDecodeFp8TransposedPvSm90
 from tokenspeed_jax.kernels.sm90.helpers import Barrier
-from tokenspeed_jax.kernels.sm90.mla_decode_ot import _BUF_BYTES, _F8, _P_BYTES, MlaDecodeOtSm90
-from tokenspeed_jax.kernels.sm90.mla_decode_seesaw import TRACE_EVENTS
 
 # DecodeTraceMixin.mark points of an iteration (debug builds, benchmarks/trace_decode.py): both warpgroups run the same
 # code, so the same names; "-" unused (as many slots as TRACE_EVENTS, the trace buffer's shape)
@@ -43,9 +43,10 @@ _OWN_EVENTS = ("top", "column maxima + TAIL", "fold (own max, scale)", "exp", "P
 TRACE_EVENTS_OWN = tuple((e, e) for e in _OWN_EVENTS) + (("-", "-"),) * (len(TRACE_EVENTS) - len(_OWN_EVENTS))
 
 
-class MlaDecodeOtOwnSm90(MlaDecodeOtSm90):
-    """:class:`MlaDecodeOtSm90` on 32- / 16-row tiles (``qk_t``) with each warpgroup on its own tiles (module
-    docstring)."""
+class MlaDecodeFp8TransposedSm90(MlaDecodeFp8TransposedPvSm90):
+    """:class:`~.fp8_transposed_pv.MlaDecodeFp8TransposedPvSm90` on 32- / 16-row tiles (``qk_t``) with each warpgroup
+    on its own tiles (module docstring): the same host side, prologue and producer, its own computing part
+    (:meth:`consume_ot`)."""
 
     def __init__(self, **kw):
         super().__init__(qk_t=True, **kw)
@@ -163,4 +164,4 @@ class MlaDecodeOtOwnSm90(MlaDecodeOtSm90):
             self.store_ot_rows(acc, sSum, mOut, mOacc, out_scale, mblk, split, b, wg, wtid, 4)
 
 
-__all__ = ["TRACE_EVENTS_OWN", "MlaDecodeOtOwnSm90"]
+__all__ = ["TRACE_EVENTS_OWN", "MlaDecodeFp8TransposedSm90"]

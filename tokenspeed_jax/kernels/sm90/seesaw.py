@@ -27,7 +27,7 @@ pages.  The structure follows FlashMLA's Hopper kernel (its "seesaw"; design rea
   chunk) its coordinates would spill.
 * A missing second tile (odd tile count) is computed as a fully masked tile.
 * 16-bit stores: P to the peer's tile by ``stmatrix``; the epilogue stages O through the Q tile's shared memory and
-  leaves in 16-byte chunks (:meth:`~tokenspeed_jax.kernels.sm90.mla_decode.MlaDecodeSm90.store_o_staged`).  A row
+  leaves in 16-byte chunks (:meth:`~tokenspeed_jax.kernels.sm90.decode_common.MlaDecodeSm90.store_o_staged`).  A row
   block with rows past R loads zeros there and masks every key of theirs.
 * FP8 (e4m3 q and cache): QK^T on FP8 tensor cores (QGMMA m64n64k32) straight from the raw q tile (36 KB) and the
   landed e4m3 staging.  Each slot is packed ``[V^T 32 KB | P 4 KB | staging 36 KB]`` (:mod:`.fp8_operands`): after
@@ -45,14 +45,11 @@ from cutlass import Float32, Int32, Int64, cute
 from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.tensor_utils import LayoutEnum
 
-from tokenspeed_jax.kernels.sm90.decode_trace import TRACE_EVENTS, DecodeTraceMixin
-from tokenspeed_jax.kernels.sm90.fp8_operands import Fp8OperandsMixin
-from tokenspeed_jax.kernels.sm90.helpers import LOG2_E, Barrier, quad_max, row_ptr
+from tokenspeed_jax.kernels.sm90.decode_common import _K16, _K32, MlaDecodeSm90
+from tokenspeed_jax.kernels.sm90.decode_trace import DecodeTraceMixin
+from tokenspeed_jax.kernels.sm90.fp8_operands import Fp8OperandsMixin, store_p8
+from tokenspeed_jax.kernels.sm90.helpers import LOG2_E, Barrier
 from tokenspeed_jax.kernels.sm90.kv_refill import _CHUNK, KvRefillMixin
-from tokenspeed_jax.kernels.sm90.mla_decode import MlaDecodeSm90
-
-_K16 = 16  # wgmma K of 16-bit operands
-_K32 = 32  # wgmma K of 8-bit operands
 _F8 = cutlass.Float8E4M3FN
 _ALL_CHUNKS = (0, 1, 2, 3, 4, 5, 6, 7, 8)
 
@@ -77,9 +74,6 @@ class MlaDecodeSeesawSm90(Fp8OperandsMixin, KvRefillMixin, DecodeTraceMixin, Mla
     def __init__(self, *, producer: bool = False, trace: int = 0, pad_zero: bool | None = None, **kw):
         rows = kw["num_heads"] * kw["q_len"]
         super().__init__(pad_zero=rows % self.block_m != 0 if pad_zero is None else pad_zero, **kw)
-        # FP8: P is computed as 2^8 p (max 256 < 448, e4m3's largest finite), so p down to 2^-14 stays a normal e4m3
-        # number (3 mantissa bits) and down to 2^-17 a subnormal; 2^-8 undone before the epilogue
-        self.p8_bias = 8.0 if self.fp8 else 0.0
         # a third, producer warpgroup (24 registers; the two computing warpgroups get 240) issues every TMA refill,
         # so no computing warp stalls on a TMA issue (:meth:`produce`); its coordinates of 16-token pages would spill
         if producer and (self.fp8 or self.page_size < 32):
@@ -122,7 +116,7 @@ class MlaDecodeSeesawSm90(Fp8OperandsMixin, KvRefillMixin, DecodeTraceMixin, Mla
     n_mbar = 4  # one mbarrier per column group: A0, B0, A1, B1
 
     def seesaw_mmas(self):
-        """``(qk_mma, pv_ss, pv_rs, pv8)`` of the loop (traced in ``__call__``): the QK, the P V with P from shared
+        """``(qk_mma, pv_ss, pv_rs, pv8)`` of the loop (traced in ``__call__``): the QK, the 16-bit P V with P from shared
         memory and from registers, and with FP8 the e4m3 P V (else None)."""
         dt = self.mma_dtype
         K, MN = warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.MN
@@ -230,77 +224,12 @@ class MlaDecodeSeesawSm90(Fp8OperandsMixin, KvRefillMixin, DecodeTraceMixin, Mla
             cute.arch.barrier(barrier_id=int(Barrier.TAIL) + wg, number_of_threads=128)
 
     @cute.jit
-    def landed(self, mbar_ptr, phase):
-        """Wait for a column group's refill (completion ``phase`` of its mbarrier)."""
-        cute.arch.mbarrier_wait(mbar_ptr, phase)
-
-    @cute.jit
-    def qk_chunks(self, qk_mma: cute.TiledMma, acc_s: cute.Tensor, tSrQ: cute.Tensor, tSrK: cute.Tensor,
-                  chunks: cutlass.Constexpr, first: cutlass.Constexpr):
-        """Issue ``S (+)= Q[:, chunks] K[:, chunks]^T`` (no commit); ``first``: S starts from zero.  (The MMA
-        always accumulates: its ACCUMULATE field is set once at kernel scope, because a field set inside one
-        warpgroup's branch would not dominate the other branch's uses.)"""
-        if cutlass.const_expr(first):
-            acc_s.fill(0.0)
-        warpgroup.fence()
-        kpc = _CHUNK // (_K32 if cutlass.const_expr(self.fp8) else _K16)  # wgmma k-steps per 64-column chunk
-        for c in cutlass.range_constexpr(len(chunks)):
-            for kk in cutlass.range_constexpr(kpc):
-                k = chunks[c] * kpc + kk
-                cute.gemm(qk_mma, acc_s, tSrQ[None, None, k], tSrK[None, None, k], acc_s)
-
-    @cute.jit
     def pv(self, mma: cute.TiledMma, acc_o: cute.Tensor, tA: cute.Tensor, tB: cute.Tensor,
            kstep: cutlass.Constexpr = _K16):
         """Issue ``O += P V_half`` (no commit); ``kstep``: the wgmma K (32 for the e4m3 QGMMA)."""
         warpgroup.fence()
         for k in cutlass.range_constexpr(self.block_n // kstep):
             cute.gemm(mma, acc_o, tA[None, None, k], tB[None, None, k], acc_o)
-
-    @cute.jit
-    def scaled_tile_max(self, acc_s: cute.Tensor, tScS: cute.Tensor, lim: cute.Tensor, tile_start: Int32,
-                        scale_log2: Float32):
-        """S -> exp2 domain in place, -inf for keys at or past the row's ``lim``; the quad-reduced row maxima."""
-        mx = cute.make_rmem_tensor((2,), Float32)
-        mx[0] = -Float32.inf
-        mx[1] = -Float32.inf
-        for e in cutlass.range_constexpr(cute.size(acc_s)):
-            h = (e // 2) % 2
-            v = acc_s[e] * scale_log2
-            if tile_start + tScS[e][1] >= lim[h]:
-                v = -Float32.inf
-            acc_s[e] = v
-            mx[h] = cute.arch.fmax(mx[h], v)
-        for h in cutlass.range_constexpr(2):
-            mx[h] = quad_max(mx[h])
-        return mx
-
-    @cute.jit
-    def fold_max(self, m_prev: Float32, mx: Float32):
-        """Fold a tile's row max ``mx`` into the shared running max ``m_prev``: returns ``(m_new, ref,
-        scale)``, where ``ref`` is what P is computed against (0 while the max is still -inf, so exp2 gives
-        exact zeros) and ``scale = exp2(m_prev - ref)`` rescales state relative to ``m_prev``."""
-        m_new = cute.arch.fmax(m_prev, mx)
-        ref = m_new
-        if m_new == -Float32.inf:
-            ref = Float32(0.0)
-        return m_new, ref, cute.arch.exp2(m_prev - ref)
-
-    @cute.jit
-    def exp_rows(self, acc_s: cute.Tensor, ref: cute.Tensor, row_l: cute.Tensor):
-        """``P = exp2(S - ref)`` in place, added to the thread's partial row sums.  FP8: ``2^8 P`` (the e4m3 cast keeps
-        P's small values as normals; :attr:`p8_bias`); O and l carry the same factor until the epilogue (which
-        subtracts it from the row max for the LSE)."""
-        rb = ref
-        if cutlass.const_expr(self.fp8):
-            rb = cute.make_rmem_tensor((2,), Float32)
-            for h in cutlass.range_constexpr(2):
-                rb[h] = ref[h] - self.p8_bias
-        for e in cutlass.range_constexpr(cute.size(acc_s)):
-            h = (e // 2) % 2
-            p = cute.arch.exp2(acc_s[e] - rb[h])
-            acc_s[e] = p
-            row_l[h] = row_l[h] + p
 
     @cute.jit
     def fold_first(self, acc_s, tScS, lim, tile_start, scale_log2, sM, sSc0, row_in, row_l, ref, sc, wtid):
@@ -310,36 +239,11 @@ class MlaDecodeSeesawSm90(Fp8OperandsMixin, KvRefillMixin, DecodeTraceMixin, Mla
         self.exp_rows(acc_s, ref, row_l)
 
     @cute.jit
-    def fold_first_max(self, acc_s, tScS, lim, tile_start, scale_log2, sM, sSc0, row_in, row_l, ref, sc, wtid):
-        """Warpgroup 0: fold its tile (keys from ``tile_start``) into the shared row max ``sM``; ``ref`` = the new
-        reference max, ``sc`` = its scale (also published in ``sSc0``), the row sums rescaled by it."""
-        mx = self.scaled_tile_max(acc_s, tScS, lim, tile_start, scale_log2)
-        for h in cutlass.range_constexpr(2):
-            m_new, ref[h], sc[h] = self.fold_max(sM[row_in[h]], mx[h])
-            row_l[h] = row_l[h] * sc[h]
-            if wtid % 4 == 0:
-                sM[row_in[h]] = m_new
-                sSc0[row_in[h]] = sc[h]
-
-    @cute.jit
     def fold_second(self, acc_s, tScS, lim, tile_start, scale_log2, sM, sSc0, sSc1, row_in, row_l, ref, sc, wtid):
         """Warpgroup 1, after SCALE0: :meth:`fold_second_max`, arrive on SCALE1, then ``P`` as :meth:`fold_first`."""
         self.fold_second_max(acc_s, tScS, lim, tile_start, scale_log2, sM, sSc0, sSc1, row_in, row_l, ref, sc, wtid)
         cute.arch.barrier_arrive(barrier_id=int(Barrier.SCALE1), number_of_threads=self.num_threads)
         self.exp_rows(acc_s, ref, row_l)
-
-    @cute.jit
-    def fold_second_max(self, acc_s, tScS, lim, tile_start, scale_log2, sM, sSc0, sSc1, row_in, row_l, ref, sc, wtid):
-        """Warpgroup 1, after SCALE0: fold its tile into the shared row max; ``sc`` = scale0 x its own scale (which it
-        publishes in ``sSc1``), the row sums rescaled by it."""
-        mx = self.scaled_tile_max(acc_s, tScS, lim, tile_start, scale_log2)
-        for h in cutlass.range_constexpr(2):
-            m_new, ref[h], s1 = self.fold_max(sM[row_in[h]], mx[h])
-            sc[h] = sSc0[row_in[h]] * s1
-            row_l[h] = row_l[h] * sc[h]
-            if wtid % 4 == 0:
-                sM[row_in[h]] = m_new
-                sSc1[row_in[h]] = s1
 
     def v_half(self, sKs: cute.Tensor, v_layout: cute.ComposedLayout, wg):
         """Warpgroup ``wg``'s 256 V features of slot ``sKs`` as a ``(features, tokens)`` MN-major view (``v_layout``:
@@ -572,7 +476,7 @@ class MlaDecodeSeesawSm90(Fp8OperandsMixin, KvRefillMixin, DecodeTraceMixin, Mla
                 # 2. O_L += P0 V0_L (16-bit: RS; FP8: SS, P0 through smem), then refill slot 0 cols 0..255 (only this
                 #    warpgroup read them)
                 if cutlass.const_expr(fp8):  # (all 128 threads' parts of P0, then the wgmma)
-                    self.store_p8(acc_s, tSsP8_0)
+                    store_p8(acc_s, tSsP8_0)
                     cute.arch.barrier(barrier_id=int(Barrier.TAIL) + wg, number_of_threads=128)
                     self.mark(mTrace, cta, wg, wtid, j, 2)
                     self.pv(pv8, acc_o8, tOsP8_0, tOrVt0, _K32)
@@ -594,7 +498,7 @@ class MlaDecodeSeesawSm90(Fp8OperandsMixin, KvRefillMixin, DecodeTraceMixin, Mla
                 for e in cutlass.range_constexpr(cute.size(acc_s)):
                     acc_s[e] = acc_s[e] * sc[(e // 2) % 2]
                 if cutlass.const_expr(fp8):  # (the own PV, which read the same tile, retired above)
-                    self.store_p8(acc_s, tSsP8_0)
+                    store_p8(acc_s, tSsP8_0)
                 else:
                     self.stage_p(rP, acc_s, tSsP0, stsm0)
                 cute.arch.barrier_arrive(barrier_id=int(Barrier.P0_READY), number_of_threads=self.num_threads)
@@ -646,7 +550,7 @@ class MlaDecodeSeesawSm90(Fp8OperandsMixin, KvRefillMixin, DecodeTraceMixin, Mla
                 self.mark(mTrace, cta, wg, wtid, j, 2)
                 # 2. P1 -> smem (for WG0), O_R += P1 V1_R (16-bit: RS; FP8: SS, P1 through smem for both PVs)
                 if cutlass.const_expr(fp8):
-                    self.store_p8(acc_s, tSsP8_1)
+                    store_p8(acc_s, tSsP8_1)
                     cute.arch.barrier(barrier_id=int(Barrier.TAIL) + wg, number_of_threads=128)
                     self.mark(mTrace, cta, wg, wtid, j, 3)
                     self.pv(pv8, acc_o8, tOsP8_1, tOrVt1, _K32)
