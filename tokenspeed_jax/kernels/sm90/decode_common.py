@@ -386,6 +386,15 @@ class MlaDecodeSm90:
             if cutlass.const_expr(p + 1 < (self.DV // 2) // cw):  # the next pass overwrites the tile
                 cute.arch.barrier(barrier_id=int(Barrier.TAIL) + wg, number_of_threads=128)
 
+    def launch_main(self, main, smem: int, stream, batch, output_scale, out, lse, o_accum, lse_accum):
+        """Host side of every loop: launch its traced main kernel ``main`` (``smem`` bytes of shared memory) on the grid
+        ``(row blocks, splits, requests)`` (:meth:`cta_start` reads it back; the shared memory allows one CTA per SM);
+        with split partials, then the combine kernel (:meth:`launch_combine`)."""
+        main.launch(grid=(self.num_m_blocks, self.num_splits, batch), block=(self.cta_threads, 1, 1), smem=smem,
+                    stream=stream, min_blocks_per_mp=1)
+        if self.num_splits > 1:
+            self.launch_combine(stream, o_accum, lse_accum, output_scale, out, lse, batch)
+
     @cute.jit
     def allow_combine_launch(self):
         """Main kernels, first thing: with split partials the combine grid may be launched now (programmatic dependent

@@ -201,15 +201,12 @@ class MlaDecodeFp8TransposedPvSm90(TransposedOutMixin, KvRefillMixin, DecodeTrac
             sQ: cute.struct.Align[cute.struct.MemRange[_F8, cute.cosize(q_layout)], 1024]
             bufs: cute.struct.Align[cute.struct.MemRange[_F8, _NBUF * _BUF_BYTES], 1024]
             zero_row: cute.struct.Align[cute.struct.MemRange[Int32, 4], 16]  # V rows past the split
-            # S^T (qk_t): per warpgroup and warp, column maxima / sums (16-byte aligned: colmax "xpose" reads 4 at once)
+            # S^T (qk_t): per warpgroup and warp, column maxima / sums
             red: cute.struct.Align[cute.struct.MemRange[Float32, 2 * 4 * 32], 16]
 
-        self.ot_kernel(qk_mma, pv_mma, q, kv, block_table, seq_lens, softmax_scale, output_scale, out, lse, o_accum,
-                       lse_accum, trace_buf, q_layout, tma_atom, tma_kv, Storage).launch(
-            grid=(self.num_m_blocks, self.num_splits, q.shape[0]), block=(self.cta_threads, 1, 1),
-            smem=Storage.size_in_bytes(), stream=stream, min_blocks_per_mp=1)
-        if cutlass.const_expr(self.num_splits > 1):
-            self.launch_combine(stream, o_accum, lse_accum, output_scale, out, lse, q.shape[0])
+        main = self.ot_kernel(qk_mma, pv_mma, q, kv, block_table, seq_lens, softmax_scale, output_scale, out, lse,
+                              o_accum, lse_accum, trace_buf, q_layout, tma_atom, tma_kv, Storage)
+        self.launch_main(main, Storage.size_in_bytes(), stream, q.shape[0], output_scale, out, lse, o_accum, lse_accum)
 
     def kv_tma(self, kv: cute.Tensor):
         """``(atom, tensor)`` of the TMA loads of the e4m3 cache (traced in ``__call__``): the (page_size, 576,

@@ -161,13 +161,10 @@ class MlaDecodeSeesawSm90(Fp8OperandsMixin, KvRefillMixin, DecodeTraceMixin, Mla
             zero_row: cute.struct.Align[cute.struct.MemRange[Int32, 4], 16]  # FP8 transpose: rows past the split
             red: cute.struct.Align[cute.struct.MemRange[Float32, self.red_floats], 16]  # column statistics
 
-        self.seesaw_kernel(qk_mma, pv_ss, pv_rs, pv8, q, kv, block_table, seq_lens, softmax_scale, output_scale, out,
-                           lse, o_accum, lse_accum, trace_buf, q_layout, k_layout, v_layout, p_layout, tma_atom,
-                           tma_kv, Storage).launch(
-            grid=(self.num_m_blocks, self.num_splits, q.shape[0]), block=(self.cta_threads, 1, 1),
-            smem=Storage.size_in_bytes(), stream=stream, min_blocks_per_mp=1)
-        if cutlass.const_expr(self.num_splits > 1):
-            self.launch_combine(stream, o_accum, lse_accum, output_scale, out, lse, q.shape[0])
+        main = self.seesaw_kernel(qk_mma, pv_ss, pv_rs, pv8, q, kv, block_table, seq_lens, softmax_scale, output_scale,
+                                  out, lse, o_accum, lse_accum, trace_buf, q_layout, k_layout, v_layout, p_layout,
+                                  tma_atom, tma_kv, Storage)
+        self.launch_main(main, Storage.size_in_bytes(), stream, q.shape[0], output_scale, out, lse, o_accum, lse_accum)
 
     # ---------------------------------------------------------------------------------------- device
     @cute.jit
