@@ -15,14 +15,16 @@ median of each contender; since 2026-11-30, before which each contender was time
 ``--sustain SECS`` adds the steady-state timing of every contender but plain XLA (``benchmarks.harness.sustained``:
 SECS seconds back to back each, twice, the second half timed, with the SM clock and power polled), a second report
 ``<out>_sustained.json`` / ``.png``: the interleaved rounds are 20-50 ms bursts, below the H200's 700 W power cap,
-while a serving loop runs at it, where a kernel's power draw sets its clock (docs/sm90_decode.md, "Power").
+while a serving loop runs at it, where a kernel's power draw sets its clock (docs/notes/sm90_decode_journal.md, "Power").
 
-``--schedule overlap`` (an opt-in kernel schedule, ``tokenspeed_jax.backends.sm90_decode``): ``--check``
-runs the matrix on that schedule (and records whether it is bitwise equal to the default schedule, which it
-is designed to be), ``--bench`` times it as extra columns ``ours bf16 overlap`` / ``ours fp8 overlap`` next
-to the default and FlashMLA:
+``--config NAME`` (repeatable; a name of ``tokenspeed_jax.backends.sm90_decode.CONFIGS``, e.g. ``seesaw``,
+``fp8_transposed_pv``): ``--check`` also runs the matrix on each named kernel config where it applies (recording
+whether it is bitwise equal to the selected one), ``--bench`` times each as an extra column ``ours bf16 NAME`` /
+``ours fp8 NAME`` next to the selected config (``select_config``) and FlashMLA, all in one process on the same
+inputs:
 
-    CUTE_DSL_ARCH=sm_90a python -m benchmarks.decode --prewarm 15 --check --bench --schedule overlap --quick
+    CUTE_DSL_ARCH=sm_90a python -m benchmarks.decode --prewarm 15 --check --bench --quick \
+        --config seesaw --config fp8_transposed_pv
 """
 
 from __future__ import annotations
@@ -69,7 +71,7 @@ CHECK = [
     Case("s4h16p64_noncausal", "bfloat16", 3, 4, 16, 64, 40, (0, 5, 2000), causal=False),
     Case("s2h32p64_garbage", "bfloat16", 3, 2, 32, 64, 16, (300, 10**7, 64), garbage=True),
     Case("b1s1h16p64_short", "bfloat16", 1, 1, 16, 64, 4, (70,)),
-    # 16-bit with S x H <= 32 and pages >= 32 (the transposed loop of TOKENSPEED_SM90_DECODE_T16): 32 rows over S = 2
+    # 16-bit with S x H <= 32 and pages >= 32 (the transposed loop): 32 rows over S = 2
     # with garbage tables and a seq_len beyond the table, 15 rows in fp16 on 128-token pages, one request split many
     # ways (the combine's partials)
     Case("s2h16p32_garbage", "bfloat16", 3, 2, 16, 32, 32, (1, 33, 10**6), garbage=True),
@@ -79,14 +81,13 @@ CHECK = [
     Case("fp8_s4h128p64", "float8_e4m3fn", 3, 4, 128, 64, 40, (3, 64, 2000)),
     Case("fp8_s2h32p32_garbage", "float8_e4m3fn", 3, 2, 32, 32, 32, (1, 33, 10**6), garbage=True),
     Case("fp8_s8h16p128", "float8_e4m3fn", 2, 8, 16, 128, 12, (129, 1500)),
-    Case("fp8_s2h64p16", "float8_e4m3fn", 3, 2, 64, 16, 160, (2, 17, 2500)),  # 4 boxes per chunk; FP8 P V mode 1
-    # S x H <= 32 with pages >= 32: the O^T loop of FP8 P V mode 5 (mode 4 otherwise); 16 rows over S = 2 (causal), and
-    # 32 rows with garbage tables and a seq_len beyond the table; one request split many ways (the combine's fp32x2
-    # partials)
+    Case("fp8_s2h64p16", "float8_e4m3fn", 3, 2, 64, 16, 160, (2, 17, 2500)),  # 4 boxes per chunk: the FP8 seesaw
+    # S x H <= 32 with pages >= 32 (fp8_transposed): 16 rows over S = 2 (causal), and 32 rows with garbage tables and a
+    # seq_len beyond the table; one request split many ways (the combine's fp32x2 partials)
     Case("fp8_s2h8p64", "float8_e4m3fn", 3, 2, 8, 64, 40, (2, 63, 2500)),
     Case("fp8_s1h32p32_garbage", "float8_e4m3fn", 3, 1, 32, 32, 32, (1, 33, 10**6), garbage=True),
     Case("fp8_b1s1h16p64_16k", "float8_e4m3fn", 1, 1, 16, 64, 256, (16384,)),
-    # FP8 mode 4 with a padded row block: 72 rows, the second block 8 real rows (TOKENSPEED_SM90_DECODE_PAD_ROWS)
+    # FP8 with 72 rows: the second 64-row block has 8 real rows
     Case("fp8_s3h24p64", "float8_e4m3fn", 3, 3, 24, 64, 40, (2, 64, 2500)),
 ]
 
@@ -107,22 +108,37 @@ def shapes(c: Case):
             jax.ShapeDtypeStruct((c.B, c.max_pages), jnp.int32), jax.ShapeDtypeStruct((c.B,), jnp.int32))
 
 
-def decode_fn(c: Case, backend: str, schedule: str | None = None):
-    """jitted ``(q, kv, bt, sl, scale) -> (out, lse)``; ``schedule`` (sm90 only) calls the sm90 wrapper
-    directly with that kernel schedule instead of going through ``mla_decode``."""
+def config_applies(c: Case, config: str) -> bool:
+    """Whether the sm90 kernel config named ``config`` (``sm90_decode.CONFIGS``) runs case ``c``."""
+    from tokenspeed_jax.backends import sm90_decode
+    from tokenspeed_jax.decode import _decode_problem
+    from tokenspeed_jax.runtime import target_override
+
+    with target_override("sm_90a", num_sms=132):
+        prob = _decode_problem(*shapes(c), c.causal, 512, True)
+    try:
+        sm90_decode.check_config(prob, sm90_decode.CONFIGS[config])
+    except ValueError:
+        return False
+    return True
+
+
+def decode_fn(c: Case, backend: str, config: str | None = None):
+    """jitted ``(q, kv, bt, sl, scale) -> (out, lse)``; ``config`` (sm90 only: a name of ``sm90_decode.CONFIGS``)
+    calls the sm90 wrapper directly with that kernel config instead of going through ``mla_decode``."""
     import jax
     import jax.numpy as jnp
 
     from tokenspeed_jax import mla_decode
 
-    if schedule is not None:
+    if config is not None:
         from tokenspeed_jax.backends import sm90_decode
         from tokenspeed_jax.decode import _decode_problem
 
         def g(q, kv, bt, sl, scale):
             prob = _decode_problem(q, kv, bt, sl, c.causal, 512, True)
             return sm90_decode.decode(prob, q, kv, bt, sl, scale.astype(jnp.float32), jnp.float32(1.0),
-                                      schedule=schedule)
+                                      config=sm90_decode.CONFIGS[config])
 
         return jax.jit(g)
 
@@ -132,7 +148,7 @@ def decode_fn(c: Case, backend: str, schedule: str | None = None):
     return jax.jit(f)
 
 
-def _prewarm_one(c: Case, step32: bool = False, schedule: str | None = None) -> str:
+def _prewarm_one(c: Case, configs: tuple[str, ...] = ()) -> str:
     import jax
     import jax.numpy as jnp
 
@@ -142,16 +158,9 @@ def _prewarm_one(c: Case, step32: bool = False, schedule: str | None = None) -> 
     with target_override("sm_90a", num_sms=132):
         scale = jax.ShapeDtypeStruct((), jnp.float32)
         decode_fn(c, "sm90").trace(*shapes(c), scale).lower(lowering_platforms=("cuda",))
-        if schedule is not None:
-            decode_fn(c, "sm90", schedule).trace(*shapes(c), scale).lower(lowering_platforms=("cuda",))
-        if step32 and c.name.startswith("B") and c.H * c.S <= 64 and c.dtype == "bfloat16":
-            from tokenspeed_jax.backends import sm90_decode
-            from tokenspeed_jax.decode import _decode_problem
-
-            prob = _decode_problem(*shapes(c), True, 512, False)
-            jax.jit(lambda q, kv, bt, sl, s: sm90_decode.decode(prob, q, kv, bt, sl, s, jnp.float32(1.0),
-                                                                kv_step=32)[0]).trace(*shapes(c), scale).lower(
-                lowering_platforms=("cuda",))
+        for name in configs:
+            if config_applies(c, name):
+                decode_fn(c, "sm90", name).trace(*shapes(c), scale).lower(lowering_platforms=("cuda",))
     return f"{c.name}: {time.time() - t:.1f}s"
 
 
@@ -159,7 +168,7 @@ def _worker_init():
     os.environ["JAX_PLATFORMS"] = "cpu"
 
 
-def prewarm(cases, workers: int, schedule: str | None = None) -> None:
+def prewarm(cases, workers: int, configs: tuple[str, ...] = ()) -> None:
     import functools
     import multiprocessing as mp
 
@@ -169,8 +178,7 @@ def prewarm(cases, workers: int, schedule: str | None = None) -> None:
 
     ctx = mp.get_context("spawn")
     with scoped_env("JAX_PLATFORMS", "cpu"), ctx.Pool(workers, initializer=_worker_init) as pool:  # (inherited)
-        # (the step-32 variant compiles in-process)
-        for msg in pool.imap_unordered(functools.partial(_prewarm_one, schedule=schedule), cases):
+        for msg in pool.imap_unordered(functools.partial(_prewarm_one, configs=tuple(configs)), cases):
             print("prewarm", msg, flush=True)
     print(f"prewarm: {len(cases)} configs in {time.time() - t:.0f}s", flush=True)
 
@@ -227,7 +235,7 @@ def fp8_qk_lse_slack(c: Case, q, kv, scale):
     return FP8_QK_ACC_EPS * float(scale) * qn * float(np.max(kn[np.isfinite(kn)], initial=0.0))
 
 
-# FP8 P V on FP8 tensor cores (TOKENSPEED_SM90_DECODE_FP8_PV=1, 2 or 3, the default) rounds P to e4m3: 3 mantissa
+# FP8 P V on FP8 tensor cores (every FP8 config of the sm90 backend) rounds P to e4m3: 3 mantissa
 # bits, a relative error of at most 2^-4 per probability (round to nearest; P is scaled by 2^8 first, so down to
 # p = 2^-14 it stays a normal number).  Taken as independent, each at most uniform, the output error of a row and
 # column has a standard deviation of at most 2^-4 / sqrt(3) * sqrt(sum_i p_i^2 v_i^2) / l; the check allows
@@ -255,74 +263,78 @@ def p_round_spread(c: Case, q, kv, bt, sl, scale):
     return np.asarray(jax.jit(f)(q.astype(f32), kv.astype(f32), bt, sl, scale))
 
 
-def fp8_pv_active(c: Case, schedule: str | None) -> bool:
-    """Whether ``check`` runs the FP8 P V on FP8 tensor cores for ``c`` (the FP8 seesaw with TMA refills)."""
-    from tokenspeed_jax.backends import sm90_decode
-
-    return (c.dtype == "float8_e4m3fn" and c.page >= 16 and schedule in (None, "auto", "seesaw")
-            and sm90_decode.resolve_fp8_pv() != "0")
+def fp8_pv_active(c: Case) -> bool:
+    """Whether ``check`` runs the P V on FP8 tensor cores for ``c`` (every FP8 config: P rounded to e4m3)."""
+    return c.dtype == "float8_e4m3fn"
 
 
-def check(cases, seed: int, schedule: str | None = None) -> list[dict]:
-    import jax.numpy as jnp
-
+def check(cases, seed: int, configs: tuple[str, ...] = ()) -> list[dict]:
+    """The correctness matrix on the selected config of each case, then on each named config that applies."""
     results = []
     for c in cases:
-        t0 = time.time()
-        q, kv, bt, sl = make_inputs(c, seed)
-        scale = jnp.float32(576 ** -0.5)
-        poison()
-        fn = decode_fn(c, "sm90", schedule)
-        out, lse = fn(q, kv, bt, sl, scale)
-        out = np.asarray(out.astype(jnp.float32))
-        lse = np.asarray(lse)
-        poison()
-        out2, lse2 = fn(q, kv, bt, sl, scale)
-        det = bool(np.array_equal(np.asarray(out2.astype(jnp.float32)), out, equal_nan=True)
-                   and np.array_equal(np.asarray(lse2), lse, equal_nan=True))
-        ro, rl = decode_fn(c, "xla")(q.astype(jnp.float32), kv.astype(jnp.float32), bt, sl, scale)
-        ro, rl = np.asarray(ro), np.asarray(rl)
-        # the same computation in the output dtype = the exact result rounded once (what the xla backend
-        # gives for 16-bit/FP8 inputs): its error is the yardstick of the tolerance
-        from tokenspeed_jax.problems import out_dtype_name
-
-        xo = np.asarray(jnp.asarray(ro).astype(out_dtype_name(c.dtype)).astype(jnp.float32))
-        err = np.abs(out - ro)
-        err_x = float(np.nanmax(np.abs(xo - ro)))
-        # Tolerance (ARCHITECTURE.md): at most 2x the error of the same computation in the input dtype
-        # (the xla backend on bf16/fp16 inputs, i.e. output rounding) plus 1e-3.
-        tol_o = 2 * err_x + 1e-3
-        pv8 = fp8_pv_active(c, schedule)
-        if pv8:  # P rounded to e4m3 (FP8_P_ROUND)
-            tol_o = tol_o + FP8_P_ROUND * p_round_spread(c, q, kv, bt, sl, scale)
-        ok_o = bool(np.all(err <= tol_o))
-        inf_ok = bool(np.array_equal(np.isneginf(lse), np.isneginf(rl)))
-        fin = np.isfinite(rl)
-        lerr = float(np.max(np.abs(lse[fin] - rl[fin]))) if fin.any() else 0.0
-        ltol = 1e-3 + 1e-4 * float(np.max(np.abs(rl[fin]), initial=0)) + fp8_qk_lse_slack(c, q, kv, scale)
-        ok_l = inf_ok and bool(np.all(np.abs(lse[fin] - rl[fin]) <= (ltol[fin] if np.ndim(ltol) else ltol)))
-        zero_rows = bool(np.all(out[np.isneginf(rl)] == 0))
-        finite = bool(np.all(np.isfinite(out)))
-        extra = {}
-        if schedule is not None:  # informational: lockstep and overlap give bitwise equal results; seesaw rounds P differently
-            do, dl = decode_fn(c, "sm90")(q, kv, bt, sl, scale)
-            extra = {"schedule": schedule, "bitwise_equal_auto": bool(
-                np.array_equal(np.asarray(do.astype(jnp.float32)), out, equal_nan=True)
-                and np.array_equal(np.asarray(dl), lse, equal_nan=True))}
-        r = {"case": c.name, **extra, "ok": ok_o and ok_l and det and zero_rows and finite,
-             "max_err": float(np.max(err)), "max_err_over_tol": float(np.max(err / tol_o)),
-             "fp8_pv": pv8,
-             "xla_native_err": err_x, "err_ratio": float(np.max(err)) / max(err_x, 1e-12), "lse_err": lerr,
-             "lse_tol": float(np.min(ltol)), "lse_inf_match": inf_ok, "deterministic": det,
-             "empty_rows_zero": zero_rows, "all_finite": finite,
-             "secs": round(time.time() - t0, 1)}
-        print(json.dumps(r), flush=True)
-        results.append(r)
+        for name in (None, *configs):
+            if name is None or config_applies(c, name):
+                results.append(_check_one(c, seed, name))
     return results
 
 
+def _check_one(c: Case, seed: int, config: str | None) -> dict:
+    import jax.numpy as jnp
+
+    t0 = time.time()
+    q, kv, bt, sl = make_inputs(c, seed)
+    scale = jnp.float32(576 ** -0.5)
+    poison()
+    fn = decode_fn(c, "sm90", config)
+    out, lse = fn(q, kv, bt, sl, scale)
+    out = np.asarray(out.astype(jnp.float32))
+    lse = np.asarray(lse)
+    poison()
+    out2, lse2 = fn(q, kv, bt, sl, scale)
+    det = bool(np.array_equal(np.asarray(out2.astype(jnp.float32)), out, equal_nan=True)
+               and np.array_equal(np.asarray(lse2), lse, equal_nan=True))
+    ro, rl = decode_fn(c, "xla")(q.astype(jnp.float32), kv.astype(jnp.float32), bt, sl, scale)
+    ro, rl = np.asarray(ro), np.asarray(rl)
+    # the same computation in the output dtype = the exact result rounded once (what the xla backend
+    # gives for 16-bit/FP8 inputs): its error is the yardstick of the tolerance
+    from tokenspeed_jax.problems import out_dtype_name
+
+    xo = np.asarray(jnp.asarray(ro).astype(out_dtype_name(c.dtype)).astype(jnp.float32))
+    err = np.abs(out - ro)
+    err_x = float(np.nanmax(np.abs(xo - ro)))
+    # Tolerance (ARCHITECTURE.md): at most 2x the error of the same computation in the input dtype
+    # (the xla backend on bf16/fp16 inputs, i.e. output rounding) plus 1e-3.
+    tol_o = 2 * err_x + 1e-3
+    pv8 = fp8_pv_active(c)
+    if pv8:  # P rounded to e4m3 (FP8_P_ROUND)
+        tol_o = tol_o + FP8_P_ROUND * p_round_spread(c, q, kv, bt, sl, scale)
+    ok_o = bool(np.all(err <= tol_o))
+    inf_ok = bool(np.array_equal(np.isneginf(lse), np.isneginf(rl)))
+    fin = np.isfinite(rl)
+    lerr = float(np.max(np.abs(lse[fin] - rl[fin]))) if fin.any() else 0.0
+    ltol = 1e-3 + 1e-4 * float(np.max(np.abs(rl[fin]), initial=0)) + fp8_qk_lse_slack(c, q, kv, scale)
+    ok_l = inf_ok and bool(np.all(np.abs(lse[fin] - rl[fin]) <= (ltol[fin] if np.ndim(ltol) else ltol)))
+    zero_rows = bool(np.all(out[np.isneginf(rl)] == 0))
+    finite = bool(np.all(np.isfinite(out)))
+    extra = {}
+    if config is not None:  # informational: whether it gives the selected config's results bitwise
+        do, dl = decode_fn(c, "sm90")(q, kv, bt, sl, scale)
+        extra = {"config": config, "bitwise_equal_selected": bool(
+            np.array_equal(np.asarray(do.astype(jnp.float32)), out, equal_nan=True)
+            and np.array_equal(np.asarray(dl), lse, equal_nan=True))}
+    r = {"case": c.name, **extra, "ok": ok_o and ok_l and det and zero_rows and finite,
+         "max_err": float(np.max(err)), "max_err_over_tol": float(np.max(err / tol_o)),
+         "fp8_pv": pv8,
+         "xla_native_err": err_x, "err_ratio": float(np.max(err)) / max(err_x, 1e-12), "lse_err": lerr,
+         "lse_tol": float(np.min(ltol)), "lse_inf_match": inf_ok, "deterministic": det,
+         "empty_rows_zero": zero_rows, "all_finite": finite,
+         "secs": round(time.time() - t0, 1)}
+    print(json.dumps(r), flush=True)
+    return r
+
+
 # -------------------------------------------------------------------------------------------- bench
-def bench(cases, report, with_xla=True, with_flashmla=True, step32=False, schedule=None, sustain=0.0,
+def bench(cases, report, with_xla=True, with_flashmla=True, configs: tuple[str, ...] = (), sustain=0.0,
           report_sustained=None, calls: int = 1) -> None:
     fm = None
     if with_flashmla:
@@ -333,7 +345,7 @@ def bench(cases, report, with_xla=True, with_flashmla=True, step32=False, schedu
     for (B, K, page, H, S) in cases:
         n = len(report.rows)
         ns = len(report_sustained.rows) if report_sustained else 0
-        _bench_one(report, fm, bench_case(B, K, page, H, S), with_xla, step32, schedule,
+        _bench_one(report, fm, bench_case(B, K, page, H, S), with_xla, configs,
                    sustain=sustain, report_sustained=report_sustained, calls=calls)
         print("\n".join(report.table().splitlines()[1 + n:]), flush=True)
         if report_sustained:
@@ -421,14 +433,15 @@ def _per_call(r: dict, n: int) -> dict:
     return r
 
 
-def _bench_one(report, fm, c: Case, with_xla: bool, step32: bool = False, schedule: str | None = None,
+def _bench_one(report, fm, c: Case, with_xla: bool, configs: tuple[str, ...] = (),
                rounds: int = 5, sustain: float = 0.0, report_sustained=None, calls: int = 1) -> None:
     """Time every contender of one shape on the same inputs, interleaved (``benchmarks.harness.interleaved``:
     alternating rounds, the order rotating, each contender's median), then add their rows in a fixed order.  With
     ``sustain`` > 0, also time them (plain XLA aside) in steady state (``benchmarks.harness.sustained``: ``sustain``
     seconds back to back each, twice, the second half timed, with the SM clock and power) into ``report_sustained``.
     With ``calls`` > 1 every contender makes that many calls per dispatch (ours: one executable, :func:`_jax_calls`;
-    FlashMLA: one CUDA graph, :func:`_torch_calls`) and the rows give the time per call."""
+    FlashMLA: one CUDA graph, :func:`_torch_calls`) and the rows give the time per call.  ``configs``: names of
+    ``sm90_decode.CONFIGS`` timed as extra contenders ``ours bf16 NAME`` / ``ours fp8 NAME`` where they apply."""
     import jax
     import jax.numpy as jnp
 
@@ -442,28 +455,22 @@ def _bench_one(report, fm, c: Case, with_xla: bool, step32: bool = False, schedu
     ours = decode_fn(c, "sm90")
     args = (q, kv, bt, sl, scale)
     fns["ours bf16"] = (_jax_calls(ours, args, calls), nbytes, False)
-    if schedule is not None:
-        ours_s = decode_fn(c, "sm90", schedule)
-        fns[f"ours bf16 {schedule}"] = (_jax_calls(ours_s, args, calls), nbytes, False)
-        same = bool(np.array_equal(np.asarray(ours_s(q, kv, bt, sl, scale)[0].astype(jnp.float32)),
-                                   np.asarray(ours(q, kv, bt, sl, scale)[0].astype(jnp.float32))))
-        print(f"{c.name}: bf16 {schedule} bitwise equal to default: {same}", flush=True)
-    if step32 and H * S <= 64:  # the kernel's alternative 32-token, 4-stage ring (not planned)
-        from tokenspeed_jax.backends import sm90_decode
-        from tokenspeed_jax.decode import _decode_problem
-
-        prob = _decode_problem(q, kv, bt, sl, True, 512, False)
-        s32 = jax.jit(lambda q, kv, bt, sl, s: sm90_decode.decode(prob, q, kv, bt, sl, s, jnp.float32(1.0),
-                                                                  kv_step=32)[0])
-        fns["ours bf16 step32"] = (_jax_calls(s32, args, calls), nbytes, False)
+    for name in configs:
+        if config_applies(c, name):
+            ours_s = decode_fn(c, "sm90", name)
+            fns[f"ours bf16 {name}"] = (_jax_calls(ours_s, args, calls), nbytes, False)
+            same = bool(np.array_equal(np.asarray(ours_s(q, kv, bt, sl, scale)[0].astype(jnp.float32)),
+                                       np.asarray(ours(q, kv, bt, sl, scale)[0].astype(jnp.float32))))
+            print(f"{c.name}: bf16 {name} bitwise equal to the selected config: {same}", flush=True)
     c8 = dataclasses.replace(c, dtype="float8_e4m3fn")
     q8j, kv8j = q.astype(jnp.float8_e4m3fn), kv.astype(jnp.float8_e4m3fn)
     ours8 = decode_fn(c8, "sm90")
     args8 = (q8j, kv8j, bt, sl, scale)
     fns["ours fp8"] = (_jax_calls(ours8, args8, calls), nb8, True)
-    if schedule is not None and not schedule.startswith("seesaw"):  # (FP8 already runs the seesaw by default)
-        ours8_s = decode_fn(c8, "sm90", schedule)
-        fns[f"ours fp8 {schedule}"] = (_jax_calls(ours8_s, args8, calls), nb8, True)
+    for name in configs:
+        if config_applies(c8, name):
+            ours8_s = decode_fn(c8, "sm90", name)
+            fns[f"ours fp8 {name}"] = (_jax_calls(ours8_s, args8, calls), nb8, True)
     failed: dict = {}
     notes: dict = {}  # contender -> how its calls were batched (--calls)
     if fm is not None:
@@ -530,12 +537,12 @@ def main(argv=None):
     ap.add_argument("--quick", action="store_true", help="bench 4 representative shapes only")
     ap.add_argument("--shapes", nargs="+", default=None, metavar="B,K,PAGE,H,S",
                     help="bench these shapes instead of the issue's matrix (e.g. a K sweep for scripts/fixed_cost.py)")
-    ap.add_argument("--step32", action="store_true", help="also time the kernel's 32-token ring (R <= 64)")
     ap.add_argument("--calls", type=int, default=1,
                     help="calls per dispatch (ours: one executable; FlashMLA: one CUDA graph), the rows per call: "
                          "times short shapes by the device instead of the host's dispatch")
-    ap.add_argument("--schedule", default=None, choices=("lockstep", "overlap", "seesaw", "seesaw-cpasync"),
-                    help="check this sm90 kernel schedule and time it next to the default (sm90_decode.SCHEDULES)")
+    ap.add_argument("--config", action="append", default=[], metavar="NAME",
+                    help="also check and time this sm90 kernel config where it applies (a name of "
+                         "tokenspeed_jax.backends.sm90_decode.CONFIGS; repeatable)")
     ap.add_argument("--seed", type=int, default=int(time.time()) % 100000)
     ap.add_argument("--out", default="/tmp/decode.json")
     ap.add_argument("--png", default=None)
@@ -544,6 +551,11 @@ def main(argv=None):
                          "timed; benchmarks.harness.sustained) into <out>_sustained.json / <png>_sustained.png")
     a = ap.parse_args(argv)
     os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
+    from tokenspeed_jax.backends.sm90_decode import CONFIGS
+
+    bad = [n for n in a.config if n not in CONFIGS]
+    if bad:
+        ap.error(f"--config: expected names of {tuple(CONFIGS)}, got {bad}")
     checks = [c for c in CHECK if not a.cases or c.name in a.cases.split(",")]
     benches = [BENCH[i] for i in (0, 4, 8, 9)] if a.quick else BENCH
     if a.calls < 1:
@@ -555,13 +567,13 @@ def main(argv=None):
     if a.prewarm:
         todo = (checks if a.check else []) + ([bench_case(*x) for x in benches] if a.bench else [])
         todo += [dataclasses.replace(bench_case(*x), dtype="float8_e4m3fn") for x in benches] if a.bench else []
-        prewarm(todo, a.prewarm, a.schedule)
+        prewarm(todo, a.prewarm, tuple(a.config))
     doc = {"seed": a.seed}
     if a.check:
-        res = check(checks, a.seed, a.schedule)
+        res = check(checks, a.seed, tuple(a.config))
         doc["check"] = res
-        sched = f", schedule {a.schedule}" if a.schedule else ""
-        print(f"check: {sum(r['ok'] for r in res)}/{len(res)} cases pass (seed {a.seed}{sched})", flush=True)
+        extra = f", configs {a.config}" if a.config else ""
+        print(f"check: {sum(r['ok'] for r in res)}/{len(res)} cases pass (seed {a.seed}{extra})", flush=True)
         with open(a.out.replace(".json", "_check.json"), "w") as f:
             json.dump(doc, f, indent=1)
     if a.bench:
@@ -571,7 +583,7 @@ def main(argv=None):
         rep_s = Report(f"mla_decode sm90, sustained ({a.sustain:g} s each, second half)", rep.ceilings) \
             if a.sustain > 0 else None
         try:
-            bench(benches, rep, with_xla=not a.no_xla, step32=a.step32, schedule=a.schedule, sustain=a.sustain,
+            bench(benches, rep, with_xla=not a.no_xla, configs=tuple(a.config), sustain=a.sustain,
                   report_sustained=rep_s, calls=a.calls)
         finally:
             rep.write(a.out, a.png)

@@ -5,7 +5,7 @@ asynchronous launches, JAX and torch contenders alike, every kernel of a call in
 :func:`interleaved` times several contenders against each other in alternating rounds (the decode and
 prefill benchmarks use it).  Its rounds are bursts of 20-50 ms; :func:`sustained` instead runs each contender back to
 back for seconds and times the second half, where the H200 sits at its 700 W power cap and lowers the SM clock by
-how much power a kernel draws (docs/sm90_decode.md, "Power"): the regime of a serving loop, and one where two kernels
+how much power a kernel draws (docs/notes/sm90_decode_journal.md, "Power"): the regime of a serving loop, and one where two kernels
 of equal burst speed can differ by 10%.  :class:`GpuPoller` reads the SM clock and the power meanwhile
 (``nvidia-smi``, read only).
 
@@ -227,7 +227,7 @@ def measure_ceilings(*, copy_mib: int = 2048, n: int = 8192) -> Ceilings:
 @contextlib.contextmanager
 def scoped_env(name: str, value: str):
     """Set environment variable ``name`` to ``value`` inside the block, then restore its previous state (a
-    kernel switch read at trace time, or a setting inherited by spawned workers)."""
+    setting inherited by spawned workers)."""
     saved = os.environ.get(name)
     os.environ[name] = value
     try:
@@ -237,25 +237,6 @@ def scoped_env(name: str, value: str):
             os.environ.pop(name, None)
         else:
             os.environ[name] = saved
-
-
-SWITCH_PREFIX = "TOKENSPEED_SM90_DECODE_"
-
-
-@contextlib.contextmanager
-def switches(var: str, value: str):
-    """``var=value`` set inside the block; with ``var`` ``-``, ``value`` is a set of sm90 decode switches,
-    ``NAME=VALUE[,NAME=VALUE...]`` with ``NAME`` after the ``TOKENSPEED_SM90_DECODE_`` prefix (``-`` alone: none
-    set), as ``scripts/decode_ab.py`` takes them."""
-    pairs = [(var, value)] if var != "-" else [
-        (SWITCH_PREFIX + kv.partition("=")[0], kv.partition("=")[2]) for kv in value.split(",") if kv != "-"]
-    for name, v in pairs:
-        if not name.startswith(SWITCH_PREFIX) or not v:
-            raise ValueError(f"switch {name}={v!r}: expected {SWITCH_PREFIX}NAME=VALUE")
-    with contextlib.ExitStack() as st:
-        for name, v in pairs:
-            st.enter_context(scoped_env(name, v))
-        yield
 
 
 def provenance(command: str | None = None) -> dict:

@@ -7,7 +7,7 @@ QK) and 256 (mode 4's PV), with A from shared memory (SS) or registers (RS), and
 accumulator, optionally with 1 or 2 ``ldmatrix.x4.trans`` per QGMMA, then waits.  It prints, per configuration, the
 achieved TFLOP/s and cycles per instruction per SM (at ``--clock-ghz``, default 1.98, the H200's clock in these
 runs), so a decode loop's measured time can be set against what its QGMMAs and loads alone would take
-(docs/sm90_decode.md, "Row-split loop").
+(docs/notes/sm90_decode_journal.md, "Row-split loop").
 
     source .device/bootstrap.sh && python -m benchmarks.qgmma_rate --out $OUT/qgmma_rate.json
 

@@ -1,30 +1,26 @@
-"""Per-warpgroup timeline of the sm90 decode loop (seesaw; FP8: the default O^T loop, or mode 4's packed slots).
-
-16-bit: the seesaw loop, which the backend runs for S x H > 32 or pages < 32; for S x H <= 32 (pages >= 32) the
-default is the transposed loop (``TOKENSPEED_SM90_DECODE_T16``), which has no traced build, so the normal build
-checked against and run under ``--sustain`` is then the seesaw loop (``T16=0``), with the padding of
-``TOKENSPEED_SM90_DECODE_PAD_ROWS``.
+"""Per-warpgroup timeline of the sm90 decode loops: a debug build with ``clock64`` marks.
 
     source .device/bootstrap.sh && python -m benchmarks.trace_decode --cases 64,16384,64,16,1 64,16384,64,32,4
     source .device/bootstrap.sh && python -m benchmarks.trace_decode --dtype bfloat16 --cases 64,16384,64,32,4
-    source .device/bootstrap.sh && TOKENSPEED_SM90_DECODE_FP8_PV=4 python -m benchmarks.trace_decode --cases ...
+    source .device/bootstrap.sh && python -m benchmarks.trace_decode --config seesaw --dtype bfloat16 --cases ...
     source .device/bootstrap.sh && python -m benchmarks.trace_decode --dtype bfloat16 --sustain 3 --cases 64,81920,64,16,1
 
+The traced kernel is the config ``select_config`` picks for the case (``tokenspeed_jax.backends.sm90_decode``), or
+``--config NAME`` (a name of ``sm90_decode.CONFIGS``).  The transposed 16-bit loop has no traced build: where the
+table picks it (16-bit, S x H <= 32, pages >= 32) the seesaw loop with the producer warpgroup is traced instead, and
+the normal build it is checked against is that config too.
+
 ``--sustain S`` runs the normal build back to back for S seconds and queues the traced run right behind it, so its
-timeline is taken at the clocks of sustained load (memory-bound shapes sit at the H200's 700 W power cap there, about
-1.41 GHz; docs/sm90_decode.md, "The BF16 memory-bound gap"), to compare with the one-launch timeline.
+timeline is taken at the clocks of sustained load (memory-bound shapes sit at the H200's 700 W power cap there), to
+compare with the one-launch timeline.
 
-With ``TOKENSPEED_SM90_DECODE_FP8_PV`` 5, 6, 7 or 10 (the default) the FP8 build is the O^T loop's
-(``launch_mla_decode_ot_traced``, its events ``TRACE_EVENTS_OT``), for the cases that mode runs it on (pages >= 32;
-modes 5 and 6: S x H <= 32; mode 10: mode 6's loop for S x H <= 32, the 64-row blocks without the transposed QK
-above); mode 4's loop otherwise (``TOKENSPEED_SM90_DECODE_FP8_PV=4``).
-
-Runs a debug build of the kernel (``launch_mla_decode_seesaw_traced``) in which thread 0 of each warpgroup writes
-``clock64`` at the ``TRACE_EVENTS`` points of its first ``--iters`` loop iterations, for the first ``--ctas`` CTAs,
-into an extra int64 output of the custom call.  The normal builds carry none of this (their PTX is unchanged).
-Prints, per warpgroup, the median and the 10th / 90th percentiles over CTAs and iterations (the first two
-iterations skipped: warm-up) of the cycles spent between consecutive events, i.e. what each phase of an
-iteration costs and where a warpgroup waits for the other; and writes all raw timestamps to ``--out`` (JSON).
+Runs a debug build of the kernel (``tokenspeed_jax.kernels.sm90.decode.launch_decode_traced``) in which thread 0 of
+each warpgroup writes ``clock64`` at the trace points of its first ``--iters`` loop iterations (the loop's events:
+``TRACE_EVENTS``, ``TRACE_EVENTS_OT``, ``TRACE_EVENTS_OWN``), for the first ``--ctas`` CTAs, into an extra int64 output
+of the custom call.  The normal builds carry none of this.  Prints, per warpgroup, the median and the 10th / 90th
+percentiles over CTAs and iterations (the first two iterations skipped: warm-up) of the cycles spent between
+consecutive events, i.e. what each phase of an iteration costs and where a warpgroup waits for the other; and writes
+all raw timestamps to ``--out`` (JSON).
 
 Checks the traced output against the normal build's on the same inputs (the debug build must compute the same
 result: bitwise, since the marks only add stores of their own), so a timeline is never read from a broken build.
@@ -39,60 +35,56 @@ import os
 import time
 
 
-def traced_decode(c, trace_iters: int, ctas: int, producer: bool = False, ot: str | None = None):
-    """jitted ``(q, kv, bt, sl, scale) -> (out, lse, trace)`` of the debug build, for the case ``c``; ``producer``:
-    with the producer warpgroup (FP8: mode 4 of ``TOKENSPEED_SM90_DECODE_FP8_PV``, else mode 3; 16-bit:
-    ``TOKENSPEED_SM90_DECODE_PRODUCER16=1``); ``ot`` "5", "6" or "7": the O^T loop of that FP8 P V mode instead."""
+def traced_config(prob, name: str | None = None):
+    """The config a trace runs for ``prob``: ``name`` (``sm90_decode.CONFIGS``) or :func:`select_config`'s pick, the
+    transposed 16-bit loop (no traced build) replaced by the seesaw loop with the producer warpgroup."""
+    from tokenspeed_jax.backends import sm90_decode
+
+    cfg = sm90_decode.CONFIGS[name] if name else sm90_decode.select_config(prob)
+    if cfg.loop == "transposed":
+        cfg = sm90_decode.CONFIGS["seesaw"]
+    sm90_decode.check_config(prob, cfg)
+    return cfg
+
+
+def trace_events(cfg):
+    """The event names of ``cfg``'s loop (its ``TRACE_EVENTS`` table)."""
+    from tokenspeed_jax.kernels.sm90.decode_trace import TRACE_EVENTS
+    from tokenspeed_jax.kernels.sm90.fp8_transposed_pv import TRACE_EVENTS_OT
+    from tokenspeed_jax.kernels.sm90.fp8_transposed import TRACE_EVENTS_OWN
+
+    return {"fp8_transposed_pv": TRACE_EVENTS_OT, "fp8_transposed": TRACE_EVENTS_OWN}.get(cfg.loop, TRACE_EVENTS)
+
+
+def traced_decode(c, trace_iters: int, ctas: int, config: str | None = None):
+    """jitted ``(q, kv, bt, sl, scale) -> (out, lse, trace)`` of the debug build of :func:`traced_config` for the case
+    ``c``."""
     import jax
     import jax.numpy as jnp
 
     from tokenspeed_jax import ffi
     from tokenspeed_jax.backends import sm90_decode
     from tokenspeed_jax.decode import _decode_problem
-    from tokenspeed_jax.kernels.sm90.mla_decode_ot import launch_mla_decode_ot_traced
-    from tokenspeed_jax.kernels.sm90.mla_decode_ot_own import launch_mla_decode_ot_own_traced
-    from tokenspeed_jax.kernels.sm90.mla_decode_seesaw import TRACE_EVENTS, launch_mla_decode_seesaw_traced
-    from tokenspeed_jax.planner import plan_for_problem
+    from tokenspeed_jax.kernels.sm90.decode import launch_decode_traced
+    from tokenspeed_jax.kernels.sm90.decode_trace import TRACE_EVENTS
 
     def g(q, kv, bt, sl, scale):
         prob = _decode_problem(q, kv, bt, sl, True, 512, True)
         why = sm90_decode.supports(prob)
         if why:
             raise ValueError(why)
-        if prob.page_size < (32 if prob.dtype == "float8_e4m3fn" else 16):
-            raise ValueError("the traced build is the TMA seesaw (FP8 with early refills): page_size >= 16, FP8 >= 32")
-        plan = plan_for_problem(prob, block_m=32 if ot in ("6", "7") else None)  # (the transposed QK: 32-row tiles)
+        cfg = traced_config(prob, config)
+        plan = sm90_decode.plan_for_config(prob, cfg)
+        key = sm90_decode.kernel_key(prob, cfg, plan)
         B, S, H = prob.batch, prob.q_len, prob.num_heads
-        out_dt = jnp.bfloat16 if prob.dtype == "float8_e4m3fn" else jnp.dtype(prob.dtype)
-        outputs = [jax.ShapeDtypeStruct((B, S, H, 512), out_dt), jax.ShapeDtypeStruct((B, S, H), jnp.float32),
+        outputs = [jax.ShapeDtypeStruct((B, S, H, 512), jnp.dtype(prob.out_dtype)),
+                   jax.ShapeDtypeStruct((B, S, H), jnp.float32),
                    jax.ShapeDtypeStruct((ctas, 2, trace_iters, len(TRACE_EVENTS)), jnp.int64)]
         outputs += [jax.ShapeDtypeStruct(w.shape, jnp.dtype(w.dtype)) for w in plan.workspace]
-        # the 16-bit loop's cross-PV order and the KV loads' eviction hint as the backend would run them
-        cross_first = prob.dtype != "float8_e4m3fn" and sm90_decode.resolve_cross_first()
-        kv_evict = sm90_decode.resolve_kv_evict()
-        pad_rows = sm90_decode.resolve_pad_rows() if not ot and S * H % 64 else "copy"
-        b16 = not ot and prob.dtype != "float8_e4m3fn"  # the 16-bit loop's P and O stores
-        p_stsm, o_staged = b16 and sm90_decode.resolve_p_stsm(), b16 and sm90_decode.resolve_epilogue() == "staged"
-        colmax = sm90_decode.resolve_colmax() if ot in ("6", "7") else "shfl"  # (the transposed QK's column maxima)
-        # (the O^T loop's switches as the backend resolves them: where P0 is stored, when warpgroup 0 issues its QK,
-        # where the P0 rescale fences, where the softmax publishes its fold and waits)
-        ot_loop = sm90_decode.resolve_ot_loop(ot == "5" and S * H > 32, ot in ("6", "7") or (ot == "5" and S * H <= 32),
-                                              ot != "5")
-        key = ("mla_decode_sm90_traced.v10", prob.dtype, H, S, prob.page_size, plan.num_splits, plan.tokens_per_split,
-               trace_iters, ctas, producer, ot, cross_first, kv_evict, pad_rows, p_stsm, o_staged, colmax, *ot_loop)
-        common = {"outputs": outputs, "compile_key": key, "dtype": prob.dtype, "num_heads": H, "q_len": S,
-                  "page_size": prob.page_size, "causal": True, "num_splits": plan.num_splits,
-                  "tokens_per_split": plan.tokens_per_split, "trace": trace_iters}
-        if ot_loop.loop32 != "shared":  # ($..._OT32_LOOP "own": each warpgroup on its own tiles)
-            call = ffi.custom_call(sm90_decode.TARGET, launch_mla_decode_ot_own_traced, qk_t=True, colmax=colmax,
-                                   loop32=ot_loop.loop32, **common)
-        elif ot:
-            call = ffi.custom_call(sm90_decode.TARGET, launch_mla_decode_ot_traced, qk_t=ot != "5", colmax=colmax,
-                                   **{k: v for k, v in ot_loop._asdict().items() if k != "loop32"}, **common)
-        else:
-            call = ffi.custom_call(sm90_decode.TARGET, launch_mla_decode_seesaw_traced, tma_producer=producer,
-                                   cross_first=cross_first, kv_evict=kv_evict, pad_rows=pad_rows, p_stsm=p_stsm,
-                                   o_staged=o_staged, **common)
+        statics = {f.name: getattr(key, f.name) for f in dataclasses.fields(key) if f.name != "config"}
+        call = ffi.custom_call(sm90_decode.TARGET, launch_decode_traced, outputs=outputs,
+                               compile_key=("traced", key, trace_iters, ctas), loop=cfg.loop, producer=cfg.producer,
+                               trace=trace_iters, **statics)
         res = call(q, kv, bt, sl, ffi.scalar_operand(scale), ffi.scalar_operand(jnp.float32(1.0)))
         return res[0], res[1], res[2]
 
@@ -106,7 +98,7 @@ def summarize(tr, skip: int = 2, events=None) -> dict:
     the seesaw loop's ``TRACE_EVENTS``)."""
     import numpy as np
 
-    from tokenspeed_jax.kernels.sm90.mla_decode_seesaw import TRACE_EVENTS
+    from tokenspeed_jax.kernels.sm90.decode_trace import TRACE_EVENTS
 
     events = events or TRACE_EVENTS
 
@@ -137,6 +129,7 @@ def main(argv=None):
     ap.add_argument("--iters", type=int, default=24, help="loop iterations traced per CTA")
     ap.add_argument("--ctas", type=int, default=16, help="CTAs traced (the first, in (b, split, row block) order)")
     ap.add_argument("--dtype", default="float8_e4m3fn", choices=("float8_e4m3fn", "bfloat16", "float16"))
+    ap.add_argument("--config", default=None, help="a name of sm90_decode.CONFIGS (default: select_config's pick)")
     ap.add_argument("--sustain", type=float, default=0.0,
                     help="seconds of back-to-back normal calls right before the traced run (the clocks of sustained "
                          "load, e.g. the 700 W power cap of memory-bound shapes; 0: one traced launch alone)")
@@ -147,39 +140,22 @@ def main(argv=None):
     import numpy as np
 
     from benchmarks.decode import bench_case, bench_inputs, decode_fn
-    from benchmarks.harness import provenance, switches
-    from tokenspeed_jax.backends import sm90_decode
-    from tokenspeed_jax.kernels.sm90.mla_decode_ot import TRACE_EVENTS_OT
-    from tokenspeed_jax.kernels.sm90.mla_decode_ot_own import TRACE_EVENTS_OWN
-    from tokenspeed_jax.kernels.sm90.mla_decode_seesaw import TRACE_EVENTS
+    from benchmarks.harness import provenance
+    from tokenspeed_jax.backends.sm90_decode import CONFIGS
+    from tokenspeed_jax.decode import _decode_problem
 
-    mode = sm90_decode.resolve_fp8_pv() if a.dtype == "float8_e4m3fn" else None
-    if mode not in (None, "3", "4", "5", "6", "7", "10"):
-        raise SystemExit(f"{sm90_decode.FP8_PV_ENV}={mode}: the traced FP8 build is mode 3, 4, 5, 6, 7 or 10")
-    ot = mode if mode in ("5", "6", "7", "10") else None
-    events = TRACE_EVENTS_OT if ot else TRACE_EVENTS
-    # the producer warpgroup itself is not traced (nor the empty refill phases it leaves)
-    producer = mode in ("4", "5", "6", "7", "10") if mode else sm90_decode.resolve_producer16() == "1"
     report = {"name": f"per-warpgroup timeline of the sm90 decode loop, {a.dtype} (clock64 cycles)", **provenance(),
-              "fp8_pv_mode": mode, "producer": producer, "sustain_s": a.sustain,
-              "events": [list(e) for e in events], "cases": []}
+              "sustain_s": a.sustain, "cases": []}
     for spec in a.cases:
         B, K, page, H, S = (int(x) for x in spec.split(","))
         c = dataclasses.replace(bench_case(B, K, page, H, S), dtype=a.dtype)
-        if ot and (page < 32 or (ot in ("5", "6") and H * S > 32)):
-            raise SystemExit(f"{c.name}: mode {ot} runs the O^T loop on pages >= 32 (modes 5, 6: S x H <= 32 only; "
-                             f"{sm90_decode.FP8_PV_ENV}=4 traces mode 4's loop)")
-        # mode 10 (the default): mode 6's loop for S x H <= 32, the O^T loop on 64-row blocks (mode 5's) above
-        case_ot = ("6" if H * S <= 32 else "5") if ot == "10" else ot
         q, kv, bt, sl, scale = bench_inputs(c)
         q, kv = q.astype(c.dtype), kv.astype(c.dtype)
-        # the normal build of the traced loop: the 16-bit seesaw, not the transposed loop the backend runs by default
-        # for S x H <= 32 (it has no traced build)
-        with switches("-", "T16=0" if c.dtype != "float8_e4m3fn" else "-"):  # (read when traced: here)
-            g = decode_fn(c, "sm90")
-            ref = g(q, kv, bt, sl, scale)
-        # (the backend's page rule for both loops)
-        f = traced_decode(c, a.iters, a.ctas, producer and page >= 32, case_ot)
+        cfg = traced_config(_decode_problem(q, kv, bt, sl, True, 512, True), a.config)
+        name = next(n for n, v in CONFIGS.items() if v == cfg)
+        g = decode_fn(c, "sm90", name)  # the normal build of the traced config
+        ref = g(q, kv, bt, sl, scale)
+        f = traced_decode(c, a.iters, a.ctas, name)
         for _ in range(3):  # the last run's timestamps (the first compiles and warms the caches)
             out, lse, tr = jax.block_until_ready(f(q, kv, bt, sl, scale))
         if a.sustain > 0:  # the normal build back to back first, the traced run queued right behind it
@@ -191,11 +167,11 @@ def main(argv=None):
         same = bool(np.array_equal(np.asarray(out.astype(np.float32)), np.asarray(ref[0].astype(np.float32)))
                     and np.array_equal(np.asarray(lse), np.asarray(ref[1])))
         tr = np.asarray(tr)
-        own = case_ot in ("6", "7") and sm90_decode.resolve_ot_loop(False, True).loop32 != "shared"
-        summary = summarize(tr, events=TRACE_EVENTS_OWN if own else events)
-        report["cases"].append({"case": c.name, "bitwise_equal_to_normal_build": same, "summary": summary,
-                                "trace": tr.tolist()})
-        print(f"{c.name}: traced output bitwise equal to the normal build: {same}")
+        events = trace_events(cfg)
+        summary = summarize(tr, events=events)
+        report["cases"].append({"case": c.name, "config": name, "events": [list(e) for e in events],
+                                "bitwise_equal_to_normal_build": same, "summary": summary, "trace": tr.tolist()})
+        print(f"{c.name} ({name}): traced output bitwise equal to the normal build: {same}")
         for wg, s in summary.items():
             print(f"  {wg}: iteration {s['iteration_median']} cycles (median)")
             for r in s["phases"]:

@@ -78,7 +78,7 @@ def _family(arch: str) -> str:
 
 def _plan_sm90(*, batch, q_len, num_heads, max_kv_len, page_size, dtype, kv_lora_rank, rope_dim, arch,
                num_sms, block_m=64) -> DecodePlan:
-    """Hopper (kernel: ``tokenspeed_jax.kernels.sm90.mla_decode``): 64-row wgmma tiles over rows = S*H
+    """Hopper (kernels: ``tokenspeed_jax.kernels.sm90``): 64-row wgmma tiles over rows = S*H
     (tokens and heads packed, heads fastest), 64-token KV steps, one CTA per SM (225 KB of smem), and a
     static split-KV count chosen for whole waves: among ``splits <= ceil(num_sms / (batch * m_blocks))``
     with at least two 64-token blocks per split, the one that maximises ``ctas / (waves * num_sms)`` (``ctas = batch * m_blocks * splits``), the
@@ -86,9 +86,8 @@ def _plan_sm90(*, batch, q_len, num_heads, max_kv_len, page_size, dtype, kv_lora
     capacity, so results do not depend on other requests' lengths.  Partial outputs go to fp32 workspace
     ``o_accum [B, splits, rows, kv_lora_rank]`` and ``lse_accum [B, splits, rows]``.
 
-    ``block_m`` 32: the row tiles of the FP8 O^T loop with the transposed QK (``kernels/sm90/mla_decode_ot.py``),
-    which computes 32 query rows per CTA: FP8 P V modes 6 and 10 (the default) for S x H <= 32, where it is the same
-    plan, and the opt-in mode 7 for every S x H."""
+    ``block_m`` 32: the row tiles of the FP8 loop with both matmuls transposed (the ``fp8_transposed`` config of
+    ``tokenspeed_jax.backends.sm90_decode``, S x H <= 32), which computes 32 query rows per CTA."""
     if block_m not in (32, 64):
         raise ValueError(f"block_m: expected 32 or 64, got {block_m!r}")
     block_n = 64
@@ -106,10 +105,7 @@ def _plan_sm90(*, batch, q_len, num_heads, max_kv_len, page_size, dtype, kv_lora
             best, best_score = s, score
     blocks_per_split = -(-n_blocks // best)
     splits = -(-n_blocks // blocks_per_split)  # no empty trailing split
-    # Kernel KV step (``extra["kv_step"]``): 64 tokens, 2-stage cp.async ring.  The kernel also has a
-    # 32-token, 4-stage ring (more bytes in flight per SM); measured on H200 (2026-11-29,
-    # docs/sm90_decode.md) it is ~20% slower even for memory-bound R <= 64, because its 64x16 QK wgmmas
-    # re-read Q from smem twice as often, so the planner does not pick it.
+    # Kernel KV step (``extra["kv_step"]``): 64 tokens (docs/sm90_decode_rejected.md: the 32-token step)
     kv_step = 64
     ws: tuple[WorkspaceBuffer, ...] = ()
     if splits > 1:

@@ -6,7 +6,9 @@ script): S 1..16, H 1..128, page sizes 16/32/64/128, B 1/3/64, lengths 0, 1, S-1
 the used ones and a seq_len beyond the table (clamped), causal and non-causal, bf16 and fp16.  Each case
 checks out/LSE against the exact fp32 reference (xla backend on fp32-cast inputs) with a tolerance of 2x the
 error of the same computation in the input dtype + 1e-3, -inf LSE rows and zero outputs where no key is
-visible, finiteness, and bitwise run-to-run determinism, with device memory poisoned (NaN) before each call.
+visible, finiteness, and bitwise run-to-run determinism, with device memory poisoned (NaN) before each call.  FP8
+cases use the FP8 P V tolerance (P rounded to e4m3).  The configs ``select_config`` does not pick for a case but that
+run it are checked the same way (``test_sm90_decode_config_matches_reference``).
 """
 
 import os
@@ -54,48 +56,40 @@ def test_sm90_decode_matches_reference(case, rng):
     assert r["ok"], r
 
 
-@pytest.mark.parametrize("mode,case", [(m, c) for m in ("5", "7", "8") for c in _cases() if c.dtype == "float8_e4m3fn"
-                                       and c.page >= 32 and (m in ("7", "8") or c.S * c.H <= 32)],
-                         ids=lambda x: x if isinstance(x, str) else x.name)
-def test_sm90_decode_fp8_ot_matches_reference(mode, case, rng, monkeypatch):
-    """FP8 P V modes 5, 7 and 8 on the check cases they run their own loops on (pages >= 32), against the fp32
-    reference with the FP8 P V tolerance: 5 and 7 the O^T loop (``kernels/sm90/mla_decode_ot.py``; 7 with the
-    transposed QK, on 32-row tiles for every S x H, so it covers mode 6's loop and more; 5 for S x H <= 32), 8 the
-    row-split loop (``kernels/sm90/mla_decode_rs.py``; one computing warpgroup for S x H <= 32, two above)."""
-    from benchmarks.decode import check
+def _config_cases():
+    """(config name, case): every named config of ``sm90_decode.CONFIGS`` on each check case it runs, other than the
+    one ``select_config`` picks there (the test above covers those)."""
+    from benchmarks.decode import config_applies
     from tokenspeed_jax.backends import sm90_decode
 
-    monkeypatch.setenv(sm90_decode.FP8_PV_ENV, mode)
-    (r,) = check([case], int(rng.integers(0, 2**31 - 1)))
-    assert r["ok"] and r["fp8_pv"], r
+    out = []
+    for c in _cases():
+        for name in sm90_decode.CONFIGS:
+            if config_applies(c, name) and not _selected(c, name):
+                out.append((name, c))
+    return out
 
 
-@pytest.mark.parametrize("case", [c for c in _cases() if c.dtype != "float8_e4m3fn" and c.page >= 32
-                                  and c.S * c.H <= 32], ids=lambda c: c.name)
-def test_sm90_decode_t16_off_matches_reference(case, rng, monkeypatch):
-    """The 16-bit check cases the transposed loop runs by default (``kernels/sm90/mla_decode_ot16.py``; S x H <= 32,
-    pages >= 32) on the seesaw loop instead (``TOKENSPEED_SM90_DECODE_T16=0``, its padded 64-row tiles with the
-    default zero padding), against the fp32 reference with the 16-bit tolerances."""
-    from benchmarks.decode import check
+def _selected(c, name: str) -> bool:
+    from benchmarks.decode import shapes
     from tokenspeed_jax.backends import sm90_decode
+    from tokenspeed_jax.decode import _decode_problem
+    from tokenspeed_jax.runtime import target_override
 
-    monkeypatch.setenv(sm90_decode.T16_ENV, "0")
-    (r,) = check([case], int(rng.integers(0, 2**31 - 1)))
-    assert r["ok"], r
+    with target_override("sm_90a", num_sms=132):
+        prob = _decode_problem(*shapes(c), c.causal, 512, True)
+    return sm90_decode.select_config(prob) == sm90_decode.CONFIGS[name]
 
 
-@pytest.mark.parametrize("case", [c for c in _cases() if c.S * c.H % 64], ids=lambda c: c.name)
-def test_sm90_decode_pad_rows_copy_matches_reference(case, rng, monkeypatch):
-    """``TOKENSPEED_SM90_DECODE_PAD_ROWS=copy`` (a row block's rows past S x H hold copies of the last row, as before
-    2026-12-02) with ``T16=0`` (so the 16-bit cases with S x H <= 32 have padded rows too) on the check cases with such
-    rows, against the fp32 reference (the loops that have no padded rows ignore it)."""
+@pytest.mark.parametrize("config,case", _config_cases(), ids=lambda x: x if isinstance(x, str) else x.name)
+def test_sm90_decode_config_matches_reference(config, case, rng):
+    """The configs the table does not pick for a check case but that run it (the 16-bit seesaw with or without the
+    producer warpgroup on S x H <= 32, where the table picks the transposed loop, or on pages >= 32 without it),
+    against the fp32 reference with the same tolerances."""
     from benchmarks.decode import check
-    from tokenspeed_jax.backends import sm90_decode
 
-    monkeypatch.setenv(sm90_decode.PAD_ROWS_ENV, "copy")
-    monkeypatch.setenv(sm90_decode.T16_ENV, "0")
-    (r,) = check([case], int(rng.integers(0, 2**31 - 1)))
-    assert r["ok"], r
+    rs = check([case], int(rng.integers(0, 2**31 - 1)), (config,))
+    assert len(rs) == 2 and all(r["ok"] for r in rs), rs
 
 
 def test_new_scale_does_not_recompile(rng):

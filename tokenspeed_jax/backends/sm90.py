@@ -35,7 +35,7 @@ class Sm90Backend:
     @property
     def trace_env(self) -> tuple[str, ...]:
         d, p = self._decode_mod(), self._prefill_mod()
-        return (() if d is None else d.TRACE_ENV) + (() if p is None else p.TRACE_ENV)
+        return getattr(d, "TRACE_ENV", ()) + getattr(p, "TRACE_ENV", ())
 
     def supports_decode(self, problem) -> str | None:
         m = self._decode_mod()

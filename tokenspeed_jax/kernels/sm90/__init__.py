@@ -1,6 +1,12 @@
 """Hopper (SM90) CuTe DSL kernels.  CuTe DSL only: no jax, no torch in this package.
 
-* :mod:`.mla_decode` -- :class:`MlaDecodeSm90`, absorbed-MLA paged decode (main + split-KV combine).
-* :mod:`.helpers` -- shared device helpers of the decode kernel (barrier ids, quad reductions, row pointers).
+MLA decode (``docs/sm90_decode.md``; the backend ``tokenspeed_jax.backends.sm90_decode`` picks the config):
+
+* :mod:`.decode` -- the one launch entry, ``launch_decode(..., loop=, producer=)``.
+* :mod:`.decode_common` -- :class:`MlaDecodeSm90`: configuration, Q load, split-KV ranges, epilogue, combine kernel.
+* :mod:`.seesaw`, :mod:`.transposed`, :mod:`.fp8_transposed_pv`, :mod:`.fp8_transposed` -- the main loops.
+* :mod:`.transposed_out`, :mod:`.kv_refill`, :mod:`.fp8_operands`, :mod:`.decode_trace`, :mod:`.helpers` -- shared
+  device code of the loops.
+
 * :mod:`.fa4_prefill` -- ragged prefill forward (FlashAttention-4's CuTe DSL kernel, adapted).
 """

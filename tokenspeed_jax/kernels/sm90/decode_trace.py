@@ -1,6 +1,6 @@
 """Debug timelines of the sm90 decode loops (``benchmarks/trace_decode.py``): where a debug build stores ``clock64``
 timestamps, and the names of the seesaw loop's trace points.  A mixin of
-:class:`~tokenspeed_jax.kernels.sm90.mla_decode_seesaw.MlaDecodeSeesawSm90` (and so of the loops built on it), which
+:class:`~tokenspeed_jax.kernels.sm90.seesaw.MlaDecodeSeesawSm90` (and so of the loops built on it), which
 sets :attr:`trace` (the iterations timed per warpgroup; 0: a normal build, in which every method here emits nothing).
 Split from the loop by responsibility: this module knows the trace buffer; the loops decide where to mark.
 """
@@ -11,12 +11,11 @@ import cutlass
 from cutlass import Int32, Int64, cute
 
 # DecodeTraceMixin.mark: the points of an iteration of the seesaw loop a debug build times, per warpgroup (WG0 /
-# WG1: what the time since the previous event was spent on), named for the FP8 P V loop with early refills.  In the
-# 16-bit loop "P store + TAIL" is WG0's conversion of P to the register operand and WG1's conversion and store of P1
-# for the cross PV (since 2026-12-02; before, unmarked, and the trace buffer was not cleared, so those rows printed
-# garbage), "QK issue + cross PV retired" is the first QK half, "QK retired" adds the slot-1 column refill, the second
-# landed wait and QK half; "wait VT*_FREE", "transpose" and "refill issue" are empty there (DecodeTraceMixin.
-# clear_trace zeroes the buffer, so an unmarked event reads 0 and its interval is left out)
+# WG1: what the time since the previous event was spent on).  In the 16-bit loop "P store + TAIL" is WG0's conversion
+# of P to the register operand and WG1's conversion and store of P1 for the cross PV, "QK issue + cross PV retired" is
+# the first QK half, "QK retired" adds the slot-1 column refill, the second landed wait and QK half; "transpose" is
+# the FP8 V^T build; "wait VT*_FREE" and "refill issue" are empty (DecodeTraceMixin.clear_trace zeroes the buffer, so an
+# unmarked event reads 0 and its interval is left out)
 TRACE_EVENTS = (
     ("top", "top"),
     ("softmax", "wait SCALE0 (WG0's max)"),

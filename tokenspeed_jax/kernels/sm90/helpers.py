@@ -12,37 +12,29 @@ LN_2 = 0.6931471805599453
 
 
 class Barrier(enum.IntEnum):
-    """Named barrier ids of the decode kernel (0 is __syncthreads, reserved)."""
+    """Named barrier ids of the decode kernels (0 is __syncthreads, reserved)."""
 
-    TILE_READY = 1  # a KV tile landed in smem (and the previous tile is fully consumed)
-    ROW_MAX = 2  # per-warpgroup row maxima published in smem
-    P_READY = 3  # both warpgroups' halves of P are in smem
-    ROW_SUM = 4  # per-warpgroup row sums published in smem (epilogue)
-    CONVERTED = 5  # FP8: the staged tile is upcast into the bf16 compute tile
-    # schedule "seesaw" (producer arrives, consumer syncs; 256 threads)
+    ROW_SUM = 4  # per-warpgroup row sums published in smem (epilogue; the own-tiles loop's merge)
+    # the seesaw handoffs between the two computing warpgroups (producer arrives, consumer syncs; 256 threads)
     SCALE0 = 6  # WG0 folded its tile into the shared row max (sM, scale0 published)
     SCALE1 = 7  # WG1 folded its tile (scale1 published)
     P0_READY = 8  # WG0's P in smem
-    P1_READY = 9  # WG1's P in smem (and its cross PV issued; the O^T loop's p1_ready 'store': not)
-    # schedule "seesaw" with TMA refills (128 threads of one warpgroup; warps 1-3 arrive, warp 0 syncs and
-    # issues): one id per refill site, so no warp can reach a site's next phase before its warp 0 left the
-    # last one (a 256-thread barrier separates consecutive uses)
+    P1_READY = 9  # WG1's P in smem
+    # the refill sites of the 16-bit loops (128 threads of one warpgroup: warps 1-3 arrive, warp 0 syncs and issues;
+    # with the producer warpgroup 160: the site's warpgroup arrives, the producer's warp 0 syncs and issues): one id
+    # per site, so no warp can reach a site's next phase before the issuing warp left the last one
     REFILL_A0 = 10
     REFILL_A1 = 11
     REFILL_B1 = 12
     REFILL_B0 = 13
-    # FP8 P V with whole-slot refills (``early_refill``; the refill sites above are unused there): the other
-    # warpgroup's cross PV of a slot retired, so its owner may overwrite the slot's V^T and P (producer arrives,
-    # owner syncs; 256 threads)
-    VT0_FREE = 10
+    # the FP8 O^T loops (the refill sites above are unused there): warpgroup 0's cross PV of slot 1 retired (WG0
+    # arrives, WG1 syncs; 256 threads)
     VT1_FREE = 11
-    # ... with the producer warpgroup (``tma_producer``): the slot's owner read its staging (QK retired, V^T built),
-    # the producer may refill it (owner arrives, producer warp 0 syncs; 160 threads).  The ids of REFILL_B1 /
-    # REFILL_B0, which the 16-bit loop's producer build uses at its refill sites: a build must use one set only
-    # (an arrival on the wrong set gave wrong results on the H200, 2026-12-01; the compile test counts them)
+    # ... a buffer's readers are done, the producer may refill it (a computing warpgroup arrives, the producer's warp 0
+    # syncs; 160 threads).  The ids of REFILL_B1 / REFILL_B0: a build uses one set only (the compile test counts them)
     SLOT0_FREE = 12
     SLOT1_FREE = 13
-    TAIL = 14  # + warpgroup index: V rows past the split zeroed (all 128 threads sync)
+    TAIL = 14  # + warpgroup index: one warpgroup's 128 threads (its P stored, column maxima exchanged, V rows zeroed)
 
 
 @cute.jit

@@ -1,39 +1,28 @@
 """16-bit MLA decode for Hopper with both matmuls transposed, for S x H <= 32 query rows: ``S^T = K Q^T``, ``O^T = V^T P^T``.
 
-The 16-bit seesaw loop (:class:`~tokenspeed_jax.kernels.sm90.mla_decode_seesaw.MlaDecodeSeesawSm90`) runs every matmul
-on 64 query rows, padded when a request has fewer (B64/K81920/H16/S1 has 16).  This loop (TOKENSPEED_SM90_DECODE_T16,
-opt-in) was built to test whether that tensor work is what the memory-bound shapes wait behind.  It keeps the seesaw
-loop's structure, buffers, refill groups, producer warpgroup, L2 prefetch and barriers, and shrinks the matmuls to the
-real rows.  Measured on the H200 (2026-12-02, docs/sm90_decode.md, "The BF16 memory-bound gap"): correct and
-memcheck-clean, and 0.98-1.02x the seesaw loop on those shapes with a quarter to half of its multiply-adds, so they are
-not bound by tensor work:
+The seesaw loop runs every matmul on 64 query rows, padded when a request has fewer.  This loop keeps the seesaw
+loop's structure, slots, refill groups, producer warpgroup and barriers, and shrinks the matmuls to the real rows (a
+quarter to a half of the multiply-adds), which draws less power per tile and so holds a higher SM clock under
+sustained load:
 
 * ``S^T (64 tokens x N) = K Q^T``: the KV slot is the K-major A operand as it lands, the first ``N`` q rows the
   K-major B operand (``N`` = :attr:`pv_n`, the rows rounded up to 16 or 32); 36 m64nNk16 per tile instead of 36
   m64n64k16, and 8 or 16 accumulator registers instead of 32.
-* The softmax is per column of ``S^T`` (a query row's 64 keys lie in all 4 warps): the O^T loop's :meth:`fold_t`
-  (column maxima through 1 KB of shared memory and the warpgroup's barrier) and :meth:`exp_t`.
+* The softmax is per column of ``S^T`` (a query row's 64 keys lie in all 4 warps): column maxima through 1 KB of shared
+  memory and the warpgroup's barrier (:meth:`~.transposed_out.TransposedOutMixin.fold_t`, ``exp_t``).
 * ``P^T`` (N rows x 64 tokens, K-major, 2 or 4 KB) goes to the rope columns of its slot, where the seesaw loop keeps
   P: only the QK reads them, and it retired.  Both PVs read it from there (SS); warpgroup 0 stores its P twice, as the
   seesaw loop does (before its own PV, and rescaled by scale1 for the cross PV once its own PV retired).
-  With ``pt_q`` (TOKENSPEED_SM90_DECODE_T16_PT=q, opt-in) it goes to rows 32..63 of the Q tile instead (chunk 0 for
-  slot 0's, chunk 1 for slot 1's: 4 KB each, 4 KB aligned), which this loop never reads (its QK takes the first N
-  <= 32 rows; the tile is loaded once, before the loop).  The rope chunk of a slot is then free once the slot's QK
-  retired, so it is refilled with the group its owner refills after its own PV (:attr:`col_groups`: A0 = cols
-  0..255 + rope, B1 = cols 256..575), and the two groups refilled after a cross PV, the last bytes each next QK waits
-  for, shrink from 40 to 32 KB.  Ordering is unchanged: a warpgroup's next store of its ``P^T`` comes after its next
-  QK, which waited for a group (B0 / A1) issued after the other warpgroup's cross PV that read the previous one
-  retired.
 * ``O^T (256 features x N) += V^T P^T`` per warpgroup: ``V^T`` is the slot read as an MN-major A operand (16-bit
   wgmmas take either major mode, so unlike FP8 no copy and no register path), 4 m-blocks of 64 features;
-  4 x (N / 2) accumulator registers instead of 128.  The O rescales are per column (:meth:`scale_ot`).
-* The epilogue is the O^T loop's (:meth:`epilogue_ot`), with the natural feature order: accumulator row ``q`` of a
-  warp's 16 is feature ``q``, row ``q + 8`` feature ``q + 8``.
+  4 x (N / 2) accumulator registers instead of 128.  The O rescales are per column (``scale_ot``).
+* The epilogue is the O^T loops' (``epilogue_ot``), with the natural feature order: accumulator row ``q`` of a warp's
+  16 is feature ``q``, row ``q + 8`` feature ``q + 8``.
 
-Same contract, plan (one 64-row block: S x H <= 32), split-KV partials and combine kernel as the seesaw loop; 16-bit
-dtypes, TMA refills with pages >= 32 and the producer warpgroup (the backend's 16-bit default there).  Numerics: the
-same fp32 accumulation and statistics as the seesaw loop, and P rounded to the input dtype the same way; the sums run
-in another order (bitwise different, within the check's tolerances).
+Same contract, plan (one 64-row block), split-KV partials and combine kernel as the seesaw loop; 16-bit dtypes, TMA
+refills with pages >= 32 and the producer warpgroup.  Numerics: the same fp32 accumulation and statistics as the
+seesaw loop, and P rounded to the input dtype the same way; the sums run in another order (bitwise different, within
+the check's tolerances).
 """
 
 from __future__ import annotations
@@ -45,44 +34,32 @@ from cutlass.cute.nvgpu import warpgroup
 from cutlass.tensor_utils import LayoutEnum
 
 from tokenspeed_jax.kernels.sm90.helpers import Barrier
-from tokenspeed_jax.kernels.sm90.kv_refill import _CHUNK
-from tokenspeed_jax.kernels.sm90.mla_decode_ot import MlaDecodeOtSm90, check_colmax
-from tokenspeed_jax.kernels.sm90.mla_decode_seesaw import MlaDecodeSeesawSm90
+from tokenspeed_jax.kernels.sm90.seesaw import MlaDecodeSeesawSm90
+from tokenspeed_jax.kernels.sm90.transposed_out import TransposedOutMixin
 
 _MAX_ROWS = 32  # query rows S x H (pv_n 16 or 32; the O^T loop's limit)
 _MIN_PAGE = 32  # the producer warpgroup's (its coordinates of 16-token pages spill in 24 registers)
 _ALL_CHUNKS = tuple(range(9))  # the first QK of each warpgroup (both groups of its slot landed)
-_PT_ROW = 32  # pt_q: P^T at this row of the Q tile (chunks 0 and 1), past the QK's rows
 
 
-class MlaDecodeOt16Sm90(MlaDecodeOtSm90):
-    """16-bit MLA decode with ``S^T = K Q^T`` and ``O^T = V^T P^T`` (module docstring).  Same arguments as the seesaw
-    class; 16-bit dtypes, S x H <= 32, page_size >= 32."""
+class MlaDecodeTransposedSm90(TransposedOutMixin, MlaDecodeSeesawSm90):
+    """16-bit MLA decode with ``S^T = K Q^T`` and ``O^T = V^T P^T`` (module docstring): the seesaw loop's host side,
+    prologue and producer with its own computing part (:meth:`consume`).  The base class's arguments; 16-bit dtypes,
+    S x H <= 32, page_size >= 32."""
 
     red_floats = 2 * 4 * 32  # the seesaw storage's column statistics: per warpgroup and warp, 32 columns (fold_t)
     pair_step = 8  # accumulator rows q and q + 8 are features f and f + 8 (natural order; store_ot_pair)
-    # the seesaw loop's host side (layouts, TMA atom, storage, launch; the MMAs from :meth:`seesaw_mmas`), not the
-    # FP8 O^T loop's, which this class inherits its column-statistics and epilogue methods from
-    __call__ = MlaDecodeSeesawSm90.__call__
 
-    def __init__(self, pt_q: bool = False, chunk_bars: bool = False, colmax: str = "shfl", **kw):
-        for k in ("qk_fp8", "pv_fp8", "early_refill", "vt_packed", "tma_producer", "kv_load", "qk_t", "cross_first"):
-            kw.pop(k, None)
+    def __init__(self, **kw):
         if kw.get("dtype") not in ("bfloat16", "float16"):
             raise ValueError(f"the transposed 16-bit loop needs bfloat16 or float16 inputs, got {kw.get('dtype')}")
-        MlaDecodeSeesawSm90.__init__(self, tma_producer=True, kv_load="tma", **kw)
+        MlaDecodeSeesawSm90.__init__(self, producer=True, pad_zero=False, **kw)
         if self.page_size < _MIN_PAGE:
             raise ValueError(f"the transposed 16-bit loop needs page_size >= {_MIN_PAGE}, got {self.page_size}")
         if self.R > _MAX_ROWS:
             raise ValueError(f"the transposed 16-bit loop needs S x H <= {_MAX_ROWS}, got {self.R}")
-        self.schedule = "seesaw-t16"
         self.qk_t = True  # (the O^T loop's column-statistics paths: fold_t, col_limits, epilogue_ot)
         self.pv_n = 16 if self.R <= 16 else 32
-        self.pt_q = pt_q
-        self.colmax = check_colmax(colmax)  # (fold_t's column maxima)
-        self.chunk_bars = chunk_bars  # (n_mbar, chunk_bar: the refills complete per-chunk mbarriers; qk_landed)
-        if pt_q:  # P^T in the Q tile: each slot's rope chunk goes with its owner's early group (module docstring)
-            self.col_groups = ((0, 1, 2, 3, 8), (4, 5, 6, 7), (0, 1, 2, 3), (4, 5, 6, 7, 8))
 
     # ------------------------------------------------------------------------------------------ host
     def seesaw_mmas(self):
@@ -102,20 +79,13 @@ class MlaDecodeOt16Sm90(MlaDecodeOtSm90):
         return 256 * wg + 64 * mb + 16 * warp + q
 
     @cute.jit
-    def qk_landed(self, qk_mma, acc_s, tSrK, tSrQ, mbar, groups: cutlass.Constexpr, slot: cutlass.Constexpr,
-                  chunks: cutlass.Constexpr, phase, first: cutlass.Constexpr):
-        """Wait for the slot's chunks ``chunks`` to land (completion ``phase``) and issue their QK (no commit):
-        the column groups' mbarriers ``groups`` first, or with :attr:`chunk_bars` each chunk's own mbarrier before
-        its wgmmas, so the QK starts on the first chunk to land."""
-        if cutlass.const_expr(self.chunk_bars):
-            cb = self.chunk_bar(mbar, slot)
-            for i in cutlass.range_constexpr(len(chunks)):
-                self.landed(cb + chunks[i], phase)
-                self.qk_chunks(qk_mma, acc_s, tSrK, tSrQ, (chunks[i],), first and i == 0)
-        else:
-            for g in cutlass.range_constexpr(len(groups)):
-                self.landed(mbar + groups[g], phase)
-            self.qk_chunks(qk_mma, acc_s, tSrK, tSrQ, chunks, first)
+    def qk_landed(self, qk_mma, acc_s, tSrK, tSrQ, mbar, groups: cutlass.Constexpr, chunks: cutlass.Constexpr, phase,
+                  first: cutlass.Constexpr):
+        """Wait for the column groups ``groups`` of a slot to land (completion ``phase`` of their mbarriers) and issue
+        the QK of its chunks ``chunks`` (no commit)."""
+        for g in cutlass.range_constexpr(len(groups)):
+            self.landed(mbar + groups[g], phase)
+        self.qk_chunks(qk_mma, acc_s, tSrK, tSrQ, chunks, first)
 
     @cute.jit
     def consume(self, ctx):
@@ -144,11 +114,7 @@ class MlaDecodeOt16Sm90(MlaDecodeOtSm90):
         tOrVt1 = pv_thr.make_fragment_A(pv_thr.partition_A(self.v_half(sK1, v_layout, wg)))
         pt_layout = sm90_utils.make_smem_layout_b(LayoutEnum.ROW_MAJOR, (64, self.pv_n, bn), dt, 1)
         pt_store = cute.select(pt_layout.outer, mode=[1, 0, 2])
-        if cutlass.const_expr(self.pt_q):  # rows 32..63 of the Q tile's chunks 0 and 1 (module docstring)
-            pt0 = sQ.iterator + _PT_ROW * _CHUNK
-            pt1 = sQ.iterator + (self.block_m + _PT_ROW) * _CHUNK
-        else:  # the slots' rope columns
-            pt0, pt1 = sK0.iterator + self.DV * bn, sK1.iterator + self.DV * bn
+        pt0, pt1 = sK0.iterator + self.DV * bn, sK1.iterator + self.DV * bn  # the slots' rope columns
         tOsPt0 = pv_thr.make_fragment_B(pv_thr.partition_B(cute.make_tensor(
             cute.recast_ptr(pt0, pt_layout.inner), pt_layout.outer)[None, None, 0]))
         tOsPt1 = pv_thr.make_fragment_B(pv_thr.partition_B(cute.make_tensor(
@@ -171,9 +137,9 @@ class MlaDecodeOt16Sm90(MlaDecodeOtSm90):
         # ---- first QK of each warpgroup (pair 0; the producer loaded all four column groups, completion 0)
         if n_pairs > 0:
             if wg == 0:
-                self.qk_landed(qk_mma, acc_s, tSrK0, tSrQ, mbar, (0, 1), 0, _ALL_CHUNKS, 0, True)
+                self.qk_landed(qk_mma, acc_s, tSrK0, tSrQ, mbar, (0, 1), _ALL_CHUNKS, 0, True)
             else:
-                self.qk_landed(qk_mma, acc_s, tSrK1, tSrQ, mbar, (2, 3), 1, _ALL_CHUNKS, 0, True)
+                self.qk_landed(qk_mma, acc_s, tSrK1, tSrQ, mbar, (2, 3), _ALL_CHUNKS, 0, True)
             warpgroup.commit_group()
             warpgroup.wait_group(0)
 
@@ -183,11 +149,6 @@ class MlaDecodeOt16Sm90(MlaDecodeOtSm90):
                 more = j + 1 < n_pairs
                 ph = (j + 1) % 2
                 self.mark(mTrace, cta, wg, wtid, j, 0)
-                pf = t0 + 2 * self.pf_ahead * bn
-                crdP0, crdP1 = None, None
-                if cutlass.const_expr(self.l2_prefetch != "off"):
-                    crdP0 = self.tma_coords(mBT, b, cutlass.min(pf, split_end - 1), split_end, num_pages)
-                    crdP1 = self.tma_coords(mBT, b, cutlass.min(pf + bn, split_end - 1), split_end, num_pages)
                 self.zero_tail(sK0, t0, split_end, wg, wtid)
                 # 1. fold tile 2j into the shared max; P0^T; publish
                 self.fold_t(acc_s, tScS, lim, t0, scale_log2, sM, None, sSc0, sRed, row_l, ref, sc, 0, wtid)
@@ -205,8 +166,7 @@ class MlaDecodeOt16Sm90(MlaDecodeOtSm90):
                 warpgroup.wait_group(0)
                 self.mark(mTrace, cta, wg, wtid, j, 3)
                 if more:
-                    self.refill(sK0, tAs0, tAg, tma_atom, mbar + 0, mKV, None, t0 + 2 * bn, split_end, num_pages, wg,
-                                wtid, cg[0], Barrier.REFILL_A0)
+                    self.refill(tAs0, tAg, tma_atom, mbar + 0, None, wtid, cg[0], Barrier.REFILL_A0)
                 # 3. WG1 folded tile 2j+1: rescale P0^T (-> smem for WG1; the own PV that read it retired), l, O^T
                 cute.arch.barrier(barrier_id=int(Barrier.SCALE1), number_of_threads=self.num_threads)
                 self.mark(mTrace, cta, wg, wtid, j, 4)
@@ -228,17 +188,13 @@ class MlaDecodeOt16Sm90(MlaDecodeOtSm90):
                 #    slot 1's cols 0..255, + rope unless pt_q) WG1's refill of the rest (col_groups)
                 if more:
                     self.mark(mTrace, cta, wg, wtid, j, 7)
-                    self.qk_landed(qk_mma, acc_s, tSrK0, tSrQ, mbar, (0,), 0, cg[0], ph, True)
+                    self.qk_landed(qk_mma, acc_s, tSrK0, tSrQ, mbar, (0,), cg[0], ph, True)
                     warpgroup.commit_group()
                     warpgroup.wait_group(1)
                     self.mark(mTrace, cta, wg, wtid, j, 8)
-                    self.refill(sK1, tAs1, tAg, tma_atom, mbar + 2, mKV, None, t0 + 3 * bn, split_end, num_pages, wg,
-                                wtid, cg[2], Barrier.REFILL_A1)
-                    self.qk_landed(qk_mma, acc_s, tSrK0, tSrQ, mbar, (1,), 0, cg[1], ph, False)
+                    self.refill(tAs1, tAg, tma_atom, mbar + 2, None, wtid, cg[2], Barrier.REFILL_A1)
+                    self.qk_landed(qk_mma, acc_s, tSrK0, tSrQ, mbar, (1,), cg[1], ph, False)
                     warpgroup.commit_group()
-                if cutlass.const_expr(self.l2_prefetch == "late"):  # noqa: SIM102 (static + dynamic test)
-                    if wtid + mblk == 0:
-                        self.l2_prefetch_pair(mKV, crdP0, crdP1, pf, split_end)
                 warpgroup.wait_group(0)
                 self.mark(mTrace, cta, wg, wtid, j, 9)
         else:
@@ -273,17 +229,15 @@ class MlaDecodeOt16Sm90(MlaDecodeOtSm90):
                 #    (cross PV, which also read P0^T in slot 0's rope columns; 256..511 with pt_q): col_groups
                 warpgroup.wait_group(1)
                 if more:
-                    self.refill(sK1, tAs1, tAg, tma_atom, mbar + 3, mKV, None, t1 + 2 * bn, split_end, num_pages, wg,
-                                wtid, cg[3], Barrier.REFILL_B1)
+                    self.refill(tAs1, tAg, tma_atom, mbar + 3, None, wtid, cg[3], Barrier.REFILL_B1)
                 warpgroup.wait_group(0)
                 self.mark(mTrace, cta, wg, wtid, j, 6)
                 if more:
-                    self.refill(sK0, tAs0, tAg, tma_atom, mbar + 1, mKV, None, t1 + bn, split_end, num_pages, wg,
-                                wtid, cg[1], Barrier.REFILL_B0)
+                    self.refill(tAs0, tAg, tma_atom, mbar + 1, None, wtid, cg[1], Barrier.REFILL_B0)
                     # 5. next QK on slot 1: own columns first, then WG0's refill (cols 0..255; + rope unless pt_q)
                     self.mark(mTrace, cta, wg, wtid, j, 7)
-                    self.qk_landed(qk_mma, acc_s, tSrK1, tSrQ, mbar, (3,), 1, cg[3], ph, True)
-                    self.qk_landed(qk_mma, acc_s, tSrK1, tSrQ, mbar, (2,), 1, cg[2], ph, False)
+                    self.qk_landed(qk_mma, acc_s, tSrK1, tSrQ, mbar, (3,), cg[3], ph, True)
+                    self.qk_landed(qk_mma, acc_s, tSrK1, tSrQ, mbar, (2,), cg[2], ph, False)
                     warpgroup.commit_group()
                 warpgroup.wait_group(0)
                 self.mark(mTrace, cta, wg, wtid, j, 8)
@@ -294,25 +248,4 @@ class MlaDecodeOt16Sm90(MlaDecodeOtSm90):
                          wtid)
 
 
-@cute.jit
-def launch_mla_decode_ot16(stream, q: cute.Tensor, kv: cute.Tensor, block_table: cute.Tensor, seq_lens: cute.Tensor,
-                           softmax_scale: cute.Tensor, output_scale: cute.Tensor, out: cute.Tensor, lse: cute.Tensor,
-                           o_accum: cute.Tensor = None, lse_accum: cute.Tensor = None, *, dtype: cutlass.Constexpr,
-                           num_heads: cutlass.Constexpr, q_len: cutlass.Constexpr, page_size: cutlass.Constexpr,
-                           causal: cutlass.Constexpr, num_splits: cutlass.Constexpr,
-                           tokens_per_split: cutlass.Constexpr, block_n: cutlass.Constexpr = 64,
-                           schedule: cutlass.Constexpr = "seesaw", pdl: cutlass.Constexpr = True,
-                           l2_prefetch: cutlass.Constexpr = "off", kv_evict: cutlass.Constexpr = "normal",
-                           pdl_main: cutlass.Constexpr = False, pt_q: cutlass.Constexpr = False,
-                           chunk_bars: cutlass.Constexpr = False, colmax: cutlass.Constexpr = "shfl"):
-    """FFI launch function of the transposed 16-bit loop (``TOKENSPEED_SM90_DECODE_T16``; same ABI as
-    ``launch_mla_decode_seesaw``; ``schedule`` is the backend's, always "seesaw" here; ``pt_q``: P^T in the Q tile,
-    ``TOKENSPEED_SM90_DECODE_T16_PT=q``; ``chunk_bars``: per-chunk mbarriers, ``TOKENSPEED_SM90_DECODE_T16_BARS=chunk``)."""
-    MlaDecodeOt16Sm90(dtype=dtype, num_heads=num_heads, q_len=q_len, page_size=page_size, causal=causal,
-                      num_splits=num_splits, tokens_per_split=tokens_per_split, block_n=block_n, pdl=pdl,
-                      l2_prefetch=l2_prefetch, kv_evict=kv_evict, pdl_main=pdl_main, pt_q=pt_q,
-                      chunk_bars=chunk_bars, colmax=colmax)(
-        stream, q, kv, block_table, seq_lens, softmax_scale, output_scale, out, lse, o_accum, lse_accum)
-
-
-__all__ = ["MlaDecodeOt16Sm90", "launch_mla_decode_ot16"]
+__all__ = ["MlaDecodeTransposedSm90"]

@@ -1,0 +1,148 @@
+"""Dump and compare the SASS the sm90 decode backend generates, on the CPU (no GPU needed).
+
+Every case lowers the public ``mla_decode(..., backend="sm90")`` for CUDA under ``target_override("sm_90a")``, so
+the kernels are compiled exactly as the backend's default path builds them (CuTe DSL with ``CUTE_DSL_ARCH=sm_90a``,
+one process for the whole run, the on-disk compile cache off), and the SASS of the compile (main kernel + combine
+kernel when the plan splits KV) is disassembled with ``nvdisasm`` through ``CUTE_DSL_KEEP=sass``.  Kernel symbol
+names (which carry class and module names) are normalised away, so two source trees that generate the same
+instructions give identical files.
+
+    # SASS of the current tree
+    python scripts/sass_diff.py dump /tmp/sass_new
+    # SASS of another tree (e.g. an exported tag: git archive sm90-decode-experiments | tar -x -C /tmp/base)
+    python scripts/sass_diff.py dump /tmp/sass_base --src /tmp/base
+    python scripts/sass_diff.py diff /tmp/sass_base /tmp/sass_new
+
+``--case dtype:H:S:page[:B[:pages]]`` (repeatable) replaces the default cases; ``--only SUBSTR`` filters them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import difflib
+import glob
+import json
+import os
+import re
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# dtype, H, S, page, batch, table pages: S x H of 16 / 32 / 128 / 128-over-S4, page 64 (TMA, producer) and 16;
+# B 4 with long tables (split KV, combine kernel) and B 64 with short ones (one split, the direct epilogue)
+DEFAULT_CASES = [
+    (dt, H, S, page, B, pages)
+    for dt in ("bfloat16", "float8_e4m3fn")
+    for (H, S, page, B, pages) in (
+        (16, 1, 64, 4, 64), (32, 1, 64, 4, 64), (128, 1, 64, 4, 64), (32, 4, 64, 4, 64), (128, 1, 64, 64, 8),
+        (16, 1, 16, 4, 256), (128, 1, 16, 4, 256), (32, 4, 16, 4, 256),
+    )
+]
+
+_WORKER = r"""
+import glob, json, os, re, sys
+sys.path.insert(0, SRC)
+import jax, jax.numpy as jnp
+from tokenspeed_jax import mla_decode
+from tokenspeed_jax.runtime import target_override
+d = os.environ["CUTE_DSL_DUMP_DIR"]
+sd = jax.ShapeDtypeStruct
+for (dt, H, S, page, B, pages) in CASES:
+    name = f"{dt}_H{H}_S{S}_p{page}_B{B}_t{pages}"
+    before = set(glob.glob(d + "/*"))
+    f = lambda q, kv, bt, sl, s, o: mla_decode(q, kv, bt, sl, softmax_scale=s, output_scale=o, backend="sm90",
+                                              return_lse=True)
+    dtype = jnp.dtype(dt)
+    with target_override("sm_90a"):
+        jax.jit(f).trace(sd((B, S, H, 576), dtype), sd((B * pages + 1, page, 576), dtype), sd((B, pages), jnp.int32),
+                         sd((B,), jnp.int32), sd((), jnp.float32), sd((), jnp.float32)
+                         ).lower(lowering_platforms=("cuda",))
+    files = sorted(set(glob.glob(d + "/*.sass")) - before)
+    print("CASE", json.dumps([name, files]), flush=True)
+"""
+
+
+def _normalise(text: str) -> list[str]:
+    """The functions of one SASS file, symbol names replaced (they carry class and module names), each a string."""
+    text = re.sub(r"kernel_cutlass_\w+", "KERNEL", text)
+    text = re.sub(r"__unnamed_\d+", "UNNAMED", text)
+    return re.split(r"(?m)^(?=//-+ \.text\.)", text)[1:]
+
+
+def dump(out: str, src: str, cases, only: str | None) -> int:
+    os.makedirs(out, exist_ok=True)
+    dump_dir = os.path.join(out, "_dump")
+    os.makedirs(dump_dir, exist_ok=True)
+    if only:
+        cases = [c for c in cases if only in "_".join(map(str, c))]
+    env = dict(os.environ, CUTE_DSL_ARCH="sm_90a", CUTE_DSL_DUMP_DIR=dump_dir, CUTE_DSL_KEEP="sass",
+               TOKENSPEED_JAX_DISK_CACHE="0", JAX_PLATFORMS="cpu", PYTHONPATH=src)
+    code = f"SRC = {src!r}\nCASES = {cases!r}\n" + _WORKER
+    p = subprocess.Popen([sys.executable, "-c", code], env=env, cwd=src, stdout=subprocess.PIPE, text=True)
+    n = 0
+    for line in p.stdout:
+        if not line.startswith("CASE "):
+            sys.stdout.write(line)
+            continue
+        name, files = json.loads(line[5:])
+        texts = []  # (functions sorted: their order in the ELF follows their names)
+        for fpath in files:
+            with open(fpath) as fh:
+                texts += _normalise(fh.read())
+        with open(os.path.join(out, name + ".sass"), "w") as fh:
+            fh.write("\n".join(sorted(texts)))
+        print(f"{name}: {len(files)} sass file(s)", flush=True)
+        n += 1
+    return p.wait() or (0 if n == len(cases) else 1)
+
+
+def diff(a: str, b: str) -> int:
+    names = sorted({os.path.basename(p) for p in glob.glob(a + "/*.sass")} |
+                   {os.path.basename(p) for p in glob.glob(b + "/*.sass")})
+    bad = 0
+    for name in names:
+        pa, pb = os.path.join(a, name), os.path.join(b, name)
+        if not (os.path.exists(pa) and os.path.exists(pb)):
+            print(f"{name}: only in {a if os.path.exists(pa) else b}")
+            bad += 1
+            continue
+        ta, tb = open(pa).read().splitlines(), open(pb).read().splitlines()
+        if ta == tb:
+            print(f"{name}: identical ({len(ta)} lines)")
+            continue
+        bad += 1
+        d = list(difflib.unified_diff(ta, tb, pa, pb, n=1, lineterm=""))
+        print(f"{name}: DIFFERENT ({sum(1 for x in d if x[:1] in '+-') - 2} changed lines)")
+        print("\n".join(d[:40]))
+    return 1 if bad else 0
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    d = sub.add_parser("dump")
+    d.add_argument("out")
+    d.add_argument("--src", default=ROOT, help="source tree to import tokenspeed_jax from (default: this one)")
+    d.add_argument("--case", action="append", default=[], help="dtype:H:S:page[:B[:pages]]")
+    d.add_argument("--only", default=None)
+    c = sub.add_parser("diff")
+    c.add_argument("a")
+    c.add_argument("b")
+    args = ap.parse_args()
+    if args.cmd == "diff":
+        return diff(args.a, args.b)
+    cases = DEFAULT_CASES
+    if args.case:
+        cases = []
+        for s in args.case:
+            f = s.split(":")
+            dt, H, S, page = f[0], int(f[1]), int(f[2]), int(f[3])
+            B = int(f[4]) if len(f) > 4 else 4
+            pages = int(f[5]) if len(f) > 5 else 64
+            cases.append((dt, H, S, page, B, pages))
+    return dump(args.out, os.path.abspath(args.src), cases, args.only)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

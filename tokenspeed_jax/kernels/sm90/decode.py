@@ -1,0 +1,83 @@
+"""The one launch entry of the Hopper MLA decode kernels: ``launch_decode(..., loop=, producer=)`` builds the main
+loop a :class:`tokenspeed_jax.backends.sm90_decode.Sm90DecodeConfig` names and launches it (plus the split-KV
+combine kernel when the plan splits KV).  The loops:
+
+* ``"seesaw"`` (:mod:`.seesaw`): two warpgroups own alternate 64-token tiles of 64 query rows and work out
+  of phase; 16-bit, or FP8 with 16-token pages (QK and P V on FP8 tensor cores, V^T built in a packed slot);
+  ``producer``: a third warpgroup issues the TMA refills (pages >= 32).
+* ``"transposed"`` (:mod:`.transposed`): 16-bit, S x H <= 32 query rows: S^T = K Q^T and O^T = V^T P^T on the
+  real rows as the N dimension, the seesaw's refills, always with the producer warpgroup.
+* ``"fp8_transposed_pv"`` (:mod:`.fp8_transposed_pv`): FP8, S x H > 32, pages >= 32: 64-row blocks, O^T = V^T P^T with
+  V^T a register operand loaded straight from the e4m3 staging.
+* ``"fp8_transposed"`` (:mod:`.fp8_transposed`): FP8, S x H <= 32, pages >= 32: both matmuls transposed, each
+  warpgroup its own KV tiles over all 512 features, merged in the epilogue.
+"""
+
+import cutlass
+import cutlass.cute as cute
+
+from tokenspeed_jax.kernels.sm90.fp8_transposed import MlaDecodeFp8TransposedSm90
+from tokenspeed_jax.kernels.sm90.fp8_transposed_pv import MlaDecodeFp8TransposedPvSm90
+from tokenspeed_jax.kernels.sm90.seesaw import MlaDecodeSeesawSm90
+from tokenspeed_jax.kernels.sm90.transposed import MlaDecodeTransposedSm90
+
+LOOPS = ("seesaw", "transposed", "fp8_transposed_pv", "fp8_transposed")
+
+
+def build_decode_kernel(*, loop: str, producer: bool, dtype: str, num_heads: int, q_len: int, page_size: int,
+                        causal: bool, num_splits: int, tokens_per_split: int, trace: int = 0):
+    """The kernel object of ``loop`` for one problem class (the backend's config, resolved); ``trace`` > 0: a debug
+    build with ``clock64`` marks (benchmarks/trace_decode.py; not the transposed 16-bit loop)."""
+    kw = dict(dtype=dtype, num_heads=num_heads, q_len=q_len, page_size=page_size, causal=causal,
+              num_splits=num_splits, tokens_per_split=tokens_per_split)
+    if loop == "seesaw":
+        return MlaDecodeSeesawSm90(producer=producer, trace=trace, **kw)
+    if not producer:
+        raise ValueError(f"loop {loop!r} runs with the producer warpgroup only")
+    if loop == "transposed":
+        if trace:
+            raise ValueError("trace: the transposed 16-bit loop has no debug build")
+        return MlaDecodeTransposedSm90(**kw)
+    if loop == "fp8_transposed_pv":
+        return MlaDecodeFp8TransposedPvSm90(trace=trace, **kw)
+    if loop == "fp8_transposed":
+        return MlaDecodeFp8TransposedSm90(trace=trace, **kw)
+    raise ValueError(f"loop: expected one of {LOOPS}, got {loop!r}")
+
+
+@cute.jit
+def launch_decode(stream, q: cute.Tensor, kv: cute.Tensor, block_table: cute.Tensor, seq_lens: cute.Tensor,
+                  softmax_scale: cute.Tensor, output_scale: cute.Tensor, out: cute.Tensor, lse: cute.Tensor,
+                  o_accum: cute.Tensor = None, lse_accum: cute.Tensor = None, *, loop: cutlass.Constexpr,
+                  producer: cutlass.Constexpr, dtype: cutlass.Constexpr, num_heads: cutlass.Constexpr,
+                  q_len: cutlass.Constexpr, page_size: cutlass.Constexpr, causal: cutlass.Constexpr,
+                  num_splits: cutlass.Constexpr, tokens_per_split: cutlass.Constexpr):
+    """FFI launch function of the sm90 decode (ABI: ``tokenspeed_jax.backends.sm90_decode.decode``): q, cache,
+    block table, lengths, the (1,)-shaped scales, then the outputs out, lse and, when the plan splits KV, the fp32
+    partials ``o_accum [B, splits, rows, 512]`` and ``lse_accum [B, splits, rows]``."""
+    build_decode_kernel(loop=loop, producer=producer, dtype=dtype, num_heads=num_heads, q_len=q_len,
+                        page_size=page_size, causal=causal, num_splits=num_splits,
+                        tokens_per_split=tokens_per_split)(
+        stream, q, kv, block_table, seq_lens, softmax_scale, output_scale, out, lse, o_accum, lse_accum)
+
+
+
+
+@cute.jit
+def launch_decode_traced(stream, q: cute.Tensor, kv: cute.Tensor, block_table: cute.Tensor, seq_lens: cute.Tensor,
+                         softmax_scale: cute.Tensor, output_scale: cute.Tensor, out: cute.Tensor, lse: cute.Tensor,
+                         trace_buf: cute.Tensor, o_accum: cute.Tensor = None, lse_accum: cute.Tensor = None, *,
+                         loop: cutlass.Constexpr, producer: cutlass.Constexpr, dtype: cutlass.Constexpr,
+                         num_heads: cutlass.Constexpr, q_len: cutlass.Constexpr, page_size: cutlass.Constexpr,
+                         causal: cutlass.Constexpr, num_splits: cutlass.Constexpr,
+                         tokens_per_split: cutlass.Constexpr, trace: cutlass.Constexpr):
+    """Debug build of :func:`launch_decode` with ``clock64`` marks (:class:`~.decode_trace.DecodeTraceMixin`) in
+    ``trace_buf`` (int64 ``(ctas, 2, trace, len(TRACE_EVENTS))``, the first ``ctas`` CTAs in ``(b, split, row
+    block)`` order), an extra output after ``lse`` (benchmarks/trace_decode.py)."""
+    build_decode_kernel(loop=loop, producer=producer, dtype=dtype, num_heads=num_heads, q_len=q_len,
+                        page_size=page_size, causal=causal, num_splits=num_splits,
+                        tokens_per_split=tokens_per_split, trace=trace)(
+        stream, q, kv, block_table, seq_lens, softmax_scale, output_scale, out, lse, o_accum, lse_accum, trace_buf)
+
+
+__all__ = ["LOOPS", "build_decode_kernel", "launch_decode", "launch_decode_traced"]

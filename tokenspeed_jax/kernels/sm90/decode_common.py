@@ -1,0 +1,536 @@
+"""Shared host and device code of the Hopper MLA decode kernels (CuTe DSL): the static configuration every main
+loop takes, the Q load, the row limits, the split-KV plan's KV ranges, the staged epilogue and the split-KV combine
+kernel.  The main loops subclass :class:`MlaDecodeSm90`; the launch entry is :mod:`tokenspeed_jax.kernels.sm90.decode`.
+
+Contract: ``tokenspeed_jax.decode`` module docstring (cache row layout, mask, LSE, clamping).
+
+* One CTA = (a row block of the ``R = S*H`` query rows of one request, one KV split).  Rows are ``r = s*H + h``
+  (heads fastest), so the KV stream of a request is read once for all S tokens and all heads of a block.
+* Online softmax in the exp2 domain, fp32 statistics; masked scores are -inf, a row whose max is still -inf uses 0
+  as its reference so exp2 gives exact zeros.  seq_len is clamped to ``[0, max_pages*page_size]``, page ids to
+  ``[0, num_pages)``; KV rows past a request's length are masked and never multiply a nonzero P.
+* Split KV: CTA ``(row block, split, request)`` covers the token range of :meth:`MlaDecodeSm90.split_range`.
+  ``num_splits == 1``: the main kernel writes ``out`` (scaled by ``output_scale``) and ``lse``.  Otherwise it writes
+  normalised fp32 partials ``o_accum[B, splits, R, 512]`` and natural-log ``lse_accum[B, splits, R]`` (-inf for an
+  empty split; :meth:`MlaDecodeSm90.out_row`) and :meth:`MlaDecodeSm90.combine_kernel` merges them in fixed split
+  order (deterministic), launched right behind the main kernel with programmatic dependent launch.
+* ``softmax_scale`` and ``output_scale`` are read at run time from float32 device arrays of shape (1,).
+"""
+
+from __future__ import annotations
+
+import cutlass
+from cutlass import Float32, Int32, Int64, cute
+from cutlass.cute.nvgpu import cpasync, warpgroup
+
+from tokenspeed_jax.kernels.sm90.helpers import LN_2, LOG2_E, Barrier, clamp, quad_max, quad_sum, row_ptr
+
+_K16 = 16  # wgmma K of 16-bit operands
+_K32 = 32  # wgmma K of 8-bit operands
+_CHUNK = 64  # columns of one 64-column chunk of a KV tile
+_DTYPES = {"bfloat16": cutlass.BFloat16, "float16": cutlass.Float16, "float8_e4m3fn": cutlass.Float8E4M3FN}
+_MIN_PAGE = 16  # TMA refills: at most 4 boxes of whole pages per 64-token chunk
+
+
+class MlaDecodeSm90:
+    """Static configuration of one decode kernel (module docstring), shared by the main loops.
+
+    Args: dtype ("bfloat16" | "float16" | "float8_e4m3fn"), num_heads H, q_len S, page_size (a power of two >= 16),
+    causal, num_splits, tokens_per_split (a multiple of 64), ``pad_zero``: the query rows past R of a 64-row block are
+    zeros with every key masked (else no row past R is read: a block without padding, or a loop on the real rows).
+    """
+
+    block_m = 64
+    block_n = 64
+    num_threads = 256  # the two computing warpgroups
+
+    def __init__(self, *, dtype: str, num_heads: int, q_len: int, page_size: int, causal: bool,
+                 num_splits: int, tokens_per_split: int, pad_zero: bool = False):
+        why = self.can_implement(dtype=dtype, num_heads=num_heads, q_len=q_len, page_size=page_size,
+                                 tokens_per_split=tokens_per_split)
+        if why:
+            raise ValueError(why)
+        self.dtype_name = dtype
+        self.dtype = _DTYPES[dtype]
+        self.fp8 = dtype == "float8_e4m3fn"
+        self.mma_dtype = cutlass.BFloat16 if self.fp8 else self.dtype  # 16-bit operand dtype in smem / wgmma
+        self.out_dtype = cutlass.BFloat16 if self.fp8 else self.dtype
+        self.H, self.S = num_heads, q_len
+        self.R = num_heads * q_len
+        self.page_size = page_size
+        self.causal = causal
+        self.num_splits = num_splits
+        self.tokens_per_split = tokens_per_split
+        self.D, self.DV = 576, 512
+        self.num_m_blocks = -(-self.R // self.block_m)
+        # the rows past R of a row block (R % 64 != 0) load zeros and mask every key, so the padded rows of both
+        # matmuls' A operands are zeros (q) and exact zeros (P): less switching in the tensor cores, which lowers the
+        # power draw and so holds a higher SM clock under sustained load (docs/sm90_decode.md)
+        self.pad_zero = bool(pad_zero)
+        # FP8: P is computed as 2^8 p (max 256 < 448, e4m3's largest finite), so p down to 2^-14 stays a normal e4m3
+        # number (3 mantissa bits) and down to 2^-17 a subnormal; O and l carry the factor, the LSE takes it out
+        self.p8_bias = 8.0 if self.fp8 else 0.0
+
+    @staticmethod
+    def can_implement(*, dtype, num_heads, q_len, page_size, tokens_per_split):
+        if dtype not in _DTYPES:
+            return f"dtype {dtype} not in {tuple(_DTYPES)}"
+        if not 1 <= num_heads <= 128 or not 1 <= q_len <= 16:
+            return f"num_heads in 1..128 and q_len in 1..16 required, got {num_heads}, {q_len}"
+        if page_size < _MIN_PAGE or page_size & (page_size - 1):
+            return f"page_size must be a power of two >= {_MIN_PAGE}, got {page_size}"
+        if tokens_per_split % 64:
+            return f"tokens_per_split must be a multiple of 64, got {tokens_per_split}"
+        return None
+
+    # ---------------------------------------------------------------------------------------- device
+    def _row_copy(self, dtype, bits: int, vals: int, threads=(32, 8)):
+        """Tiled copy over ``threads`` = (rows, threads per row) threads (default 256: 32 x 8), ``vals``
+        contiguous elements each; cp.async for 16-byte copies of 16-bit data."""
+        if bits == 128 and dtype.width == 16:
+            op = cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL)
+        else:
+            op = cute.nvgpu.CopyUniversalOp()
+        atom = cute.make_copy_atom(op, dtype, num_bits_per_copy=bits)
+        return atom, cute.make_tiled_copy_tv(atom, cute.make_ordered_layout(threads, order=(1, 0)),
+                                             cute.make_layout((1, vals)))
+
+    @cute.jit
+    def load_rows(self, sX: cute.Tensor, base: cute.Tensor, rows: cute.Tensor, tid: Int32,
+                  zero_neg: cutlass.Constexpr = False):
+        """cp.async 16-bit rows: smem row 32m + t//8 <- global row ``rows[m]`` of ``base`` (row-major, D
+        wide); thread t copies the 16-byte chunks (t % 8) + 8k.  ``zero_neg``: a negative ``rows[m]`` (a padded
+        q row, :meth:`q_rows`) stores zeros instead (plain stores: the reader's proxy fence publishes them)."""
+        atom, tiled = self._row_copy(self.mma_dtype, 128, 8)
+        tXsX = tiled.get_slice(tid).partition_D(sX)  # (CPY, rows/32, 9)
+        for m in cutlass.range_constexpr(cute.size(tXsX, mode=[1])):
+            for k in cutlass.range_constexpr(cute.size(tXsX, mode=[2])):
+                dst = tXsX[None, m, k]
+                if cutlass.const_expr(zero_neg):
+                    if rows[m] < 0:
+                        z = cute.make_rmem_tensor((8,), self.mma_dtype)
+                        z.fill(0.0)
+                        cute.autovec_copy(z, dst)
+                    else:
+                        self.copy_chunk(atom, base, rows[m], (tid % 8) * 8 + 64 * k, dst)
+                else:
+                    self.copy_chunk(atom, base, rows[m], (tid % 8) * 8 + 64 * k, dst)
+
+    @cute.jit
+    def copy_chunk(self, atom: cute.CopyAtom, base: cute.Tensor, row: Int64, col, dst: cute.Tensor):
+        """One 16-byte cp.async of :meth:`load_rows`: elements ``col..col+7`` of global ``row`` into ``dst``."""
+        cute.copy(atom, cute.make_tensor(row_ptr(base, row, col, self.D, 16), dst.layout), dst)
+
+    @cute.jit
+    def load_q_tile(self, sQ: cute.Tensor, mQ: cute.Tensor, mblk: Int32, b: Int32, tid: Int32):
+        """The Q tile of row block ``mblk`` into ``sQ`` by 256 threads (raw e4m3 for the FP8 QK, else 16-bit rows by
+        cp.async, one group the caller commits)."""
+        if cutlass.const_expr(self.fp8):
+            self.load_q_raw8(sQ, mQ, self.q_rows(mblk, b, tid), tid)
+        else:
+            self.load_rows(sQ, mQ, self.q_rows(mblk, b, tid), tid, zero_neg=self.pad_zero)
+
+    @cute.jit
+    def load_q_raw8(self, sQ: cute.Tensor, mQ: cute.Tensor, rows: cute.Tensor, tid: Int32):
+        """e4m3 q rows -> e4m3 smem in the QGMMA A layout, unconverted: synchronous 8-byte loads and stores
+        (thread t: rows ``t//8 + 32m``, bytes ``8 (t%8) + 64k``), published by the prologue's proxy fence
+        and barrier."""
+        _, tiled = self._row_copy(cutlass.Float8E4M3FN, 64, 8)
+        tXsQ = tiled.get_slice(tid).partition_D(sQ)
+        for m in cutlass.range_constexpr(cute.size(tXsQ, mode=[1])):
+            for k in cutlass.range_constexpr(cute.size(tXsQ, mode=[2])):
+                row = rows[m]
+                if cutlass.const_expr(self.pad_zero):
+                    row = cutlass.max(row, Int64(0))  # (-1: a zero row, q_rows; row 0 is read and replaced)
+                src = cute.make_tensor(row_ptr(mQ, row, (tid % 8) * 8 + 64 * k, self.D, 8), cute.make_layout(8))
+                f8 = cute.make_rmem_tensor((8,), cutlass.Float8E4M3FN)
+                cute.autovec_copy(src, f8)
+                if cutlass.const_expr(self.pad_zero):  # noqa: SIM102 (static + dynamic test)
+                    if rows[m] < 0:  # a zero row (q_rows)
+                        f8.fill(0.0)
+                cute.autovec_copy(f8, tXsQ[None, m, k])
+
+    @cute.jit
+    def cta_start(self, Storage: cutlass.Constexpr):
+        """First thing of a main kernel: ``(tid, row block, split, request, warpgroup, thread in the warpgroup, shared
+        storage)``, after the combine's PDL trigger.  Where a CTA finds its work: the grid is ``(row blocks, splits,
+        requests)``; its KV range is :meth:`split_range` of ``(request, split)``."""
+        tid, _, _ = cute.arch.thread_idx()
+        mblk, split, b = cute.arch.block_idx()
+        self.allow_combine_launch()
+        wg = cute.arch.make_warp_uniform(tid // 128)
+        st = cutlass.utils.SmemAllocator().allocate(Storage)
+        return tid, mblk, split, b, wg, tid % 128, st
+
+    @cute.jit
+    def num_pairs(self, split_start: Int32, split_end: Int32):
+        """Tile pairs (2 x 64 tokens) of the split ``[split_start, split_end)``, 0 if it is empty."""
+        n = Int32(0)
+        if split_end > split_start:
+            n = (split_end - split_start + 2 * self.block_n - 1) // (2 * self.block_n)
+        return n
+
+    @cute.jit
+    def split_range(self, mBT: cute.Tensor, mSeq: cute.Tensor, b: Int32, split: Int32):
+        """``(seq, split_start, split_end)`` of request ``b``'s KV split: seq_len clamped to
+        ``[0, max_pages * page_size]``; the split covers ``[split_start, split_end)`` (empty if
+        ``split_end <= split_start``)."""
+        seq = clamp(mSeq[b], 0, mBT.shape[1] * self.page_size)
+        split_start = split * self.tokens_per_split
+        split_end = cutlass.min(split_start + self.tokens_per_split, seq)
+        return seq, split_start, split_end
+
+    @cute.jit
+    def q_rows(self, mblk: Int32, b: Int32, tid: Int32):
+        """Global q rows ``[B*R]`` of the two tile rows ``tid//8 + 32m`` this thread loads; rows past R are
+        a clamped copy of row R-1 (finite, never stored), or -1 (load zeros) with ``pad_rows="zero"``."""
+        qrows = cute.make_rmem_tensor((2,), Int64)
+        for m in cutlass.range_constexpr(2):
+            r0 = mblk * self.block_m + tid // 8 + 32 * m
+            r = cutlass.min(r0, self.R - 1)
+            qrows[m] = Int64(b) * self.R + r
+            if cutlass.const_expr(self.pad_zero):  # noqa: SIM102 (static + dynamic test)
+                if r0 >= self.R:
+                    qrows[m] = Int64(-1)
+        return qrows
+
+    @cute.jit
+    def row_limits(self, tScS: cute.Tensor, mblk: Int32, seq: Int32, split_end: Int32):
+        """``(row_in, lim)``: the tile rows of this thread's two accumulator rows and the first masked key
+        of each (bottom-right causal: ``seq - S + 1 + s``; else ``seq``; at most ``split_end``)."""
+        row_in = cute.make_rmem_tensor((2,), Int32)
+        row_in[0] = tScS[0][0]
+        row_in[1] = tScS[2][0]
+        lim = cute.make_rmem_tensor((2,), Int32)
+        for h in cutlass.range_constexpr(2):
+            s_tok = (mblk * self.block_m + row_in[h]) // self.H
+            lim_h = seq
+            if cutlass.const_expr(self.causal):
+                lim_h = seq - self.S + 1 + s_tok
+            lim[h] = cutlass.min(lim_h, split_end)
+            if cutlass.const_expr(self.pad_zero):  # noqa: SIM102 (static + dynamic test)
+                if mblk * self.block_m + row_in[h] >= self.R:
+                    lim[h] = 0  # a padded row: every key masked, P exactly 0
+        return row_in, lim
+
+    @cute.jit
+    def landed(self, mbar_ptr, phase):
+        """Wait for a column group's refill (completion ``phase`` of its mbarrier)."""
+        cute.arch.mbarrier_wait(mbar_ptr, phase)
+
+    @cute.jit
+    def qk_chunks(self, qk_mma: cute.TiledMma, acc_s: cute.Tensor, tSrQ: cute.Tensor, tSrK: cute.Tensor,
+                  chunks: cutlass.Constexpr, first: cutlass.Constexpr):
+        """Issue ``S (+)= Q[:, chunks] K[:, chunks]^T`` (no commit); ``first``: S starts from zero.  (The MMA
+        always accumulates: its ACCUMULATE field is set once at kernel scope, because a field set inside one
+        warpgroup's branch would not dominate the other branch's uses.)"""
+        if cutlass.const_expr(first):
+            acc_s.fill(0.0)
+        warpgroup.fence()
+        kpc = _CHUNK // (_K32 if cutlass.const_expr(self.fp8) else _K16)  # wgmma k-steps per 64-column chunk
+        for c in cutlass.range_constexpr(len(chunks)):
+            for kk in cutlass.range_constexpr(kpc):
+                k = chunks[c] * kpc + kk
+                cute.gemm(qk_mma, acc_s, tSrQ[None, None, k], tSrK[None, None, k], acc_s)
+
+    @cute.jit
+    def scaled_tile_max(self, acc_s: cute.Tensor, tScS: cute.Tensor, lim: cute.Tensor, tile_start: Int32,
+                        scale_log2: Float32):
+        """S -> exp2 domain in place, -inf for keys at or past the row's ``lim``; the quad-reduced row maxima."""
+        mx = cute.make_rmem_tensor((2,), Float32)
+        mx[0] = -Float32.inf
+        mx[1] = -Float32.inf
+        for e in cutlass.range_constexpr(cute.size(acc_s)):
+            h = (e // 2) % 2
+            v = acc_s[e] * scale_log2
+            if tile_start + tScS[e][1] >= lim[h]:
+                v = -Float32.inf
+            acc_s[e] = v
+            mx[h] = cute.arch.fmax(mx[h], v)
+        for h in cutlass.range_constexpr(2):
+            mx[h] = quad_max(mx[h])
+        return mx
+
+    @cute.jit
+    def fold_max(self, m_prev: Float32, mx: Float32):
+        """Fold a tile's row max ``mx`` into the shared running max ``m_prev``: returns ``(m_new, ref,
+        scale)``, where ``ref`` is what P is computed against (0 while the max is still -inf, so exp2 gives
+        exact zeros) and ``scale = exp2(m_prev - ref)`` rescales state relative to ``m_prev``."""
+        m_new = cute.arch.fmax(m_prev, mx)
+        ref = m_new
+        if m_new == -Float32.inf:
+            ref = Float32(0.0)
+        return m_new, ref, cute.arch.exp2(m_prev - ref)
+
+    @cute.jit
+    def exp_rows(self, acc_s: cute.Tensor, ref: cute.Tensor, row_l: cute.Tensor):
+        """``P = exp2(S - ref)`` in place, added to the thread's partial row sums.  FP8: ``2^8 P`` (the e4m3 cast keeps
+        P's small values as normals; :attr:`p8_bias`); O and l carry the same factor until the epilogue (which
+        subtracts it from the row max for the LSE)."""
+        rb = ref
+        if cutlass.const_expr(self.fp8):
+            rb = cute.make_rmem_tensor((2,), Float32)
+            for h in cutlass.range_constexpr(2):
+                rb[h] = ref[h] - self.p8_bias
+        for e in cutlass.range_constexpr(cute.size(acc_s)):
+            h = (e // 2) % 2
+            p = cute.arch.exp2(acc_s[e] - rb[h])
+            acc_s[e] = p
+            row_l[h] = row_l[h] + p
+
+    @cute.jit
+    def fold_first_max(self, acc_s, tScS, lim, tile_start, scale_log2, sM, sSc0, row_in, row_l, ref, sc, wtid):
+        """Warpgroup 0: fold its tile (keys from ``tile_start``) into the shared row max ``sM``; ``ref`` = the new
+        reference max, ``sc`` = its scale (also published in ``sSc0``), the row sums rescaled by it."""
+        mx = self.scaled_tile_max(acc_s, tScS, lim, tile_start, scale_log2)
+        for h in cutlass.range_constexpr(2):
+            m_new, ref[h], sc[h] = self.fold_max(sM[row_in[h]], mx[h])
+            row_l[h] = row_l[h] * sc[h]
+            if wtid % 4 == 0:
+                sM[row_in[h]] = m_new
+                sSc0[row_in[h]] = sc[h]
+
+    @cute.jit
+    def fold_second_max(self, acc_s, tScS, lim, tile_start, scale_log2, sM, sSc0, sSc1, row_in, row_l, ref, sc, wtid):
+        """Warpgroup 1, after SCALE0: fold its tile into the shared row max; ``sc`` = scale0 x its own scale (which it
+        publishes in ``sSc1``), the row sums rescaled by it."""
+        mx = self.scaled_tile_max(acc_s, tScS, lim, tile_start, scale_log2)
+        for h in cutlass.range_constexpr(2):
+            m_new, ref[h], s1 = self.fold_max(sM[row_in[h]], mx[h])
+            sc[h] = sSc0[row_in[h]] * s1
+            row_l[h] = row_l[h] * sc[h]
+            if wtid % 4 == 0:
+                sM[row_in[h]] = m_new
+                sSc1[row_in[h]] = s1
+
+    @cute.jit
+    def epilogue(self, pv_thr, acc_o, row_m, row_l, row_in, sSum, mOut, mLse, mOacc, mLacc, out_scale, mblk,
+                 split, b, wg, wtid, stage):
+        """O / l and the LSE of this CTA's rows (the final output with one split, else this split's fp32 partials:
+        :meth:`out_row`).  ``stage`` = ``(pointer, bytes)``: free shared memory, 16-byte aligned, at least 36 KB
+        (:meth:`store_o_staged`): O goes through it and leaves in full 16-byte chunks."""
+        for h in cutlass.range_constexpr(2):
+            row_l[h] = quad_sum(row_l[h])
+            if wtid % 4 == 0:
+                sSum[wg * 64 + row_in[h]] = row_l[h]
+        cute.arch.barrier(barrier_id=int(Barrier.ROW_SUM), number_of_threads=self.num_threads)
+        inv = cute.make_rmem_tensor((2,), Float32)
+        lse = cute.make_rmem_tensor((2,), Float32)
+        for h in cutlass.range_constexpr(2):
+            l_tot = sSum[row_in[h]] + sSum[64 + row_in[h]]
+            inv[h] = 0.0
+            lse[h] = -Float32.inf
+            if l_tot > 0.0:
+                inv[h] = 1.0 / l_tot
+                lse[h] = (row_m[h] + cute.math.log2(l_tot, fastmath=False)) * LN_2
+        tOcO = pv_thr.partition_C(cute.make_identity_tensor((self.block_m, self.DV // 2)))
+        direct = cutlass.const_expr(self.num_splits == 1)
+        for h in cutlass.range_constexpr(2):
+            r = mblk * self.block_m + row_in[h]
+            if r < self.R:  # noqa: SIM102 (dynamic tests)
+                if wtid % 4 == 0 and wg == 0:
+                    gL = cute.make_tensor((mLse if direct else mLacc).iterator + self.out_row(b, split, r),
+                                          cute.make_layout(1))
+                    gL[0] = lse[h]
+            for e in cutlass.range_constexpr(cute.size(acc_o)):
+                if cutlass.const_expr((e // 2) % 2 == h):
+                    acc_o[e] = acc_o[e] * (inv[h] * out_scale if direct else inv[h])
+        self.store_o_staged(acc_o, tOcO, row_in, stage, mOut, mOacc, mblk, split, b, wg, wtid)
+
+    def out_row(self, b, split, r):
+        """Row of query row ``r`` of request ``b`` in ``out`` / ``lse`` (one split) or in the fp32 partials of split
+        ``split`` (``o_accum`` / ``lse_accum``), as an Int64."""
+        if self.num_splits == 1:
+            return Int64(b) * self.R + r
+        return (Int64(b) * self.num_splits + split) * self.R + r
+
+    @cute.jit
+    def store_o_staged(self, acc_o, tOcO, row_in, stage, mOut, mOacc, mblk, split, b, wg, wtid):
+        """The scaled O of warpgroup ``wg`` (64 rows x its 256 features, in ``acc_o``) to ``out`` (or the fp32 partials)
+        through the shared memory ``stage`` = ``(pointer, bytes)``, in passes of ``cw`` features, the most of 256 /
+        128 / 64 for which both warpgroups' tiles fit: each thread writes its element pairs (4 or 8 bytes) into a
+        64-row tile with rows of ``cw + 8`` elements (the 8 put a warp's pair stores, 8 rows x 4 threads, on 32
+        distinct banks: a row is 4 banks on for 4-byte pairs, 8 for 8-byte ones), the warpgroup syncs on its TAIL
+        barrier, then the warps copy whole row segments out, 16 bytes per thread (coalesced).  16-bit Q tile (72 KB):
+        one pass (bf16) or two (fp32); FP8 Q tile (36 KB): two or four.  Rows past R are not stored."""
+        direct = cutlass.const_expr(self.num_splits == 1)
+        et = self.out_dtype if direct else Float32
+        eb = et.width // 8
+        cw = staged_pass_features(eb, stage[1])
+        pitch = cw + 8  # elements per staged row
+        vec = 16 // eb  # elements per 16-byte chunk
+        cpr = cw // vec  # chunks per row segment (16 or 32)
+        base = cute.recast_ptr(stage[0], dtype=et) + wg * 64 * pitch
+        pair = cute.make_rmem_tensor((2,), et)
+        chunk = cute.make_rmem_tensor((vec,), et)
+        for p in cutlass.range_constexpr((self.DV // 2) // cw):
+            for e in cutlass.range_constexpr(cute.size(acc_o)):
+                # (element e = v + 2 h + 4 j: column 8 j + 2 (lane % 4) + v of row row_in[h])
+                if cutlass.const_expr(e % 2 == 0 and (8 * (e // 4)) // cw == p):
+                    pair[0] = acc_o[e].to(et)
+                    pair[1] = acc_o[e + 1].to(et)
+                    off = row_in[(e // 2) % 2] * pitch + tOcO[e][1] - p * cw
+                    sdst = cute.make_ptr(et, (base + off).toint(), cute.AddressSpace.smem, assumed_align=2 * eb)
+                    cute.autovec_copy(pair, cute.make_tensor(sdst, cute.make_layout(2)))
+            cute.arch.barrier(barrier_id=int(Barrier.TAIL) + wg, number_of_threads=128)
+            for i in cutlass.range_constexpr(64 * cpr // 128):
+                row = (128 // cpr) * i + wtid // cpr
+                c = (wtid % cpr) * vec
+                r = mblk * self.block_m + row
+                if r < self.R:
+                    src = cute.make_ptr(et, (base + row * pitch + c).toint(), cute.AddressSpace.smem, assumed_align=16)
+                    cute.autovec_copy(cute.make_tensor(src, cute.make_layout(vec)), chunk)
+                    f = wg * (self.DV // 2) + p * cw + c
+                    gdst = row_ptr(mOut if direct else mOacc, self.out_row(b, split, r), f, self.DV, 16)
+                    cute.autovec_copy(chunk, cute.make_tensor(gdst, cute.make_layout(vec)))
+            if cutlass.const_expr(p + 1 < (self.DV // 2) // cw):  # the next pass overwrites the tile
+                cute.arch.barrier(barrier_id=int(Barrier.TAIL) + wg, number_of_threads=128)
+
+    def launch_main(self, main, smem: int, stream, batch, output_scale, out, lse, o_accum, lse_accum):
+        """Host side of every loop: launch its traced main kernel ``main`` (``smem`` bytes of shared memory) on the grid
+        ``(row blocks, splits, requests)`` (:meth:`cta_start` reads it back; the shared memory allows one CTA per SM);
+        with split partials, then the combine kernel (:meth:`launch_combine`)."""
+        main.launch(grid=(self.num_m_blocks, self.num_splits, batch), block=(self.cta_threads, 1, 1), smem=smem,
+                    stream=stream, min_blocks_per_mp=1)
+        if self.num_splits > 1:
+            self.launch_combine(stream, o_accum, lse_accum, output_scale, out, lse, batch)
+
+    @cute.jit
+    def allow_combine_launch(self):
+        """Main kernels, first thing: with split partials the combine grid may be launched now (programmatic dependent
+        launch; it waits for this grid to complete before reading: :meth:`combine_kernel`)."""
+        if cutlass.const_expr(self.num_splits > 1):
+            cute.arch.griddepcontrol_launch_dependents()
+
+    def combine_shape(self):
+        """``(C, G)`` of the combine kernel: each CTA merges ``DV / C`` columns of one row; its 128
+        threads form ``G`` split groups of ``128 / G`` column threads (4 columns each). Up to 8 splits one
+        thread merges all of them (C = G = 1, the loads unrolled); beyond, 8 x 8 keeps enough loads in
+        flight when one request is split over the whole GPU (B=1: 128 splits x 16 rows)."""
+        return (1, 1) if self.num_splits <= 8 else (8, 8)
+
+    def combine_lse_slots(self) -> int:
+        """Split LSEs each of the combine's 128 threads reads (``ceil(splits / 128)``)."""
+        return -(-self.num_splits // 128)
+
+    @cute.jit
+    def launch_combine(self, stream, o_accum: cute.Tensor, lse_accum: cute.Tensor, output_scale: cute.Tensor,
+                       out: cute.Tensor, lse: cute.Tensor, batch):
+        C, _G = self.combine_shape()
+        nw = self.combine_lse_slots() * 128
+
+        @cute.struct
+        class CombineStorage:
+            red: cute.struct.MemRange[Float32, 8]
+            w: cute.struct.Align[cute.struct.MemRange[Float32, nw], 16]
+            acc: cute.struct.Align[cute.struct.MemRange[Float32, 512], 16]
+
+        self.combine_kernel(o_accum, lse_accum, output_scale, out, lse, CombineStorage).launch(
+            grid=(self.R, batch, C), block=(128, 1, 1), smem=CombineStorage.size_in_bytes(), stream=stream,
+            use_pdl=True)
+
+    @cute.jit
+    def block_allreduce(self, x: Float32, sRed: cute.Tensor, slot: cutlass.Constexpr[int],
+                        is_max: cutlass.Constexpr[bool], tid: Int32) -> Float32:
+        """Max (``is_max``) or sum of ``x`` over the 128 threads, returned to all of them: butterfly over each
+        warp, the 4 warp results through ``sRed[slot:slot + 4]``, folded in warp order (deterministic)."""
+        for k in cutlass.range_constexpr(5):
+            y = cute.arch.shuffle_sync_bfly(x, offset=16 >> k)
+            x = cute.arch.fmax(x, y) if is_max else x + y
+        if tid % 32 == 0:
+            sRed[slot + tid // 32] = x
+        cute.arch.barrier()
+        r = sRed[slot]
+        for w in cutlass.range_constexpr(1, 4):
+            r = cute.arch.fmax(r, sRed[slot + w]) if is_max else r + sRed[slot + w]
+        return r
+
+    @cute.kernel
+    def combine_kernel(self, mOacc: cute.Tensor, mLacc: cute.Tensor, mOS: cute.Tensor, mOut: cute.Tensor,
+                       mLse: cute.Tensor, Storage: cutlass.Constexpr):
+        """One CTA per (row, request, column chunk): LSE-weighted sum of the split partials in a fixed order
+        (deterministic, no atomics). The split LSEs are read by all 128 threads at once and reduced in the
+        block; the weights go through smem; each split group sums its splits in order, then group 0 adds
+        the groups in order.
+
+        Launched with programmatic dependent launch (PDL): the main kernel signals
+        ``griddepcontrol.launch_dependents`` at its start, so this grid is launched while the main grid
+        runs and its CTAs take SMs as main CTAs retire; ``griddepcontrol.wait`` holds every thread until
+        the main grid has completed and its writes are visible."""
+        cute.arch.griddepcontrol_wait()
+        tid, _, _ = cute.arch.thread_idx()
+        r, b, chunk = cute.arch.block_idx()
+        ns = self.num_splits
+        C, G = self.combine_shape()
+        T = 128 // G
+        NL = self.combine_lse_slots()
+        NI = -(-ns // G)
+        st = cutlass.utils.SmemAllocator().allocate(Storage)
+        sRed = st.red.get_tensor(cute.make_layout(8))
+        sW = st.w.get_tensor(cute.make_layout(NL * 128))
+        sAcc = st.acc.get_tensor(cute.make_layout(512))
+        lbase = Int64(b) * ns * self.R + r
+        gL = cute.make_tensor(mLacc.iterator + lbase, cute.make_layout(ns, stride=self.R))
+        lv = cute.make_rmem_tensor((NL,), Float32)
+        m = -Float32.inf
+        for j in cutlass.range_constexpr(NL):
+            lv[j] = -Float32.inf
+            if tid + 128 * j < ns:
+                lv[j] = gL[tid + 128 * j]
+            m = cute.arch.fmax(m, lv[j])
+        m = self.block_allreduce(m, sRed, 0, True, tid)
+        part = Float32(0.0)
+        for j in cutlass.range_constexpr(NL):
+            w = Float32(0.0)
+            if m != -Float32.inf:
+                w = cute.arch.exp2((lv[j] - m) * LOG2_E)
+            sW[tid + 128 * j] = w
+            part = part + w
+        total = self.block_allreduce(part, sRed, 4, False, tid)
+        g, c = tid // T, tid % T
+        col = chunk * (self.DV // C) + c * 4
+        acc = cute.make_rmem_tensor((4,), Float32)
+        acc.fill(0.0)
+        for i in cutlass.range_constexpr(NI):
+            if g + G * i < ns:
+                s = g + G * i
+                gO = cute.make_tensor(row_ptr(mOacc, lbase + Int64(s) * self.R, col, self.DV, 16), cute.make_layout(4))
+                v = gO.load()
+                w = sW[s]
+                for j in cutlass.range_constexpr(4):
+                    acc[j] = acc[j] + w * v[j]
+        if cutlass.const_expr(G > 1):
+            for j in cutlass.range_constexpr(4):
+                sAcc[tid * 4 + j] = acc[j]
+            cute.arch.barrier()
+        if g == 0:
+            if cutlass.const_expr(G > 1):
+                for k in cutlass.range_constexpr(1, G):
+                    for j in cutlass.range_constexpr(4):
+                        acc[j] = acc[j] + sAcc[(k * T + c) * 4 + j]
+            inv = Float32(0.0)
+            lse = -Float32.inf
+            if total > 0.0:
+                inv = mOS[0] / total
+                lse = m + cute.math.log(total, fastmath=False)
+            obase = Int64(b) * self.R + r
+            res = cute.make_rmem_tensor((4,), self.out_dtype)
+            for j in cutlass.range_constexpr(4):
+                res[j] = (acc[j] * inv).to(self.out_dtype)
+            gOut = cute.make_tensor(row_ptr(mOut, obase, col, self.DV, 8), cute.make_layout(4))
+            gOut.store(res.load())
+            if tid == 0 and chunk == 0:
+                gLse = cute.make_tensor(mLse.iterator + obase, cute.make_layout(1))
+                gLse[0] = lse
+
+
+def staged_pass_features(elem_bytes: int, stage_bytes: int) -> int:
+    """Features per pass of :meth:`MlaDecodeSm90.store_o_staged`: the most of 256 / 128 / 64 for which both
+    warpgroups' 64-row tiles, rows of ``features + 8`` elements of ``elem_bytes``, fit in ``stage_bytes``."""
+    for cw in (256, 128, 64):
+        if 2 * 64 * (cw + 8) * elem_bytes <= stage_bytes:
+            return cw
+    raise ValueError(f"store_o_staged: {stage_bytes} bytes of shared memory are too few for O")
+
+
+__all__ = ["MlaDecodeSm90", "staged_pass_features"]

@@ -1,0 +1,167 @@
+"""FP8 MLA decode for Hopper on 32- and 16-row tiles (S x H <= 32), each computing warpgroup on its own KV tiles.
+
+Both matmuls transposed (``S^T = K Q^T``, ``O^T = V^T P^T``, the query rows as N; the O^T loop's ``qk_t``), and the
+two computing warpgroups share nothing but the producer and the shared-memory ring: warpgroup ``g`` runs tiles
+``2 j + g`` (buffers ``2 (j % 2) + g``) over **all** 512 features, with its own running max, row sums and ``O^T``,
+FlashAttention-2 style: fold -> exp -> P^T store -> ``O^T *= scale`` -> ``V^T`` loads + PV -> next QK -> both retired
+-> slot free.  No barrier between the warpgroups in the loop, so one warpgroup's softmax runs beside the other's
+tensor work whatever their phase (a shared running max would chain them: WG0's softmax -> SCALE0 -> WG1's softmax ->
+SCALE1 -> ..., which on these memory-bound shapes, not the bytes, would set the iteration).  The costs:
+
+* ``O^T`` of 512 features: ``4 pv_n`` accumulator registers (128 at 32 rows), and the ``V^T`` fragments of all 8
+  m-blocks of a tile (64 registers, one set).  The PV retires before the next QK is issued: with both in flight the
+  ``V^T`` fragments and S live together and ptxas spills in the loop.
+* The epilogue merges the two partial states (each over half of the split's tiles): the column maxima through shared
+  memory, each warpgroup rescales its ``O^T`` and row sums to the common max (``fold_max``: a warpgroup without keys
+  contributes zeros), swaps the half of ``O^T`` it does not store through the freed KV buffers (``4 pv_n / 2`` floats
+  a thread each way, laid out ``[writer][element][thread]``: both warpgroups' accumulators have the same fragment
+  layout, so thread ``t`` of one holds exactly the elements thread ``t`` of the other needs), and stores its 256
+  features (:meth:`~tokenspeed_jax.kernels.sm90.transposed_out.TransposedOutMixin.store_ot_rows`).
+* Each warpgroup frees its own buffers (warpgroup ``g`` arrives on ``SLOT0_FREE + g`` once its PV of the buffer
+  retired and its next tile landed; that tile was loaded after the producer synced on the warpgroup's previous
+  arrival, so no arrival overtakes the producer's sync of the one before).
+
+P is rounded to e4m3 as ``2^8 p``, the row sums over the unrounded P; the sums and ``O^T`` accumulate as two partial
+states merged once.
+"""
+
+from __future__ import annotations
+
+import cutlass
+from cutlass import Float32, Int32, cute
+from cutlass.cute.nvgpu import warpgroup
+
+from tokenspeed_jax.kernels.sm90.decode_trace import TRACE_EVENTS
+from tokenspeed_jax.kernels.sm90.fp8_transposed_pv import _BUF_BYTES, _F8, _P_BYTES, MlaDecodeFp8TransposedPvSm90
+from tokenspeed_jax.kernels.sm90.helpers import Barrier
+
+# DecodeTraceMixin.mark points of an iteration (debug builds, benchmarks/trace_decode.py): both warpgroups run the same
+# code, so the same names; "-" unused (as many slots as TRACE_EVENTS, the trace buffer's shape)
+_OWN_EVENTS = ("top", "column maxima + TAIL", "fold (own max, scale)", "exp", "P store + TAIL, O^T *= scale",
+               "V^T loads + PV issue + retire", "wait next tile landed", "next QK issue", "QK retired",
+               "SLOT*_FREE out")
+TRACE_EVENTS_OWN = tuple((e, e) for e in _OWN_EVENTS) + (("-", "-"),) * (len(TRACE_EVENTS) - len(_OWN_EVENTS))
+
+
+class MlaDecodeFp8TransposedSm90(MlaDecodeFp8TransposedPvSm90):
+    """:class:`~.fp8_transposed_pv.MlaDecodeFp8TransposedPvSm90` on 32- / 16-row tiles (``qk_t``) with each warpgroup
+    on its own tiles (module docstring): the same host side, prologue and producer, its own computing part
+    (:meth:`consume_ot`)."""
+
+    def __init__(self, **kw):
+        super().__init__(qk_t=True, **kw)
+
+    @cute.jit
+    def consume_ot(self, qk_mma, pv_mma, sQ, st, bufs, wg, wtid, mblk, split, b, seq, split_start, split_end, n_pairs,
+                   mbar, scale_log2, out_scale, mBT, mKV, num_pages, mOut, mLse, mOacc, mLacc, tr):
+        """Warpgroup ``wg``'s tiles ``2 j + wg`` (module docstring), then the merge and the epilogue.  ``tr``:
+        ``(mTrace, cta)`` for :meth:`mark` (events :data:`TRACE_EVENTS_OWN`)."""
+        bn = self.block_n
+        mTrace, cta = tr
+        sM = st.row_max.get_tensor(cute.make_layout(64))
+        sSum = st.row_sum.get_tensor(cute.make_layout(128))
+        sRed = st.red.get_tensor(cute.make_layout(2 * 4 * 32))
+        zero = st.zero_row.data_ptr().toint()
+        stg0 = bufs.toint() + _P_BYTES
+        qk_thr = qk_mma.get_slice(wtid)
+        pv_thr = pv_mma.get_slice(wtid)
+        tSrQ = qk_thr.make_fragment_B(qk_thr.partition_B(cute.local_tile(sQ[None, None, 0], (self.pv_n, self.D),
+                                                                         (0, 0))))
+        acc_s = qk_thr.make_fragment_C(qk_thr.partition_shape_C((bn, self.pv_n)))
+        tScS = qk_thr.partition_C(cute.make_identity_tensor((bn, self.pv_n)))
+        acc = pv_thr.make_fragment_C(pv_thr.partition_shape_C((self.DV, self.pv_n)))  # O^T, all 512 features
+        acc.fill(0.0)
+        a_layout = pv_thr.make_fragment_A(pv_thr.partition_shape_A((self.DV, bn))).layout
+        a = cute.make_rmem_tensor((64,), Int32)  # V^T: 8 m-blocks x 2 k32 steps x 4 words (load_vt's order)
+        tA = cute.make_tensor(cute.recast_ptr(a.iterator, dtype=_F8), a_layout)
+        qk_mma.set(warpgroup.Field.ACCUMULATE, True)
+        pv_mma.set(warpgroup.Field.ACCUMULATE, True)
+
+        nst = self.pv_n // 4
+        lim = self.col_limits(mblk, seq, split_end, wtid)
+        row_l = cute.make_rmem_tensor((nst,), Float32)
+        m_run = cute.make_rmem_tensor((nst,), Float32)
+        for i in cutlass.range_constexpr(nst):
+            row_l[i] = 0.0
+            m_run[i] = -Float32.inf
+        ref = cute.make_rmem_tensor((nst,), Float32)
+        sc = cute.make_rmem_tensor((nst,), Float32)
+
+        if n_pairs > 0:  # first QK: pair 0, buffer wg
+            self.landed(mbar + wg, 0)
+            self.qk_tile(qk_mma, qk_thr, acc_s, tSrQ, bufs, wg)
+            warpgroup.commit_group()
+            warpgroup.wait_group(0)
+        for j in cutlass.range(n_pairs, unroll=1):
+            u = j % 2
+            k = 2 * u + wg
+            more = j + 1 < n_pairs
+            refill = j + 2 < n_pairs  # the producer refills this tile's buffer with pair j + 2's
+            t = split_start + (2 * j + wg) * bn
+            self.mark(mTrace, cta, wg, wtid, j, 0)
+            self.fold_t(acc_s, tScS, lim, t, scale_log2, None, None, None, sRed, row_l, ref, sc, wg, wtid,
+                        (mTrace, cta, j, 1, 2), m_run)
+            self.exp_t(acc_s, ref, row_l)
+            self.mark(mTrace, cta, wg, wtid, j, 3)
+            self.store_p_tile(acc_s, qk_thr, bufs, k, wtid)
+            cute.arch.barrier(barrier_id=int(Barrier.TAIL) + wg, number_of_threads=128)  # (all of P^T stored)
+            self.scale_cols(acc, sc)
+            self.mark(mTrace, cta, wg, wtid, j, 4)
+            self.load_vt(a, stg0 + k * _BUF_BYTES, zero, t, split_end, 0, wtid, 8)
+            self.pv_ot(pv_mma, acc, tA, self.p_operand(pv_thr, bufs, k))
+            warpgroup.commit_group()
+            # the PV retires before the next QK is issued: with both in flight the V^T fragments and S live together,
+            # and ptxas spills in the loop
+            warpgroup.wait_group(0)
+            self.mark(mTrace, cta, wg, wtid, j, 5)
+            # the next QK (issued for the last pair too, on stale staging, its S thrown away: a wgmma inside the
+            # dynamic if made ptxas serialize every wgmma, as in the shared loop)
+            if more:
+                self.landed(mbar + 2 * (1 - u) + wg, ((j + 1) // 2) % 2)
+            self.mark(mTrace, cta, wg, wtid, j, 6)
+            self.qk_tile(qk_mma, qk_thr, acc_s, tSrQ, bufs, 2 * (1 - u) + wg)
+            warpgroup.commit_group()
+            self.mark(mTrace, cta, wg, wtid, j, 7)
+            warpgroup.wait_group(0)
+            self.mark(mTrace, cta, wg, wtid, j, 8)
+            if refill:  # (its next tile landed above: module docstring)
+                cute.arch.fence_view_async_shared()  # (the ldmatrix reads before the refill's TMA writes)
+                cute.arch.barrier_arrive(barrier_id=int(Barrier.SLOT0_FREE) + wg, number_of_threads=160)
+            self.mark(mTrace, cta, wg, wtid, j, 9)
+
+        # ---- merge: the common max of each column (its 2^8 P bias in it), both states rescaled to it
+        cute.arch.barrier()  # (with the producer: every TMA load consumed, the buffers free for the O^T swap)
+        if wtid < 4:  # (warp 0's lanes 0..3 hold every column between them)
+            for i in cutlass.range_constexpr(nst):
+                sSum[wg * 64 + self.col_n(i, wtid)] = m_run[i]
+        cute.arch.barrier(barrier_id=int(Barrier.ROW_SUM), number_of_threads=self.num_threads)
+        for i in cutlass.range_constexpr(nst):
+            n = self.col_n(i, wtid)
+            m_new, _, f = self.fold_max(m_run[i], sSum[(1 - wg) * 64 + n])
+            sc[i] = f
+            row_l[i] = row_l[i] * f
+            if wg == 0 and wtid < 4:
+                sM[n] = m_new  # (row_sums_ot's LSE)
+        self.scale_cols(acc, sc)
+        # the half of O^T this warpgroup does not store -> the other one: [writer][element][thread] fp32
+        half = 2 * self.pv_n  # 4 m-blocks x pv_n / 2 elements a thread
+        sX = cute.make_tensor(cute.recast_ptr(bufs, dtype=Float32), cute.make_layout((128, half, 2),
+                                                                                  stride=(1, 128, 128 * half)))
+        if wg == 0:
+            for e in cutlass.range_constexpr(half):
+                sX[wtid, e, 0] = acc[half + e]
+        else:
+            for e in cutlass.range_constexpr(half):
+                sX[wtid, e, 1] = acc[e]
+        self.row_sums_ot(sM, row_l, None, sSum, sRed, mLse, mLacc, mblk, split, b, wg, wtid)  # (2 barriers)
+        if wg == 0:
+            for e in cutlass.range_constexpr(half):
+                acc[e] = acc[e] + sX[wtid, e, 1]
+            self.store_ot_rows(acc, sSum, mOut, mOacc, out_scale, mblk, split, b, wg, wtid, 0)
+        else:
+            for e in cutlass.range_constexpr(half):
+                acc[half + e] = acc[half + e] + sX[wtid, e, 0]
+            self.store_ot_rows(acc, sSum, mOut, mOacc, out_scale, mblk, split, b, wg, wtid, 4)
+
+
+__all__ = ["TRACE_EVENTS_OWN", "MlaDecodeFp8TransposedSm90"]

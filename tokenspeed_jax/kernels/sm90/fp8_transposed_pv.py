@@ -1,0 +1,571 @@
+"""FP8 MLA decode for Hopper with the P V transposed: ``O^T = V^T P^T``, ``V^T`` the register A operand.
+
+8-bit wgmmas take only K-major shared-memory operands, so ``O += P V`` on FP8 tensor cores needs a ``V^T`` copy in
+shared memory (the FP8 seesaw builds one).  This loop has none:
+
+* ``O^T (512 x rows) = V^T (512 x tokens) P^T (tokens x rows)``: ``V^T`` is the A operand, from registers (8-bit
+  register A operands may come from anywhere), loaded straight from the landed e4m3 staging with ``ldmatrix.x4.trans``
+  and four ``prmt.b32`` per 16 features x 32 tokens (:func:`vt_a_row_offset`, :data:`VT_A_SELECTORS`); P is the
+  K-major B operand, tokens in :data:`~tokenspeed_jax.kernels.sm90.fp8_operands.P8_TOKEN_ORDER` inside each 16-token
+  group (the order the ``ldmatrix.trans`` words come in).  Each warpgroup owns 256 output features: 4 m64nNk32 QGMMAs
+  (one per 64 features, N the query rows) per 32 tokens.
+* The A fragment's row ``q`` of a warp's 16 is feature ``2q``, row ``q + 8`` feature ``2q + 1`` (a fixed row
+  permutation of ``O^T``): both features of a pair sit in one thread, and the epilogue stores them as one bf16x2 (fp32x2
+  for split partials) straight from the accumulators.
+* The O rescales are per column of ``O^T``: each thread reads the scales of its columns from the row scales shared in
+  shared memory, and skips the multiplies when all of its warp's are 1 (the steady state).
+* Buffers: the staging must live until both warpgroups' PVs read it, so each warpgroup has two: 4 x (36 KB staging +
+  4 KB P) + 36 KB Q = 196 KB.  Pair ``j`` uses buffers ``2 (j % 2) + {0, 1}``; the producer warpgroup refills them
+  with pair ``j + 2`` once both PVs of pair ``j`` retired.
+* Barriers (ids of :class:`~tokenspeed_jax.kernels.sm90.helpers.Barrier`): SCALE0 / SCALE1 / P0_READY / P1_READY and
+  TAIL as in the seesaw loop.  SLOT0_FREE and SLOT1_FREE (160 threads: warpgroup 1 arrives, the producer's warp
+  syncs): warpgroup 1 knows when both PVs of a buffer retired: of slot 0 after its cross PV (warpgroup 0's own PV
+  retired before its P0_READY, which that cross PV waited for); of slot 1 after its own PV and a sync on VT1_FREE,
+  which warpgroup 0 arrives at once its cross PV of slot 1 retired.  Warpgroup 1 arrives for pair ``j`` only after its
+  wait for pair ``j + 1`` landed, which the producer loaded after it synced on pair ``j - 1``'s arrivals: no arrival
+  can overtake the producer's sync of the previous one.  Each warpgroup also waits on the (completed) mbarrier phase
+  of the other warpgroup's tile before its ``ldmatrix`` reads it, and fences (proxy) its reads before the arrivals
+  that let the TMA overwrite them.
+* This class runs whole 64-row blocks (S x H > 32; ``pv_n`` 64): 128 accumulators, 32 of the QK's S and 32 of ``V^T``
+  in 240 registers.  They fit because there is one ``V^T`` fragment set, not two (warpgroup 1 retires its own PV
+  before it loads the cross ``V^T``, warpgroup 0 its cross PV before the next QK retires); P is stored as 8 32-bit
+  words a thread (:meth:`MlaDecodeFp8TransposedPvSm90.store_p_tile`); and warpgroup 0 rescales P0 for warpgroup 1 from the e4m3
+  words in shared memory (:meth:`MlaDecodeFp8TransposedPvSm90.rescale_p_tile`, which rounds a word to e4m3 twice where a row's max
+  grew in warpgroup 1's tile) instead of keeping its fp32 P across the own PV.
+* QK early: warpgroup 0 issues the QK of the next pair's tile right behind its own PV, so that it runs on the tensor
+  cores during warpgroup 1's softmax (issued for the last pair too, on stale staging, its S thrown away: a wgmma
+  inside the dynamic ``if`` made ptxas serialize every wgmma, C7520).  Warpgroup 1 releases P1 right after its P1
+  store and ``O^T *= scales``, so warpgroup 0's cross PV need not wait for warpgroup 1's own PV.
+* ``qk_t`` (the subclass of :mod:`.fp8_transposed`): the QK transposed too, ``S^T = K Q^T`` (the staging is the A
+  operand as it lands, the first ``pv_n`` q rows the B operand) on 32-row tiles (``block_m`` 32, the planner's
+  ``block_m=32`` plan); a query row's keys then lie in all 4 warps, so the softmax exchanges each warp's column maxima
+  through 1 KB of shared memory (:meth:`~.transposed_out.TransposedOutMixin.fold_t`).
+
+Same contract, grid, split-KV partials and combine kernel as the seesaw loop; FP8 (e4m3) only, TMA refills with
+pages >= 32 and the producer warpgroup.  P is rounded to e4m3 as ``2^8 p``, the row sums stay over the unrounded P.
+"""
+
+from __future__ import annotations
+
+import cutlass
+import cutlass.utils.hopper_helpers as sm90_utils
+from cutlass import Float32, Int32, Int64, cute
+from cutlass.cute.nvgpu import cpasync, warpgroup
+from cutlass.tensor_utils import LayoutEnum
+
+from tokenspeed_jax.kernels.sm90.decode_common import MlaDecodeSm90
+from tokenspeed_jax.kernels.sm90.decode_trace import TRACE_EVENTS, DecodeTraceMixin
+from tokenspeed_jax.kernels.sm90.fp8_operands import _ldsm4t, _prmt, store_p8, sw64
+from tokenspeed_jax.kernels.sm90.helpers import LOG2_E, Barrier
+from tokenspeed_jax.kernels.sm90.kv_refill import KvRefillMixin
+from tokenspeed_jax.kernels.sm90.transposed_out import TransposedOutMixin
+
+_F8 = cutlass.Float8E4M3FN
+_CHUNK = 64  # features per e4m3 staging chunk (64-byte rows)
+_CHUNK_BYTES = 64 * _CHUNK  # 64 tokens x 64 bytes
+_P_BYTES = 64 * 64  # the e4m3 P tile of a buffer (64 rows x 64 tokens)
+_STG_BYTES = 9 * _CHUNK_BYTES  # the e4m3 staging of a 64-token tile (576 columns)
+_BUF_BYTES = _P_BYTES + _STG_BYTES  # one buffer: [P | staging]; 40960, a multiple of the swizzle's 512
+_NBUF = 4  # two per warpgroup (pair j: buffers 2 (j % 2) + {0, 1})
+_ALL_CHUNKS = (0, 1, 2, 3, 4, 5, 6, 7, 8)
+_MIN_PAGE = 32  # the producer's coordinates (pages of 16: 4 boxes per chunk) spill in its 24 registers
+_MAX_ROWS = 32  # query rows S x H (module docstring, "Registers")
+
+# DecodeTraceMixin.mark points of an iteration of this loop (debug builds, benchmarks/trace_decode.py): per
+# warpgroup, what the time since the previous event was spent on; as many slots as the seesaw loop's TRACE_EVENTS
+# (the trace buffer's shape), "-" unused.  On the 64-row blocks warpgroup 0's marks 1, 2, 9 and 10 are not written:
+# its softmax shows under mark 3, its "own PV" phase includes the next QK's issue, its "QK retired" phase is the cross
+# PV's issue and retire
+TRACE_EVENTS_OT = (
+    ("top", "top"),
+    ("column maxima + TAIL", "wait SCALE0 (WG0's max)"),
+    ("fold (shared max, scale)", "column maxima + TAIL"),
+    ("exp, SCALE0 out", "fold (shared max, scale), SCALE1 out"),
+    ("P store + TAIL, O^T *= scale0", "exp"),
+    ("own PV (V^T loads, issue, retire)", "P store + TAIL, O^T *= scales"),
+    ("wait SCALE1 (WG1's max)", "own PV (V^T loads, issue)"),
+    ("rescale + store P, O^T *= scale1", "cross V^T loads + wait P0_READY"),
+    ("cross V^T loads + wait P1_READY", "cross PV issue, P1_READY out"),
+    ("cross PV issue + wait next pair landed", "own + cross PV retired"),
+    ("QK issue + cross PV retired", "wait next pair landed, SLOT0_FREE out"),
+    ("QK retired", "QK issue + retired"),
+    ("-", "wait VT1_FREE, SLOT1_FREE out"),
+)
+assert len(TRACE_EVENTS_OT) == len(TRACE_EVENTS)
+
+# prmt.b32 selectors turning a thread's ldmatrix.trans pair (tokens 2c, 2c+1 | 2c+8, 2c+9 of feature pair q) into
+# the words of feature 2q (bytes 0 and 2 of each) and feature 2q + 1 (bytes 1 and 3)
+VT_A_SELECTORS = (0x6420, 0x7531)
+
+
+def vt_a_row_offset(lane, warp, kb):
+    """Byte offset (swizzled, inside a 4 KB staging chunk) of the row lane ``lane`` of warp ``warp`` addresses in
+    the ``ldmatrix.x4.trans`` of k32 step ``kb``: token ``32 kb + lane`` (matrix ``lane // 8`` = tokens
+    ``32 kb + 8 m ..``), the warp's 16 features (bytes ``16 warp ..`` of the 64-byte row).  Python ints (tests)
+    and DSL Int32 alike."""
+    return sw64((32 * kb + lane) * _CHUNK + 16 * warp)
+
+
+def ot_feature(wg, mb, warp, row):
+    """Output feature of accumulator row ``row`` (0..15) of warp ``warp`` in m-block ``mb`` of warpgroup ``wg``:
+    the A fragment's row ``q`` holds feature ``2q``, row ``q + 8`` feature ``2q + 1`` of the warp's 16."""
+    return 256 * wg + 64 * mb + 16 * warp + 2 * (row % 8) + row // 8
+
+
+# P stored by 32-bit words (the loop without qk_t, 64-row QK accumulators): word (h, g) of a thread is its row
+# 16 warp + lane // 4 + 8 h, positions 16 g + 4 (lane % 4) .. + 3 of the P tile (P8_TOKEN_ORDER: tokens 2c, 2c + 1,
+# 2c + 8, 2c + 9 of 16-token group g, c = lane % 4), i.e. the accumulator elements of p8_word_elements; built from the
+# thread's e4m3 words 2g and 2g + 1 (elements 8g .. 8g + 7) by one prmt with P8_WORD_SELECTORS[h]
+P8_WORD_SELECTORS = (0x5410, 0x7632)
+
+
+def p8_word_elements(h, g):
+    """The QK accumulator elements (``e = v0 + 2 v1 + 4 v2``: row half ``v1``, column ``8 v2 + 2 (lane % 4) + v0``)
+    in bytes 0..3 of P word ``(h, g)`` (above)."""
+    return (8 * g + 2 * h, 8 * g + 2 * h + 1, 8 * g + 4 + 2 * h, 8 * g + 5 + 2 * h)
+
+
+def p8_word_offset(lane, warp, h, g):
+    """Byte offset (swizzled, in the P tile) of P word ``(h, g)`` of lane ``lane`` of warp ``warp``.  Python ints
+    (tests) and DSL Int32 alike."""
+    return sw64((16 * warp + lane // 4 + 8 * h) * 64 + 16 * g + 4 * (lane % 4))
+
+
+def _lds32(addr):
+    """``ld.shared.b32`` at the shared address ``addr``."""
+    return cute.arch.inline_ptx("ld.shared.b32 {$w0}, [{$r0}];", write_only_types=[Int32],
+                                read_only_args=[Int32(addr)])
+
+
+def _sts32(addr, v):
+    """``st.shared.b32`` of ``v`` at the shared address ``addr``."""
+    cute.arch.inline_ptx("st.shared.b32 [{$r0}], {$r1};", read_only_args=[Int32(addr), Int32(v)])
+
+
+class MlaDecodeFp8TransposedPvSm90(TransposedOutMixin, KvRefillMixin, DecodeTraceMixin, MlaDecodeSm90):
+    """FP8 MLA decode with ``O^T = V^T P^T`` on 64-row blocks (module docstring).  Arguments: the base class's, plus
+    ``trace`` (debug builds: iterations timed per warpgroup) and ``qk_t`` (the subclass's transposed QK)."""
+
+    pair_step = 1  # output features of an O^T accumulator row pair q, q + 8 (store_ot_pair): f and f + 1
+
+    def __init__(self, *, qk_t: bool = False, trace: int = 0, **kw):
+        super().__init__(**kw)
+        if trace < 0:
+            raise ValueError(f"trace: expected the number of iterations to time (0: a normal build), got {trace}")
+        self.trace = int(trace)
+        self.box_rows = min(self.page_size, self.block_n)  # rows of one TMA box (one page or one tile)
+        self.subs = self.block_n // self.box_rows  # boxes per 64-token tile and 64-column chunk
+        self.producer_regs, self.consumer_regs = 24, 240  # 2 x 128 x 240 + 128 x 24 = 384 x 168 (the launch's)
+        if not self.fp8:
+            raise ValueError(f"the O^T loop needs float8_e4m3fn inputs, got {self.dtype_name}")
+        if self.page_size < _MIN_PAGE:
+            raise ValueError(f"the O^T loop needs page_size >= {_MIN_PAGE}, got {self.page_size}")
+        # the producer warpgroup issues every refill (24 registers; the computing warpgroups get 240)
+        self.producer = True
+        self.cta_threads = self.num_threads + 128
+        # the QK transposed too, S^T = K Q^T with the pv_n query rows as N, on row tiles of 32 rows (block_m; the
+        # planner's block_m=32 plan)
+        self.qk_t = bool(qk_t)
+        if self.qk_t:
+            self.block_m = _MAX_ROWS
+            self.num_m_blocks = -(-self.R // self.block_m)
+        # query rows the PVs compute (the O^T accumulators' N): 16 or 32 for S x H <= 32 (the padded rows need no
+        # P V), else the whole 64-row blocks (module docstring, "Registers")
+        self.pv_n = 16 if self.R <= 16 else (32 if self.R <= _MAX_ROWS or self.qk_t else 64)
+
+    # ------------------------------------------------------------------------------------------ host
+    @cute.jit
+    def __call__(self, stream, q: cute.Tensor, kv: cute.Tensor, block_table: cute.Tensor, seq_lens: cute.Tensor,
+                 softmax_scale: cute.Tensor, output_scale: cute.Tensor, out: cute.Tensor, lse: cute.Tensor,
+                 o_accum: cute.Tensor = None, lse_accum: cute.Tensor = None, trace_buf: cute.Tensor = None):
+        K = warpgroup.OperandMajorMode.K
+        q_layout = sm90_utils.make_smem_layout_a(LayoutEnum.ROW_MAJOR, (self.block_m, self.block_n, self.D), _F8, 1)
+        if cutlass.const_expr(self.qk_t):  # S^T (tokens x rows) = K (staging, A) Q^T (the first pv_n q rows, B)
+            qk_mma = sm90_utils.make_trivial_tiled_mma(_F8, _F8, K, K, Float32, (1, 1, 1), (self.block_n, self.pv_n))
+        else:
+            qk_mma = sm90_utils.make_trivial_tiled_mma(_F8, _F8, K, K, Float32, (1, 1, 1),
+                                                       (self.block_m, self.block_n))
+        # O^T (features x rows) += V^T (registers) P^T (smem, K-major): one m64n64k32 per 64 features and 32 tokens
+        pv_mma = sm90_utils.make_trivial_tiled_mma(_F8, _F8, K, K, Float32, (1, 1, 1), (_CHUNK, self.pv_n),
+                                                   a_source=warpgroup.OperandSource.RMEM)
+        self.pv_mma_repr = str(pv_mma)  # (its TV layouts, which load_vt / scale_ot / epilogue_ot assume: the CPU test)
+        tma_atom, tma_kv = self.kv_tma(kv)
+
+        @cute.struct
+        class Storage:
+            mbar: cute.struct.MemRange[Int64, _NBUF]  # one per buffer
+            row_max: cute.struct.MemRange[Float32, 64]
+            scale0: cute.struct.MemRange[Float32, 64]
+            scale1: cute.struct.MemRange[Float32, 64]
+            row_sum: cute.struct.MemRange[Float32, 2 * 64]
+            sQ: cute.struct.Align[cute.struct.MemRange[_F8, cute.cosize(q_layout)], 1024]
+            bufs: cute.struct.Align[cute.struct.MemRange[_F8, _NBUF * _BUF_BYTES], 1024]
+            zero_row: cute.struct.Align[cute.struct.MemRange[Int32, 4], 16]  # V rows past the split
+            # S^T (qk_t): per warpgroup and warp, column maxima / sums
+            red: cute.struct.Align[cute.struct.MemRange[Float32, 2 * 4 * 32], 16]
+
+        main = self.ot_kernel(qk_mma, pv_mma, q, kv, block_table, seq_lens, softmax_scale, output_scale, out, lse,
+                              o_accum, lse_accum, trace_buf, q_layout, tma_atom, tma_kv, Storage)
+        self.launch_main(main, Storage.size_in_bytes(), stream, q.shape[0], output_scale, out, lse, o_accum, lse_accum)
+
+    def kv_tma(self, kv: cute.Tensor):
+        """``(atom, tensor)`` of the TMA loads of the e4m3 cache (traced in ``__call__``): the (page_size, 576,
+        pages) view, one box = ``box_rows`` x 64 columns in the QGMMA layout of the staging (64-byte swizzle)."""
+        kv_t = cute.make_tensor(kv.iterator, cute.select(kv.layout, mode=[1, 2, 0]))
+        box = cute.select(sm90_utils.make_smem_layout_b(LayoutEnum.ROW_MAJOR, (self.block_m, self.box_rows, _CHUNK),
+                                                        _F8, 1), mode=[0, 1])
+        return cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), kv_t, box, (self.box_rows, _CHUNK))
+
+    # ---------------------------------------------------------------------------------------- device
+    def _swz(self):
+        return sm90_utils.make_smem_layout_b(LayoutEnum.ROW_MAJOR, (self.block_m, self.block_n, _CHUNK), _F8, 1).inner
+
+    def stg_view(self, bufs_ptr, k):
+        """e4m3 staging ``(64 tokens, (64, 9 chunks))`` of buffer ``k`` (static or dynamic): the QGMMA B layout
+        the TMA boxes land in (64-byte rows, 64-byte swizzle), chunks 4 KB apart."""
+        layout = cute.make_layout((self.block_n, (_CHUNK, self.D // _CHUNK)), stride=(_CHUNK, (1, _CHUNK_BYTES)))
+        return cute.make_tensor(cute.recast_ptr(bufs_ptr + (k * _BUF_BYTES + _P_BYTES), self._swz()), layout)
+
+    def p_views(self, bufs_ptr, k):
+        """The e4m3 P tile of buffer ``k``: ``(store view, operand view)``.  The QK accumulator is stored through
+        the first (tokens in P8_TOKEN_ORDER inside each 16-token group), the PV reads the second as its K-major
+        B operand ``(pv_n rows, 64 token positions)``."""
+        ptr = cute.recast_ptr(bufs_ptr + k * _BUF_BYTES, self._swz())
+        store = cute.make_layout((self.block_m, (2, 4, 2, self.block_n // 16)), stride=(self.block_n, (1, 4, 2, 16)))
+        return (cute.make_tensor(ptr, store),
+                cute.make_tensor(ptr, cute.make_layout((self.pv_n, self.block_n), stride=(self.block_n, 1))))
+
+    def p_store(self, qk_thr, bufs, k):
+        """The QK accumulator's partition of buffer ``k``'s P tile (store view; with ``qk_t`` the accumulator is
+        ``S^T``, (tokens, rows), and so is the view)."""
+        if cutlass.const_expr(self.qk_t):
+            ptr = cute.recast_ptr(bufs + k * _BUF_BYTES, self._swz())
+            view = cute.make_tensor(ptr, cute.make_layout(((2, 4, 2, self.block_n // 16), self.pv_n),
+                                                          stride=((1, 4, 2, 16), self.block_n)))
+        else:
+            view = self.p_views(bufs, k)[0]
+        return qk_thr.partition_C(view)
+
+    @cute.jit
+    def store_p_tile(self, acc_s: cute.Tensor, qk_thr, bufs, k, wtid: Int32):
+        """P (fp32, scaled by 2^8) -> e4m3 into buffer ``k``'s P tile: with ``qk_t`` through :meth:`p_store`'s view,
+        otherwise as 8 32-bit stores a thread (:data:`P8_WORD_SELECTORS`; the view's byte stores took 32 stores and
+        about 20 address registers a thread).  The proxy fence publishes it to wgmma."""
+        if cutlass.const_expr(self.qk_t):
+            store_p8(acc_s, self.p_store(qk_thr, bufs, k))
+        else:
+            rP8 = cute.make_rmem_tensor_like(acc_s, _F8)
+            rP8.store(acc_s.load().to(_F8))
+            w = cute.make_tensor(cute.recast_ptr(rP8.iterator, dtype=Int32), cute.make_layout(8))
+            base = bufs.toint() + k * _BUF_BYTES
+            lane = wtid % 32
+            for h in cutlass.range_constexpr(2):
+                for g in cutlass.range_constexpr(4):
+                    _sts32(base + p8_word_offset(lane, wtid // 32, h, g),
+                           _prmt(w[2 * g], w[2 * g + 1], Int32(P8_WORD_SELECTORS[h])))
+            cute.arch.fence_view_async_shared()
+
+    @cute.jit
+    def rescale_p_tile(self, bufs, k, sc: cute.Tensor, wtid: Int32):
+        """64-row tiles: warpgroup 0's P0, already in buffer ``k``'s P tile, times its rows' ``scale1`` (``sc``: this
+        thread's 2 rows) for warpgroup 1's cross PV, from the e4m3 words themselves (:func:`p8_word_offset`), so the
+        fp32 P is not kept across the own PV (module docstring, "Registers").  Nothing for a warp whose 16 rows all
+        have scale 1 (the steady state: the stored P is then exact); otherwise each of those words is rounded to
+        e4m3 twice (docs/sm90_decode.md, "FP8 error bounds")."""
+        if not cute.arch.vote_all_sync((sc[0] == 1.0) & (sc[1] == 1.0)):
+            base = bufs.toint() + k * _BUF_BYTES
+            lane = wtid % 32
+            for h in cutlass.range_constexpr(2):
+                for g in cutlass.range_constexpr(4):
+                    addr = base + p8_word_offset(lane, wtid // 32, h, g)
+                    r = cute.make_rmem_tensor((1,), Int32)
+                    r[0] = _lds32(addr)
+                    f8 = cute.make_tensor(cute.recast_ptr(r.iterator, dtype=_F8), cute.make_layout(4))
+                    f8.store((f8.load().to(Float32) * sc[h]).to(_F8))
+                    _sts32(addr, r[0])
+        cute.arch.fence_view_async_shared()  # (every iteration, for warpgroup 1's cross PV)
+
+    def qk_tile(self, qk_mma, qk_thr, acc_s, tSrQ, bufs, k):
+        """Issue the QK of the tile in buffer ``k`` (no commit): ``S = Q K^T``, or with ``qk_t`` ``S^T = K Q^T``
+        (the staging as the A operand, q as B)."""
+        stg = self.stg_view(bufs, k)
+        if cutlass.const_expr(self.qk_t):
+            self.qk_chunks(qk_mma, acc_s, qk_thr.make_fragment_A(qk_thr.partition_A(stg)), tSrQ, _ALL_CHUNKS, True)
+        else:
+            self.qk_chunks(qk_mma, acc_s, tSrQ, qk_thr.make_fragment_B(qk_thr.partition_B(stg)), _ALL_CHUNKS, True)
+
+    def p_operand(self, pv_thr, bufs, k):
+        """The PV's B operand (``P^T``, K-major) of buffer ``k``'s P tile.  (Built where it is used: made at the top
+        of the iteration, the descriptors stayed live through the softmax and pushed it into spills.)"""
+        return pv_thr.make_fragment_B(pv_thr.partition_B(self.p_views(bufs, k)[1]))
+
+    @cute.jit
+    def load_vt(self, a: cute.Tensor, stg: Int32, zero: Int32, tile_start: Int32, split_end: Int32,
+                chunk0: cutlass.Constexpr, wtid: Int32, n_mb: cutlass.Constexpr = 4):
+        """``V^T`` A fragments of ``n_mb`` m-blocks (64 features each) from feature ``64 chunk0`` on, of one tile
+        (``a``: ``8 n_mb`` words, word ``4 mb + 4 n_mb kb + r`` = register ``a_r`` of m-block ``mb`` and k32 step
+        ``kb``; this loop: a warpgroup's 256 features, ``chunk0`` 4 x warpgroup) from the e4m3 staging at shared
+        address ``stg``: per (mb, kb) one ``ldmatrix.x4.trans`` (:func:`vt_a_row_offset`) and 4 ``prmt``.  A lane
+        whose token is at or past ``split_end`` reads the 16-byte zero row at ``zero`` instead: those V rows may hold
+        anything (page tails, unowned NaN pages) and P is 0 there."""
+        lane = wtid % 32
+        warp = wtid // 32
+        s0, s1 = Int32(VT_A_SELECTORS[0]), Int32(VT_A_SELECTORS[1])
+        for kb in cutlass.range_constexpr(2):
+            addr = stg + vt_a_row_offset(lane, warp, kb) + chunk0 * _CHUNK_BYTES
+            step = Int32(_CHUNK_BYTES)
+            if 32 * kb + lane >= split_end - tile_start:
+                addr, step = zero, Int32(0)
+            for mb in cutlass.range_constexpr(n_mb):
+                r = _ldsm4t(addr + mb * step)
+                w = 4 * mb + 4 * n_mb * kb
+                a[w + 0] = _prmt(r[0], r[1], s0)
+                a[w + 1] = _prmt(r[0], r[1], s1)
+                a[w + 2] = _prmt(r[2], r[3], s0)
+                a[w + 3] = _prmt(r[2], r[3], s1)
+
+    @cute.jit
+    def pv_tile(self, pv_mma, pv_thr, acc, a, tA, bufs, stg0, k, zero, tile_start, split_end,
+                chunk0: cutlass.Constexpr, wtid):
+        """``O^T += V^T P^T`` for the tile in buffer ``k`` (``stg0``: the shared address of buffer 0's staging):
+        :meth:`load_vt` into ``a`` (viewed as ``tA``), issue (:meth:`pv_ot`) and commit (the caller waits)."""
+        self.load_vt(a, stg0 + k * _BUF_BYTES, zero, tile_start, split_end, chunk0, wtid)
+        self.pv_ot(pv_mma, acc, tA, self.p_operand(pv_thr, bufs, k))
+        warpgroup.commit_group()
+
+    @cute.jit
+    def pv_ot(self, mma: cute.TiledMma, acc: cute.Tensor, tA: cute.Tensor, tB: cute.Tensor):
+        """Issue ``O^T += V^T P^T`` for one tile (no commit): 2 k32 steps x 4 m-blocks."""
+        warpgroup.fence()
+        for kb in cutlass.range_constexpr(self.block_n // 32):
+            cute.gemm(mma, acc, tA[None, None, kb], tB[None, None, kb], acc)
+
+    @cute.kernel
+    def ot_kernel(self, qk_mma: cute.TiledMma, pv_mma: cute.TiledMma, mQ: cute.Tensor, mKV: cute.Tensor,
+                  mBT: cute.Tensor, mSeq: cute.Tensor, mSS: cute.Tensor, mOS: cute.Tensor, mOut: cute.Tensor,
+                  mLse: cute.Tensor, mOacc: cute.Tensor, mLacc: cute.Tensor, mTrace: cute.Tensor,
+                  q_layout: cute.ComposedLayout, tma_atom: cute.CopyAtom, tma_kv: cute.Tensor,
+                  Storage: cutlass.Constexpr):
+        tid, mblk, split, b, wg, wtid, st = self.cta_start(Storage)
+        bn = self.block_n
+        sQ = st.sQ.get_tensor(q_layout.outer, swizzle=q_layout.inner)
+        sM = st.row_max.get_tensor(cute.make_layout(64))
+        mbar = st.mbar.data_ptr()
+        bufs = st.bufs.data_ptr()
+
+        num_pages = mKV.shape[0]
+        seq, split_start, split_end = self.split_range(mBT, mSeq, b, split)
+        n_pairs = self.num_pairs(split_start, split_end)
+        if tid == 0:
+            for i in cutlass.range_constexpr(_NBUF):
+                cute.arch.mbarrier_init(mbar + i, 1)
+            cpasync.prefetch_descriptor(tma_atom)
+        if tid < 64:
+            sM[tid] = -Float32.inf
+        if tid < 4:
+            st.zero_row.get_tensor(cute.make_layout(4))[tid] = Int32(0)
+        cute.arch.mbarrier_init_fence()
+        if wg < 2:  # the e4m3 q tile, by the computing warpgroups
+            self.load_q_tile(sQ[None, None, 0], mQ, mblk, b, tid)
+        cute.arch.barrier()  # mbarriers initialised before any arrive
+
+        gKV = cute.group_modes(cute.local_tile(tma_kv, (self.box_rows, _CHUNK), (None, None, None)), 0, 2)
+        tAs = []
+        for k in cutlass.range_constexpr(_NBUF):
+            t, tAg = cpasync.tma_partition(tma_atom, 0, cute.make_layout(1), cute.group_modes(
+                cute.local_tile(self.stg_view(bufs, k), (self.box_rows, _CHUNK), (None, None)), 0, 2), gKV)
+            tAs.append(t)
+        if n_pairs > 0:  # noqa: SIM102 (dynamic tests)
+            if wg == 2:  # the producer loads pairs 0 and 1 into buffers 0..3
+                for k in cutlass.range_constexpr(_NBUF):
+                    t0 = split_start + k * bn
+                    if k < 2 or n_pairs > 1:
+                        crd = self.coords(mBT, b, t0, split_end, num_pages)
+                        self.refill(tAs[k], tAg, tma_atom, mbar + k, crd, wtid, _ALL_CHUNKS, None)
+        cute.arch.fence_view_async_shared()  # q (generic stores) before the QGMMAs read it
+        cute.arch.barrier()
+
+        if wg == 2:
+            cute.arch.setmaxregister_decrease(self.producer_regs)
+            if wtid < 32:
+                # pair j's buffers 2 (j % 2) + g, once both PVs of pair j retired (SLOT*_FREE), with pair j + 2 (the
+                # TMA destination of buffers 2 + g: buffer g's, 2 buffers further; unrolled by pairs instead, the
+                # loop spilled a register of the 24)
+                for j in cutlass.range(n_pairs - 2, unroll=1):
+                    u = j % 2
+                    for g in cutlass.range_constexpr(2):
+                        t0 = split_start + (2 * j + 4 + g) * bn
+                        crd = self.coords(mBT, b, t0, split_end, num_pages)
+                        dst = cute.make_tensor(tAs[g].iterator + u * (2 * _BUF_BYTES), tAs[g].layout)
+                        cute.arch.barrier(barrier_id=int(Barrier.SLOT0_FREE) + g, number_of_threads=160)
+                        self.refill(dst, tAg, tma_atom, mbar + 2 * u + g, crd, wtid, _ALL_CHUNKS, None)
+            cute.arch.barrier()  # the consumers' barrier before their epilogue
+        else:
+            cute.arch.setmaxregister_increase(self.consumer_regs)
+            cta = (b * self.num_splits + split) * self.num_m_blocks + mblk  # (debug traces: mark)
+            self.clear_trace(mTrace, cta, wg, wtid)
+            self.consume_ot(qk_mma, pv_mma, sQ, st, bufs, wg, wtid, mblk, split, b, seq, split_start, split_end,
+                            n_pairs, mbar, mSS[0] * LOG2_E, mOS[0], mBT, mKV, num_pages, mOut, mLse, mOacc, mLacc,
+                            (mTrace, cta))
+
+    @cute.jit
+    def consume_ot(self, qk_mma, pv_mma, sQ, st, bufs, wg, wtid, mblk, split, b, seq, split_start, split_end, n_pairs,
+                   mbar, scale_log2, out_scale, mBT, mKV, num_pages, mOut, mLse, mOacc, mLacc, tr):
+        """The two computing warpgroups on whole 64-row blocks: first QK, the seesaw loop (module docstring),
+        epilogue.  ``tr``: ``(mTrace, cta)`` for :meth:`mark` (debug builds; the events are :data:`TRACE_EVENTS_OT`)."""
+        bn = self.block_n
+        mTrace, cta = tr
+        sM = st.row_max.get_tensor(cute.make_layout(64))
+        sSc0 = st.scale0.get_tensor(cute.make_layout(64))
+        sSc1 = st.scale1.get_tensor(cute.make_layout(64))
+        sSum = st.row_sum.get_tensor(cute.make_layout(128))
+        zero = st.zero_row.data_ptr().toint()
+        stg0 = bufs.toint() + _P_BYTES  # shared address of buffer 0's staging
+        qk_thr = qk_mma.get_slice(wtid)
+        pv_thr = pv_mma.get_slice(wtid)
+        sRed = st.red.get_tensor(cute.make_layout(2 * 4 * 32))
+        tSrQ = qk_thr.make_fragment_A(qk_thr.partition_A(sQ[None, None, 0]))
+        acc_s = qk_thr.make_fragment_C(qk_thr.partition_shape_C((self.block_m, bn)))
+        tScS = qk_thr.partition_C(cute.make_identity_tensor((self.block_m, bn)))
+        acc = pv_thr.make_fragment_C(pv_thr.partition_shape_C((self.DV // 2, self.pv_n)))  # O^T, 256 features
+        acc.fill(0.0)
+        a_layout = pv_thr.make_fragment_A(pv_thr.partition_shape_A((self.DV // 2, bn))).layout
+        # one V^T fragment set for the own tile and the other one: each PV retires before the next V^T loads (module
+        # docstring, "Registers")
+        a_own = cute.make_rmem_tensor((32,), Int32)
+        tA_own = cute.make_tensor(cute.recast_ptr(a_own.iterator, dtype=_F8), a_layout)
+        a_x, tA_x = a_own, tA_own
+        qk_mma.set(warpgroup.Field.ACCUMULATE, True)
+        pv_mma.set(warpgroup.Field.ACCUMULATE, True)
+
+        row_in, lim = self.row_limits(tScS, mblk, seq, split_end)
+        row_l = cute.make_rmem_tensor((2,), Float32)
+        for i in cutlass.range_constexpr(2):
+            row_l[i] = 0.0
+        ref = cute.make_rmem_tensor((2,), Float32)
+        sc = cute.make_rmem_tensor((2,), Float32)
+
+        if n_pairs > 0:  # first QK: pair 0, buffer wg
+            self.landed(mbar + wg, 0)
+            self.qk_tile(qk_mma, qk_thr, acc_s, tSrQ, bufs, wg)
+            warpgroup.commit_group()
+            warpgroup.wait_group(0)
+
+        if wg == 0:
+            for j in cutlass.range(n_pairs, unroll=1):
+                u = j % 2
+                more = j + 1 < n_pairs
+                refill = j + 2 < n_pairs  # the producer refills this pair's buffers with pair j + 2
+                t0 = split_start + 2 * j * bn
+                self.mark(mTrace, cta, 0, wtid, j, 0)
+                # 1. fold tile 2j into the shared max; P0; publish
+                self.fold_first_max(acc_s, tScS, lim, t0, scale_log2, sM, sSc0, row_in, row_l, ref, sc, wtid)
+                self.exp_rows(acc_s, ref, row_l)
+                cute.arch.barrier_arrive(barrier_id=int(Barrier.SCALE0), number_of_threads=self.num_threads)
+                self.mark(mTrace, cta, 0, wtid, j, 3)
+                # 2. P0 -> smem; O^T *= scale0 (all rows' scales: after the warpgroup's barrier); O^T += V0^T P0^T,
+                #    and the next QK right behind it, so that it runs during warpgroup 1's softmax (module docstring,
+                #    "QK early": issued for the last pair too, its S thrown away)
+                self.store_p_tile(acc_s, qk_thr, bufs, 2 * u, wtid)
+                cute.arch.barrier(barrier_id=int(Barrier.TAIL), number_of_threads=128)
+                self.scale_ot(acc, sSc0, None, wtid)
+                self.mark(mTrace, cta, 0, wtid, j, 4)
+                self.pv_tile(pv_mma, pv_thr, acc, a_own, tA_own, bufs, stg0, 2 * u, zero, t0, split_end, 0, wtid)
+                if more:
+                    self.landed(mbar + 2 * (1 - u), ((j + 1) // 2) % 2)
+                self.qk_tile(qk_mma, qk_thr, acc_s, tSrQ, bufs, 2 * (1 - u))
+                warpgroup.commit_group()
+                warpgroup.wait_group(1)  # (the own PV retired; the QK may still run)
+                self.mark(mTrace, cta, 0, wtid, j, 5)
+                # 3. WG1 folded tile 2j+1: rescale P0 (in smem, for WG1), l and O^T by scale1
+                cute.arch.barrier(barrier_id=int(Barrier.SCALE1), number_of_threads=self.num_threads)
+                self.mark(mTrace, cta, 0, wtid, j, 6)
+                for h in cutlass.range_constexpr(2):
+                    sc[h] = sSc1[row_in[h]]
+                    row_l[h] = row_l[h] * sc[h]
+                self.rescale_p_tile(bufs, 2 * u, sc, wtid)  # (the own PV, which read P0, retired)
+                cute.arch.barrier_arrive(barrier_id=int(Barrier.P0_READY), number_of_threads=self.num_threads)
+                self.scale_ot(acc, sSc1, None, wtid)
+                self.mark(mTrace, cta, 0, wtid, j, 7)
+                # 4. O^T += V1^T P1^T (P1 from WG1).  WG1 waited for that tile's landing; this warpgroup waits on the
+                #    same (completed) phase before it reads the TMA's bytes with ldmatrix
+                self.landed(mbar + 2 * u + 1, (j // 2) % 2)
+                self.load_vt(a_x, stg0 + (2 * u + 1) * _BUF_BYTES, zero, t0 + bn, split_end, 0, wtid)
+                cute.arch.barrier(barrier_id=int(Barrier.P1_READY), number_of_threads=self.num_threads)
+                self.mark(mTrace, cta, 0, wtid, j, 8)
+                self.pv_ot(pv_mma, acc, tA_x, self.p_operand(pv_thr, bufs, 2 * u + 1))
+                warpgroup.commit_group()
+                warpgroup.wait_group(0)
+                # 5. the cross PV (and the next QK) retired: WG1 may free slot 1 (VT1_FREE)
+                if refill:
+                    cute.arch.fence_view_async_shared()  # (the ldmatrix reads before the refill's TMA writes)
+                    cute.arch.barrier_arrive(barrier_id=int(Barrier.VT1_FREE), number_of_threads=self.num_threads)
+                warpgroup.wait_group(0)
+                self.mark(mTrace, cta, 0, wtid, j, 11)
+        else:
+            for j in cutlass.range(n_pairs, unroll=1):
+                u = j % 2
+                more = j + 1 < n_pairs
+                refill = j + 2 < n_pairs
+                t1 = split_start + (2 * j + 1) * bn
+                self.mark(mTrace, cta, 1, wtid, j, 0)
+                # 1. after WG0: fold tile 2j+1 into the shared max; P1; publish
+                cute.arch.barrier(barrier_id=int(Barrier.SCALE0), number_of_threads=self.num_threads)
+                self.mark(mTrace, cta, 1, wtid, j, 1)
+                self.fold_second_max(acc_s, tScS, lim, t1, scale_log2, sM, sSc0, sSc1, row_in, row_l, ref, sc, wtid)
+                cute.arch.barrier_arrive(barrier_id=int(Barrier.SCALE1), number_of_threads=self.num_threads)
+                self.exp_rows(acc_s, ref, row_l)
+                self.mark(mTrace, cta, 1, wtid, j, 4)
+                # 2. P1 -> smem (both PVs read it); O^T *= scale0 * scale1; release P1 to WG0 (stored and fenced,
+                #    scale0 / scale1 read); O^T += V1^T P1^T
+                self.store_p_tile(acc_s, qk_thr, bufs, 2 * u + 1, wtid)
+                cute.arch.barrier(barrier_id=int(Barrier.TAIL) + 1, number_of_threads=128)
+                self.scale_ot(acc, sSc0, sSc1, wtid)
+                cute.arch.barrier_arrive(barrier_id=int(Barrier.P1_READY), number_of_threads=self.num_threads)
+                self.mark(mTrace, cta, 1, wtid, j, 5)
+                self.pv_tile(pv_mma, pv_thr, acc, a_own, tA_own, bufs, stg0, 2 * u + 1, zero, t1, split_end, 4, wtid)
+                self.mark(mTrace, cta, 1, wtid, j, 6)
+                # 3. O^T += V0^T P0^T (P0 from WG0; the tile's landing as in WG0)
+                self.landed(mbar + 2 * u, (j // 2) % 2)
+                warpgroup.wait_group(0)
+                self.load_vt(a_x, stg0 + 2 * u * _BUF_BYTES, zero, t1 - bn, split_end, 4, wtid)
+                cute.arch.barrier(barrier_id=int(Barrier.P0_READY), number_of_threads=self.num_threads)
+                self.mark(mTrace, cta, 1, wtid, j, 7)
+                self.pv_ot(pv_mma, acc, tA_x, self.p_operand(pv_thr, bufs, 2 * u))
+                warpgroup.commit_group()
+                self.mark(mTrace, cta, 1, wtid, j, 8)
+                # 4. both PVs retired: slot 0's buffer is free (WG0's own PV retired before its P0_READY), announced
+                #    once the next pair landed (module docstring); then the next QK; slot 1's buffer once WG0's cross
+                #    PV retired too (VT1_FREE)
+                warpgroup.wait_group(0)
+                self.mark(mTrace, cta, 1, wtid, j, 9)
+                if more:
+                    self.landed(mbar + 2 * (1 - u) + 1, ((j + 1) // 2) % 2)
+                    if refill:
+                        cute.arch.fence_view_async_shared()
+                        cute.arch.barrier_arrive(barrier_id=int(Barrier.SLOT0_FREE), number_of_threads=160)
+                    self.mark(mTrace, cta, 1, wtid, j, 10)
+                    self.qk_tile(qk_mma, qk_thr, acc_s, tSrQ, bufs, 2 * (1 - u) + 1)
+                    warpgroup.commit_group()
+                    warpgroup.wait_group(0)
+                    self.mark(mTrace, cta, 1, wtid, j, 11)
+                    if refill:
+                        cute.arch.barrier(barrier_id=int(Barrier.VT1_FREE), number_of_threads=self.num_threads)
+                        cute.arch.barrier_arrive(barrier_id=int(Barrier.SLOT1_FREE), number_of_threads=160)
+                    self.mark(mTrace, cta, 1, wtid, j, 12)
+
+        # ---- epilogue: both warpgroups' O^T and l are relative to the final shared max (its 2^8 P bias taken out
+        #      of the max for the LSE)
+        cute.arch.barrier()
+        self.epilogue_ot(acc, sM, row_l, row_in, sSum, sRed, mOut, mLse, mOacc, mLacc, out_scale, mblk, split, b, wg,
+                         wtid)
+
+    def acc_feature(self, wg, mb, warp, q):
+        """Output feature of the ``O^T`` accumulator row ``q`` (0..7; row ``q + 8`` is :meth:`store_ot_pair`'s
+        second) of warp ``warp`` in m-block ``mb`` of warpgroup ``wg``: :func:`ot_feature` (the register ``V^T``'s
+        row permutation)."""
+        return ot_feature(wg, mb, warp, q)
+
+
+__all__ = ["P8_WORD_SELECTORS", "TRACE_EVENTS_OT", "VT_A_SELECTORS", "MlaDecodeFp8TransposedPvSm90", "ot_feature",
+           "p8_word_elements", "p8_word_offset", "vt_a_row_offset"]

@@ -1,0 +1,609 @@
+"""The seesaw loop of the Hopper MLA decode: two computing warpgroups work out of phase on alternate KV tiles.
+
+Runs 16-bit inputs (the table's choice for S x H > 32, and for every S x H with 16-token pages) and FP8 with 16-token
+pages.  The structure follows FlashMLA's Hopper kernel (its "seesaw"; design read from its source, code our own):
+
+* Two KV slots of 64 tokens x 576.  Per iteration (a pair of tiles) warpgroup 0 owns tile ``2j`` in slot 0 and
+  warpgroup 1 tile ``2j+1`` in slot 1 for ``S = Q K^T`` (64x64x576, Q read from shared memory once per 64 tokens).  O
+  stays split by columns: WG0 holds ``O[:, :256]``, WG1 ``O[:, 256:]``, so every tile's ``P V`` is done by both
+  warpgroups: each uses its own P on its own tile and the other's P from shared memory on the other tile.
+* One running row max shared through shared memory, updated in sequence: WG0 folds in tile 2j (``scale0``), then WG1
+  folds in tile 2j+1 (``scale1``), and WG0 later rescales its P and O by ``scale1``.  So WG0's softmax runs under WG1's
+  QK and WG1's softmax under WG0's PV.  Named barriers (producer ``arrive``, consumer ``sync``; 256 threads):
+  SCALE0 (WG0's fold published) -> SCALE1 (WG1's) -> P0_READY (WG0's rescaled P in shared memory) and P1_READY (WG1's
+  P stored, its cross PV issued).
+* P of a tile goes to shared memory in the rope columns (512..575) of its own slot: only QK reads them, and the QK of
+  that slot has retired.
+* KV refills by TMA, per column group as soon as the group's last reader retired, each group completing an mbarrier
+  (:mod:`.kv_refill`): slot 0: A0 = cols 0..255 (after WG0's own PV), B0 = cols 256..575 (after WG1's cross PV, which
+  also read P0 in the rope columns); slot 1: A1 = cols 0..255 + 512..575 (after WG0's cross PV, which read P1), B1 =
+  cols 256..511 (after WG1's own PV).  The next QK of a slot starts on the group its own warpgroup refilled first.
+  The block-table entries of a refill are loaded at the top of the iteration, so the issue never waits on them.
+  Rows of a partial last tile past the split may hold anything (page tails, unowned NaN pages): masked in S, and their
+  V columns zeroed by the slot's owner (:meth:`MlaDecodeSeesawSm90.zero_tail`; FP8: the transpose) before any PV.
+* ``producer`` (16-bit, pages >= 32): a third warpgroup issues every refill (:meth:`MlaDecodeSeesawSm90.produce`;
+  ``setmaxnreg``: 24 registers for it, 240 for each computing warpgroup); each loop site becomes an arrival on its
+  160-thread REFILL_* barrier, which the producer's warp 0 syncs on before it issues.  With 16-token pages (4 boxes per
+  chunk) its coordinates would spill.
+* A missing second tile (odd tile count) is computed as a fully masked tile.
+* 16-bit stores: P to the peer's tile by ``stmatrix``; the epilogue stages O through the Q tile's shared memory and
+  leaves in 16-byte chunks (:meth:`~tokenspeed_jax.kernels.sm90.decode_common.MlaDecodeSm90.store_o_staged`).  A row
+  block with rows past R loads zeros there and masks every key of theirs.
+* FP8 (e4m3 q and cache): QK^T on FP8 tensor cores (QGMMA m64n64k32) straight from the raw q tile (36 KB) and the
+  landed e4m3 staging.  Each slot is packed ``[V^T 32 KB | P 4 KB | staging 36 KB]`` (:mod:`.fp8_operands`): after
+  its QK retired the owner transposes V into ``V^T`` (``ldmatrix.trans`` + ``prmt`` + ``stmatrix``, tokens permuted
+  inside 16-token groups, P stored in the same order), and both PVs run as SS QGMMA m64n256k32.  P is computed as
+  ``2^8 p`` and rounded to e4m3 (the row sums stay over the unrounded P; the bias is taken out of the LSE).  bf16
+  output.  The FP8 scales are folded into ``softmax_scale`` / ``output_scale`` by the caller (decode contract).
+"""
+
+from __future__ import annotations
+
+import cutlass
+import cutlass.utils.hopper_helpers as sm90_utils
+from cutlass import Float32, Int32, Int64, cute
+from cutlass.cute.nvgpu import cpasync, warpgroup
+from cutlass.tensor_utils import LayoutEnum
+
+from tokenspeed_jax.kernels.sm90.decode_common import _K16, _K32, MlaDecodeSm90
+from tokenspeed_jax.kernels.sm90.decode_trace import DecodeTraceMixin
+from tokenspeed_jax.kernels.sm90.fp8_operands import Fp8OperandsMixin, store_p8
+from tokenspeed_jax.kernels.sm90.helpers import LOG2_E, Barrier
+from tokenspeed_jax.kernels.sm90.kv_refill import _CHUNK, KvRefillMixin
+_F8 = cutlass.Float8E4M3FN
+_ALL_CHUNKS = (0, 1, 2, 3, 4, 5, 6, 7, 8)
+
+
+def acc_to_a_layout(acc_layout: cute.Layout) -> cute.Layout:
+    """Layout of a 16-bit wgmma accumulator fragment ``((2, 2, N/8), M, N)`` viewed as the register A
+    operand of a following wgmma: ``((2, 2, 2), M, (N/16, N))`` (pairs of 8-column groups form one K=16
+    step; the value order within a thread is the same)."""
+    d = cute.logical_divide(acc_layout, ((None, None, 2), None, None))
+    return cute.make_layout(
+        ((d.shape[0][0], d.shape[0][1], d.shape[0][2][0]), d.shape[1], (d.shape[0][2][1], d.shape[2])),
+        stride=((d.stride[0][0], d.stride[0][1], d.stride[0][2][0]), d.stride[1],
+                (d.stride[0][2][1], d.stride[2])),
+    )
+
+
+class MlaDecodeSeesawSm90(Fp8OperandsMixin, KvRefillMixin, DecodeTraceMixin, MlaDecodeSm90):
+    """The seesaw loop (module docstring).  Arguments: the base class's, plus ``producer`` (a third warpgroup issues
+    the refills; 16-bit inputs with pages >= 32), ``trace`` (debug builds: iterations timed per warpgroup) and
+    ``pad_zero`` (default: a row block with rows past R pads them with zeros)."""
+
+    def __init__(self, *, producer: bool = False, trace: int = 0, pad_zero: bool | None = None, **kw):
+        rows = kw["num_heads"] * kw["q_len"]
+        super().__init__(pad_zero=rows % self.block_m != 0 if pad_zero is None else pad_zero, **kw)
+        # a third, producer warpgroup (24 registers; the two computing warpgroups get 240) issues every TMA refill,
+        # so no computing warp stalls on a TMA issue (:meth:`produce`); its coordinates of 16-token pages would spill
+        if producer and (self.fp8 or self.page_size < 32):
+            raise ValueError(f"producer: 16-bit inputs with page_size >= 32 only, got {self.dtype_name} with "
+                             f"page_size {self.page_size}")
+        self.producer = bool(producer)
+        self.cta_threads = self.num_threads + (128 if self.producer else 0)
+        self.producer_regs, self.consumer_regs = 24, 240  # 2 x 128 x 240 + 128 x 24 = 384 x 168 (the launch's)
+        if self.fp8:
+            # the 16-bit operand dtype of the slot layouts (a slot's bytes: 64 tokens x 576 x 2)
+            self.mma_dtype = cutlass.Float16
+        # debug builds only (benchmarks/trace_decode.py): clock64 at the TRACE_EVENTS points of the first ``trace``
+        # iterations of each warpgroup, by its thread 0, into an extra int64 output (:meth:`mark`, decode_trace.py)
+        if trace < 0:
+            raise ValueError(f"trace: expected the number of iterations to time (0: a normal build), got {trace}")
+        self.trace = int(trace)
+        self.p_stsm = not self.fp8  # 16-bit P to the peer's tile by stmatrix (FP8 stores e4m3 P: store_p8)
+        self.box_rows = min(self.page_size, self.block_n)  # rows of one TMA box (one page or one tile)
+        self.subs = self.block_n // self.box_rows  # boxes per 64-token tile and 64-column chunk
+
+    # ------------------------------------------------------------------------------------------ host
+    def _seesaw_layouts(self):
+        dt = self.mma_dtype
+        tile_qk = (self.block_m, self.block_n, self.D)
+        q_layout = sm90_utils.make_smem_layout_a(LayoutEnum.ROW_MAJOR, tile_qk, _F8 if self.fp8 else dt, 1)
+        k_layout = sm90_utils.make_smem_layout_b(LayoutEnum.ROW_MAJOR, tile_qk, dt, 2)
+        v_layout = sm90_utils.make_smem_layout_b(LayoutEnum.COL_MAJOR, (self.block_m, self.DV, self.block_n), dt, 1)
+        p_layout = sm90_utils.make_smem_layout_a(LayoutEnum.ROW_MAJOR, (self.block_m, self.DV // 2, self.block_n),
+                                                 dt, 1)
+        return q_layout, k_layout, v_layout, p_layout
+
+    # floats of shared memory for column statistics in the loop's storage (``Storage.red``): none used here (4, the
+    # smallest field); the transposed 16-bit loop's column maxima / sums need 2 x 4 x 32
+    red_floats = 4
+    # the 64-column chunks of the refill groups by mbarrier, A0 and B0 (slot 0), A1 and B1 (slot 1) (module
+    # docstring, "The groups"): the rope chunk 8 goes with the group refilled after the last PV that read the P
+    # stored there.  The prologue and the producer warpgroup's loop load these (this loop's own refill sites name the
+    # same chunks).
+    col_groups = ((0, 1, 2, 3), (4, 5, 6, 7, 8), (0, 1, 2, 3, 8), (4, 5, 6, 7))
+    n_mbar = 4  # one mbarrier per column group: A0, B0, A1, B1
+
+    def seesaw_mmas(self):
+        """``(qk_mma, pv_ss, pv_rs, pv8)`` of the loop (traced in ``__call__``): the QK, the 16-bit P V with P from shared
+        memory and from registers, and with FP8 the e4m3 P V (else None)."""
+        dt = self.mma_dtype
+        K, MN = warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.MN
+        qk_dt = _F8 if cutlass.const_expr(self.fp8) else dt
+        qk_mma = sm90_utils.make_trivial_tiled_mma(qk_dt, qk_dt, K, K, Float32, (1, 1, 1),
+                                                   (self.block_m, self.block_n))
+        pv_ss = sm90_utils.make_trivial_tiled_mma(dt, dt, K, MN, Float32, (1, 1, 1), (self.block_m, self.DV // 2))
+        pv_rs = sm90_utils.make_trivial_tiled_mma(dt, dt, K, MN, Float32, (1, 1, 1), (self.block_m, self.DV // 2),
+                                                  a_source=warpgroup.OperandSource.RMEM)
+        # FP8 P V: e4m3 P (smem) x e4m3 V^T (smem, tokens contiguous), one instruction spans the warpgroup's 256
+        # features of the packed V^T
+        pv8 = None
+        if cutlass.const_expr(self.fp8):
+            pv8 = sm90_utils.make_trivial_tiled_mma(_F8, _F8, K, K, Float32, (1, 1, 1), (self.block_m, self.DV // 2))
+        return qk_mma, pv_ss, pv_rs, pv8
+
+    @cute.jit
+    def __call__(self, stream, q: cute.Tensor, kv: cute.Tensor, block_table: cute.Tensor, seq_lens: cute.Tensor,
+                 softmax_scale: cute.Tensor, output_scale: cute.Tensor, out: cute.Tensor, lse: cute.Tensor,
+                 o_accum: cute.Tensor = None, lse_accum: cute.Tensor = None, trace_buf: cute.Tensor = None):
+        dt = self.mma_dtype
+        q_layout, k_layout, v_layout, p_layout = self._seesaw_layouts()
+        qk_mma, pv_ss, pv_rs, pv8 = self.seesaw_mmas()
+        # (page_size, 576, num_pages) view of the cache; one box = box_rows x 64 columns, SW128 like a 64-column chunk
+        # of a KV slot (FP8: raw e4m3 rows in the QGMMA B layout, 64-byte swizzle)
+        kv_t = cute.make_tensor(kv.iterator, cute.select(kv.layout, mode=[1, 2, 0]))
+        box = cute.select(sm90_utils.make_smem_layout_b(LayoutEnum.ROW_MAJOR, (self.block_m, self.box_rows, _CHUNK),
+                                                        _F8 if cutlass.const_expr(self.fp8) else dt, 1), mode=[0, 1])
+        tma_atom, tma_kv = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), kv_t, box,
+                                                       (self.box_rows, _CHUNK))
+        qk_dt = _F8 if cutlass.const_expr(self.fp8) else dt
+
+        @cute.struct
+        class Storage:
+            mbar: cute.struct.MemRange[Int64, self.n_mbar]  # A0, B0, A1, B1 (module docstring)
+            row_max: cute.struct.MemRange[Float32, 64]
+            scale0: cute.struct.MemRange[Float32, 64]
+            scale1: cute.struct.MemRange[Float32, 64]
+            row_sum: cute.struct.MemRange[Float32, 2 * 64]
+            sQ: cute.struct.Align[cute.struct.MemRange[qk_dt, cute.cosize(q_layout)], 1024]
+            sK: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(k_layout)], 1024]
+            zero_row: cute.struct.Align[cute.struct.MemRange[Int32, 4], 16]  # FP8 transpose: rows past the split
+            red: cute.struct.Align[cute.struct.MemRange[Float32, self.red_floats], 16]  # column statistics
+
+        main = self.seesaw_kernel(qk_mma, pv_ss, pv_rs, pv8, q, kv, block_table, seq_lens, softmax_scale, output_scale,
+                                  out, lse, o_accum, lse_accum, trace_buf, q_layout, k_layout, v_layout, p_layout,
+                                  tma_atom, tma_kv, Storage)
+        self.launch_main(main, Storage.size_in_bytes(), stream, q.shape[0], output_scale, out, lse, o_accum, lse_accum)
+
+    # ---------------------------------------------------------------------------------------- device
+    @cute.jit
+    def ready_v(self, w32: cute.Tensor, zero_row, slot: cutlass.Constexpr, tile_start: Int32, split_end: Int32,
+                wg: Int32, wtid: Int32):
+        """After a slot's QK retired, by its owner: FP8 builds the slot's ``V^T`` (:meth:`transpose_v_packed`); 16-bit
+        reads V straight from the slot (nothing to do)."""
+        if cutlass.const_expr(self.fp8):
+            self.transpose_v_packed(w32, zero_row, slot, tile_start, split_end, wg, wtid)
+
+    @cute.jit
+    def produce(self, tAs0: cute.Tensor, tAs1: cute.Tensor, tAg: cute.Tensor, tma_atom: cute.CopyAtom, mbar,
+                mBT: cute.Tensor, b: Int32, split_start: Int32, split_end: Int32, num_pages: Int32, n_pairs: Int32,
+                wtid: Int32):
+        """The producer warpgroup (:attr:`producer`) after the prologue, which it loaded: its warp 0 issues the four
+        column-group refills of pair j + 1, in the order their sites are reached: A0 (slot 0 cols 0..255, after WG0's
+        own PV), B1 (slot 1 cols 256..511, WG1's own PV), B0 (slot 0 cols 256..575, WG1's cross PV), A1 (slot 1 cols
+        0..255 + rope, WG0's cross PV); each once the site's warpgroup arrived on its REFILL_* barrier (160 threads).
+        No site waits for a later refill of the same pair, so the fixed order cannot block.  A TMA issue stalls the
+        issuing warp for hundreds of cycles; here that warp is not a computing one."""
+        bn = self.block_n
+        cg = self.col_groups
+        groups = ((Barrier.REFILL_A0, 0, 0, cg[0]),
+                  (Barrier.REFILL_B1, 1, 3, cg[3]),
+                  (Barrier.REFILL_B0, 0, 1, cg[1]),
+                  (Barrier.REFILL_A1, 1, 2, cg[2]))
+        if wtid < 32:
+            for j in cutlass.range(n_pairs - 1, unroll=1):
+                t2 = split_start + (2 * j + 2) * bn
+                for bar, s, m, chunks in groups:
+                    t = t2 + s * bn
+                    # loaded before the wait, one tile's at a time (24 registers: pages of 16 / 32 spilled
+                    # with two tiles' coordinates live)
+                    crd = self.coords(mBT, b, t, split_end, num_pages)
+                    cute.arch.barrier(barrier_id=int(bar), number_of_threads=160)
+                    self.refill((tAs0, tAs1)[s], tAg, tma_atom, mbar + m, crd, wtid, chunks, None)
+
+    @cute.jit
+    def zero_tail(self, sKs: cute.Tensor, tile_start: Int32, split_end: Int32, wg: Int32, wtid: Int32):
+        """TMA only: zero the V columns (0..511) of a slot's rows at or past ``split_end``, so P = 0 there
+        never meets a NaN (a page's rows past seq_len, or an unowned page, may hold anything).  Run by the
+        slot's owner after its QK retired and the slot's refills landed; the warpgroup barrier publishes the
+        zeros to its own PV, the P0_READY / P1_READY barriers (after a proxy fence) to the other warpgroup's."""
+        if tile_start + self.block_n > split_end:
+            first = cutlass.max(split_end - tile_start, 0)
+            for i in cutlass.range_constexpr(self.block_n * self.DV // 8 // 128):
+                idx = wtid + 128 * i
+                r = idx // (self.DV // 8)
+                c0 = (idx % (self.DV // 8)) * 8
+                if r >= first:
+                    for e in cutlass.range_constexpr(8):
+                        sKs[r, c0 + e] = self.mma_dtype(0.0)
+            cute.arch.fence_view_async_shared()
+            cute.arch.barrier(barrier_id=int(Barrier.TAIL) + wg, number_of_threads=128)
+
+    @cute.jit
+    def pv(self, mma: cute.TiledMma, acc_o: cute.Tensor, tA: cute.Tensor, tB: cute.Tensor,
+           kstep: cutlass.Constexpr = _K16):
+        """Issue ``O += P V_half`` (no commit); ``kstep``: the wgmma K (32 for the e4m3 QGMMA)."""
+        warpgroup.fence()
+        for k in cutlass.range_constexpr(self.block_n // kstep):
+            cute.gemm(mma, acc_o, tA[None, None, k], tB[None, None, k], acc_o)
+
+    @cute.jit
+    def fold_first(self, acc_s, tScS, lim, tile_start, scale_log2, sM, sSc0, row_in, row_l, ref, sc, wtid):
+        """Warpgroup 0, first thing of an iteration: :meth:`fold_first_max`, then ``P`` (in place of ``acc_s``) against
+        ``ref`` and the row sums."""
+        self.fold_first_max(acc_s, tScS, lim, tile_start, scale_log2, sM, sSc0, row_in, row_l, ref, sc, wtid)
+        self.exp_rows(acc_s, ref, row_l)
+
+    @cute.jit
+    def fold_second(self, acc_s, tScS, lim, tile_start, scale_log2, sM, sSc0, sSc1, row_in, row_l, ref, sc, wtid):
+        """Warpgroup 1, after SCALE0: :meth:`fold_second_max`, arrive on SCALE1, then ``P`` as :meth:`fold_first`."""
+        self.fold_second_max(acc_s, tScS, lim, tile_start, scale_log2, sM, sSc0, sSc1, row_in, row_l, ref, sc, wtid)
+        cute.arch.barrier_arrive(barrier_id=int(Barrier.SCALE1), number_of_threads=self.num_threads)
+        self.exp_rows(acc_s, ref, row_l)
+
+    def v_half(self, sKs: cute.Tensor, v_layout: cute.ComposedLayout, wg):
+        """Warpgroup ``wg``'s 256 V features of slot ``sKs`` as a ``(features, tokens)`` MN-major view (``v_layout``:
+        :meth:`_seesaw_layouts`): the P V's B operand here, the transposed 16-bit loop's ``V^T`` A operand."""
+        sV = cute.make_tensor(cute.recast_ptr(sKs.iterator, v_layout.inner), v_layout.outer)
+        return cute.local_tile(sV[None, None, 0], (self.DV // 2, self.block_n), (wg, 0))
+
+    @cute.jit
+    def stage_p(self, rP: cute.Tensor, acc_s: cute.Tensor, tSsP: cute.Tensor, stsm=None):
+        """P (fp32, in ``acc_s``) -> the 16-bit register tile ``rP`` -> its shared-memory tile ``tSsP`` (:meth:`put_p`),
+        fenced for the async proxy (a wgmma of another warpgroup reads it once the caller's barrier publishes it)."""
+        rP.store(acc_s.load().to(rP.element_type))
+        self.put_p(rP, tSsP, stsm)
+        cute.arch.fence_view_async_shared()
+
+    @cute.jit
+    def put_p(self, rP: cute.Tensor, tSsP: cute.Tensor, stsm=None):
+        """The register tile ``rP`` -> shared memory: ``stsm`` None, element by element into its accumulator-layout
+        partition ``tSsP``; else ``(tiled_copy, rP retiled, destination)`` of :meth:`p_stsm_views` (``stmatrix``)."""
+        if cutlass.const_expr(stsm is None):
+            cute.autovec_copy(rP, tSsP)
+        else:
+            cute.copy(stsm[0], stsm[1], stsm[2])
+
+    @cute.jit
+    def p_stsm_views(self, qk_mma: cute.TiledMma, rP: cute.Tensor, sP0: cute.Tensor, sP1: cute.Tensor, wtid: Int32):
+        """16-bit: ``stmatrix`` (x4, not transposed: a matrix row is 8 tokens of one query row, 16 bytes of the
+        K-major P tile) tiled over the QK's accumulator layout, as the two :meth:`put_p` arguments for the P tiles
+        ``sP0`` / ``sP1``; FP8 ``(None, None)``."""
+        if cutlass.const_expr(not self.p_stsm):
+            return None, None
+        atom = cute.make_copy_atom(cute.nvgpu.warp.StMatrix8x8x16bOp(False, 4), self.mma_dtype)
+        tiled = cute.make_tiled_copy_C(atom, qk_mma)
+        thr = tiled.get_slice(wtid)
+        src = thr.retile(rP)
+        return (tiled, src, thr.partition_D(sP0)), (tiled, src, thr.partition_D(sP1))
+
+    @cute.jit
+    def scale_o(self, acc_o: cute.Tensor, s: cute.Tensor):
+        for e in cutlass.range_constexpr(cute.size(acc_o)):
+            acc_o[e] = acc_o[e] * s[(e // 2) % 2]
+
+    @cute.kernel
+    def seesaw_kernel(self, qk_mma: cute.TiledMma, pv_ss: cute.TiledMma, pv_rs: cute.TiledMma, pv8: cute.TiledMma,
+                      mQ: cute.Tensor,
+                      mKV: cute.Tensor, mBT: cute.Tensor, mSeq: cute.Tensor, mSS: cute.Tensor, mOS: cute.Tensor,
+                      mOut: cute.Tensor, mLse: cute.Tensor, mOacc: cute.Tensor, mLacc: cute.Tensor, mTrace: cute.Tensor,
+                      q_layout: cute.ComposedLayout, k_layout: cute.ComposedLayout, v_layout: cute.ComposedLayout,
+                      p_layout: cute.ComposedLayout, tma_atom: cute.CopyAtom, tma_kv: cute.Tensor,
+                      Storage: cutlass.Constexpr):
+        tid, mblk, split, b, wg, wtid, st = self.cta_start(Storage)
+        bn = self.block_n
+        sQ = st.sQ.get_tensor(q_layout.outer, swizzle=q_layout.inner)
+        sK = st.sK.get_tensor(k_layout.outer, swizzle=k_layout.inner)
+        sM = st.row_max.get_tensor(cute.make_layout(64))
+        sSc0 = st.scale0.get_tensor(cute.make_layout(64))
+        sSc1 = st.scale1.get_tensor(cute.make_layout(64))
+        sSum = st.row_sum.get_tensor(cute.make_layout(128))
+        mbar = st.mbar.data_ptr()  # + 0: A0, 1: B0, 2: A1, 3: B1
+
+        scale_log2 = mSS[0] * LOG2_E
+        out_scale = mOS[0]
+        num_pages = mKV.shape[0]
+        seq, split_start, split_end = self.split_range(mBT, mSeq, b, split)
+        n_pairs = self.num_pairs(split_start, split_end)
+
+        if tid == 0:
+            for i in cutlass.range_constexpr(self.n_mbar):
+                cute.arch.mbarrier_init(mbar + i, 1)
+            cpasync.prefetch_descriptor(tma_atom)
+        if tid < 64:
+            sM[tid] = -Float32.inf
+        zrow = st.zero_row.data_ptr()  # (only the FP8 transpose reads it)
+        cta = (b * self.num_splits + split) * self.num_m_blocks + mblk  # (debug traces: mark)
+        self.clear_trace(mTrace, cta, wg, wtid)
+        if cutlass.const_expr(self.fp8):  # noqa: SIM102 (static + dynamic test)
+            if tid < 4:
+                st.zero_row.get_tensor(cute.make_layout(4))[tid] = Int32(0)
+        cute.arch.mbarrier_init_fence()
+        # ---- Q tile (16-bit: one cp.async group; FP8: raw e4m3 through registers)
+        if cutlass.const_expr(self.producer):  # (the computing warpgroups' 256 threads)
+            if wg < 2:
+                self.load_q_tile(sQ[None, None, 0], mQ, mblk, b, tid)
+        else:
+            self.load_q_tile(sQ[None, None, 0], mQ, mblk, b, tid)
+        cute.arch.cp_async_commit_group()
+        cute.arch.barrier()  # mbarriers initialised before any arrive
+        # ---- prologue: pair 0 into both slots (completion 0 of every mbarrier)
+        sK0 = sK[None, None, 0]
+        sK1 = sK[None, None, 1]
+        sSt0, sSt1 = None, None  # FP8: the e4m3 staging view of each slot (:meth:`staging`)
+        if cutlass.const_expr(self.fp8):
+            sSt0, sSt1 = self.staging(st.sK.data_ptr())
+        # boxes: (page row block, chunk, page) -> slot (sub-box, chunk)
+        gKV = cute.group_modes(cute.local_tile(tma_kv, (self.box_rows, _CHUNK), (None, None, None)), 0, 2)
+        dst0, dst1 = (sSt0, sSt1) if cutlass.const_expr(self.fp8) else (sK0, sK1)
+        tAs0, tAg = cpasync.tma_partition(tma_atom, 0, cute.make_layout(1), cute.group_modes(
+            cute.local_tile(dst0, (self.box_rows, _CHUNK), (None, None)), 0, 2), gKV)
+        tAs1, _ = cpasync.tma_partition(tma_atom, 0, cute.make_layout(1), cute.group_modes(
+            cute.local_tile(dst1, (self.box_rows, _CHUNK), (None, None)), 0, 2), gKV)
+        if n_pairs > 0:
+            pg0 = self.coords(mBT, b, split_start, split_end, num_pages)
+            pg1 = self.coords(mBT, b, split_start + bn, split_end, num_pages)
+            cg = self.col_groups
+            if cutlass.const_expr(self.producer):  # the producer loads both slots by column groups (A0, A1, B0, B1)
+                if wg == 2:
+                    self.refill(tAs0, tAg, tma_atom, mbar + 0, pg0, wtid, cg[0], None)
+                    self.refill(tAs1, tAg, tma_atom, mbar + 2, pg1, wtid, cg[2], None)
+                    self.refill(tAs0, tAg, tma_atom, mbar + 1, pg0, wtid, cg[1], None)
+                    self.refill(tAs1, tAg, tma_atom, mbar + 3, pg1, wtid, cg[3], None)
+            elif wg == 0:
+                self.refill(tAs0, tAg, tma_atom, mbar + 0, pg0, wtid, cg[0], None)
+                self.refill(tAs1, tAg, tma_atom, mbar + 2, pg1, wtid, cg[2], None)
+            else:
+                self.refill(tAs0, tAg, tma_atom, mbar + 1, pg0, wtid, cg[1], None)
+                self.refill(tAs1, tAg, tma_atom, mbar + 3, pg1, wtid, cg[3], None)
+        cute.arch.cp_async_wait_group(0)  # Q (the KV copies are tracked by the mbarriers)
+        cute.arch.fence_view_async_shared()
+        cute.arch.barrier()
+
+        ctx = (qk_mma, pv_ss, pv_rs, pv8, sQ, sK0, sK1, sSt0, sSt1, st, k_layout, v_layout, p_layout, wg, wtid, mblk,
+               split, b, seq, split_start, split_end, n_pairs, sM, sSc0, sSc1, sSum, mbar, scale_log2, out_scale, mBT,
+               mKV, num_pages, tAs0, tAs1, tAg, tma_atom, zrow, mTrace, cta, mOut, mLse, mOacc, mLacc)
+        if cutlass.const_expr(self.producer):  # warpgroup 2 issues the refills, 0 and 1 compute
+            if wg == 2:
+                cute.arch.setmaxregister_decrease(self.producer_regs)
+                if n_pairs > 0:
+                    self.produce(tAs0, tAs1, tAg, tma_atom, mbar, mBT, b, split_start, split_end, num_pages, n_pairs,
+                                 wtid)
+                cute.arch.barrier()  # the consumers' barrier before their epilogue
+            else:
+                cute.arch.setmaxregister_increase(self.consumer_regs)
+                self.consume(ctx)
+        else:
+            self.consume(ctx)
+
+    @cute.jit
+    def consume(self, ctx):
+        """The two computing warpgroups' part of :meth:`seesaw_kernel` after the prologue (all of it without the
+        producer warpgroup): the MMA partitions, the first QK, the seesaw loop and the epilogue.  ``ctx``: the
+        prologue's values, in :meth:`seesaw_kernel`'s order."""
+        (qk_mma, pv_ss, pv_rs, pv8, sQ, sK0, sK1, sSt0, sSt1, st, k_layout, v_layout, p_layout, wg, wtid, mblk,
+         split, b, seq, split_start, split_end, n_pairs, sM, sSc0, sSc1, sSum, mbar, scale_log2, out_scale, mBT,
+         mKV, num_pages, tAs0, tAs1, tAg, tma_atom, zrow, mTrace, cta, mOut, mLse, mOacc, mLacc) = ctx
+        bn = self.block_n
+        fp8 = self.fp8
+        # ---- MMA partitions (identical for both warpgroups; slot / column half picked by wg)
+        qk_thr = qk_mma.get_slice(wtid)
+        ss_thr = pv_ss.get_slice(wtid)
+        tSrQ = qk_thr.make_fragment_A(qk_thr.partition_A(sQ[None, None, 0]))
+        kq0, kq1 = (sSt0, sSt1) if cutlass.const_expr(fp8) else (sK0, sK1)  # the QK's B operand
+        tSrK0 = qk_thr.make_fragment_B(qk_thr.partition_B(kq0))
+        tSrK1 = qk_thr.make_fragment_B(qk_thr.partition_B(kq1))
+        acc_s = qk_thr.make_fragment_C(qk_thr.partition_shape_C((self.block_m, bn)))
+        acc_o = ss_thr.make_fragment_C(ss_thr.partition_shape_C((self.block_m, self.DV // 2)))
+        acc_o.fill(0.0)
+        tScS = qk_thr.partition_C(cute.make_identity_tensor((self.block_m, bn)))
+        # P of slot g lives in its rope columns (chunk 8: 64 rows x 64 cols, same swizzled atom layout as P)
+        sP0 = cute.make_tensor(cute.recast_ptr(sK0.iterator + self.DV * bn, p_layout.inner), p_layout.outer)
+        sP1 = cute.make_tensor(cute.recast_ptr(sK1.iterator + self.DV * bn, p_layout.inner), p_layout.outer)
+        tSsP0 = qk_thr.partition_C(sP0[None, None, 0])
+        tSsP1 = qk_thr.partition_C(sP1[None, None, 0])
+        tOsP0 = ss_thr.make_fragment_A(ss_thr.partition_A(sP0[None, None, 0]))
+        tOsP1 = ss_thr.make_fragment_A(ss_thr.partition_A(sP1[None, None, 0]))
+        tOrV0 = ss_thr.make_fragment_B(ss_thr.partition_B(self.v_half(sK0, v_layout, wg)))
+        tOrV1 = ss_thr.make_fragment_B(ss_thr.partition_B(self.v_half(sK1, v_layout, wg)))
+        # FP8 P V (pv8_views): e4m3 P tiles and V^T halves as QGMMA operands; O viewed in the QGMMA's (N = 64)
+        # accumulator layout, the same registers in the same order as pv_ss's
+        w32, acc_o8, tSsP8_0, tSsP8_1, tOsP8_0, tOsP8_1, tOrVt0, tOrVt1 = (None,) * 8
+        if cutlass.const_expr(fp8):
+            w32 = cute.make_tensor(cute.recast_ptr(st.sK.data_ptr(), dtype=Int32), cute.make_layout(
+                cute.cosize(k_layout) * (self.mma_dtype.width // 8) // 4))
+            (sVt0, sVt1), (sP80, sP81), (sP8s0, sP8s1) = self.pv8_views(st.sK.data_ptr())
+            thr8 = pv8.get_slice(wtid)
+            acc_o8 = cute.make_tensor(acc_o.iterator,
+                                      thr8.make_fragment_C(thr8.partition_shape_C((self.block_m, self.DV // 2))).layout)
+            tSsP8_0 = qk_thr.partition_C(sP8s0)
+            tSsP8_1 = qk_thr.partition_C(sP8s1)
+            tOsP8_0 = thr8.make_fragment_A(thr8.partition_A(sP80))
+            tOsP8_1 = thr8.make_fragment_A(thr8.partition_A(sP81))
+            tOrVt0 = thr8.make_fragment_B(thr8.partition_B(cute.local_tile(sVt0, (self.DV // 2, bn), (wg, 0))))
+            tOrVt1 = thr8.make_fragment_B(thr8.partition_B(cute.local_tile(sVt1, (self.DV // 2, bn), (wg, 0))))
+            pv8.set(warpgroup.Field.ACCUMULATE, True)
+        rP = cute.make_rmem_tensor_like(acc_s, self.mma_dtype)  # own P, the RS operand
+        tOrP = cute.make_tensor(rP.iterator, acc_to_a_layout(rP.layout))
+        stsm0, stsm1 = self.p_stsm_views(qk_mma, rP, sP0[None, None, 0], sP1[None, None, 0], wtid)
+        qk_mma.set(warpgroup.Field.ACCUMULATE, True)
+        pv_ss.set(warpgroup.Field.ACCUMULATE, True)
+        pv_rs.set(warpgroup.Field.ACCUMULATE, True)
+
+        row_in, lim = self.row_limits(tScS, mblk, seq, split_end)
+        row_l = cute.make_rmem_tensor((2,), Float32)
+        row_l[0] = 0.0
+        row_l[1] = 0.0
+        ref = cute.make_rmem_tensor((2,), Float32)
+        sc = cute.make_rmem_tensor((2,), Float32)
+
+        # ---- first QK of each warpgroup (pair 0)
+        if n_pairs > 0:
+            if wg == 0:
+                self.landed(mbar + 0, 0)
+                self.landed(mbar + 1, 0)
+                self.qk_chunks(qk_mma, acc_s, tSrQ, tSrK0, _ALL_CHUNKS, True)
+            else:
+                self.landed(mbar + 2, 0)
+                self.landed(mbar + 3, 0)
+                self.qk_chunks(qk_mma, acc_s, tSrQ, tSrK1, _ALL_CHUNKS, True)
+            warpgroup.commit_group()
+            warpgroup.wait_group(0)
+            if wg == 0:
+                self.ready_v(w32, zrow, 0, split_start, split_end, wg, wtid)
+            else:
+                self.ready_v(w32, zrow, 1, split_start + bn, split_end, wg, wtid)
+
+        if wg == 0:
+            for j in cutlass.range(n_pairs, unroll=1):
+                t0 = split_start + 2 * j * bn  # first token of this pair's tile in slot 0
+                more = j + 1 < n_pairs
+                ph = (j + 1) % 2  # parity of the refill completion the next QK waits for
+                self.mark(mTrace, cta, wg, wtid, j, 0)
+                pgA0 = self.coords(mBT, b, t0 + 2 * bn, split_end, num_pages)  # in flight during softmax
+                pgA1 = self.coords(mBT, b, t0 + 3 * bn, split_end, num_pages)
+                if cutlass.const_expr(not fp8):  # (the FP8 transpose zeroes those rows of V^T)
+                    self.zero_tail(sK0, t0, split_end, wg, wtid)
+                # 1. fold tile 2j into the shared max; P0; O_L *= scale0; publish
+                self.fold_first(acc_s, tScS, lim, t0, scale_log2, sM, sSc0, row_in, row_l, ref, sc, wtid)
+                self.scale_o(acc_o, sc)
+                cute.arch.barrier_arrive(barrier_id=int(Barrier.SCALE0), number_of_threads=self.num_threads)
+                self.mark(mTrace, cta, wg, wtid, j, 1)
+                # 2. O_L += P0 V0_L (16-bit: RS; FP8: SS, P0 through smem), then refill slot 0 cols 0..255 (only this
+                #    warpgroup read them)
+                if cutlass.const_expr(fp8):  # (all 128 threads' parts of P0, then the wgmma)
+                    store_p8(acc_s, tSsP8_0)
+                    cute.arch.barrier(barrier_id=int(Barrier.TAIL) + wg, number_of_threads=128)
+                    self.mark(mTrace, cta, wg, wtid, j, 2)
+                    self.pv(pv8, acc_o8, tOsP8_0, tOrVt0, _K32)
+                else:
+                    rP.store(acc_s.load().to(self.mma_dtype))
+                    self.mark(mTrace, cta, wg, wtid, j, 2)
+                    self.pv(pv_rs, acc_o, tOrP, tOrV0)
+                warpgroup.commit_group()
+                warpgroup.wait_group(0)
+                self.mark(mTrace, cta, wg, wtid, j, 3)
+                if more:
+                    self.refill(tAs0, tAg, tma_atom, mbar + 0, pgA0, wtid, (0, 1, 2, 3), Barrier.REFILL_A0)
+                # 3. WG1 folded tile 2j+1: rescale P0 (-> smem for WG1), l, O_L by scale1
+                cute.arch.barrier(barrier_id=int(Barrier.SCALE1), number_of_threads=self.num_threads)
+                self.mark(mTrace, cta, wg, wtid, j, 4)
+                for h in cutlass.range_constexpr(2):
+                    sc[h] = sSc1[row_in[h]]
+                    row_l[h] = row_l[h] * sc[h]
+                for e in cutlass.range_constexpr(cute.size(acc_s)):
+                    acc_s[e] = acc_s[e] * sc[(e // 2) % 2]
+                if cutlass.const_expr(fp8):  # (the own PV, which read the same tile, retired above)
+                    store_p8(acc_s, tSsP8_0)
+                else:
+                    self.stage_p(rP, acc_s, tSsP0, stsm0)
+                cute.arch.barrier_arrive(barrier_id=int(Barrier.P0_READY), number_of_threads=self.num_threads)
+                self.scale_o(acc_o, sc)
+                self.mark(mTrace, cta, wg, wtid, j, 5)
+                # 4. O_L += P1 V1_L (SS; P1 from WG1's smem)
+                cute.arch.barrier(barrier_id=int(Barrier.P1_READY), number_of_threads=self.num_threads)
+                self.mark(mTrace, cta, wg, wtid, j, 6)
+                if cutlass.const_expr(fp8):
+                    self.pv(pv8, acc_o8, tOsP8_1, tOrVt1, _K32)
+                else:
+                    self.pv(pv_ss, acc_o, tOsP1, tOrV1)
+                warpgroup.commit_group()
+                # 5. next QK on slot 0: own refill first, then (after the cross PV retired, refilling slot 1's
+                #    cols 0..255 + 512..575) WG1's refill of cols 256..575
+                if more:
+                    self.landed(mbar + 0, ph)
+                    self.mark(mTrace, cta, wg, wtid, j, 7)
+                    self.qk_chunks(qk_mma, acc_s, tSrQ, tSrK0, (0, 1, 2, 3), True)
+                    warpgroup.commit_group()
+                    warpgroup.wait_group(1)
+                    self.mark(mTrace, cta, wg, wtid, j, 8)
+                    self.refill(tAs1, tAg, tma_atom, mbar + 2, pgA1, wtid, (0, 1, 2, 3, 8), Barrier.REFILL_A1)
+                    self.landed(mbar + 1, ph)
+                    self.qk_chunks(qk_mma, acc_s, tSrQ, tSrK0, (4, 5, 6, 7, 8), False)
+                    warpgroup.commit_group()
+                warpgroup.wait_group(0)
+                self.mark(mTrace, cta, wg, wtid, j, 9)
+                if more:
+                    self.mark(mTrace, cta, wg, wtid, j, 10)
+                    self.ready_v(w32, zrow, 0, t0 + 2 * bn, split_end, wg, wtid)
+                    self.mark(mTrace, cta, wg, wtid, j, 11)
+                    self.mark(mTrace, cta, wg, wtid, j, 12)
+        else:
+            for j in cutlass.range(n_pairs, unroll=1):
+                t1 = split_start + (2 * j + 1) * bn  # first token of this pair's tile in slot 1
+                more = j + 1 < n_pairs
+                ph = (j + 1) % 2
+                self.mark(mTrace, cta, wg, wtid, j, 0)
+                pgB1 = self.coords(mBT, b, t1 + 2 * bn, split_end, num_pages)  # in flight during the waits
+                pgB0 = self.coords(mBT, b, t1 + bn, split_end, num_pages)
+                if cutlass.const_expr(not fp8):
+                    self.zero_tail(sK1, t1, split_end, wg, wtid)
+                # 1. after WG0: fold tile 2j+1 into the shared max; P1; O_R *= scale0*scale1; publish
+                cute.arch.barrier(barrier_id=int(Barrier.SCALE0), number_of_threads=self.num_threads)
+                self.mark(mTrace, cta, wg, wtid, j, 1)
+                self.fold_second(acc_s, tScS, lim, t1, scale_log2, sM, sSc0, sSc1, row_in, row_l, ref, sc, wtid)
+                self.scale_o(acc_o, sc)
+                self.mark(mTrace, cta, wg, wtid, j, 2)
+                # 2. P1 -> smem (for WG0), O_R += P1 V1_R (16-bit: RS; FP8: SS, P1 through smem for both PVs)
+                if cutlass.const_expr(fp8):
+                    store_p8(acc_s, tSsP8_1)
+                    cute.arch.barrier(barrier_id=int(Barrier.TAIL) + wg, number_of_threads=128)
+                    self.mark(mTrace, cta, wg, wtid, j, 3)
+                    self.pv(pv8, acc_o8, tOsP8_1, tOrVt1, _K32)
+                    warpgroup.commit_group()
+                else:
+                    rP.store(acc_s.load().to(self.mma_dtype))
+                    self.put_p(rP, tSsP1, stsm1)
+                    self.mark(mTrace, cta, wg, wtid, j, 3)
+                    self.pv(pv_rs, acc_o, tOrP, tOrV1)
+                    warpgroup.commit_group()
+                    cute.arch.fence_view_async_shared()
+                # 3. O_R += P0 V0_R (SS; P0 from WG0's smem), then release P1 to WG0
+                cute.arch.barrier(barrier_id=int(Barrier.P0_READY), number_of_threads=self.num_threads)
+                self.mark(mTrace, cta, wg, wtid, j, 4)
+                if cutlass.const_expr(fp8):
+                    self.pv(pv8, acc_o8, tOsP8_0, tOrVt0, _K32)
+                else:
+                    self.pv(pv_ss, acc_o, tOsP0, tOrV0)
+                warpgroup.commit_group()
+                cute.arch.barrier_arrive(barrier_id=int(Barrier.P1_READY), number_of_threads=self.num_threads)
+                self.mark(mTrace, cta, wg, wtid, j, 5)
+                # 4. refills as the PVs retire: slot 1 cols 256..511 (own PV), slot 0 cols 256..575 (cross PV,
+                #    which also read P0 in slot 0's rope columns)
+                warpgroup.wait_group(1)
+                if more:
+                    self.refill(tAs1, tAg, tma_atom, mbar + 3, pgB1, wtid, (4, 5, 6, 7), Barrier.REFILL_B1)
+                warpgroup.wait_group(0)
+                self.mark(mTrace, cta, wg, wtid, j, 6)
+                if more:
+                    self.refill(tAs0, tAg, tma_atom, mbar + 1, pgB0, wtid, (4, 5, 6, 7, 8), Barrier.REFILL_B0)
+                    # 5. next QK on slot 1: own columns first, then WG0's refill (cols 0..255 + rope)
+                    self.landed(mbar + 3, ph)
+                    self.mark(mTrace, cta, wg, wtid, j, 7)
+                    self.qk_chunks(qk_mma, acc_s, tSrQ, tSrK1, (4, 5, 6, 7), True)
+                    self.landed(mbar + 2, ph)
+                    self.qk_chunks(qk_mma, acc_s, tSrQ, tSrK1, (0, 1, 2, 3, 8), False)
+                    warpgroup.commit_group()
+                warpgroup.wait_group(0)
+                self.mark(mTrace, cta, wg, wtid, j, 8)
+                if more:
+                    self.mark(mTrace, cta, wg, wtid, j, 9)
+                    self.ready_v(w32, zrow, 1, t1 + 2 * bn, split_end, wg, wtid)
+                    self.mark(mTrace, cta, wg, wtid, j, 10)
+                    self.mark(mTrace, cta, wg, wtid, j, 11)
+
+        # ---- epilogue: both warpgroups' O and l are relative to the final shared max; O leaves through the Q tile's
+        #      shared memory (64 x 576 e4m3 or 16-bit values; every QK retired: the barrier)
+        cute.arch.barrier()
+        row_m = cute.make_rmem_tensor((2,), Float32)
+        for h in cutlass.range_constexpr(2):
+            row_m[h] = sM[row_in[h]]
+            if cutlass.const_expr(fp8):  # O and l both carry P's 2^8 (exp_rows): O / l needs nothing, the LSE
+                row_m[h] = row_m[h] - self.p8_bias  # (row max + log2 l) takes it out of the max
+        stage = (sQ.iterator, self.block_m * self.D * (1 if fp8 else 2))
+        self.epilogue(ss_thr, acc_o, row_m, row_l, row_in, sSum, mOut, mLse, mOacc, mLacc, out_scale, mblk,
+                      split, b, wg, wtid, stage)
+
+
+__all__ = ["MlaDecodeSeesawSm90", "acc_to_a_layout"]
