@@ -43,7 +43,10 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--preset", default="small", choices=sorted(PRESETS), help="config with generated weights")
     p.add_argument(
-        "--checkpoint", default=None, metavar="DIR", help="Hugging Face checkpoint directory (overrides --preset)"
+        "--checkpoint",
+        default=None,
+        metavar="DIR",
+        help="Hugging Face checkpoint directory (overrides --preset)",
     )
     p.add_argument(
         "--dtype",
@@ -59,7 +62,11 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--backend", default="auto", choices=BACKENDS, help="attention backend")
     p.add_argument(
-        "--prompt", action="append", default=None, metavar="TEXT", help="a text prompt (repeatable; needs tokenizer.json)"
+        "--prompt",
+        action="append",
+        default=None,
+        metavar="TEXT",
+        help="a text prompt (repeatable; needs tokenizer.json)",
     )
     p.add_argument("--prompts-file", default=None, metavar="FILE", help="text prompts, one per line")
     p.add_argument("--batch", type=int, default=4, help="number of random prompts (without text prompts)")
@@ -131,10 +138,10 @@ def attention_backends(engine, batch: int, prompt_len: int, q_len: int) -> dict[
     """The backend each op runs with, as the tokenspeed_jax registry decides it for these shapes:
     ``{op: {"name": chosen or None, "not_chosen": {backend: reason}}}``."""
     import jax.numpy as jnp
-    from tokenspeed_jax.problems import DecodeProblem, PrefillProblem
-    from tokenspeed_jax.runtime import current_target
 
     import tokenspeed_jax as ts
+    from tokenspeed_jax.problems import DecodeProblem, PrefillProblem
+    from tokenspeed_jax.runtime import current_target
 
     c = engine.config
     dt = jnp.dtype(engine.model.dtype).name
@@ -176,7 +183,10 @@ def attention_backends(engine, batch: int, prompt_len: int, q_len: int) -> dict[
             name = next((n for n, r in reasons.items() if r is None), None)
         else:
             name = engine.backend if reasons.get(engine.backend) is None else None
-        out[op] = {"name": name, "not_chosen": {n: r for n, r in reasons.items() if r is not None and n != name}}
+        out[op] = {
+            "name": name,
+            "not_chosen": {n: r for n, r in reasons.items() if r is not None and n != name},
+        }
     return out
 
 
@@ -361,7 +371,9 @@ def main(argv: list[str] | None = None) -> int:
         "first_tokens": [t[:8] for t in res.tokens],
         "texts": res.texts,
     }
-    print(f"prompts {lens} (up to {args.max_new_tokens} new tokens each); warm-up (compile) {compile_s:.1f} s")
+    print(
+        f"prompts {lens} (up to {args.max_new_tokens} new tokens each); warm-up (compile) {compile_s:.1f} s"
+    )
     print(
         f"prefill: {res.prefill_tokens} tokens in {res.prefill_s * 1e3:.1f} ms = "
         f"{out['prefill_tokens_per_s']:.1f} tokens/s"

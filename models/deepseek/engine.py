@@ -125,7 +125,9 @@ def _isin(tokens, eos):
     return jnp.any(tokens[..., None] == eos, axis=-1)
 
 
-def _draft_chain(model, cache, d1, q1, mh, new_pos, block_table, keys, active, *, k, params, page_size, backend):
+def _draft_chain(
+    model, cache, d1, q1, mh, new_pos, block_table, keys, active, *, k, params, page_size, backend
+):
     """Drafts ``[B, k]`` (and their distributions ``[B, k, V]`` when sampling): ``d1`` then k-1 chained
     MTP steps, draft j+1 at position ``new_pos + j - 1``; draft j uses key ``(new_pos, TAG_DRAFT + j)``."""
     drafts, qs, tok, h = [d1], [q1], d1, mh
@@ -286,7 +288,9 @@ def _admit(
         upd["drafts"] = drafts
         if q is not None:
             upd["q"] = q
-    st = {n: v.at[slot_ids].set(upd[n].astype(v.dtype), mode="drop") if n in upd else v for n, v in st.items()}
+    st = {
+        n: v.at[slot_ids].set(upd[n].astype(v.dtype), mode="drop") if n in upd else v for n, v in st.items()
+    }
     return cache, st
 
 
@@ -620,7 +624,9 @@ class Engine:
         for i in range(5):
             vals = [o[i] if o is not None else None for o in outs]
             ref = next(v for v in vals if v is not None) if any(v is not None for v in vals) else None
-            res.append(None if ref is None else jnp.stack([jnp.zeros_like(ref) if v is None else v for v in vals]))
+            res.append(
+                None if ref is None else jnp.stack([jnp.zeros_like(ref) if v is None else v for v in vals])
+            )
         return (*res, block_rows)
 
     def prefill(self, prompts: list[list[int]], *, use_mtp: bool = False):
@@ -663,9 +669,13 @@ class Engine:
         V = self.config.vocab_size
         for i, p in enumerate(prompts):
             if not p:
-                raise ValueError(f"prompts: expected every prompt to have at least one token, prompt {i} is empty")
+                raise ValueError(
+                    f"prompts: expected every prompt to have at least one token, prompt {i} is empty"
+                )
             if min(p) < 0 or max(p) >= V:
-                raise ValueError(f"prompts: expected token ids in [0, {V}), prompt {i} has {min(p)}..{max(p)}")
+                raise ValueError(
+                    f"prompts: expected token ids in [0, {V}), prompt {i} has {min(p)}..{max(p)}"
+                )
         limits = [max_new_tokens] * len(prompts) if isinstance(max_new_tokens, int) else list(max_new_tokens)
         if len(limits) != len(prompts) or any(not isinstance(m, int | np.integer) or m < 1 for m in limits):
             raise ValueError(
@@ -680,7 +690,13 @@ class Engine:
             )
         if eos_token_id is None:
             eos_token_id = self.config.eos_token_id
-        eos = [] if eos_token_id is None else [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id)
+        eos = (
+            []
+            if eos_token_id is None
+            else [eos_token_id]
+            if isinstance(eos_token_id, int)
+            else list(eos_token_id)
+        )
         return prompts, [int(m) for m in limits], k, [int(e) for e in eos]
 
     def stream(
@@ -712,7 +728,9 @@ class Engine:
         self.max_pages = _pow2_at_least(need)  # block-table width in buckets: few decode-loop shapes
         num_pages = self.num_pages or B * need + 1
         if need > num_pages:
-            raise ValueError(f"num_pages: a request needs {need} pages of {ps} tokens, the cache has {num_pages}")
+            raise ValueError(
+                f"num_pages: a request needs {need} pages of {ps} tokens, the cache has {num_pages}"
+            )
         self.allocator = PageAllocator(num_pages, ps, shuffle=self.shuffle_pages, seed=self.seed)
         self._new_cache(num_pages)
         N = _pow2_at_least(max(limits) + k + 1, 8)
@@ -752,7 +770,10 @@ class Engine:
                     use_mtp=bool(k), params=params, batch_to=A,
                 )  # fmt: skip
                 pad = A - len(admitted)
-                ints = lambda xs, fill: jnp.asarray(np.array(list(xs) + [fill] * pad, np.int32))  # noqa: E731
+
+                def ints(xs, fill, pad=pad):
+                    return jnp.asarray(np.array(list(xs) + [fill] * pad, np.int32))
+
                 self.cache, st = _admit(
                     self.graphdef, self.state, self.cache, st,
                     ints([s for s, _ in admitted], B), rows,
@@ -837,14 +858,14 @@ class Engine:
           stream: called with a :class:`TokenEvent` per request and step as tokens are produced (the
             decode loop then returns to the host after every step).
         """
-        kw = dict(
-            num_speculative_tokens=num_speculative_tokens,
-            temperature=temperature,
-            top_k=top_k,
-            top_p=top_p,
-            seed=seed,
-            eos_token_id=eos_token_id,
-        )
+        kw = {
+            "num_speculative_tokens": num_speculative_tokens,
+            "temperature": temperature,
+            "top_k": top_k,
+            "top_p": top_p,
+            "seed": seed,
+            "eos_token_id": eos_token_id,
+        }
         it = self.stream(prompts, max_new_tokens, step_events=stream is not None, **kw)
         while True:
             try:

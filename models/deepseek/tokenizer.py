@@ -25,7 +25,7 @@ class Tokenizer:
         path = os.fspath(path)
         try:
             return cls(HFTokenizer.from_file(path), path)
-        except Exception as e:  # tokenizers raises a bare Exception on malformed files
+        except Exception as e:  # noqa: BLE001 (tokenizers raises a bare Exception on malformed files)
             raise ValueError(f"tokenizer.json: cannot load {path!r} ({e})") from None
 
     @property
