@@ -719,6 +719,8 @@ class Engine:
         prompts, limits, k, eos = self._check(prompts, max_new_tokens, num_speculative_tokens, eos_token_id)
         self._drafts = self._accepted = 0  # per-slot counters are summed as requests finish (_harvest)
         params = SamplingParams(float(temperature), top_k or None, top_p)
+        if params.greedy:  # top-k / top-p do not matter: one compilation for every greedy call
+            params = GREEDY
         R = len(prompts)
         B = self.max_slots or R
         extra = 2 * k + 1 if k else 0
@@ -819,7 +821,7 @@ class Engine:
                 continue
             n, done = int(h["n_out"][s]), bool(h["done"][s])
             if stream and n > sent[r]:
-                yield TokenEvent(r, h["out"][s, sent[r] : n].tolist(), done and free)
+                yield TokenEvent(r, h["out"][s, sent[r] : n].tolist(), done)
                 sent[r] = n
             if done and free:
                 tokens[r] = h["out"][s, :n].tolist()

@@ -180,6 +180,7 @@ def test_speculative_accept_unit_distribution():
     assert abs(acc - np.minimum(p[0], q[0]).sum()) < 0.02
 
 
+@pytest.mark.slow  # two decode-loop compilations of their own (256 slots; sampled MTP k = 2)
 def test_speculative_sampling_matches_plain_sampling(model):
     """Speculative (k = 2, MTP drafts) vs plain sampling (temperature 0.8, top-k 20, top-p 0.95) of the
     next 4 tokens of one prompt, N_SAMPLES requests each: (t1, t2) (prefill, then the first draft's
