@@ -14,6 +14,9 @@ Sections (``--sections``, default all):
 * ``mtp``: the same workload with continuous batching, plain decode and MTP k = 1, 2, 3: tokens/s,
   acceptance rate, and (greedy) the fraction of requests whose tokens equal plain greedy decoding with
   the position of the first difference (bf16 near-ties: the S = k+1 verify rounds differently from S = 1).
+* ``early_stop``: one batch of ``--max-slots`` requests (nothing pending) where all run the longest output
+  length, half stop after 4 tokens, or all stop after 4: decode steps and time (what finished requests
+  cost while others of their batch still run, and that a batch whose requests all stopped stops).
 * ``warmstart``: ``python -m tokenspeed_jax.models.deepseek --preset P`` twice in fresh processes sharing
   a fresh cache directory (``TOKENSPEED_JAX_CACHE_DIR``: XLA and CuTe caches); the CLI's ``warmup_s``
   (first run to its first decode, compile included) and each process's wall time.
@@ -66,7 +69,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--max-slots", type=int, default=64)
     p.add_argument("--page-size", type=int, default=64, choices=[16, 32, 64, 128, 256])
     p.add_argument("--mtp-k", default="1,2,3", help="speculative tokens to compare with plain decode")
-    p.add_argument("--sections", default="batching,mtp,warmstart")
+    p.add_argument("--sections", default="batching,mtp,early_stop,warmstart")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=None, metavar="FILE")
     p.add_argument(
@@ -177,6 +180,31 @@ def main(argv: list[str] | None = None) -> int:
                     f"{100 * t['greedy_equal_plain_fraction']:.1f}% of requests",
                     flush=True,
                 )
+    if "early_stop" in sections:
+        # What finished requests cost: one batch (slots = requests, nothing pending) where every request
+        # runs L tokens, half stop after 4, or all stop after 4 (a stop by length and by EOS set the same
+        # per-slot done flag).
+        m = model if sections & {"batching", "mtp"} else None
+        if m is None:
+            m = (
+                load_checkpoint(args.checkpoint, dtype=dtype)
+                if args.checkpoint
+                else DeepseekV3.random(DeepseekV3Config.preset(args.preset), dtype=dtype, seed=args.seed)
+            )
+        n_req, L = args.max_slots, _pair(args.output_lens)[1]
+        rng = np.random.default_rng(args.seed + 1)
+        ps = [rng.integers(0, m.config.vocab_size, 16).tolist() for _ in range(n_req)]
+        eng = Engine(m, page_size=args.page_size, backend=args.backend, max_slots=n_req)
+        r = doc["results"]["early_stop"] = {"requests": n_req, "max_new_tokens": L}
+        for name, lim in (("all_run", [L] * n_req), ("half_stop_at_4", [4, L] * (n_req // 2) + [L] * (n_req % 2)),
+                          ("all_stop_at_4", [4] * n_req)):  # fmt: skip
+            t = _run(eng, ps, lim)
+            t.pop("_tokens")
+            r[name] = {k: t[k] for k in ("generated_tokens", "decode_s", "decode_steps", "decode_calls")}
+            print(
+                f"early stop {name:15s}: {t['decode_steps']} steps, decode {t['decode_s'] * 1e3:.1f} ms",
+                flush=True,
+            )
     if "warmstart" in sections:
         runs = []
         with tempfile.TemporaryDirectory() as cache:
