@@ -27,6 +27,7 @@ def test_cli_tiny_with_profile(tmp_path, capsys):
             "1",
             "--backend",
             "xla",
+            "--no-compilation-cache",
             "--profile",
             str(prof),
             "--json",
@@ -112,3 +113,13 @@ def test_cli_text_in_and_out(tmp_path, capsys):
     assert "'hello world' ->" in captured.out
     assert res["attention_backend"]["decode"]["name"] == "xla"
     assert isinstance(res["attention_backend"]["decode"]["not_chosen"], dict)
+
+
+def test_compilation_cache_dir_default(monkeypatch, tmp_path):
+    from tokenspeed_jax.models.deepseek.engine import default_compilation_cache_dir
+
+    monkeypatch.delenv("TOKENSPEED_JAX_CACHE_DIR", raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    assert default_compilation_cache_dir() == str(tmp_path / "tokenspeed_jax" / "xla")
+    monkeypatch.setenv("TOKENSPEED_JAX_CACHE_DIR", str(tmp_path / "c"))
+    assert default_compilation_cache_dir() == str(tmp_path / "c" / "xla")
