@@ -4,8 +4,11 @@ backend that ran.
 
 By default it builds the ``small`` preset with generated (random) weights, so it runs anywhere (CPU: float32
 compute, xla backend; GPU: bfloat16, ``backend=auto`` picks the kernel backend when it supports the call).
-``--checkpoint DIR`` loads a Hugging Face checkpoint instead.  Prompts are random token ids.  Each
-configuration runs once to compile (warm-up) and once timed; ``--profile DIR`` wraps the timed run in
+``--checkpoint DIR`` loads a Hugging Face checkpoint instead; when DIR has ``tokenizer.json``,
+``--prompt TEXT`` (repeatable) or ``--prompts-file FILE`` (one prompt per line) give text prompts and the
+generated text is printed.  Without text prompts the prompts are random token ids.  Each configuration
+runs once to compile (warm-up; JAX's persistent compilation cache makes a second process's warm-up
+short, ``--no-compilation-cache`` turns it off) and once timed; ``--profile DIR`` wraps the timed run in
 ``jax.profiler.trace`` and reports which tokenspeed names its events show (read as XProf reads it: on a
 GPU the custom calls, on a CPU none, since the reference runs as fused XLA code).
 """
@@ -16,11 +19,8 @@ import argparse
 import json
 import os
 import sys
+import threading
 import time
-
-import jax
-import jax.numpy as jnp
-import numpy as np
 
 TOKENSPEED_SCOPES = (
     "tokenspeed_mla_prefill",
@@ -28,15 +28,24 @@ TOKENSPEED_SCOPES = (
     "tokenspeed_concat_and_cache_mla",
     "tokenspeed_merge_attn_states",
 )
+BACKENDS = ("auto", "xla", "sm90", "sm100")
+PAGE_SIZES = (16, 32, 64, 128, 256)  # mla_decode's page sizes
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="tokenspeed-deepseek", description=__doc__.split("\n\n")[0])
-    p.add_argument(
-        "--preset", default="small", help="config preset with generated weights (tiny, small, ...)"
+    from tokenspeed_jax.models.deepseek.config import PRESETS
+
+    p = argparse.ArgumentParser(
+        prog="tokenspeed-deepseek",
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
+    p.add_argument("--preset", default="small", choices=sorted(PRESETS), help="config with generated weights")
     p.add_argument(
-        "--checkpoint", default=None, help="Hugging Face checkpoint directory (overrides --preset)"
+        "--checkpoint",
+        default=None,
+        metavar="DIR",
+        help="Hugging Face checkpoint directory (overrides --preset)",
     )
     p.add_argument(
         "--dtype",
@@ -50,23 +59,43 @@ def _parser() -> argparse.ArgumentParser:
         choices=["auto", "float32", "bfloat16", "float8_e4m3fn"],
         help="latent cache dtype (auto: the compute dtype)",
     )
-    p.add_argument("--backend", default="auto", help="attention backend: auto, xla, sm90, sm100")
-    p.add_argument("--batch", type=int, default=4, help="number of prompts")
-    p.add_argument("--prompt-len", type=int, default=64, help="longest prompt (others are shorter)")
+    p.add_argument("--backend", default="auto", choices=BACKENDS, help="attention backend")
+    p.add_argument(
+        "--prompt",
+        action="append",
+        default=None,
+        metavar="TEXT",
+        help="a text prompt (repeatable; needs tokenizer.json)",
+    )
+    p.add_argument("--prompts-file", default=None, metavar="FILE", help="text prompts, one per line")
+    p.add_argument("--batch", type=int, default=4, help="number of random prompts (without text prompts)")
+    p.add_argument("--prompt-len", type=int, default=64, help="longest random prompt (others are shorter)")
     p.add_argument("--max-new-tokens", type=int, default=32)
     p.add_argument(
         "--num-speculative-tokens",
         type=int,
         default=None,
-        help="MTP drafts per round (default 1 if the model has an MTP layer, else 0)",
+        metavar="{0..15}",
+        help="MTP drafts per round (default: 1 if the model has an MTP layer, else 0)",
     )
-    p.add_argument("--page-size", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=0.0, help="0: greedy; > 0 samples")
+    p.add_argument("--top-k", type=int, default=None, help="sample among the k most likely tokens")
+    p.add_argument("--top-p", type=float, default=None, help="nucleus sampling probability in (0, 1]")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--ignore-eos", action="store_true", help="run every request to --max-new-tokens")
+    p.add_argument("--page-size", type=int, default=64, choices=PAGE_SIZES)
     p.add_argument("--prefill-chunk", type=int, default=None, help="chunked context prefill chunk size")
+    p.add_argument(
+        "--max-slots", type=int, default=None, help="decode slots (continuous batching; default: all prompts)"
+    )
     p.add_argument(
         "--no-plain", action="store_true", help="with MTP, skip the comparison run with plain decode"
     )
-    p.add_argument("--temperature", type=float, default=0.0, help="> 0 samples (plain decode only)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--no-compilation-cache",
+        action="store_true",
+        help="do not enable JAX's persistent compilation cache (default dir: ~/.cache/tokenspeed_jax/xla)",
+    )
     p.add_argument(
         "--profile", default=None, metavar="DIR", help="write an XLA profiler trace of the timed run"
     )
@@ -74,8 +103,41 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def attention_backends(engine, batch: int, prompt_len: int, q_len: int) -> dict[str, str]:
-    """The backend each op runs with, as the tokenspeed_jax registry decides it for these shapes."""
+def _validate(p: argparse.ArgumentParser, args) -> None:
+    """One-line ``parser.error`` naming the flag for every bad value (exit status 2, no traceback)."""
+    for flag, v, lo in (
+        ("--batch", args.batch, 1),
+        ("--prompt-len", args.prompt_len, 1),
+        ("--max-new-tokens", args.max_new_tokens, 1),
+        ("--prefill-chunk", args.prefill_chunk, 1),
+        ("--max-slots", args.max_slots, 1),
+        ("--top-k", args.top_k, 0),
+    ):
+        if v is not None and v < lo:
+            p.error(f"{flag}: expected an integer >= {lo}, got {v}")
+    k = args.num_speculative_tokens
+    if k is not None and not 0 <= k <= 15:
+        p.error(f"--num-speculative-tokens: expected 0..15 (mla_decode verifies at most 16 tokens), got {k}")
+    if not args.temperature >= 0:
+        p.error(f"--temperature: expected a number >= 0, got {args.temperature}")
+    if args.top_p is not None and not 0 < args.top_p <= 1:
+        p.error(f"--top-p: expected a number in (0, 1], got {args.top_p}")
+    if args.checkpoint is not None and not os.path.isdir(args.checkpoint):
+        p.error(f"--checkpoint: no such directory {args.checkpoint!r}")
+    if args.prompts_file is not None and not os.path.isfile(args.prompts_file):
+        p.error(f"--prompts-file: no such file {args.prompts_file!r}")
+    if args.prompt is not None and args.prompts_file is not None:
+        p.error("--prompts-file: give either --prompt or --prompts-file, not both")
+    if (args.prompt or args.prompts_file) and args.checkpoint is None:
+        flag = "--prompt" if args.prompt else "--prompts-file"
+        p.error(f"{flag}: text prompts need a tokenizer: pass --checkpoint DIR with a tokenizer.json")
+
+
+def attention_backends(engine, batch: int, prompt_len: int, q_len: int) -> dict[str, dict]:
+    """The backend each op runs with, as the tokenspeed_jax registry decides it for these shapes:
+    ``{op: {"name": chosen or None, "not_chosen": {backend: reason}}}``."""
+    import jax.numpy as jnp
+
     import tokenspeed_jax as ts
     from tokenspeed_jax.problems import DecodeProblem, PrefillProblem
     from tokenspeed_jax.runtime import current_target
@@ -120,9 +182,16 @@ def attention_backends(engine, batch: int, prompt_len: int, q_len: int) -> dict[
             name = next((n for n, r in reasons.items() if r is None), None)
         else:
             name = engine.backend if reasons.get(engine.backend) is None else None
-        why = "; ".join(f"{n}: {r}" for n, r in reasons.items() if r is not None and n != name)
-        out[op] = f"{name}" + (f" (not chosen: {why})" if why else "")
+        out[op] = {
+            "name": name,
+            "not_chosen": {n: r for n, r in reasons.items() if r is not None and n != name},
+        }
     return out
+
+
+def _backend_line(b: dict) -> str:
+    why = "; ".join(f"{n}: {r}" for n, r in b["not_chosen"].items())
+    return f"{b['name']}" + (f" (not chosen: {why})" if why else "")
 
 
 def find_trace_names(directory: str, names=TOKENSPEED_SCOPES) -> dict[str, bool]:
@@ -133,13 +202,46 @@ def find_trace_names(directory: str, names=TOKENSPEED_SCOPES) -> dict[str, bool]
     return {n: bool(planes) for n, planes in trace_names(directory, names).items()}
 
 
+class _Progress:
+    """A stderr line every ``every`` seconds while a long step (compilation) runs."""
+
+    def __init__(self, what: str, every: float = 5.0):
+        self.what, self.every = what, every
+        self._stop = threading.Event()
+
+    def __enter__(self):
+        self.t0 = time.perf_counter()
+        print(f"{self.what} ...", file=sys.stderr, flush=True)
+
+        def tick():
+            while not self._stop.wait(self.every):
+                print(f"{self.what} ... {time.perf_counter() - self.t0:.0f} s", file=sys.stderr, flush=True)
+
+        self._thread = threading.Thread(target=tick, daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join()
+        print(f"{self.what}: done in {time.perf_counter() - self.t0:.1f} s", file=sys.stderr, flush=True)
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    parser = _parser()
+    args = parser.parse_args(argv)
+    _validate(parser, args)
+
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
     from tokenspeed_jax.models.deepseek.config import DeepseekV3Config
-    from tokenspeed_jax.models.deepseek.engine import Engine
+    from tokenspeed_jax.models.deepseek.engine import Engine, enable_compilation_cache
     from tokenspeed_jax.models.deepseek.model import DeepseekV3
+    from tokenspeed_jax.models.deepseek.tokenizer import load_tokenizer
     from tokenspeed_jax.models.deepseek.weights import load_checkpoint
 
+    cache_dir = None if args.no_compilation_cache else enable_compilation_cache()
     platform = jax.default_backend()
     dtype = {
         "auto": jnp.bfloat16 if platform == "gpu" else jnp.float32,
@@ -148,27 +250,56 @@ def main(argv: list[str] | None = None) -> int:
     }[args.dtype]
     kv_dtype = None if args.kv_dtype == "auto" else jnp.dtype(args.kv_dtype)
     t0 = time.perf_counter()
+    tokenizer = None
     if args.checkpoint:
-        model = load_checkpoint(args.checkpoint, dtype=dtype)
+        try:
+            model = load_checkpoint(args.checkpoint, dtype=dtype)
+            tokenizer = load_tokenizer(args.checkpoint)
+        except (ValueError, OSError) as e:
+            parser.error(f"--checkpoint: {e}".splitlines()[0])
         source = args.checkpoint
+        model_name = os.path.basename(os.path.normpath(args.checkpoint))
     else:
         config = DeepseekV3Config.preset(args.preset)
         model = DeepseekV3.random(config, dtype=dtype, seed=args.seed)
         source = f"preset {args.preset!r} with generated weights"
+        model_name = f"preset:{args.preset}"
     load_s = time.perf_counter() - t0
     c = model.config
     k = args.num_speculative_tokens
     if k is None:
-        k = 1 if c.num_nextn_predict_layers and args.temperature <= 0 else 0
-    rng = np.random.default_rng(args.seed)
-    lens = [max(1, args.prompt_len - 7 * i) for i in range(args.batch)]
-    prompts = [rng.integers(0, c.vocab_size, n).tolist() for n in lens]
+        k = 1 if c.num_nextn_predict_layers else 0
+    if k and not c.num_nextn_predict_layers:
+        parser.error("--num-speculative-tokens: the model has no MTP layer (num_nextn_predict_layers = 0)")
+    texts_in = None
+    if args.prompt or args.prompts_file:
+        if tokenizer is None:
+            flag = "--prompt" if args.prompt else "--prompts-file"
+            parser.error(f"{flag}: {args.checkpoint!r} has no tokenizer.json")
+        if args.prompt:
+            texts_in = list(args.prompt)
+        else:
+            with open(args.prompts_file) as f:
+                texts_in = [line.rstrip("\n") for line in f if line.strip()]
+            if not texts_in:
+                parser.error(f"--prompts-file: {args.prompts_file!r} has no prompt")
+        prompts = [tokenizer.encode(t) for t in texts_in]
+        if any(max(p, default=0) >= c.vocab_size for p in prompts):
+            parser.error(f"--prompt: the tokenizer produced ids >= the model's vocab_size {c.vocab_size}")
+    else:
+        rng = np.random.default_rng(args.seed)
+        lens = [max(1, args.prompt_len - 7 * i) for i in range(args.batch)]
+        prompts = [rng.integers(0, c.vocab_size, n).tolist() for n in lens]
+    lens = [len(p) for p in prompts]
     engine = Engine(
         model,
         page_size=args.page_size,
         kv_dtype=kv_dtype,
         backend=args.backend,
         prefill_chunk=args.prefill_chunk,
+        max_slots=args.max_slots,
+        tokenizer=tokenizer,
+        compilation_cache=False,  # enabled above unless --no-compilation-cache
         seed=args.seed,
     )
     print(
@@ -178,9 +309,20 @@ def main(argv: list[str] | None = None) -> int:
         f"{jnp.dtype(dtype).name}, kv cache {jnp.dtype(engine.kv_dtype).name}; platform {platform}; "
         f"built/loaded in {load_s:.1f} s"
     )
-    kw = {"num_speculative_tokens": k, "temperature": args.temperature, "seed": args.seed}
+    kw = {
+        "num_speculative_tokens": k,
+        "temperature": args.temperature,
+        "top_k": args.top_k,
+        "top_p": args.top_p,
+        "seed": args.seed,
+        "eos_token_id": [] if args.ignore_eos else None,
+    }
     t0 = time.perf_counter()
-    engine.generate(prompts, args.max_new_tokens, **kw)  # compile
+    try:
+        with _Progress("warm-up: compiling prefill and decode steps (first run)"):
+            engine.generate(prompts, args.max_new_tokens, **kw)
+    except ValueError as e:  # an argument combination the engine rejects: one line, no traceback
+        parser.error(str(e).splitlines()[0])
     compile_s = time.perf_counter() - t0
     res = None
     if args.profile:
@@ -199,22 +341,33 @@ def main(argv: list[str] | None = None) -> int:
     plain = None
     if k and not args.no_plain:  # the same prompts with plain decode (S = 1), for comparison
         pkw = {**kw, "num_speculative_tokens": 0}
-        engine.generate(prompts, args.max_new_tokens, **pkw)
+        with _Progress("warm-up: plain decode for the comparison"):
+            engine.generate(prompts, args.max_new_tokens, **pkw)
         plain = engine.generate(prompts, args.max_new_tokens, **pkw)
     backends = attention_backends(engine, len(prompts), max(lens), k + 1)
     out = {
+        "model": model_name,
         "platform": platform,
         "prompts": lens,
         "max_new_tokens": args.max_new_tokens,
         "num_speculative_tokens": k,
+        "temperature": args.temperature,
+        "top_k": args.top_k,
+        "top_p": args.top_p,
+        "compilation_cache_dir": cache_dir,
         "warmup_s": compile_s,
         "prefill_tokens_per_s": res.prefill_tokens / res.prefill_s,
         "decode_tokens_per_s": (res.decode_tokens / res.decode_s) if res.decode_tokens else None,
+        "generated_tokens": [len(t) for t in res.tokens],
+        "stop_reasons": res.stop_reasons,
         "mtp_acceptance_rate": res.acceptance_rate,
         "attention_backend": backends,
         "first_tokens": [t[:8] for t in res.tokens],
+        "texts": res.texts,
     }
-    print(f"prompts {lens} (+{args.max_new_tokens} new tokens each); warm-up (compile) {compile_s:.1f} s")
+    print(
+        f"prompts {lens} (up to {args.max_new_tokens} new tokens each); warm-up (compile) {compile_s:.1f} s"
+    )
     print(
         f"prefill: {res.prefill_tokens} tokens in {res.prefill_s * 1e3:.1f} ms = "
         f"{out['prefill_tokens_per_s']:.1f} tokens/s"
@@ -224,20 +377,26 @@ def main(argv: list[str] | None = None) -> int:
             f"decode:  {res.decode_tokens} tokens in {res.decode_s * 1e3:.1f} ms = "
             f"{out['decode_tokens_per_s']:.1f} tokens/s" + (f" (MTP, k = {k})" if k else "")
         )
-    if k:
+    if k and res.acceptance_rate is not None:
         print(
             f"MTP acceptance rate: {res.acceptance_rate:.3f} "
             f"({res.accepted_tokens}/{res.draft_tokens} drafts)"
         )
     if plain is not None and plain.decode_tokens:
         out["plain_decode_tokens_per_s"] = plain.decode_tokens / plain.decode_s
-        out["mtp_tokens_equal_plain"] = plain.tokens == res.tokens
+        same = plain.tokens == res.tokens
+        out["mtp_tokens_equal_plain"] = same if args.temperature <= 0 else None
+        what = "greedy tokens" if args.temperature <= 0 else "tokens (sampling: not expected)"
         print(
             f"decode (plain, S = 1): {out['plain_decode_tokens_per_s']:.1f} tokens/s; MTP tokens == plain "
-            f"greedy tokens: {'yes' if out['mtp_tokens_equal_plain'] else 'NO'}"
+            f"{what}: {'yes' if same else 'NO'}"
         )
     for op, b in backends.items():
-        print(f"attention backend ({op}): {b}")
+        print(f"attention backend ({op}): {_backend_line(b)}")
+    if res.texts is not None:
+        for i, t in enumerate(res.texts):
+            src = texts_in[i] if texts_in else f"<{lens[i]} random ids>"
+            print(f"[{i}] {src!r} -> {t!r} ({res.stop_reasons[i]})")
     if args.profile:
         found = find_trace_names(args.profile)
         out["trace_names"] = found

@@ -1,54 +1,117 @@
-"""Inference engine: paged KV cache, batched (optionally chunked) prefill, greedy / sampled decode and MTP
-speculative decode, every device step a ``jax.jit`` function and every decode loop inside one jit.
+"""Inference engine: paged KV cache, a fixed number of decode slots with continuous batching, batched
+(optionally chunked) prefill, greedy / sampled decode, MTP speculative decode (greedy or rejection
+sampling), EOS stops and streaming.  Every device step is a ``jax.jit`` function with static shapes and
+every decode loop runs inside one jit.
 
-Flow of :meth:`Engine.generate` for prompts of different lengths:
+Flow of :meth:`Engine.generate` (``R`` requests, ``B`` slots: ``max_slots``, default ``R``):
 
-1. Pages are allocated per request (``PageAllocator``; ``shuffle_pages=True`` hands them out in random
-   order) for ``prompt + max_new_tokens (+ 2k + 1 with k speculative tokens)`` positions.
-2. Prefill packs the prompts back to back (``cu_seqlens``; the packed length is padded to a multiple of
-   ``token_bucket`` so few shapes compile).  With ``prefill_chunk=C`` each round feeds at most C tokens of
-   every request and attends the earlier chunks from the paged cache (chunked context prefill).  The MTP
-   layer is prefilled on the same chunks (its input at position i is ``(h_i, token_{i+1})``), giving the
-   first draft.
-3. Decode: plain decode runs ``max_new_tokens - 1`` steps of ``mla_decode`` with S = 1 in one
-   ``lax.fori_loop``.  Speculative decode (greedy only) runs a ``lax.while_loop`` of rounds: verify
-   ``[last token, d_1..d_k]`` at k+1 positions in one ``mla_decode`` call with S = k+1, accept the longest
-   prefix of drafts equal to the greedy tokens plus one bonus token, run the MTP layer over the same
-   k+1 positions (one S = k+1 call) and chain k-1 more MTP steps for the next drafts.  Cache rows written
-   past the accepted length are never read before they are rewritten, so greedy speculative decoding
-   gives exactly the tokens of greedy plain decoding (up to floating-point ties).
+1. **Admission** (host): a free slot takes the next pending request when the page allocator has room
+   for ``prompt + max_new_tokens (+ 2k + 1 with k speculative tokens)`` positions.  With
+   ``batching="continuous"`` (default) this happens whenever a request finishes and its pages return to
+   the allocator; with ``batching="static"`` only when every slot is free (the classic batch-by-batch
+   baseline, kept for the benchmark).
+2. **Prefill** of the admitted requests, packed back to back (``cu_seqlens``; the packed length and the
+   number of requests are padded to buckets so few shapes compile).  With ``prefill_chunk=C`` each
+   round feeds at most C tokens of every request and attends the earlier chunks from the paged cache.
+   The first token is sampled inside the prefill step; with MTP the MTP layer is prefilled on the same
+   chunks (its input at position i is ``(h_i, token_{i+1})``, the sampled first token at the last
+   position), giving the first draft; ``_admit`` drafts the other k-1 and writes the request into its
+   slot's row of the device-side slot state.
+3. **Decode loop** (``_decode_loop``, one ``lax.while_loop`` in one jit over all ``B`` slots): plain
+   decode samples one token per step (S = 1); speculative decode verifies ``[last, d_1..d_k]`` in one
+   ``mla_decode`` call with S = k+1, accepts drafts (greedy: the longest prefix equal to the argmax
+   tokens; sampling: rejection sampling, :func:`~tokenspeed_jax.models.deepseek.sampling.speculative_accept`),
+   emits the accepted drafts plus one corrected / bonus token, runs the MTP layer over the same k+1
+   positions and chains k-1 more MTP steps for the next drafts.  A slot finishes at an EOS token or at
+   its ``max_new_tokens``; the loop returns to the host as soon as one slot finishes while requests are
+   pending (continuous batching), or when every slot is done.  ``stream`` runs the same loop one step
+   per call.
 
-Decisions: generation always runs ``max_new_tokens`` (no EOS stop, so batch shapes stay static and the
-equivalence tests are exact); sampled decoding (temperature / top-k) is for plain decode only, speculative
-sampling (rejection sampling) is not implemented.
+Decisions:
+
+* **EOS is included** in the returned tokens (as transformers' ``generate`` does): a request's tokens end
+  with its EOS id when it stopped there, ``stop_reasons`` says ``"eos"`` or ``"length"``.
+* **Finished requests stop emitting at once and stop costing compute when the loop returns**: within one
+  ``_decode_loop`` call the batch shape is static, so a finished slot still runs through the model
+  (masked: it writes no cache rows and emits nothing) until the loop exits; the loop exits when every
+  slot is done (no step runs for a batch whose requests all stopped) or, with pending requests, as soon
+  as one finishes, and the freed slot gets the next request.
+* **Inactive slots** write nothing (slot mapping -1) and read whatever their block-table row points at;
+  their outputs are discarded.
+* Cache rows written past the accepted length are never read before they are rewritten, so greedy
+  speculative decoding gives exactly the tokens of greedy plain decoding in fp32 (up to floating-point
+  ties; bf16 near-ties: ``docs/model.md``).
 """
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
+import os
 import time
+from collections.abc import Callable, Iterator, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from tokenspeed_jax.models.deepseek import sampling as smp
 from tokenspeed_jax.models.deepseek.attention import AttentionBatch
 from tokenspeed_jax.models.deepseek.cache import KVCache, PageAllocator
+from tokenspeed_jax.models.deepseek.sampling import SamplingParams
+
+GREEDY = SamplingParams()
 
 
+# ------------------------------------------------------------------------------ compilation cache
+def default_compilation_cache_dir() -> str:
+    """``$TOKENSPEED_JAX_CACHE_DIR/xla`` if set, else ``$XDG_CACHE_HOME`` (or ``~/.cache``)
+    ``/tokenspeed_jax/xla``: next to the CuTe kernels' disk cache (``.../tokenspeed_jax/ffi``)."""
+    env = os.environ.get("TOKENSPEED_JAX_CACHE_DIR")
+    if env:
+        return os.path.join(env, "xla")
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "tokenspeed_jax", "xla")
+
+
+def enable_compilation_cache(path: str | None = None) -> str | None:
+    """Turn on JAX's persistent compilation cache (warm start: a second process loads the compiled
+    executables instead of recompiling them).
+
+    A directory already configured (``jax_compilation_cache_dir``, e.g. through JAX's own
+    ``JAX_COMPILATION_CACHE_DIR``) is kept; otherwise ``path`` or :func:`default_compilation_cache_dir`
+    is used.  Every compilation is cached (``jax_persistent_cache_min_compile_time_secs = 0``): the
+    engine compiles many sub-second steps whose sum is the warm-up.  Returns the directory in use (None
+    if JAX's cache is disabled by ``jax_enable_compilation_cache``)."""
+    if not jax.config.jax_enable_compilation_cache:
+        return None
+    current = jax.config.jax_compilation_cache_dir
+    if not current:
+        current = path or default_compilation_cache_dir()
+        os.makedirs(current, exist_ok=True)
+        jax.config.update("jax_compilation_cache_dir", current)
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    return current
+
+
+# ----------------------------------------------------------------------------------- step helpers
 def _slots(block_table, pos, page_size):
     """Cache slots of positions ``pos [B, S]`` through ``block_table [B, P]``."""
     page = jnp.take_along_axis(block_table, jnp.clip(pos // page_size, 0, block_table.shape[1] - 1), axis=1)
     return page * page_size + pos % page_size
 
 
-def _decode_batch(block_table, pos, page_size, backend):
-    """Decode metadata for tokens at positions ``pos [B, S]`` (request-major)."""
+def _decode_batch(block_table, pos, page_size, backend, active=None):
+    """Decode metadata for tokens at positions ``pos [B, S]`` (request-major); rows of inactive requests
+    (``active [B]`` False) write nothing."""
     _B, S = pos.shape
+    slots = _slots(block_table, pos, page_size)
+    if active is not None:
+        slots = jnp.where(active[:, None], slots, -1)
     return AttentionBatch(
         positions=pos.reshape(-1),
-        slot_mapping=_slots(block_table, pos, page_size).reshape(-1),
+        slot_mapping=slots.reshape(-1),
         block_table=block_table,
         seq_lens=pos[:, -1] + 1,
         mode="decode",
@@ -57,11 +120,33 @@ def _decode_batch(block_table, pos, page_size, backend):
     )
 
 
+def _isin(tokens, eos):
+    """``tokens [...]`` equal to one of ``eos [E]`` (-1 entries match nothing)."""
+    return jnp.any(tokens[..., None] == eos, axis=-1)
+
+
+def _draft_chain(
+    model, cache, d1, q1, mh, new_pos, block_table, keys, active, *, k, params, page_size, backend
+):
+    """Drafts ``[B, k]`` (and their distributions ``[B, k, V]`` when sampling): ``d1`` then k-1 chained
+    MTP steps, draft j+1 at position ``new_pos + j - 1``; draft j uses key ``(new_pos, TAG_DRAFT + j)``."""
+    drafts, qs, tok, h = [d1], [q1], d1, mh
+    for j in range(1, k):
+        batch = _decode_batch(block_table, (new_pos + j - 1)[:, None], page_size, backend, active)
+        h, logits, cache = model.mtp_forward(tok, h, batch, cache)
+        tok = smp.sample(logits, smp.position_keys(keys, new_pos, smp.TAG_DRAFT + j), params)
+        drafts.append(tok)
+        if not params.greedy:
+            qs.append(smp.probs(logits, params))
+    q = None if params.greedy else jnp.stack(qs, axis=1)
+    return jnp.stack(drafts, axis=1), q, cache
+
+
 # ----------------------------------------------------------------------------------- jitted steps
 @functools.partial(
     jax.jit,
     static_argnums=0,
-    static_argnames=("backend", "context_capacity", "use_mtp", "max_seqlen"),
+    static_argnames=("backend", "context_capacity", "use_mtp", "max_seqlen", "params"),
     donate_argnums=2,
 )
 def _prefill_step(
@@ -78,12 +163,17 @@ def _prefill_step(
     last_row,
     block_table,
     context_lens,
+    keys,
     *,
     backend,
     context_capacity,
     use_mtp,
     max_seqlen,
+    params=GREEDY,
 ):
+    """One (chunk) round of packed prefill -> ``(cache, logits [B, V], first [B], d1 [B], q1 [B, V] |
+    None, mtp hidden [B, hidden])`` at each request's last row of this round (meaningful for the
+    requests whose prompt ends in this round)."""
     model = nnx.merge(graphdef, state)
     batch = AttentionBatch(
         positions=positions,
@@ -98,15 +188,19 @@ def _prefill_step(
     )
     h, cache = model(ids, batch, cache)
     logits = model.lm_logits(h[last_row])  # [B, V]
+    lens = positions[last_row] + 1
+    first = smp.sample(logits, smp.position_keys(keys, lens - 1, smp.TAG_SAMPLE), params)
     d1 = jnp.zeros(last_row.shape, jnp.int32)
     mh = jnp.zeros((last_row.shape[0], h.shape[-1]), h.dtype)
+    q1 = None
     if use_mtp:
-        g0 = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-        nxt = jnp.where(is_last, g0[row_req], next_ids)
+        nxt = jnp.where(is_last, first[row_req], next_ids)
         mh_all, mlog, cache = model.mtp_forward(nxt, h, batch, cache)
-        d1 = jnp.argmax(mlog[last_row], axis=-1).astype(jnp.int32)
+        ml = mlog[last_row]
+        d1 = smp.sample(ml, smp.position_keys(keys, lens, smp.TAG_DRAFT), params)
+        q1 = None if params.greedy else smp.probs(ml, params)
         mh = mh_all[last_row]
-    return cache, logits, d1, mh
+    return cache, logits, first, d1, q1, mh
 
 
 @functools.partial(jax.jit, static_argnums=0, static_argnames=("backend", "page_size"), donate_argnums=2)
@@ -118,124 +212,229 @@ def _decode_step(graphdef, state, cache, tokens, pos, block_table, *, backend, p
     return cache, model.lm_logits(h).reshape(tokens.shape + (-1,))
 
 
-def _sample(logits, key, temperature, top_k):
-    if temperature <= 0:
-        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    logits = logits / temperature
-    if top_k:
-        kth = jax.lax.top_k(logits, top_k)[0][..., -1:]
-        logits = jnp.where(logits < kth, -jnp.inf, logits)
-    return jax.random.categorical(key, logits, axis=-1).astype(jnp.int32)
+def init_slot_state(B: int, max_pages: int, N: int, *, k: int, vocab: int, params: SamplingParams) -> dict:
+    """Device-side state of ``B`` empty slots (all done): block table ``[B, max_pages]``, request keys,
+    last token and its position, tokens emitted ``n_out`` / allowed ``limit``, output buffer ``[B, N]``,
+    and with ``k`` drafts the next round's drafts (and their distributions when sampling)."""
+    z = functools.partial(jnp.zeros, dtype=jnp.int32)
+    st = {
+        "block_table": z((B, max_pages)),
+        "keys": jnp.zeros((B, 2), jnp.uint32),
+        "last": z((B,)),
+        "pos": z((B,)),
+        "n_out": z((B,)),
+        "limit": z((B,)),
+        "done": jnp.ones((B,), bool),
+        "out": z((B, N)),
+        "rounds": z((B,)),
+        "accepted": z((B,)),
+    }
+    if k:
+        st["drafts"] = z((B, k))
+        if not params.greedy:
+            st["q"] = jnp.zeros((B, k, vocab), jnp.float32)
+    return st
 
 
 @functools.partial(
     jax.jit,
     static_argnums=0,
-    static_argnames=("backend", "page_size", "steps", "temperature", "top_k"),
-    donate_argnums=2,
+    static_argnames=("backend", "page_size", "k", "params"),
+    donate_argnums=(2, 3),
 )
-def _plain_loop(
-    graphdef, state, cache, first, pos0, block_table, key, *, backend, page_size, steps, temperature, top_k
+def _admit(
+    graphdef,
+    state,
+    cache,
+    st,
+    slot_ids,
+    block_rows,
+    keys,
+    first,
+    d1,
+    q1,
+    mh,
+    lens,
+    limits,
+    eos,
+    *,
+    backend,
+    page_size,
+    k,
+    params,
 ):
-    """``steps`` decode steps (S = 1) from tokens ``first [B]`` at positions ``pos0 [B]``."""
+    """Write prefilled requests into their slots (``slot_ids [A]``; an id ``>= B`` is padding and is
+    dropped): drafts the remaining k-1 MTP drafts, then scatters every per-request value."""
     model = nnx.merge(graphdef, state)
-    B = first.shape[0]
-    out = jnp.zeros((B, steps), jnp.int32)
+    B, N = st["out"].shape
+    valid = slot_ids < B
+    upd = {
+        "block_table": block_rows,
+        "keys": keys,
+        "last": first,
+        "pos": lens,
+        "n_out": jnp.ones_like(lens),
+        "limit": limits,
+        "done": _isin(first, eos) | (limits <= 1),
+        "out": jnp.zeros((slot_ids.shape[0], N), jnp.int32).at[:, 0].set(first),
+        "rounds": jnp.zeros_like(lens),
+        "accepted": jnp.zeros_like(lens),
+    }
+    if k:
+        drafts, q, cache = _draft_chain(
+            model, cache, d1, q1, mh, lens, block_rows, keys, valid,
+            k=k, params=params, page_size=page_size, backend=backend,
+        )  # fmt: skip
+        upd["drafts"] = drafts
+        if q is not None:
+            upd["q"] = q
+    st = {
+        n: v.at[slot_ids].set(upd[n].astype(v.dtype), mode="drop") if n in upd else v for n, v in st.items()
+    }
+    return cache, st
 
-    def body(i, carry):
-        cache, tok, out, key = carry
-        key, sub = jax.random.split(key)
-        batch = _decode_batch(block_table, (pos0 + i)[:, None], page_size, backend)
-        h, cache = model(tok, batch, cache)
-        nxt = _sample(model.lm_logits(h), sub, temperature, top_k)
-        return cache, nxt, out.at[:, i].set(nxt), key
 
-    cache, _, out, _ = jax.lax.fori_loop(0, steps, body, (cache, first, out, key))
-    return cache, out
+def _plain_step(model, cache, st, eos, *, params, page_size, backend):
+    active = ~st["done"]
+    pos, n = st["pos"], st["n_out"]
+    B, N = st["out"].shape
+    batch = _decode_batch(st["block_table"], pos[:, None], page_size, backend, active)
+    h, cache = model(st["last"], batch, cache)
+    nxt = smp.sample(model.lm_logits(h), smp.position_keys(st["keys"], pos, smp.TAG_SAMPLE), params)
+    out = st["out"].at[jnp.arange(B), jnp.where(active, n, N)].set(nxt, mode="drop")
+    n_new = n + active
+    fin = active & (_isin(nxt, eos) | (n_new >= st["limit"]))
+    return cache, {
+        **st,
+        "out": out,
+        "n_out": n_new,
+        "done": st["done"] | fin,
+        "pos": pos + active,
+        "last": jnp.where(active, nxt, st["last"]),
+    }
 
 
-def _draft_chain(model, cache, d1, mh, new_pos, block_table, k, page_size, backend):
-    """Drafts ``[B, k]``: ``d1`` then k-1 chained MTP steps (position ``new_pos + j - 1`` for draft j+1)."""
-    drafts, tok, h = [d1], d1, mh
-    for j in range(1, k):
-        batch = _decode_batch(block_table, (new_pos + j - 1)[:, None], page_size, backend)
-        h, logits, cache = model.mtp_forward(tok, h, batch, cache)
-        tok = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-        drafts.append(tok)
-    return jnp.stack(drafts, axis=1), cache
+def _spec_round(model, cache, st, eos, *, k, params, page_size, backend):
+    active = ~st["done"]
+    pos, n, keys, bt, drafts = st["pos"], st["n_out"], st["keys"], st["block_table"], st["drafts"]
+    B, N = st["out"].shape
+    S = k + 1
+    ar = jnp.arange(S, dtype=jnp.int32)
+    rows = jnp.arange(B)
+    toks = jnp.concatenate([st["last"][:, None], drafts], axis=1)  # [B, S]
+    batch = _decode_batch(bt, pos[:, None] + ar[None, :], page_size, backend, active)
+    h, cache = model(toks.reshape(-1), batch, cache)
+    logits = model.lm_logits(h).reshape(B, S, -1)
+    if params.greedy:
+        emitted = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+        a = jnp.sum(jnp.cumprod((drafts == emitted[:, :k]).astype(jnp.int32), axis=1), axis=1)
+    else:
+        p = smp.probs(logits, params)
+        u = jnp.stack(
+            [
+                jax.vmap(jax.random.uniform)(smp.position_keys(keys, pos, smp.TAG_ACCEPT + j))
+                for j in range(k)
+            ],
+            axis=1,
+        )
+        a, emitted = smp.speculative_accept(
+            drafts, st["q"], p, u, smp.position_keys(keys, pos, smp.TAG_RESIDUAL)
+        )
+    a = jnp.where(active, a, 0)
+    # Emit tokens[:a + 1], cut after an EOS and at the request's limit.
+    is_eos = _isin(emitted, eos) & (ar[None, :] <= a[:, None])
+    first_eos = jnp.where(jnp.any(is_eos, axis=1), jnp.argmax(is_eos, axis=1), S)
+    n_emit = jnp.minimum(jnp.minimum(a + 1, first_eos + 1), st["limit"] - n)
+    n_emit = jnp.where(active, n_emit, 0)
+    idx = jnp.where(ar[None, :] < n_emit[:, None], n[:, None] + ar[None, :], N)
+    out = st["out"].at[rows[:, None], idx].set(emitted, mode="drop")
+    n_new = n + n_emit
+    fin = active & ((first_eos < n_emit) | (n_new >= st["limit"]))
+    new_pos = jnp.where(active, pos + a + 1, pos)
+    new_last = jnp.where(active, emitted[rows, a], st["last"])
+    # MTP over the same k+1 positions: input at pos+i is (h_{pos+i}, token_{pos+i+1}); row a drafts next.
+    mh_all, mlog, cache = model.mtp_forward(emitted.reshape(-1), h, batch, cache)
+    ml = mlog.reshape(B, S, -1)[rows, a]
+    d1 = smp.sample(ml, smp.position_keys(keys, new_pos, smp.TAG_DRAFT), params)
+    q1 = None if params.greedy else smp.probs(ml, params)
+    mh = mh_all.reshape(B, S, -1)[rows, a]
+    new_drafts, q, cache = _draft_chain(
+        model, cache, d1, q1, mh, new_pos, bt, keys, active,
+        k=k, params=params, page_size=page_size, backend=backend,
+    )  # fmt: skip
+    st = {
+        **st,
+        "out": out,
+        "n_out": n_new,
+        "done": st["done"] | fin,
+        "pos": new_pos,
+        "last": new_last,
+        "drafts": new_drafts,
+        "rounds": st["rounds"] + active,
+        "accepted": st["accepted"] + a,
+    }
+    if q is not None:
+        st["q"] = q
+    return cache, st
 
 
 @functools.partial(
-    jax.jit, static_argnums=0, static_argnames=("backend", "page_size", "k", "max_new"), donate_argnums=2
+    jax.jit,
+    static_argnums=0,
+    static_argnames=("backend", "page_size", "k", "params"),
+    donate_argnums=(2, 3),
 )
-def _spec_loop(graphdef, state, cache, first, d1, mh, pos0, block_table, *, backend, page_size, k, max_new):
-    """Greedy MTP speculative decode (module docstring).  ``first [B]`` is the first generated token at
-    positions ``pos0 [B]``; returns ``(cache, tokens [B, max_new + k + 1], rounds [B], accepted [B])``."""
+def _decode_loop(graphdef, state, cache, st, eos, max_steps, need_finish, *, backend, page_size, k, params):
+    """Decode steps (k = 0) or speculative rounds over every slot until every slot is done, ``need_finish``
+    slots have finished during this call, or ``max_steps`` steps ran -> ``(cache, st, steps)``."""
     model = nnx.merge(graphdef, state)
-    B = first.shape[0]
-    S = k + 1
-    N = max_new + S
-    drafts, cache = _draft_chain(model, cache, d1, mh, pos0, block_table, k, page_size, backend)
-    out = jnp.zeros((B, N), jnp.int32).at[:, 0].set(first)
-    carry = (
-        cache,
-        first,
-        drafts,
-        pos0,
-        out,
-        jnp.ones((B,), jnp.int32),
-        jnp.zeros((B,), jnp.int32),
-        jnp.zeros((B,), jnp.int32),
-    )
-    ar = jnp.arange(S, dtype=jnp.int32)
-    rows = jnp.arange(B)
+    done0 = st["done"]
+    kw = {"params": params, "page_size": page_size, "backend": backend}
 
     def cond(c):
-        return jnp.any(c[5] < max_new)
+        _cache, s, i = c
+        finished = jnp.sum((s["done"] & ~done0).astype(jnp.int32))
+        return (i < max_steps) & jnp.any(~s["done"]) & (finished < need_finish)
 
     def body(c):
-        cache, last, drafts, pos, out, n_out, rounds, accepted = c
-        active = n_out < max_new
-        toks = jnp.concatenate([last[:, None], drafts], axis=1)  # [B, S]
-        posm = pos[:, None] + ar[None, :]
-        batch = _decode_batch(block_table, posm, page_size, backend)
-        h, cache = model(toks.reshape(-1), batch, cache)
-        g = jnp.argmax(model.lm_logits(h), axis=-1).astype(jnp.int32).reshape(B, S)
-        a = jnp.sum(jnp.cumprod((drafts == g[:, :k]).astype(jnp.int32), axis=1), axis=1)  # accepted drafts
-        a = jnp.where(active, a, 0)
-        idx = jnp.where((ar[None, :] <= a[:, None]) & active[:, None], n_out[:, None] + ar[None, :], N)
-        out = out.at[rows[:, None], idx].set(g, mode="drop")
-        new_pos = jnp.where(active, pos + a + 1, pos)
-        new_last = jnp.where(active, g[rows, a], last)
-        # MTP over the same k+1 positions: input at pos+i is (h_{pos+i}, g_i); row a drafts the next token.
-        mh_all, mlog, cache = model.mtp_forward(g.reshape(-1), h, batch, cache)
-        mlog = mlog.reshape(B, S, -1)
-        d1 = jnp.argmax(mlog[rows, a], axis=-1).astype(jnp.int32)
-        mh = mh_all.reshape(B, S, -1)[rows, a]
-        drafts, cache = _draft_chain(model, cache, d1, mh, new_pos, block_table, k, page_size, backend)
-        return (
-            cache,
-            new_last,
-            drafts,
-            new_pos,
-            out,
-            n_out + jnp.where(active, a + 1, 0),
-            rounds + active.astype(jnp.int32),
-            accepted + a,
-        )
+        cache, s, i = c
+        if k:
+            cache, s = _spec_round(model, cache, s, eos, k=k, **kw)
+        else:
+            cache, s = _plain_step(model, cache, s, eos, **kw)
+        return cache, s, i + 1
 
-    cache, _, _, _, out, _, rounds, accepted = jax.lax.while_loop(cond, body, carry)
-    return cache, out, rounds, accepted
+    return jax.lax.while_loop(cond, body, (cache, st, jnp.int32(0)))
 
 
 # ------------------------------------------------------------------------------------------- engine
 @dataclasses.dataclass
+class TokenEvent:
+    """Tokens a request produced in one step (``stream`` callback / :meth:`Engine.stream` item)."""
+
+    request: int
+    tokens: list[int]
+    finished: bool
+
+
+@dataclasses.dataclass
 class GenerateOutput:
+    """Per-request tokens (EOS included when a request stopped there) and timing.
+
+    ``prefill_s`` is the time of the prefill + admission calls, ``decode_s`` of the decode loops,
+    ``wall_s`` of the whole call; ``decode_tokens`` counts the tokens after each request's first;
+    ``decode_steps`` the decode steps (speculative rounds) the loops ran, ``decode_calls`` the loops."""
+
     tokens: list[list[int]]
+    stop_reasons: list[str] = dataclasses.field(default_factory=list)
+    texts: list[str] | None = None
     prefill_tokens: int = 0
     prefill_s: float = 0.0
     decode_tokens: int = 0
     decode_s: float = 0.0
+    wall_s: float = 0.0
+    decode_calls: int = 0
+    decode_steps: int = 0
     draft_tokens: int = 0
     accepted_tokens: int = 0
 
@@ -243,9 +442,17 @@ class GenerateOutput:
     def acceptance_rate(self) -> float | None:
         return self.accepted_tokens / self.draft_tokens if self.draft_tokens else None
 
+    @property
+    def generated_tokens(self) -> int:
+        return sum(len(t) for t in self.tokens)
+
+
+def _pow2_at_least(n: int, lo: int = 1) -> int:
+    return max(lo, 1 << max(0, int(n) - 1).bit_length())
+
 
 class Engine:
-    """Owns one model's parameters (split once), a paged cache and a page allocator.
+    """Owns one model's parameters (split once), a paged cache, a page allocator and the decode slots.
 
     Args:
       model: a :class:`~tokenspeed_jax.models.deepseek.model.DeepseekV3`.
@@ -254,8 +461,16 @@ class Engine:
         with scale ``k_scale``).
       backend: attention backend for every tokenspeed op ("auto", "xla", "sm90", ...).
       prefill_chunk: chunked context prefill with at most this many tokens per request per round.
+      max_slots: requests decoded together (static batch of the decode loop); default: all requests of
+        a ``generate`` call.  More requests than slots are admitted as slots free up.
+      batching: ``"continuous"`` admits a request whenever a slot and its pages are free;
+        ``"static"`` only when every slot is free (batch after batch).
+      num_pages: pages in the cache (default: room for ``max_slots`` of the longest request).
+      tokenizer: a :class:`~tokenspeed_jax.models.deepseek.tokenizer.Tokenizer` (text prompts, ``texts``).
+      compilation_cache: enable JAX's persistent compilation cache (:func:`enable_compilation_cache`);
+        ``False`` leaves JAX's configuration alone.
       shuffle_pages, seed: hand out pages in random order (tests).
-      token_bucket: packed prefill lengths are padded to a multiple of this.
+      token_bucket: packed prefill lengths are padded to ``token_bucket`` times a power of two.
       cache_fill: initial cache value (NaN in tests: rows never written must never be read).
     """
 
@@ -268,6 +483,11 @@ class Engine:
         k_scale: float = 1.0,
         backend: str = "auto",
         prefill_chunk: int | None = None,
+        max_slots: int | None = None,
+        batching: str = "continuous",
+        num_pages: int | None = None,
+        tokenizer=None,
+        compilation_cache: bool = True,
         shuffle_pages: bool = False,
         seed: int = 0,
         token_bucket: int = 16,
@@ -282,7 +502,16 @@ class Engine:
         self.backend = backend
         if prefill_chunk is not None and prefill_chunk < 1:
             raise ValueError(f"prefill_chunk: expected a positive int or None, got {prefill_chunk}")
+        if max_slots is not None and max_slots < 1:
+            raise ValueError(f"max_slots: expected a positive int or None, got {max_slots}")
+        if batching not in ("continuous", "static"):
+            raise ValueError(f"batching: expected 'continuous' or 'static', got {batching!r}")
         self.prefill_chunk = prefill_chunk
+        self.max_slots = max_slots
+        self.batching = batching
+        self.num_pages = num_pages
+        self.tokenizer = tokenizer
+        self.compilation_cache_dir = enable_compilation_cache() if compilation_cache else None
         self.shuffle_pages = shuffle_pages
         self.seed = seed
         self.token_bucket = token_bucket
@@ -291,8 +520,19 @@ class Engine:
         self.allocator: PageAllocator | None = None
 
     # ------------------------------------------------------------------------------ setup
+    def _new_cache(self, num_pages: int) -> None:
+        self.cache = KVCache.create(
+            self.config,
+            num_pages=num_pages,
+            page_size=self.page_size,
+            dtype=self.kv_dtype,
+            k_scale=self.k_scale,
+            fill=self.cache_fill,
+        )
+
     def reset(self, lengths: list[int]) -> None:
-        """Fresh cache and allocator with room for requests of the given total lengths."""
+        """Fresh cache and allocator holding requests ``0..n-1`` of the given total lengths (low-level
+        API of :meth:`prefill` / :meth:`decode`)."""
         ps = self.page_size
         self.max_pages = max(-(-n // ps) for n in lengths)
         num_pages = sum(-(-n // ps) for n in lengths) + 1
@@ -300,30 +540,27 @@ class Engine:
         for r, n in enumerate(lengths):
             self.allocator.allocate(r, n)
         self.block_table = jnp.asarray(self.allocator.block_table(list(range(len(lengths))), self.max_pages))
-        self.cache = KVCache.create(
-            self.config,
-            num_pages=num_pages,
-            page_size=ps,
-            dtype=self.kv_dtype,
-            k_scale=self.k_scale,
-            fill=self.cache_fill,
-        )
+        self._new_cache(num_pages)
 
     def _bucket(self, n: int) -> int:
+        """``token_bucket`` times the next power of two (few distinct prefill shapes)."""
         b = self.token_bucket
-        return max(b, -(-n // b) * b)
+        return b * _pow2_at_least(-(-n // b))
 
     # ---------------------------------------------------------------------------- prefill
-    def prefill(self, prompts: list[list[int]], *, use_mtp: bool = False):
-        """Prefill every prompt (chunked if configured) -> ``(last logits [B, V], first draft [B],
-        MTP hidden [B, hidden])``; ``reset`` must have been called."""
-        B = len(prompts)
+    def _prefill(self, prompts, requests, keys, *, use_mtp, params, batch_to=None):
+        """Prefill ``prompts`` of allocator ``requests`` (padded with empty requests to ``batch_to``)
+        -> per-request ``(logits, first, d1, q1, mh, block rows)`` of the padded batch."""
+        B = batch_to or len(prompts)
+        prompts = list(prompts) + [[]] * (B - len(prompts))
         lens = [len(p) for p in prompts]
-        if min(lens) < 1:
-            raise ValueError("prompts: expected every prompt to have at least one token")
+        block_rows = np.zeros((B, self.max_pages), np.int32)
+        block_rows[: len(requests)] = self.allocator.block_table(list(requests), self.max_pages)
+        block_rows = jnp.asarray(block_rows)
+        keys = jnp.zeros((B, 2), jnp.uint32).at[: keys.shape[0]].set(keys)
         C = self.prefill_chunk or max(lens)
         rounds = -(-max(lens) // C)
-        outs = [None] * B
+        outs: list = [None] * B
         for r in range(rounds):
             starts = [min(r * C, n) for n in lens]
             ends = [min((r + 1) * C, n) for n in lens]
@@ -340,19 +577,21 @@ class Engine:
             o = 0
             for b, (s, e) in enumerate(zip(starts, ends)):
                 n = e - s
-                ids[o : o + n] = prompts[b][s:e]
-                nxt[o : o + n] = list(prompts[b][s + 1 : e + 1]) + [0] * (n - len(prompts[b][s + 1 : e + 1]))
-                positions[o : o + n] = np.arange(s, e)
-                slots[o : o + n] = self.allocator.slots(b, np.arange(s, e))
-                row_req[o : o + n] = b
-                if n and e == lens[b]:
-                    is_last[o + n - 1] = True
+                if n:
+                    ids[o : o + n] = prompts[b][s:e]
+                    ahead = list(prompts[b][s + 1 : e + 1])
+                    nxt[o : o + n] = ahead + [0] * (n - len(ahead))
+                    positions[o : o + n] = np.arange(s, e)
+                    slots[o : o + n] = self.allocator.slots(requests[b], np.arange(s, e))
+                    row_req[o : o + n] = b
+                    if e == lens[b]:
+                        is_last[o + n - 1] = True
                 last_row[b] = o + n - 1 if n else 0
                 o += n
                 cu[b + 1] = o
             ctx = np.asarray(starts, np.int32)
             cap = self._bucket(int(ctx.sum())) if r > 0 else 0
-            self.cache, logits, d1, mh = _prefill_step(
+            self.cache, logits, first, d1, q1, mh = _prefill_step(
                 self.graphdef,
                 self.state,
                 self.cache,
@@ -364,20 +603,41 @@ class Engine:
                 jnp.asarray(is_last),
                 jnp.asarray(row_req),
                 jnp.asarray(last_row),
-                self.block_table,
+                block_rows,
                 jnp.asarray(ctx),
+                keys,
                 backend=self.backend,
                 context_capacity=cap,
                 use_mtp=use_mtp,
                 max_seqlen=self._bucket(max(counts)),
+                params=params,
             )
+            if rounds == 1:
+                return logits, first, d1, q1, mh, block_rows
             done = [b for b in range(B) if counts[b] and ends[b] == lens[b]]
             if done:
                 sel = jnp.asarray(np.array(done, np.int32))
-                part = (logits[sel], d1[sel], mh[sel])
+                part = [None if x is None else x[sel] for x in (logits, first, d1, q1, mh)]
                 for i, b in enumerate(done):
-                    outs[b] = tuple(x[i] for x in part)
-        logits, d1, mh = (jnp.stack([o[i] for o in outs]) for i in range(3))
+                    outs[b] = [None if x is None else x[i] for x in part]
+        res = []
+        for i in range(5):
+            vals = [o[i] if o is not None else None for o in outs]
+            ref = next(v for v in vals if v is not None) if any(v is not None for v in vals) else None
+            res.append(
+                None if ref is None else jnp.stack([jnp.zeros_like(ref) if v is None else v for v in vals])
+            )
+        return (*res, block_rows)
+
+    def prefill(self, prompts: list[list[int]], *, use_mtp: bool = False):
+        """Prefill every prompt (chunked if configured) -> ``(last logits [B, V], first draft [B],
+        MTP hidden [B, hidden])`` (greedy draft); :meth:`reset` must have been called."""
+        if min(len(p) for p in prompts) < 1:
+            raise ValueError("prompts: expected every prompt to have at least one token")
+        keys = jnp.zeros((len(prompts), 2), jnp.uint32)
+        logits, _first, d1, _q1, mh, _ = self._prefill(
+            prompts, list(range(len(prompts))), keys, use_mtp=use_mtp, params=GREEDY
+        )
         return logits, d1, mh
 
     def decode(self, tokens, positions) -> jax.Array:
@@ -396,21 +656,31 @@ class Engine:
         return logits
 
     # --------------------------------------------------------------------------- generate
-    def generate(
-        self,
-        prompts: list[list[int]],
-        max_new_tokens: int,
-        *,
-        num_speculative_tokens: int = 0,
-        temperature: float = 0.0,
-        top_k: int = 0,
-        seed: int = 0,
-    ) -> GenerateOutput:
-        """Generate ``max_new_tokens`` tokens for every prompt (greedy unless ``temperature > 0``)."""
-        if not prompts:
-            raise ValueError("prompts: expected at least one prompt")
-        if max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens: expected >= 1, got {max_new_tokens}")
+    def _check(self, prompts, max_new_tokens, num_speculative_tokens, eos_token_id):
+        if isinstance(prompts, str | bytes) or not prompts:
+            raise ValueError("prompts: expected a non-empty list of prompts (token-id lists or strings)")
+        if any(isinstance(p, str) for p in prompts):
+            if self.tokenizer is None:
+                raise ValueError(
+                    "prompts: text prompts need a tokenizer (Engine(..., tokenizer=load_tokenizer(dir)))"
+                )
+            prompts = [self.tokenizer.encode(p) if isinstance(p, str) else p for p in prompts]
+        prompts = [[int(t) for t in p] for p in prompts]
+        V = self.config.vocab_size
+        for i, p in enumerate(prompts):
+            if not p:
+                raise ValueError(
+                    f"prompts: expected every prompt to have at least one token, prompt {i} is empty"
+                )
+            if min(p) < 0 or max(p) >= V:
+                raise ValueError(
+                    f"prompts: expected token ids in [0, {V}), prompt {i} has {min(p)}..{max(p)}"
+                )
+        limits = [max_new_tokens] * len(prompts) if isinstance(max_new_tokens, int) else list(max_new_tokens)
+        if len(limits) != len(prompts) or any(not isinstance(m, int | np.integer) or m < 1 for m in limits):
+            raise ValueError(
+                f"max_new_tokens: expected an int >= 1 or one per prompt, got {max_new_tokens!r}"
+            )
         k = int(num_speculative_tokens)
         if k < 0 or k + 1 > 16:
             raise ValueError(f"num_speculative_tokens: expected 0..15 (mla_decode takes S <= 16), got {k}")
@@ -418,72 +688,228 @@ class Engine:
             raise ValueError(
                 "num_speculative_tokens: the model has no MTP layer (num_nextn_predict_layers = 0)"
             )
-        if k and temperature > 0:
-            raise NotImplementedError(
-                "temperature: speculative decoding is greedy only (no rejection sampling)"
+        if eos_token_id is None:
+            eos_token_id = self.config.eos_token_id
+        eos = (
+            []
+            if eos_token_id is None
+            else [eos_token_id]
+            if isinstance(eos_token_id, int)
+            else list(eos_token_id)
+        )
+        return prompts, [int(m) for m in limits], k, [int(e) for e in eos]
+
+    def stream(
+        self,
+        prompts: Sequence[Sequence[int] | str],
+        max_new_tokens: int | Sequence[int],
+        *,
+        num_speculative_tokens: int = 0,
+        temperature: float = 0.0,
+        top_k: int | None = None,
+        top_p: float | None = None,
+        seed: int = 0,
+        eos_token_id: int | Sequence[int] | None = None,
+        step_events: bool = True,
+    ) -> Iterator[TokenEvent]:
+        """Iterator variant of :meth:`generate`: yields a :class:`TokenEvent` per request and step as the
+        tokens are produced (the decode loop returns to the host after every step); its return value
+        (``StopIteration.value``) is the :class:`GenerateOutput`.  ``step_events=False`` runs whole loops
+        and yields only when requests finish (what :meth:`generate` uses)."""
+        prompts, limits, k, eos = self._check(prompts, max_new_tokens, num_speculative_tokens, eos_token_id)
+        self._drafts = self._accepted = 0  # per-slot counters are summed as requests finish (_harvest)
+        params = SamplingParams(float(temperature), top_k or None, top_p)
+        if params.greedy:  # top-k / top-p do not matter: one compilation for every greedy call
+            params = GREEDY
+        R = len(prompts)
+        B = self.max_slots or R
+        extra = 2 * k + 1 if k else 0
+        totals = [len(p) + m + extra for p, m in zip(prompts, limits)]
+        ps = self.page_size
+        need = -(-max(totals) // ps)
+        self.max_pages = _pow2_at_least(need)  # block-table width in buckets: few decode-loop shapes
+        num_pages = self.num_pages or B * need + 1
+        if need > num_pages:
+            raise ValueError(
+                f"num_pages: a request needs {need} pages of {ps} tokens, the cache has {num_pages}"
             )
-        prompts = [[int(t) for t in p] for p in prompts]
-        lens = [len(p) for p in prompts]
-        extra = max_new_tokens + (2 * k + 1 if k else 0)
-        self.reset([n + extra for n in lens])
-        t0 = time.perf_counter()
-        logits, d1, mh = self.prefill(prompts, use_mtp=bool(k))
-        key = jax.random.PRNGKey(seed)
-        key, sub = jax.random.split(key)
-        first = _sample(logits, sub, temperature, top_k)
-        first.block_until_ready()
-        t1 = time.perf_counter()
-        pos0 = jnp.asarray(np.asarray(lens, np.int32))
-        res = GenerateOutput(tokens=[], prefill_tokens=sum(lens), prefill_s=t1 - t0)
-        if k:
-            self.cache, out, rounds, accepted = _spec_loop(
-                self.graphdef,
-                self.state,
-                self.cache,
-                first,
-                d1,
-                mh,
-                pos0,
-                self.block_table,
-                backend=self.backend,
-                page_size=self.page_size,
-                k=k,
-                max_new=max_new_tokens,
-            )
-            out = np.asarray(out)
-            res.draft_tokens = int(np.asarray(rounds).sum()) * k
-            res.accepted_tokens = int(np.asarray(accepted).sum())
-        elif max_new_tokens > 1:
-            self.cache, rest = _plain_loop(
-                self.graphdef,
-                self.state,
-                self.cache,
-                first,
-                pos0,
-                self.block_table,
-                key,
-                backend=self.backend,
-                page_size=self.page_size,
-                steps=max_new_tokens - 1,
-                temperature=float(temperature),
-                top_k=top_k,
-            )
-            out = np.concatenate([np.asarray(first)[:, None], np.asarray(rest)], axis=1)
-        else:
-            out = np.asarray(first)[:, None]
-        res.decode_s = time.perf_counter() - t1
-        res.decode_tokens = len(prompts) * (max_new_tokens - 1)
-        res.tokens = [list(map(int, row[:max_new_tokens])) for row in out]
+        self.allocator = PageAllocator(num_pages, ps, shuffle=self.shuffle_pages, seed=self.seed)
+        self._new_cache(num_pages)
+        N = _pow2_at_least(max(limits) + k + 1, 8)
+        st = init_slot_state(B, self.max_pages, N, k=k, vocab=self.config.vocab_size, params=params)
+        eos_arr = jnp.asarray(np.array(eos or [-1], np.int32))
+        req_keys = np.asarray(smp.request_keys(seed, jnp.arange(R)))
+        skw = {"backend": self.backend, "page_size": ps, "k": k, "params": params}
+
+        pending = collections.deque(range(R))
+        slot_req = [-1] * B
+        sent = [0] * R
+        tokens: list[list[int] | None] = [None] * R
+        res = GenerateOutput(tokens=[], prefill_tokens=sum(len(p) for p in prompts))
+        t_start = time.perf_counter()
+        while True:
+            # ---- admission (host): free slots take pending requests while pages last
+            admitted = []
+            if self.batching == "continuous" or all(r < 0 for r in slot_req):
+                for s in range(B):
+                    if not pending:
+                        break
+                    if slot_req[s] >= 0:
+                        continue
+                    r = pending[0]
+                    if self.allocator.pages_for(totals[r]) > len(self.allocator._free):
+                        break
+                    self.allocator.allocate(r, totals[r])
+                    pending.popleft()
+                    slot_req[s] = r
+                    admitted.append((s, r))
+            if admitted:
+                t0 = time.perf_counter()
+                A = min(_pow2_at_least(len(admitted)), B)
+                reqs = [r for _, r in admitted]
+                _logits, first, d1, q1, mh, rows = self._prefill(
+                    [prompts[r] for r in reqs], reqs, jnp.asarray(req_keys[reqs]),
+                    use_mtp=bool(k), params=params, batch_to=A,
+                )  # fmt: skip
+                pad = A - len(admitted)
+
+                def ints(xs, fill, pad=pad):
+                    return jnp.asarray(np.array(list(xs) + [fill] * pad, np.int32))
+
+                self.cache, st = _admit(
+                    self.graphdef, self.state, self.cache, st,
+                    ints([s for s, _ in admitted], B), rows,
+                    jnp.asarray(np.concatenate([req_keys[reqs], np.zeros((pad, 2), np.uint32)])),
+                    first, d1, q1, mh,
+                    ints([len(prompts[r]) for r in reqs], 1), ints([limits[r] for r in reqs], 1),
+                    eos_arr, **skw,
+                )  # fmt: skip
+                jax.block_until_ready(st["done"])
+                res.prefill_s += time.perf_counter() - t0
+                if step_events:
+                    yield from self._harvest(st, slot_req, sent, tokens, limits, eos, stream=True, free=False)
+            if not any(r >= 0 for r in slot_req):
+                if pending:  # cannot happen: every request fits the cache alone (checked above)
+                    raise RuntimeError("admission: no request could be admitted")
+                break
+            need = 1 if (self.batching == "continuous" and pending) else B + 1
+            t0 = time.perf_counter()
+            self.cache, st, steps = _decode_loop(
+                self.graphdef, self.state, self.cache, st, eos_arr,
+                jnp.int32(1 if step_events else 2**30), jnp.int32(need), **skw,
+            )  # fmt: skip
+            jax.block_until_ready(st["done"])
+            res.decode_s += time.perf_counter() - t0
+            res.decode_calls += 1
+            res.decode_steps += int(steps)
+            yield from self._harvest(st, slot_req, sent, tokens, limits, eos, stream=step_events, free=True)
+        res.wall_s = time.perf_counter() - t_start
+        res.tokens = tokens
+        res.stop_reasons = ["eos" if t and t[-1] in eos else "length" for t in tokens]
+        res.decode_tokens = sum(len(t) - 1 for t in tokens)
+        res.draft_tokens = self._drafts * k
+        res.accepted_tokens = self._accepted
+        if self.tokenizer is not None:
+            res.texts = [self.tokenizer.decode(t) for t in tokens]
         return res
 
+    def _harvest(self, st, slot_req, sent, tokens, limits, eos, *, stream, free):
+        """Host side after a device call: emit new tokens (streaming), collect and free finished slots."""
+        h = jax.device_get({n: st[n] for n in ("done", "n_out", "out", "rounds", "accepted")})
+        for s, r in enumerate(slot_req):
+            if r < 0:
+                continue
+            n, done = int(h["n_out"][s]), bool(h["done"][s])
+            if stream and n > sent[r]:
+                yield TokenEvent(r, h["out"][s, sent[r] : n].tolist(), done)
+                sent[r] = n
+            if done and free:
+                tokens[r] = h["out"][s, :n].tolist()
+                self._drafts += int(h["rounds"][s])
+                self._accepted += int(h["accepted"][s])
+                if not stream and n > sent[r]:
+                    yield TokenEvent(r, h["out"][s, sent[r] : n].tolist(), True)
+                    sent[r] = n
+                self.allocator.free(r)
+                slot_req[s] = -1
 
-def generate(model, prompts, max_new_tokens: int, *, num_speculative_tokens: int = 0, **engine_kwargs):
-    """Greedy generation: ``max_new_tokens`` new token ids per prompt (list of lists).
+    def generate(
+        self,
+        prompts: Sequence[Sequence[int] | str],
+        max_new_tokens: int | Sequence[int],
+        *,
+        num_speculative_tokens: int = 0,
+        temperature: float = 0.0,
+        top_k: int | None = None,
+        top_p: float | None = None,
+        seed: int = 0,
+        eos_token_id: int | Sequence[int] | None = None,
+        stream: Callable[[TokenEvent], None] | None = None,
+    ) -> GenerateOutput:
+        """Generate up to ``max_new_tokens`` (an int, or one per prompt) tokens per prompt.
 
-    ``num_speculative_tokens = k > 0`` uses MTP speculative decoding with k drafts per round (same tokens
-    as plain greedy decoding).  ``engine_kwargs`` go to :class:`Engine` (page_size, backend, kv_dtype,
-    prefill_chunk, ...)."""
-    eng = Engine(model, **engine_kwargs)
-    return eng.generate(
-        [list(p) for p in prompts], max_new_tokens, num_speculative_tokens=num_speculative_tokens
-    ).tokens
+        Args:
+          prompts: token-id lists, or strings (encoded by the engine's tokenizer).
+          num_speculative_tokens: k > 0 drafts k tokens per round with the MTP layer (greedy: same tokens
+            as plain greedy decoding; sampling: rejection sampling, same distribution as plain sampling).
+          temperature, top_k, top_p: :class:`~tokenspeed_jax.models.deepseek.sampling.SamplingParams`
+            (``temperature = 0``: greedy).
+          seed: sampling seed; request i uses key ``fold_in(PRNGKey(seed), i)``.
+          eos_token_id: an id or a list of ids that stop a request (included in its tokens); None: the
+            config's ``eos_token_id``; ``[]``: never stop early.
+          stream: called with a :class:`TokenEvent` per request and step as tokens are produced (the
+            decode loop then returns to the host after every step).
+        """
+        kw = {
+            "num_speculative_tokens": num_speculative_tokens,
+            "temperature": temperature,
+            "top_k": top_k,
+            "top_p": top_p,
+            "seed": seed,
+            "eos_token_id": eos_token_id,
+        }
+        it = self.stream(prompts, max_new_tokens, step_events=stream is not None, **kw)
+        while True:
+            try:
+                ev = next(it)
+            except StopIteration as e:
+                return e.value
+            if stream is not None:
+                stream(ev)
+
+
+def generate(
+    model,
+    prompts: Sequence[Sequence[int] | str],
+    max_new_tokens: int | Sequence[int],
+    *,
+    eos_token_id: int | Sequence[int] | None = None,
+    temperature: float = 0.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    seed: int = 0,
+    num_speculative_tokens: int = 0,
+    stream: Callable[[TokenEvent], None] | None = None,
+    tokenizer=None,
+    **engine_kwargs,
+) -> list[list[int]] | list[str]:
+    """Generate for each prompt; returns token-id lists (EOS included when a request stopped there), or
+    texts when every prompt is a string (decoded by ``tokenizer``, special tokens skipped).
+
+    See :meth:`Engine.generate` for the arguments; ``engine_kwargs`` go to :class:`Engine` (page_size,
+    backend, kv_dtype, prefill_chunk, max_slots, compilation_cache, ...)."""
+    eng = Engine(model, tokenizer=tokenizer, **engine_kwargs)
+    out = eng.generate(
+        list(prompts),
+        max_new_tokens,
+        eos_token_id=eos_token_id,
+        temperature=temperature,
+        top_k=top_k,
+        top_p=top_p,
+        seed=seed,
+        num_speculative_tokens=num_speculative_tokens,
+        stream=stream,
+    )
+    if prompts and all(isinstance(p, str) for p in prompts):
+        return out.texts
+    return out.tokens

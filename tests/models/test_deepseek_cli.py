@@ -1,8 +1,10 @@
-"""The CLI end to end on the tiny preset (CPU, xla): runs, reports, and writes a profiler trace that it
-reads back (which tokenspeed names its events show)."""
+"""The CLI end to end on the tiny preset (CPU, xla): runs, reports, and writes a profiler trace that it reads back
+(which tokenspeed names its events show); bad flags end in one-line parser errors; text in and out through a
+checkpoint's tokenizer.json."""
 
 import json
 
+import pytest
 from tokenspeed_jax.models.deepseek.cli import main
 
 
@@ -25,6 +27,7 @@ def test_cli_tiny_with_profile(tmp_path, capsys):
             "1",
             "--backend",
             "xla",
+            "--no-compilation-cache",
             "--profile",
             str(prof),
             "--json",
@@ -46,3 +49,82 @@ def test_cli_tiny_with_profile(tmp_path, capsys):
     assert res["prefill_tokens_per_s"] > 0 and res["decode_tokens_per_s"] > 0
     assert 0.0 <= res["mtp_acceptance_rate"] <= 1.0
     assert res["mtp_tokens_equal_plain"] is True and res["plain_decode_tokens_per_s"] > 0
+
+
+@pytest.mark.parametrize(
+    "argv, flag",
+    [
+        (["--page-size", "24"], "--page-size"),
+        (["--temperature", "-1"], "--temperature"),
+        (["--top-p", "1.5"], "--top-p"),
+        (["--top-k", "-2"], "--top-k"),
+        (["--num-speculative-tokens", "16"], "--num-speculative-tokens"),
+        (["--batch", "0"], "--batch"),
+        (["--max-new-tokens", "0"], "--max-new-tokens"),
+        (["--prompt", "hello"], "--prompt"),
+        (["--preset", "nope"], "--preset"),
+        (["--backend", "cuda"], "--backend"),
+        (["--checkpoint", "/nonexistent/dir"], "--checkpoint"),
+        (["--prompts-file", "/nonexistent/file"], "--prompts-file"),
+    ],
+)
+def test_cli_bad_flags_end_in_one_line_errors(argv, flag, capsys):
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    last = err.strip().splitlines()[-1]
+    assert last.startswith("tokenspeed-deepseek: error:") and flag in last, last
+
+
+def test_cli_help_shows_choices_and_defaults(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["--help"])
+    assert e.value.code == 0
+    text = " ".join(capsys.readouterr().out.split())
+    for s in (
+        "{16,32,64,128,256}",
+        "(default: 64)",
+        "{auto,xla,sm90,sm100}",
+        "--no-compilation-cache",
+        "--prompt TEXT",
+    ):
+        assert s in text, s
+
+
+def test_cli_text_in_and_out(tmp_path, capsys):
+    """A checkpoint directory with tokenizer.json: --prompt text in, generated text out (and in --json)."""
+    import jax.numpy as jnp
+    from tokenspeed_jax.models.deepseek import DeepseekV3, load_tokenizer, save_checkpoint
+
+    from tests.models.test_deepseek_generation import CFG, make_tokenizer
+
+    ckpt = tmp_path / "tiny-text"
+    save_checkpoint(DeepseekV3.random(CFG, dtype=jnp.float32, seed=3), ckpt)
+    make_tokenizer(ckpt / "tokenizer.json")
+    out_json = tmp_path / "res.json"
+    argv = ["--checkpoint", str(ckpt), "--prompt", "hello world", "--prompt", "the fox", "--max-new-tokens", "8",
+            "--page-size", "16", "--max-slots", "2", "--num-speculative-tokens", "0", "--backend", "xla",
+            "--no-compilation-cache", "--json", str(out_json)]  # fmt: skip
+    assert main(argv) == 0
+    captured = capsys.readouterr()
+    assert "warm-up: compiling" in captured.err  # the progress line
+    res = json.loads(out_json.read_text())
+    assert res["model"] == "tiny-text"
+    tok = load_tokenizer(ckpt)
+    assert len(res["texts"]) == 2 and all(isinstance(t, str) for t in res["texts"])
+    assert res["texts"] == [tok.decode(t) for t in res["first_tokens"]]  # <= 8 tokens: first_tokens is all
+    assert "'hello world' ->" in captured.out
+    assert res["attention_backend"]["decode"]["name"] == "xla"
+    assert isinstance(res["attention_backend"]["decode"]["not_chosen"], dict)
+
+
+def test_compilation_cache_dir_default(monkeypatch, tmp_path):
+    from tokenspeed_jax.models.deepseek.engine import default_compilation_cache_dir
+
+    monkeypatch.delenv("TOKENSPEED_JAX_CACHE_DIR", raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    assert default_compilation_cache_dir() == str(tmp_path / "tokenspeed_jax" / "xla")
+    monkeypatch.setenv("TOKENSPEED_JAX_CACHE_DIR", str(tmp_path / "c"))
+    assert default_compilation_cache_dir() == str(tmp_path / "c" / "xla")

@@ -139,7 +139,5 @@ def test_generate_argument_errors(model, prompts):
         eng.generate(prompts, 4, num_speculative_tokens=16)
     with pytest.raises(ValueError, match="max_new_tokens"):
         eng.generate(prompts, 0)
-    with pytest.raises(NotImplementedError, match="greedy only"):
-        eng.generate(prompts, 4, num_speculative_tokens=1, temperature=1.0)
     with pytest.raises(ValueError, match="prompts"):
         eng.generate([], 4)

@@ -35,7 +35,19 @@ def test_speculative_decode_runs_on_kernels(rng):
     cfg = DeepseekV3Config.preset("small")
     model = DeepseekV3.random(cfg, dtype=jnp.bfloat16, seed=int(rng.integers(1 << 30)))
     prompts = [rng.integers(0, cfg.vocab_size, n).tolist() for n in (40, 17)]
-    out = Engine(model, backend="auto", page_size=64).generate(prompts, 12, num_speculative_tokens=3)
+    out = Engine(model, backend="auto", page_size=64).generate(prompts, 12, num_speculative_tokens=3, eos_token_id=[])
     assert [len(t) for t in out.tokens] == [12, 12]
     assert all(0 <= x < cfg.vocab_size for t in out.tokens for x in t)
     assert jax.default_backend() == "gpu"
+
+
+@pytest.mark.gpu
+def test_speculative_sampling_runs_on_kernels(rng):
+    cfg = DeepseekV3Config.preset("small")
+    model = DeepseekV3.random(cfg, dtype=jnp.bfloat16, seed=int(rng.integers(1 << 30)))
+    prompts = [rng.integers(0, cfg.vocab_size, n).tolist() for n in (40, 17, 5)]
+    eng = Engine(model, backend="auto", page_size=64, max_slots=2)
+    kw = {"num_speculative_tokens": 2, "eos_token_id": [], "temperature": 0.8, "top_p": 0.95, "seed": 3}
+    out = eng.generate(prompts, [12, 7, 9], **kw)
+    assert [len(t) for t in out.tokens] == [12, 7, 9]
+    assert out.tokens == eng.generate(prompts, [12, 7, 9], **kw).tokens  # reproducible under a seed

@@ -32,13 +32,14 @@ _SCRIPT = textwrap.dedent(
     pos = jnp.asarray(np.array([[20, 21], [10, 11]], np.int32))
     lower("decode", E._decode_step, eng.graphdef, eng.state, eng.cache, jnp.zeros((2, 2), jnp.int32), pos,
           eng.block_table, backend="auto", page_size=64)
-    lower("spec", E._spec_loop, eng.graphdef, eng.state, eng.cache, z(2), z(2),
-          jnp.zeros((2, cfg.hidden_size), jnp.bfloat16), z(2), eng.block_table, backend="auto", page_size=64,
-          k=2, max_new=8)
+    for name, params in (("spec", E.GREEDY), ("spec_sampling", E.SamplingParams(0.8, 20, 0.95))):
+        st = E.init_slot_state(2, eng.max_pages, 16, k=2, vocab=cfg.vocab_size, params=params)
+        lower(name, E._decode_loop, eng.graphdef, eng.state, eng.cache, st, z(1), jnp.int32(8), jnp.int32(1),
+              backend="auto", page_size=64, k=2, params=params)
     cu = jnp.asarray(np.array([0, 10, 20], np.int32))
     lower("prefill", E._prefill_step, eng.graphdef, eng.state, eng.cache, z(32), z(32), z(32), cu, z(32),
-          z(32, bool), z(32), z(2), eng.block_table, z(2), backend="auto", context_capacity=32, use_mtp=True,
-          max_seqlen=16)
+          z(32, bool), z(32), z(2), eng.block_table, z(2), jnp.zeros((2, 2), jnp.uint32), backend="auto",
+          context_capacity=32, use_mtp=True, max_seqlen=16)
     print("RESULT " + json.dumps(res))
     """
 )
@@ -65,4 +66,5 @@ def test_engine_steps_lower_for_sm90():
     res = json.loads(line[len("RESULT ") :])
     assert "tokenspeed_mla_decode_sm90" in res["decode"]
     assert "tokenspeed_mla_decode_sm90" in res["spec"]
+    assert "tokenspeed_mla_decode_sm90" in res["spec_sampling"]
     assert "tokenspeed_mla_prefill_sm90" in res["prefill"]
