@@ -6,11 +6,12 @@ speculative decoding (k = 1, 2, 3 drafts per round) against plain greedy decodin
         --out /tmp/mtp_speedup_cpu.json                                                       # CPU smoke run
 
 Prompts are ``--prompt-len``-token windows of the held-out stdlib files (evenly spaced over the held-out
-stream, the split of :mod:`tokenspeed_jax.models.deepseek.train`); each batch size B takes the first B.
-Every (B, k) runs in one :class:`~tokenspeed_jax.models.deepseek.engine.Engine` (``--backend``): one
-compile-and-run, then ``--repeats`` timed runs; decode tokens/s is the engine's own figure
-(``B * (new_tokens - 1) / decode seconds``, prefill excluded), the median over the repeats.  Acceptance
-rate = accepted drafts / drafted tokens over the batch; ``same_as_plain`` = fraction of generated tokens
+stream, the split of :mod:`tokenspeed_jax.models.deepseek.train`), as many as the largest batch; batch B
+runs them as consecutive groups of B (batch 1: each prompt alone, one after another).  Every (B, k) runs
+in one :class:`~tokenspeed_jax.models.deepseek.engine.Engine` (``--backend``): one compile-and-run, then
+``--repeats`` timed passes over the groups; decode tokens/s is the engine's own figure
+(``B * (new_tokens - 1)`` per group over its decode seconds, prefill excluded), summed over the groups,
+the median over the repeats.  Acceptance rate = accepted drafts / drafted tokens over all prompts; ``same_as_plain`` = fraction of generated tokens
 equal to plain greedy decoding of the same batch (1.0 in fp32; bf16 kernels may flip near-ties).
 The held-out loss is the main model's (and the MTP layer's) mean cross entropy over ``--loss-windows``
 fixed windows of the model's context length (``max_position_embeddings``), teacher-forced.
@@ -81,28 +82,31 @@ def main(argv: list[str] | None = None) -> dict:
 
     rows = []
     for B in args.batch:
+        # Batch B runs the first nmax prompts in nmax // B groups of B, one after another (the same shapes:
+        # one compile), so batch 1 is not the figure of a single prompt.
+        groups = [prompts[i : i + B] for i in range(0, nmax - B + 1, B)]
         plain = None
         for k in sorted(args.k):
             eng = Engine(model, backend=args.backend)
-            res = eng.generate(prompts[:B], args.new_tokens, num_speculative_tokens=k)  # compile + run
-            times, accs = [], []
+            eng.generate(groups[0], args.new_tokens, num_speculative_tokens=k)  # compile + run
+            times = []
             for _ in range(args.repeats):
-                res = eng.generate(prompts[:B], args.new_tokens, num_speculative_tokens=k)
-                times.append(res.decode_s)
-                accs.append(res.acceptance_rate)
+                res = [eng.generate(g, args.new_tokens, num_speculative_tokens=k) for g in groups]
+                times.append(sum(r.decode_s for r in res))
             dec_s = statistics.median(times)
+            tokens = [t for r in res for t in r.tokens]
+            ntok = sum(r.decode_tokens for r in res)
+            drafted = sum(r.draft_tokens for r in res)
+            accepted = sum(r.accepted_tokens for r in res)
             if k == 0:
-                plain = res.tokens
-            same = None
-            if plain is not None:
-                a, b = np.asarray(plain), np.asarray(res.tokens)
-                same = float((a == b).mean())
+                plain = tokens
+            same = None if plain is None else float((np.asarray(plain) == np.asarray(tokens)).mean())
             row = {
-                "batch": B, "k": k, "decode_tokens": res.decode_tokens, "decode_s": dec_s,
-                "decode_s_all": times, "tokens_per_s": res.decode_tokens / dec_s,
-                "acceptance_rate": res.acceptance_rate, "draft_tokens": res.draft_tokens,
-                "accepted_tokens": res.accepted_tokens,
-                "tokens_per_round": (None if not k else res.decode_tokens / max(res.draft_tokens // k, 1)),
+                "batch": B, "k": k, "groups": len(groups), "decode_tokens": ntok, "decode_s": dec_s,
+                "decode_s_all": times, "tokens_per_s": ntok / dec_s,
+                "acceptance_rate": accepted / drafted if drafted else None, "draft_tokens": drafted,
+                "accepted_tokens": accepted,
+                "tokens_per_round": (ntok / (drafted // k)) if k and drafted else None,
                 "same_as_plain": same,
             }
             rows.append(row)
