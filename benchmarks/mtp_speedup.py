@@ -54,6 +54,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--checkpoint", default=None, help="checkpoint directory (default: the shipped one)")
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     ap.add_argument("--backend", default="auto")
+    ap.add_argument("--page-size", type=int, default=64, help="cache page size (the CLI's default)")
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 32])
     ap.add_argument("--k", type=int, nargs="+", default=[0, 1, 2, 3], help="drafts per round (0 = plain)")
     ap.add_argument("--prompt-len", type=int, default=64)
@@ -87,7 +88,7 @@ def main(argv: list[str] | None = None) -> dict:
         groups = [prompts[i : i + B] for i in range(0, nmax - B + 1, B)]
         plain = None
         for k in sorted(args.k):
-            eng = Engine(model, backend=args.backend)
+            eng = Engine(model, backend=args.backend, page_size=args.page_size)
             eng.generate(groups[0], args.new_tokens, num_speculative_tokens=k)  # compile + run
             times = []
             for _ in range(args.repeats):
