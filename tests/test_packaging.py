@@ -112,3 +112,20 @@ def test_checkout_maps_only_ffi_and_models():
     r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
                        env=dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")))
     assert r.returncode == 0, r.stderr[-3000:]
+
+
+def test_shipped_checkpoints_are_package_data():
+    import fnmatch
+
+    cfg = tomllib.load(open(os.path.join(ROOT, "pyproject.toml"), "rb"))["tool"]["setuptools"]
+    globs = cfg.get("package-data", {}).get("tokenspeed_jax.models.deepseek.checkpoints", [])
+    top = os.path.join(ROOT, "models", "deepseek", "checkpoints")
+    files = [
+        os.path.relpath(os.path.join(d, f), top).replace(os.sep, "/")
+        for d, _, fs in os.walk(top)
+        if d != top and "__pycache__" not in d
+        for f in fs
+    ]
+    assert files, "no shipped checkpoint under models/deepseek/checkpoints"
+    missing = [f for f in files if not any(fnmatch.fnmatch(f, g) for g in globs)]
+    assert not missing, f"add to [tool.setuptools.package-data] in pyproject.toml: {missing}"
