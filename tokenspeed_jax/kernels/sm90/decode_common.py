@@ -356,10 +356,15 @@ class MlaDecodeSm90:
                     if slot >= 0:
                         gL = cute.make_tensor(mLacc.iterator + self.out_row(b, slot, r), cute.make_layout(1))
                     gL[0] = lse[h]
+        fac = cute.make_rmem_tensor((2,), Float32)
+        for h in cutlass.range_constexpr(2):
+            fac[h] = inv[h] * scale
+            if inv[h] == 0.0:  # a row without keys: exact zeros whatever output_scale holds (NaN, inf)
+                fac[h] = 0.0
         for h in cutlass.range_constexpr(2):
             for e in cutlass.range_constexpr(cute.size(acc_o)):
                 if cutlass.const_expr((e // 2) % 2 == h):
-                    acc_o[e] = acc_o[e] * (inv[h] * scale)
+                    acc_o[e] = acc_o[e] * fac[h]
         if slot < 0:
             self.store_o_staged(acc_o, tOcO, row_in, stage, mOut, mOacc, mblk, slot, b, wg, wtid, True)
         else:

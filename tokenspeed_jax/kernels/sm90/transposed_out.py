@@ -219,7 +219,10 @@ class TransposedOutMixin:
         ``out_scale``; one bf16x2 store for adjacent features) when ``split`` (the piece's workspace slot) is
         negative, else into slot ``split`` of ``o_accum`` (one fp32x2)."""
         if split < 0:
-            self.store_ot_pair_to(acc, e, inv * out_scale, mOut, Int64(b) * self.R + r, f, True)
+            sc = inv * out_scale
+            if inv == 0.0:  # a row without keys: exact zeros whatever output_scale holds (NaN, inf)
+                sc = Float32(0.0)
+            self.store_ot_pair_to(acc, e, sc, mOut, Int64(b) * self.R + r, f, True)
         else:
             self.store_ot_pair_to(acc, e, inv, mOacc, Int64(split) * self.R + r, f, False)
 
