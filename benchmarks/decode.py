@@ -89,6 +89,18 @@ CHECK = [
     Case("fp8_b1s1h16p64_16k", "float8_e4m3fn", 1, 1, 16, 64, 256, (16384,)),
     # FP8 with 72 rows: the second 64-row block has 8 real rows
     Case("fp8_s3h24p64", "float8_e4m3fn", 3, 3, 24, 64, 40, (2, 64, 2500)),
+    # serving-shaped batches for the length-balanced schedule (tokenspeed_jax.decode_schedule): random lengths in
+    # [0, capacity] (zeros included), many short requests, one long request, lengths below S under the causal mask
+    Case("var_b64s1h32p64", "bfloat16", 64, 1, 32, 64, 64, None),
+    Case("var_b64s2h128p64", "bfloat16", 64, 2, 128, 64, 32, None),
+    Case("var_b256s1h16p64_short", "bfloat16", 256, 1, 16, 64, 6, None),
+    Case("var_b16s4h8p64_below_s", "bfloat16", 16, 4, 8, 64, 2, (0, 1, 2, 3, 4, 5, 0, 3, 1, 2, 70, 3, 0, 4, 2, 1)),
+    Case("var_b32s2h16p16", "bfloat16", 32, 2, 16, 16, 160, None),
+    Case("var_b1s1h16p64_128k", "bfloat16", 1, 1, 16, 64, 2048, (131072,)),
+    Case("fp8_var_b64s1h32p64", "float8_e4m3fn", 64, 1, 32, 64, 64, None),
+    Case("fp8_var_b64s4h32p64", "float8_e4m3fn", 64, 4, 32, 64, 32, None),
+    Case("fp8_var_b32s1h16p16", "float8_e4m3fn", 32, 1, 16, 16, 160, None),
+    Case("fp8_var_b200s2h64p64_short", "float8_e4m3fn", 200, 2, 64, 64, 4, None),
 ]
 
 BENCH = [(64, 81920, 64, H, S) for H in (16, 32, 128) for S in (1, 4, 8)] + [

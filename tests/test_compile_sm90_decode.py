@@ -18,19 +18,21 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-# name -> (loop, producer, dtype, H, S, page, splits, tokens_per_split): each loop the table selects, in the page
-# sizes and split counts that change its code (boxes per chunk, the staged epilogue's passes, the combine kernel)
+# name -> (loop, producer, dtype, H, S, page, B): each loop the table selects, in the page sizes that change its code
+# (boxes per chunk, the staged epilogue's passes); every build has the persistent grid, both epilogues (the direct
+# output and fp32 partials) and the combine kernel, whose shape B x S x H picks (8 x 8 below 1024 rows, else 1 x 1)
 CASES = {
-    "seesaw16_prod": ("seesaw", True, "float16", 32, 2, 32, 3, 256),  # 64 rows, 2 boxes per chunk, fp32 partials
-    "seesaw16_h128": ("seesaw", True, "bfloat16", 128, 1, 64, 1, 1536),  # 2 row blocks, one split (bf16 out)
-    "seesaw16_page16": ("seesaw", False, "bfloat16", 16, 1, 16, 16, 64),  # padded rows, 4 boxes, 16-split combine
-    "seesaw8_page16": ("seesaw", False, "float8_e4m3fn", 32, 4, 16, 3, 256),  # FP8, 4 boxes per chunk
-    "transposed16": ("transposed", True, "bfloat16", 16, 1, 64, 2, 256),  # pv_n 16
-    "transposed32": ("transposed", True, "float16", 16, 2, 32, 1, 256),  # pv_n 32, one split
-    "fp8_pv64": ("fp8_transposed_pv", True, "float8_e4m3fn", 32, 4, 64, 2, 4096),  # two 64-row blocks
-    "fp8_t32": ("fp8_transposed", True, "float8_e4m3fn", 32, 1, 64, 3, 4096),  # 32 rows, fp32 partials
-    "fp8_t16": ("fp8_transposed", True, "float8_e4m3fn", 16, 1, 64, 1, 4096),  # 16 rows, one split
+    "seesaw16_prod": ("seesaw", True, "float16", 32, 2, 32, 3),  # 64 rows, 2 boxes per chunk
+    "seesaw16_h128": ("seesaw", True, "bfloat16", 128, 1, 64, 1),  # 2 row blocks
+    "seesaw16_page16": ("seesaw", False, "bfloat16", 16, 1, 16, 16),  # padded rows, 4 boxes
+    "seesaw8_page16": ("seesaw", False, "float8_e4m3fn", 32, 4, 16, 3),  # FP8, 4 boxes per chunk
+    "transposed16": ("transposed", True, "bfloat16", 16, 1, 64, 2),  # pv_n 16
+    "transposed32": ("transposed", True, "float16", 16, 2, 32, 1),  # pv_n 32
+    "fp8_pv64": ("fp8_transposed_pv", True, "float8_e4m3fn", 32, 4, 64, 8),  # two 64-row blocks; 1 x 1 combine
+    "fp8_t32": ("fp8_transposed", True, "float8_e4m3fn", 32, 1, 64, 3),  # 32 rows
+    "fp8_t16": ("fp8_transposed", True, "float8_e4m3fn", 16, 1, 64, 1),  # 16 rows
 }
+NUM_CTAS, MAX_SLOTS = 66, 130  # (any: the grid and the workspace are launch parameters of the same code)
 
 _SCRIPT = textwrap.dedent(
     r"""
@@ -58,24 +60,25 @@ _SCRIPT = textwrap.dedent(
                 qgmma_r=r"QGMMA\.\w+\.F32\.E4M3\.E4M3 R\d+, R\d+", spill=r"\b(STL|LDL)\b",
                 depbar=r"WARPGROUP\.DEPBAR", stg128=r"STG\.E\.128")
 
-    def fake_args(k, S, H, page, splits, pages=50, table=24, B=2):
-        # the launch arguments of kernel ``k`` as fake tensors: q, cache, table, lengths, scales, out, lse (+ partials)
+    def fake_args(k, S, H, page, B, pages=50, table=24):
+        # the launch arguments of kernel ``k`` as fake tensors: q, cache, table, lengths, scales, the schedule's
+        # cta / req tables, out, lse, the fp32 partials
         f = rt.make_fake_compact_tensor
         dt, ot, R = k.dtype, k.out_dtype, H * S
-        a = [rt.make_fake_stream(), f(dt, (B, S, H, 576), assumed_align=16), f(dt, (pages, page, 576), assumed_align=16),
-             f(cutlass.Int32, (B, table)), f(cutlass.Int32, (B,)), f(cutlass.Float32, (1,)), f(cutlass.Float32, (1,)),
-             f(ot, (B, S, H, 512), assumed_align=16), f(cutlass.Float32, (B, S, H))]
-        if splits > 1:
-            a += [f(cutlass.Float32, (B, splits, R, 512), assumed_align=16), f(cutlass.Float32, (B, splits, R))]
-        return a
+        return [rt.make_fake_stream(), f(dt, (B, S, H, 576), assumed_align=16),
+                f(dt, (pages, page, 576), assumed_align=16), f(cutlass.Int32, (B, table)), f(cutlass.Int32, (B,)),
+                f(cutlass.Float32, (1,)), f(cutlass.Float32, (1,)), f(cutlass.Int32, (NUM_CTAS, 8)),
+                f(cutlass.Int32, (B, 2)), f(ot, (B, S, H, 512), assumed_align=16), f(cutlass.Float32, (B, S, H)),
+                f(cutlass.Float32, (MAX_SLOTS, R, 512), assumed_align=16), f(cutlass.Float32, (MAX_SLOTS, R))]
 
-    for name, (loop, producer, dtype, H, S, page, splits, tps) in CASES.items():
+    NUM_CTAS, MAX_SLOTS = NCTAS, NSLOTS
+    for name, (loop, producer, dtype, H, S, page, B) in CASES.items():
         before = set(glob.glob(d + "/*"))
         k = build_decode_kernel(loop=loop, producer=producer, dtype=dtype, num_heads=H, q_len=S, page_size=page,
-                                causal=True, num_splits=splits, tokens_per_split=tps)
-        cute.compile(k, *fake_args(k, S, H, page, splits))
+                                causal=True, num_ctas=NUM_CTAS, max_slots=MAX_SLOTS)
+        cute.compile(k, *fake_args(k, S, H, page, B))
         ptx, sass = own(before, ".ptx"), own(before, ".sass")
-        main = ptx[:ptx.index(".entry kernel_cutlass_combine")] if splits > 1 else ptx
+        main = ptx[:ptx.index(".entry kernel_cutlass_combine")]
         x = {n: len(re.findall(p, main)) for n, p in PTX.items() if n != "wgmma"}
         shapes = re.findall(PTX["wgmma"], main)
         x["wgmma"] = {s: shapes.count(s) for s in sorted(set(shapes))}
@@ -83,10 +86,9 @@ _SCRIPT = textwrap.dedent(
         x["sass"] = bool(sass)
         x["entries"] = sorted(set(re.findall(r"\.entry\s+(\w+)", ptx)))
         x["tiles"] = [k.block_m, k.num_m_blocks, getattr(k, "pv_n", 64), k.cta_threads]
-        if splits > 1:
-            comb = ptx[ptx.index(".entry kernel_cutlass_combine"):]
-            x["comb"] = dict(v4=len(re.findall(r"ld\.global\.v4\.[bf]32", comb)),
-                             wait=len(re.findall(r"griddepcontrol\.wait", comb)))
+        comb = ptx[ptx.index(".entry kernel_cutlass_combine"):]
+        x["comb"] = dict(v4=len(re.findall(r"ld\.global\.v4\.[bf]32", comb)),
+                         wait=len(re.findall(r"griddepcontrol\.wait", comb)))
         if hasattr(k, "pv_mma_repr"):
             x["pv_tv"] = k.pv_mma_repr
         res[name] = x
@@ -116,7 +118,8 @@ def compiled(tmp_path_factory):
                JAX_PLATFORMS="cpu", PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     have_nvdisasm = shutil.which("nvdisasm") is not None or _nvdisasm_wheel()
     env["CUTE_DSL_KEEP"] = "ptx,sass" if have_nvdisasm else "ptx"
-    p = subprocess.run([sys.executable, "-c", _SCRIPT, json.dumps(CASES)], env=env, capture_output=True, text=True,
+    script = _SCRIPT.replace("NCTAS", str(NUM_CTAS)).replace("NSLOTS", str(MAX_SLOTS))
+    p = subprocess.run([sys.executable, "-c", script, json.dumps(CASES)], env=env, capture_output=True, text=True,
                        timeout=1200, cwd=ROOT, check=False)
     line = [ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")]
     assert p.returncode == 0 and line, p.stdout[-3000:] + p.stderr[-3000:]
@@ -176,7 +179,7 @@ def test_selected_config_compiles(compiled, name):
     # (16-bit: the Q tile's cp.async, 2 rows x 9 chunks of 16 bytes a thread; the KV is TMA only)
     assert x["clock"] == 0 and x["local"] == 0 and x["cpasync"] == (0 if fp8 else 18) and x["l2pf"] == 0, (name, x)
     # PDL: the main kernel lets the combine launch early (split partials only); nothing waits before it
-    assert x["gdc_launch"] == (1 if CASES[name][6] > 1 else 0) and x["gdc_wait"] == 0, (name, x)
+    assert x["gdc_launch"] == 1 and x["gdc_wait"] == 0, (name, x)
     assert all("MlaDecode" in e for e in x["entries"]), x["entries"]  # (compute-sanitizer's kernel filter)
     if x["sass"]:  # (ptxas adds one HGMMA.64x8x16.F16 to the 16-bit builds, not counted)
         assert x["qgmma" if fp8 else "hgmma"] == want["mma"], (name, x)

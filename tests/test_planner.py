@@ -5,8 +5,10 @@ Expected values are derived by hand from the planner's documented rule (``_plan_
 2026-11-29 20:00 UTC): 64-row tiles over rows = S*H, 64-token KV blocks; ``splits`` in
 ``1..min(n_blocks // 2 (1 below 4 blocks), ceil(num_sms / (batch * m_blocks)))`` maximising the wave
 efficiency ``ctas / (waves * num_sms) - 0.002 * splits`` (``ctas = batch * m_blocks * splits``); no empty
-trailing split; fp32 workspace ``o_accum [B, splits, rows, kv_lora_rank]`` + ``lse_accum [B, splits,
-rows]`` only when ``splits > 1``.  If the rule changes, recompute the table by hand, do not copy the code."""
+trailing split; the persistent grid ``(m_blocks, num_sms // m_blocks, 1)`` and the schedule's fp32 workspace of
+``2 (num_ctas - 1)`` slots (``o_accum [slots, rows, kv_lora_rank]`` + ``lse_accum [slots, rows]``) whatever the batch
+(the ``nbytes`` column of TABLE is the old per-batch workspace and is not used).  If the rule changes, recompute the
+table by hand, do not copy the code."""
 
 from __future__ import annotations
 
@@ -36,21 +38,31 @@ TABLE = [
 @pytest.mark.parametrize("B,S,H,K,L,sms,m_blocks,splits,tps,nbytes", TABLE)
 @pytest.mark.parametrize("dtype", ["bfloat16", "float8_e4m3fn"])
 def test_sm90_plan_table(B, S, H, K, L, sms, m_blocks, splits, tps, nbytes, dtype):
+    """The per-request cut (splits, tokens per split) by hand; the persistent grid of num_sms // m_blocks CTAs per
+    row block and the schedule's workspace, 2 (num_ctas - 1) fp32 slots of rows x (L + 1), whatever the batch."""
     p = tj.plan_mla_decode(batch=B, q_len=S, num_heads=H, max_kv_len=K, page_size=64, dtype=dtype,
                            kv_lora_rank=L, rope_dim=64, arch="sm_90a", num_sms=sms)
     assert (p.block_m, p.block_n, p.rows, p.fold) == (64, 64, S * H, S)
     assert (p.num_m_blocks, p.num_splits, p.tokens_per_split) == (m_blocks, splits, tps)
-    assert p.grid == (m_blocks, splits, B)
-    assert p.workspace_bytes == nbytes
-    if splits > 1:
-        assert {w.name: (w.shape, w.dtype) for w in p.workspace} == {
-            "o_accum": ((B, splits, S * H, L), "float32"), "lse_accum": ((B, splits, S * H), "float32")}
-    else:
-        assert p.workspace == ()
+    G = sms // m_blocks
+    slots = max(1, 2 * (G - 1))
+    assert p.grid == (m_blocks, G, 1)
+    assert {w.name: (w.shape, w.dtype) for w in p.workspace} == {
+        "o_accum": ((slots, S * H, L), "float32"), "lse_accum": ((slots, S * H), "float32")}
+    assert p.workspace_bytes == slots * S * H * (L + 1) * 4
+
+
+def test_sm90_plan_workspace_by_hand():
+    # H128 S1 on 132 SMs: 2 row blocks, 66 CTAs each, 130 slots of 128 rows x 513 floats
+    p = tj.plan_mla_decode(batch=7, q_len=1, num_heads=128, max_kv_len=4096, page_size=64, num_sms=132)
+    assert p.grid == (2, 66, 1) and p.workspace_bytes == 130 * 128 * 513 * 4
+    # the workspace does not grow with the batch
+    q = tj.plan_mla_decode(batch=700, q_len=1, num_heads=128, max_kv_len=4096, page_size=64, num_sms=132)
+    assert q.workspace_bytes == p.workspace_bytes
 
 
 def test_sm90_plan_invariants():
-    """Over a sweep: splits cover every KV block, none is empty, workspace bytes are exact, and the
+    """Over a sweep: splits cover every KV block, none is empty, the workspace is the schedule's, and the
     default SM count of sm_90a (132) is used when none is given."""
     for B, S, H, K in itertools.product([1, 2, 7, 64, 200], [1, 2, 16], [1, 16, 128], [16, 64, 65, 1000,
                                                                                        4096, 163840]):
@@ -67,8 +79,8 @@ def test_sm90_plan_invariants():
         if p.num_splits > 1:  # splitting never adds a wave over the unsplit grid
             assert -(-ctas // 132) <= max(1, -(-(B * p.num_m_blocks) // 132))
         rows = S * H
-        exp = 0 if p.num_splits == 1 else B * p.num_splits * rows * (512 + 1) * 4
-        assert p.workspace_bytes == exp
+        G = 132 // p.num_m_blocks
+        assert p.workspace_bytes == max(1, 2 * (G - 1)) * rows * (512 + 1) * 4
         assert p.num_sms == 132 and p.arch == "sm_90a"
 
 

@@ -127,9 +127,12 @@ def test_decode_launches_the_config(monkeypatch, dtype, S, H, page, loop, produc
     plan = m.plan_for_config(p, cfg)
     assert seen["launch"].__name__ == "launch_decode"
     assert seen["key"] == m.kernel_key(p, cfg, plan) and seen["key"].config == cfg
+    spec = m.schedule_spec(p, plan)
     assert seen["kw"] == dict(loop=loop, producer=producer, dtype=dtype, num_heads=H, q_len=S, page_size=page,
-                              causal=True, num_splits=plan.num_splits, tokens_per_split=plan.tokens_per_split)
-    assert len(seen["outputs"]) == 2 + len(plan.workspace)
+                              causal=True, num_ctas=spec.num_ctas, max_slots=spec.max_slots)
+    # out, lse and the schedule's fp32 partials, whose size is the plan's workspace (not the batch's)
+    assert len(seen["outputs"]) == 4
+    assert [tuple(o.shape) for o in seen["outputs"][2:]] == [w.shape for w in plan.workspace]
     assert out.shape == (2, S, H, 512) and lse.shape == (2, S, H)
 
 
@@ -149,12 +152,15 @@ def test_decode_explicit_config(monkeypatch):
 
 
 def test_kernel_key_fields():
-    """The key is the config plus the problem's static fields and the plan's split: no hand-kept version string."""
+    """The key is the config plus the problem's static fields and the schedule's grid and workspace (neither depends on
+    the batch size): no hand-kept version string."""
     from tokenspeed_jax.backends import sm90_decode as m
 
     names = [f.name for f in dataclasses.fields(m.DecodeKernelKey)]
-    assert names == ["config", "dtype", "num_heads", "q_len", "page_size", "causal", "num_splits",
-                     "tokens_per_split"]
+    assert names == ["config", "dtype", "num_heads", "q_len", "page_size", "causal", "num_ctas", "max_slots"]
+    keys = {m.kernel_key(q, m.select_config(q), m.plan_for_config(q, m.select_config(q)))
+            for q in (_problem(batch=1), _problem(batch=64), _problem(batch=255))}
+    assert len(keys) == 1
     p = _problem()
     cfg = m.select_config(p)
     plan = m.plan_for_config(p, cfg)
@@ -218,12 +224,10 @@ def test_sm90_plan(B, S, H, K):
     assert p.rows == R and p.num_m_blocks == -(-R // 64) and p.block_m == 64 and p.block_n == 64
     assert p.tokens_per_split % 64 == 0
     assert (p.num_splits - 1) * p.tokens_per_split < K <= p.num_splits * p.tokens_per_split
-    assert p.grid == (p.num_m_blocks, p.num_splits, B)
-    if p.num_splits == 1:
-        assert p.workspace == ()
-    else:
-        shapes = {w.name: w.shape for w in p.workspace}
-        assert shapes == {"o_accum": (B, p.num_splits, R, 512), "lse_accum": (B, p.num_splits, R)}
+    G = 132 // p.num_m_blocks
+    assert p.grid == (p.num_m_blocks, G, 1)
+    shapes = {w.name: w.shape for w in p.workspace}
+    assert shapes == {"o_accum": (2 * (G - 1), R, 512), "lse_accum": (2 * (G - 1), R)}
     ctas = B * p.num_m_blocks * p.num_splits
     if B * p.num_m_blocks < 132 and K >= 64 * 4:
         # fills (most of) a wave, unless limited by at least two 64-token blocks per split

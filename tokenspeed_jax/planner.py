@@ -39,7 +39,8 @@ class DecodePlan:
     fold: query tokens folded into the MMA M dimension per tile (all S tokens share one KV read).
     block_m / block_n: MMA rows per tile / KV tokens per main-loop step.
     num_m_blocks: row tiles per request (``ceil(rows / block_m)``).
-    num_splits: KV splits per request (1 = the main kernel writes the output directly).
+    num_splits: KV splits per request of the static per-request cut (sm90: the cut its device schedule keeps for
+      full-length batches; 1 = the main kernel writes the output directly).
     tokens_per_split: KV tokens each split covers (a multiple of block_n); split ``s`` covers
       ``[s * tokens_per_split, (s + 1) * tokens_per_split)`` clipped to the request's length.
     grid: launch grid of the main kernel.
@@ -76,15 +77,24 @@ def _family(arch: str) -> str:
     raise ValueError(f"arch: no decode planner for {arch!r} (planners: {sorted(_PLANNERS)})")
 
 
+def schedule_slots(num_ctas: int) -> int:
+    """fp32 partial slots any length-balanced schedule over ``num_ctas`` CTAs can use: each interior cut splits at
+    most one request in two, so ``2 (num_ctas - 1)``, at least 1 (:mod:`tokenspeed_jax.decode_schedule`)."""
+    return max(1, 2 * (num_ctas - 1))
+
+
 def _plan_sm90(*, batch, q_len, num_heads, max_kv_len, page_size, dtype, kv_lora_rank, rope_dim, arch,
                num_sms, block_m=64) -> DecodePlan:
     """Hopper (kernels: ``tokenspeed_jax.kernels.sm90``): 64-row wgmma tiles over rows = S*H
     (tokens and heads packed, heads fastest), 64-token KV steps, one CTA per SM (225 KB of smem), and a
-    static split-KV count chosen for whole waves: among ``splits <= ceil(num_sms / (batch * m_blocks))``
-    with at least two 64-token blocks per split, the one that maximises ``ctas / (waves * num_sms)`` (``ctas = batch * m_blocks * splits``), the
-    smallest on near-ties (fewer partials to combine).  Splits are fixed token ranges of the static
-    capacity, so results do not depend on other requests' lengths.  Partial outputs go to fp32 workspace
-    ``o_accum [B, splits, rows, kv_lora_rank]`` and ``lse_accum [B, splits, rows]``.
+    persistent grid of ``num_sms // m_blocks`` CTAs per row block (``grid = (m_blocks, num_ctas, 1)``) that walk the
+    length-balanced schedule computed on the device from the actual lengths (:mod:`tokenspeed_jax.decode_schedule`).
+    ``num_splits`` / ``tokens_per_split`` are the per-request cut that schedule keeps when it is within a few percent
+    of the balanced one (a full-length batch): among ``splits <= ceil(num_sms / (batch * m_blocks))`` with at least
+    two 64-token blocks per split, the one that maximises ``ctas / (waves * num_sms)`` (``ctas = batch * m_blocks *
+    splits``), the smallest on near-ties.  Partial outputs go to fp32 workspace ``o_accum [slots, rows,
+    kv_lora_rank]`` and ``lse_accum [slots, rows]``, ``slots = 2 (num_ctas - 1)``: its size depends on neither the
+    batch size nor the lengths.
 
     ``block_m`` 32: the row tiles of the FP8 loop with both matmuls transposed (the ``fp8_transposed`` config of
     ``tokenspeed_jax.backends.sm90_decode``, S x H <= 32), which computes 32 query rows per CTA."""
@@ -107,16 +117,16 @@ def _plan_sm90(*, batch, q_len, num_heads, max_kv_len, page_size, dtype, kv_lora
     splits = -(-n_blocks // blocks_per_split)  # no empty trailing split
     # Kernel KV step (``extra["kv_step"]``): 64 tokens (docs/sm90_decode_rejected.md: the 32-token step)
     kv_step = 64
-    ws: tuple[WorkspaceBuffer, ...] = ()
-    if splits > 1:
-        ws = (
-            WorkspaceBuffer("o_accum", (batch, splits, rows, kv_lora_rank), "float32"),
-            WorkspaceBuffer("lse_accum", (batch, splits, rows), "float32"),
-        )
+    num_ctas = max(1, num_sms // m_blocks)
+    slots = schedule_slots(num_ctas)
+    ws = (
+        WorkspaceBuffer("o_accum", (slots, rows, kv_lora_rank), "float32"),
+        WorkspaceBuffer("lse_accum", (slots, rows), "float32"),
+    )
     return DecodePlan(
         arch=arch, num_sms=num_sms, batch=batch, q_len=q_len, num_heads=num_heads, rows=rows,
         fold=q_len, block_m=block_m, block_n=block_n, num_m_blocks=m_blocks, num_splits=splits,
-        tokens_per_split=blocks_per_split * block_n, grid=(m_blocks, splits, batch), workspace=ws,
+        tokens_per_split=blocks_per_split * block_n, grid=(m_blocks, num_ctas, 1), workspace=ws,
         extra=(("kv_step", kv_step),),
     )
 

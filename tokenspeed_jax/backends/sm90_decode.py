@@ -1,8 +1,10 @@
 """Decode half of the ``sm90`` backend: our CuTe DSL MLA decode kernels for Hopper.
 
 Contract: :mod:`tokenspeed_jax.decode`.  Planning: ``_plan_sm90`` in :mod:`tokenspeed_jax.planner` (row tiles over
-``rows = S*H``, 64-token KV steps, a static split count); the split-KV partials are XLA-owned extra outputs of the
-custom call, sized exactly by the plan.  Design, loops and measurements: ``docs/sm90_decode.md``.
+``rows = S*H``, 64-token KV steps); the split-KV schedule is computed on the device from the lengths, inside the
+caller's jit (:mod:`tokenspeed_jax.decode_schedule`: one contiguous range of the batch's actual work per persistent
+CTA); the fp32 partials are XLA-owned extra outputs of the custom call whose size depends on neither the batch size
+nor the lengths.  Design, loops and measurements: ``docs/sm90_decode.md``, ``docs/sm90_decode_schedule.md``.
 
 Which kernel runs is one frozen :class:`Sm90DecodeConfig` (the main loop, whether a producer warpgroup issues the
 KV refills), chosen by :func:`select_config` from the problem alone; ``decode(..., config=...)`` runs another one
@@ -14,7 +16,7 @@ says) runs QK^T and P V on FP8 tensor cores (P rounded to e4m3); the output erro
 ``docs/sm90_decode.md``.  Outputs are bf16 (fp16 for fp16 inputs).
 
 Custom call: ``tokenspeed_mla_decode_sm90`` (the main kernel, plus the combine kernel launched from the same launch
-function when the plan splits KV).  ``softmax_scale`` / ``output_scale`` are (1,)-shaped float32 operands, so a new
+function).  ``softmax_scale`` / ``output_scale`` are (1,)-shaped float32 operands, so a new
 value never recompiles.
 """
 
@@ -25,6 +27,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from tokenspeed_jax.decode_schedule import ScheduleSpec, decode_schedule
 from tokenspeed_jax.planner import plan_for_problem
 from tokenspeed_jax.problems import KERNEL_DTYPES, DecodeProblem
 
@@ -70,8 +73,8 @@ CONFIGS = {
 
 @dataclasses.dataclass(frozen=True)
 class DecodeKernelKey:
-    """What the generated code depends on beyond operand shapes and dtypes: the problem's static fields, the plan's
-    split and the config (built by :func:`kernel_key`)."""
+    """What the generated code depends on beyond operand shapes and dtypes: the problem's static fields, the
+    persistent grid and workspace of the schedule and the config (built by :func:`kernel_key`)."""
 
     config: Sm90DecodeConfig
     dtype: str
@@ -79,8 +82,8 @@ class DecodeKernelKey:
     q_len: int
     page_size: int
     causal: bool
-    num_splits: int
-    tokens_per_split: int
+    num_ctas: int
+    max_slots: int
 
 
 def supports(problem: DecodeProblem) -> str | None:
@@ -159,17 +162,34 @@ def plan_for_config(problem: DecodeProblem, config: Sm90DecodeConfig):
     return plan_for_problem(problem, block_m=32 if config.loop == "fp8_transposed" else 64)
 
 
+def schedule_spec(problem: DecodeProblem, plan) -> ScheduleSpec:
+    """The schedule of a call (:mod:`tokenspeed_jax.decode_schedule`): ``num_sms // m_blocks`` persistent CTAs per
+    row block, the block table's capacity, and the static plan's tokens per split as the per-request cut (the one a
+    full-length batch keeps), in 64-token units (the kernels' KV tile) with FlashMLA's start/drain cost of 5 tiles."""
+    return ScheduleSpec(num_ctas=max(1, plan.num_sms // plan.num_m_blocks), capacity=problem.max_kv_len,
+                        split_units=max(1, plan.tokens_per_split // 64), fixed_cost=5, unit=64)
+
+
 def kernel_key(problem: DecodeProblem, config: Sm90DecodeConfig, plan) -> DecodeKernelKey:
-    """The compile key: the problem's static fields, the plan's split and the config."""
+    """The compile key: the problem's static fields, the schedule's grid and workspace, and the config."""
+    spec = schedule_spec(problem, plan)
     return DecodeKernelKey(config, problem.dtype, problem.num_heads, problem.q_len, problem.page_size,
-                           problem.causal, plan.num_splits, plan.tokens_per_split)
+                           problem.causal, spec.num_ctas, spec.max_slots)
+
+
+def schedule_of(problem: DecodeProblem, seq_lens, config: Sm90DecodeConfig | None = None):
+    """The schedule arrays ``(cta, req)`` of a call (what :func:`decode` computes when not given ``work``)."""
+    config = select_config(problem) if config is None else config
+    return decode_schedule(seq_lens, schedule_spec(problem, plan_for_config(problem, config)))
 
 
 def decode(problem: DecodeProblem, q, kv_cache, block_table, seq_lens, softmax_scale, output_scale, *,
-           config: Sm90DecodeConfig | None = None):
+           config: Sm90DecodeConfig | None = None, work=None):
     """Run the kernel; returns ``(out [B,S,H,512], lse [B,S,H] | None)``.
 
-    ``config``: the kernel to run (None: :func:`select_config`); validated against ``problem``."""
+    ``config``: the kernel to run (None: :func:`select_config`); validated against ``problem``.
+    ``work``: the schedule's ``(cta, req)`` arrays (:func:`schedule_of`), computed once per decode step and shared by
+    every layer; None computes them here from ``seq_lens``."""
     from tokenspeed_jax import ffi
     from tokenspeed_jax.kernels.sm90.decode import launch_decode
 
@@ -180,15 +200,25 @@ def decode(problem: DecodeProblem, q, kv_cache, block_table, seq_lens, softmax_s
         config = select_config(problem)
     check_config(problem, config)
     plan = plan_for_config(problem, config)
+    spec = schedule_spec(problem, plan)
     key = kernel_key(problem, config, plan)
     B, S, H = problem.batch, problem.q_len, problem.num_heads
+    if work is None:
+        sched_cta, sched_req = decode_schedule(seq_lens, spec)
+    else:
+        sched_cta, sched_req = work
+        if tuple(sched_cta.shape) != (spec.num_ctas, 8) or tuple(sched_req.shape) != (B, 2):
+            raise ValueError(f"work: expected the schedule of this call, arrays of shapes {(spec.num_ctas, 8)} and "
+                             f"{(B, 2)}, got {tuple(sched_cta.shape)} and {tuple(sched_req.shape)}")
     outputs = [jax.ShapeDtypeStruct((B, S, H, problem.kv_lora_rank), jnp.dtype(problem.out_dtype)),
-               jax.ShapeDtypeStruct((B, S, H), jnp.float32)]
-    outputs += [jax.ShapeDtypeStruct(w.shape, jnp.dtype(w.dtype)) for w in plan.workspace]
+               jax.ShapeDtypeStruct((B, S, H), jnp.float32),
+               jax.ShapeDtypeStruct((spec.max_slots, S * H, problem.kv_lora_rank), jnp.float32),
+               jax.ShapeDtypeStruct((spec.max_slots, S * H), jnp.float32)]
     constexprs = {f.name: getattr(key, f.name) for f in dataclasses.fields(key) if f.name != "config"}
     call = ffi.custom_call(TARGET, launch_decode, outputs=outputs, compile_key=key, loop=config.loop,
                            producer=config.producer, **constexprs)
     res = call(q, kv_cache, block_table.astype(jnp.int32), seq_lens.astype(jnp.int32),
-               ffi.scalar_operand(softmax_scale), ffi.scalar_operand(output_scale))
+               ffi.scalar_operand(softmax_scale), ffi.scalar_operand(output_scale), sched_cta.astype(jnp.int32),
+               sched_req.astype(jnp.int32))
     out, lse = res[0], res[1]
     return out, (lse if problem.return_lse else None)

@@ -1,6 +1,6 @@
 """The one launch entry of the Hopper MLA decode kernels: ``launch_decode(..., loop=, producer=)`` builds the main
-loop a :class:`tokenspeed_jax.backends.sm90_decode.Sm90DecodeConfig` names and launches it (plus the split-KV
-combine kernel when the plan splits KV).  The loops:
+loop a :class:`tokenspeed_jax.backends.sm90_decode.Sm90DecodeConfig` names and launches it on its persistent grid
+(plus the split-KV combine kernel).  The loops:
 
 * ``"seesaw"`` (:mod:`.seesaw`): two warpgroups own alternate 64-token tiles of 64 query rows and work out
   of phase; 16-bit, or FP8 with 16-token pages (QK and P V on FP8 tensor cores, V^T built in a packed slot);
@@ -25,11 +25,12 @@ LOOPS = ("seesaw", "transposed", "fp8_transposed_pv", "fp8_transposed")
 
 
 def build_decode_kernel(*, loop: str, producer: bool, dtype: str, num_heads: int, q_len: int, page_size: int,
-                        causal: bool, num_splits: int, tokens_per_split: int, trace: int = 0):
-    """The kernel object of ``loop`` for one problem class (the backend's config, resolved); ``trace`` > 0: a debug
-    build with ``clock64`` marks (benchmarks/trace_decode.py; not the transposed 16-bit loop)."""
+                        causal: bool, num_ctas: int, max_slots: int, trace: int = 0):
+    """The kernel object of ``loop`` for one problem class (the backend's config, resolved): ``num_ctas`` persistent
+    CTAs per row block, ``max_slots`` fp32 partial slots; ``trace`` > 0: a debug build with ``clock64`` marks
+    (benchmarks/trace_decode.py; not the transposed 16-bit loop)."""
     kw = dict(dtype=dtype, num_heads=num_heads, q_len=q_len, page_size=page_size, causal=causal,
-              num_splits=num_splits, tokens_per_split=tokens_per_split)
+              num_ctas=num_ctas, max_slots=max_slots)
     if loop == "seesaw":
         return MlaDecodeSeesawSm90(producer=producer, trace=trace, **kw)
     if not producer:
@@ -47,37 +48,37 @@ def build_decode_kernel(*, loop: str, producer: bool, dtype: str, num_heads: int
 
 @cute.jit
 def launch_decode(stream, q: cute.Tensor, kv: cute.Tensor, block_table: cute.Tensor, seq_lens: cute.Tensor,
-                  softmax_scale: cute.Tensor, output_scale: cute.Tensor, out: cute.Tensor, lse: cute.Tensor,
-                  o_accum: cute.Tensor = None, lse_accum: cute.Tensor = None, *, loop: cutlass.Constexpr,
-                  producer: cutlass.Constexpr, dtype: cutlass.Constexpr, num_heads: cutlass.Constexpr,
-                  q_len: cutlass.Constexpr, page_size: cutlass.Constexpr, causal: cutlass.Constexpr,
-                  num_splits: cutlass.Constexpr, tokens_per_split: cutlass.Constexpr):
-    """FFI launch function of the sm90 decode (ABI: ``tokenspeed_jax.backends.sm90_decode.decode``): q, cache,
-    block table, lengths, the (1,)-shaped scales, then the outputs out, lse and, when the plan splits KV, the fp32
-    partials ``o_accum [B, splits, rows, 512]`` and ``lse_accum [B, splits, rows]``."""
+                  softmax_scale: cute.Tensor, output_scale: cute.Tensor, sched_cta: cute.Tensor, sched_req: cute.Tensor,
+                  out: cute.Tensor, lse: cute.Tensor, o_accum: cute.Tensor, lse_accum: cute.Tensor, *,
+                  loop: cutlass.Constexpr, producer: cutlass.Constexpr, dtype: cutlass.Constexpr,
+                  num_heads: cutlass.Constexpr, q_len: cutlass.Constexpr, page_size: cutlass.Constexpr,
+                  causal: cutlass.Constexpr, num_ctas: cutlass.Constexpr, max_slots: cutlass.Constexpr):
+    """FFI launch function of the sm90 decode (ABI: ``tokenspeed_jax.backends.sm90_decode.decode``): q, cache, block
+    table, lengths, the (1,)-shaped scales, the schedule's ``cta [num_ctas, 8]`` and ``req [B, 2]``
+    (``tokenspeed_jax.decode_schedule``), then the outputs out, lse and the fp32 partials
+    ``o_accum [max_slots, rows, 512]`` and ``lse_accum [max_slots, rows]``."""
     build_decode_kernel(loop=loop, producer=producer, dtype=dtype, num_heads=num_heads, q_len=q_len,
-                        page_size=page_size, causal=causal, num_splits=num_splits,
-                        tokens_per_split=tokens_per_split)(
-        stream, q, kv, block_table, seq_lens, softmax_scale, output_scale, out, lse, o_accum, lse_accum)
-
-
+                        page_size=page_size, causal=causal, num_ctas=num_ctas, max_slots=max_slots)(
+        stream, q, kv, block_table, seq_lens, softmax_scale, output_scale, sched_cta, sched_req, out, lse, o_accum,
+        lse_accum)
 
 
 @cute.jit
 def launch_decode_traced(stream, q: cute.Tensor, kv: cute.Tensor, block_table: cute.Tensor, seq_lens: cute.Tensor,
-                         softmax_scale: cute.Tensor, output_scale: cute.Tensor, out: cute.Tensor, lse: cute.Tensor,
-                         trace_buf: cute.Tensor, o_accum: cute.Tensor = None, lse_accum: cute.Tensor = None, *,
+                         softmax_scale: cute.Tensor, output_scale: cute.Tensor, sched_cta: cute.Tensor,
+                         sched_req: cute.Tensor, out: cute.Tensor, lse: cute.Tensor, trace_buf: cute.Tensor,
+                         o_accum: cute.Tensor, lse_accum: cute.Tensor, *,
                          loop: cutlass.Constexpr, producer: cutlass.Constexpr, dtype: cutlass.Constexpr,
                          num_heads: cutlass.Constexpr, q_len: cutlass.Constexpr, page_size: cutlass.Constexpr,
-                         causal: cutlass.Constexpr, num_splits: cutlass.Constexpr,
-                         tokens_per_split: cutlass.Constexpr, trace: cutlass.Constexpr):
+                         causal: cutlass.Constexpr, num_ctas: cutlass.Constexpr, max_slots: cutlass.Constexpr,
+                         trace: cutlass.Constexpr):
     """Debug build of :func:`launch_decode` with ``clock64`` marks (:class:`~.decode_trace.DecodeTraceMixin`) in
-    ``trace_buf`` (int64 ``(ctas, 2, trace, len(TRACE_EVENTS))``, the first ``ctas`` CTAs in ``(b, split, row
-    block)`` order), an extra output after ``lse`` (benchmarks/trace_decode.py)."""
+    ``trace_buf`` (int64 ``(ctas, 2, trace, len(TRACE_EVENTS))``, the first ``ctas`` CTAs in ``(g, row block)``
+    order), an extra output after ``lse`` (benchmarks/trace_decode.py)."""
     build_decode_kernel(loop=loop, producer=producer, dtype=dtype, num_heads=num_heads, q_len=q_len,
-                        page_size=page_size, causal=causal, num_splits=num_splits,
-                        tokens_per_split=tokens_per_split, trace=trace)(
-        stream, q, kv, block_table, seq_lens, softmax_scale, output_scale, out, lse, o_accum, lse_accum, trace_buf)
+                        page_size=page_size, causal=causal, num_ctas=num_ctas, max_slots=max_slots, trace=trace)(
+        stream, q, kv, block_table, seq_lens, softmax_scale, output_scale, sched_cta, sched_req, out, lse, o_accum,
+        lse_accum, trace_buf)
 
 
 __all__ = ["LOOPS", "build_decode_kernel", "launch_decode", "launch_decode_traced"]

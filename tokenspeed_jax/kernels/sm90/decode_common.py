@@ -4,16 +4,18 @@ kernel.  The main loops subclass :class:`MlaDecodeSm90`; the launch entry is :mo
 
 Contract: ``tokenspeed_jax.decode`` module docstring (cache row layout, mask, LSE, clamping).
 
-* One CTA = (a row block of the ``R = S*H`` query rows of one request, one KV split).  Rows are ``r = s*H + h``
-  (heads fastest), so the KV stream of a request is read once for all S tokens and all heads of a block.
+* A persistent grid ``(row blocks, num_ctas)``: CTA ``(row block, g)`` walks the pieces of range ``g`` of the
+  length-balanced schedule (``tokenspeed_jax.decode_schedule``; :meth:`MlaDecodeSm90.piece`), each a whole run of
+  the main loop over one request's KV token range for the block's query rows.  Rows are ``r = s*H + h`` (heads
+  fastest), so the KV stream of a request is read once for all S tokens and all heads of a block.
 * Online softmax in the exp2 domain, fp32 statistics; masked scores are -inf, a row whose max is still -inf uses 0
   as its reference so exp2 gives exact zeros.  seq_len is clamped to ``[0, max_pages*page_size]``, page ids to
   ``[0, num_pages)``; KV rows past a request's length are masked and never multiply a nonzero P.
-* Split KV: CTA ``(row block, split, request)`` covers the token range of :meth:`MlaDecodeSm90.split_range`.
-  ``num_splits == 1``: the main kernel writes ``out`` (scaled by ``output_scale``) and ``lse``.  Otherwise it writes
-  normalised fp32 partials ``o_accum[B, splits, R, 512]`` and natural-log ``lse_accum[B, splits, R]`` (-inf for an
-  empty split; :meth:`MlaDecodeSm90.out_row`) and :meth:`MlaDecodeSm90.combine_kernel` merges them in fixed split
-  order (deterministic), launched right behind the main kernel with programmatic dependent launch.
+* Split KV: a request whose KV lies in one CTA's range gets its output (scaled by ``output_scale``) and LSE from
+  that CTA.  A request cut into ``k`` pieces gets ``k`` normalised fp32 partials ``o_accum[slot, R, 512]`` and
+  natural-log LSEs ``lse_accum[slot, R]`` in consecutive workspace slots (:meth:`MlaDecodeSm90.out_row`), which
+  :meth:`MlaDecodeSm90.combine_kernel` merges in slot order (deterministic), launched right behind the main kernel
+  with programmatic dependent launch; it also writes the exact zeros and -inf LSE of a request of length 0.
 * ``softmax_scale`` and ``output_scale`` are read at run time from float32 device arrays of shape (1,).
 """
 
@@ -36,7 +38,7 @@ class MlaDecodeSm90:
     """Static configuration of one decode kernel (module docstring), shared by the main loops.
 
     Args: dtype ("bfloat16" | "float16" | "float8_e4m3fn"), num_heads H, q_len S, page_size (a power of two >= 16),
-    causal, num_splits, tokens_per_split (a multiple of 64), ``pad_zero``: the query rows past R of a 64-row block are
+    causal, num_ctas (the persistent CTAs per row block), max_slots (the workspace's fp32 partial slots), ``pad_zero``: the query rows past R of a 64-row block are
     zeros with every key masked (else no row past R is read: a block without padding, or a loop on the real rows).
     """
 
@@ -45,11 +47,12 @@ class MlaDecodeSm90:
     num_threads = 256  # the two computing warpgroups
 
     def __init__(self, *, dtype: str, num_heads: int, q_len: int, page_size: int, causal: bool,
-                 num_splits: int, tokens_per_split: int, pad_zero: bool = False):
-        why = self.can_implement(dtype=dtype, num_heads=num_heads, q_len=q_len, page_size=page_size,
-                                 tokens_per_split=tokens_per_split)
+                 num_ctas: int, max_slots: int, pad_zero: bool = False):
+        why = self.can_implement(dtype=dtype, num_heads=num_heads, q_len=q_len, page_size=page_size)
         if why:
             raise ValueError(why)
+        if num_ctas < 1 or max_slots < 1:
+            raise ValueError(f"num_ctas and max_slots must be positive, got {num_ctas}, {max_slots}")
         self.dtype_name = dtype
         self.dtype = _DTYPES[dtype]
         self.fp8 = dtype == "float8_e4m3fn"
@@ -59,8 +62,8 @@ class MlaDecodeSm90:
         self.R = num_heads * q_len
         self.page_size = page_size
         self.causal = causal
-        self.num_splits = num_splits
-        self.tokens_per_split = tokens_per_split
+        self.num_ctas = num_ctas
+        self.max_slots = max_slots
         self.D, self.DV = 576, 512
         self.num_m_blocks = -(-self.R // self.block_m)
         # the rows past R of a row block (R % 64 != 0) load zeros and mask every key, so the padded rows of both
@@ -72,15 +75,13 @@ class MlaDecodeSm90:
         self.p8_bias = 8.0 if self.fp8 else 0.0
 
     @staticmethod
-    def can_implement(*, dtype, num_heads, q_len, page_size, tokens_per_split):
+    def can_implement(*, dtype, num_heads, q_len, page_size):
         if dtype not in _DTYPES:
             return f"dtype {dtype} not in {tuple(_DTYPES)}"
         if not 1 <= num_heads <= 128 or not 1 <= q_len <= 16:
             return f"num_heads in 1..128 and q_len in 1..16 required, got {num_heads}, {q_len}"
         if page_size < _MIN_PAGE or page_size & (page_size - 1):
             return f"page_size must be a power of two >= {_MIN_PAGE}, got {page_size}"
-        if tokens_per_split % 64:
-            return f"tokens_per_split must be a multiple of 64, got {tokens_per_split}"
         return None
 
     # ---------------------------------------------------------------------------------------- device
@@ -152,15 +153,15 @@ class MlaDecodeSm90:
 
     @cute.jit
     def cta_start(self, Storage: cutlass.Constexpr):
-        """First thing of a main kernel: ``(tid, row block, split, request, warpgroup, thread in the warpgroup, shared
-        storage)``, after the combine's PDL trigger.  Where a CTA finds its work: the grid is ``(row blocks, splits,
-        requests)``; its KV range is :meth:`split_range` of ``(request, split)``."""
+        """First thing of a main kernel: ``(tid, row block, g, warpgroup, thread in the warpgroup, shared storage)``,
+        after the combine's PDL trigger.  Where a CTA finds its work: the grid is ``(row blocks, num_ctas)``; CTA ``g``
+        walks the pieces of range ``g`` of the schedule (:meth:`piece`)."""
         tid, _, _ = cute.arch.thread_idx()
-        mblk, split, b = cute.arch.block_idx()
+        mblk, g, _ = cute.arch.block_idx()
         self.allow_combine_launch()
         wg = cute.arch.make_warp_uniform(tid // 128)
         st = cutlass.utils.SmemAllocator().allocate(Storage)
-        return tid, mblk, split, b, wg, tid % 128, st
+        return tid, mblk, g, wg, tid % 128, st
 
     @cute.jit
     def num_pairs(self, split_start: Int32, split_end: Int32):
@@ -171,14 +172,31 @@ class MlaDecodeSm90:
         return n
 
     @cute.jit
-    def split_range(self, mBT: cute.Tensor, mSeq: cute.Tensor, b: Int32, split: Int32):
-        """``(seq, split_start, split_end)`` of request ``b``'s KV split: seq_len clamped to
-        ``[0, max_pages * page_size]``; the split covers ``[split_start, split_end)`` (empty if
-        ``split_end <= split_start``)."""
+    def piece(self, mCta: cute.Tensor, mBT: cute.Tensor, mSeq: cute.Tensor, g: Int32, b: Int32):
+        """``(seq, start, end, slot)`` of request ``b``'s piece in CTA ``g``'s range of the schedule
+        (``tokenspeed_jax.decode_schedule``: ``mCta[g] = (b_first, tok_first, b_last, tok_end, slot_first,
+        slot_last, 0, 0)``): seq_len clamped to ``[0, max_pages * page_size]``, the piece's KV tokens
+        ``[start, end)`` (empty if ``end <= start``: a request of length 0), and its fp32 partial slot (-1: the
+        request lies in this CTA alone, which writes its output)."""
         seq = clamp(mSeq[b], 0, mBT.shape[1] * self.page_size)
-        split_start = split * self.tokens_per_split
-        split_end = cutlass.min(split_start + self.tokens_per_split, seq)
-        return seq, split_start, split_end
+        start = Int32(0)
+        end = seq
+        slot = Int32(-1)
+        if b == mCta[g, 0]:
+            start = mCta[g, 1]
+            slot = mCta[g, 4]
+        if b == mCta[g, 2]:
+            end = cutlass.min(mCta[g, 3], seq)
+            slot = mCta[g, 5]
+        return seq, start, end, slot
+
+    def phase_bits(self, mbar):
+        """The parity each mbarrier had at the start of the current piece (bit ``k`` for the ``k``-th from ``mbar``):
+        a one-register tensor the piece loop flips by the completions of each piece, which :meth:`landed` reads."""
+        self.mbar_base = mbar
+        self.ph = cute.make_rmem_tensor((1,), Int32)
+        self.ph[0] = Int32(0)
+        return self.ph
 
     @cute.jit
     def q_rows(self, mblk: Int32, b: Int32, tid: Int32):
@@ -215,8 +233,10 @@ class MlaDecodeSm90:
 
     @cute.jit
     def landed(self, mbar_ptr, phase):
-        """Wait for a column group's refill (completion ``phase`` of its mbarrier)."""
-        cute.arch.mbarrier_wait(mbar_ptr, phase)
+        """Wait for a refill (completion ``phase`` of its mbarrier, counted from the piece's start: the parity the
+        mbarrier had then, bit ``k`` of :attr:`ph` for the ``k``-th mbarrier from :attr:`mbar_base`, flips it)."""
+        k = (mbar_ptr.toint() - self.mbar_base.toint()) >> 3
+        cute.arch.mbarrier_wait(mbar_ptr, phase ^ ((self.ph[0] >> k) & 1))
 
     @cute.jit
     def qk_chunks(self, qk_mma: cute.TiledMma, acc_s: cute.Tensor, tSrQ: cute.Tensor, tSrK: cute.Tensor,
@@ -305,10 +325,11 @@ class MlaDecodeSm90:
 
     @cute.jit
     def epilogue(self, pv_thr, acc_o, row_m, row_l, row_in, sSum, mOut, mLse, mOacc, mLacc, out_scale, mblk,
-                 split, b, wg, wtid, stage):
-        """O / l and the LSE of this CTA's rows (the final output with one split, else this split's fp32 partials:
-        :meth:`out_row`).  ``stage`` = ``(pointer, bytes)``: free shared memory, 16-byte aligned, at least 36 KB
-        (:meth:`store_o_staged`): O goes through it and leaves in full 16-byte chunks."""
+                 slot, b, wg, wtid, stage):
+        """O / l and the LSE of this CTA's rows: the final output (times ``output_scale``) when ``slot < 0``, else the
+        normalised fp32 partial and its LSE into workspace slot ``slot`` (:meth:`out_row`).  ``stage`` =
+        ``(pointer, bytes)``: free shared memory, 16-byte aligned, at least 36 KB (:meth:`store_o_staged`): O goes
+        through it and leaves in full 16-byte chunks."""
         for h in cutlass.range_constexpr(2):
             row_l[h] = quad_sum(row_l[h])
             if wtid % 4 == 0:
@@ -324,36 +345,50 @@ class MlaDecodeSm90:
                 inv[h] = 1.0 / l_tot
                 lse[h] = (row_m[h] + cute.math.log2(l_tot, fastmath=False)) * LN_2
         tOcO = pv_thr.partition_C(cute.make_identity_tensor((self.block_m, self.DV // 2)))
-        direct = cutlass.const_expr(self.num_splits == 1)
+        scale = Float32(1.0)
+        if slot < 0:
+            scale = out_scale
         for h in cutlass.range_constexpr(2):
             r = mblk * self.block_m + row_in[h]
             if r < self.R:  # noqa: SIM102 (dynamic tests)
                 if wtid % 4 == 0 and wg == 0:
-                    gL = cute.make_tensor((mLse if direct else mLacc).iterator + self.out_row(b, split, r),
-                                          cute.make_layout(1))
+                    gL = cute.make_tensor(mLse.iterator + self.out_row(b, Int32(-1), r), cute.make_layout(1))
+                    if slot >= 0:
+                        gL = cute.make_tensor(mLacc.iterator + self.out_row(b, slot, r), cute.make_layout(1))
                     gL[0] = lse[h]
+        fac = cute.make_rmem_tensor((2,), Float32)
+        for h in cutlass.range_constexpr(2):
+            fac[h] = inv[h] * scale
+            if inv[h] == 0.0:  # a row without keys: exact zeros whatever output_scale holds (NaN, inf)
+                fac[h] = 0.0
+        for h in cutlass.range_constexpr(2):
             for e in cutlass.range_constexpr(cute.size(acc_o)):
                 if cutlass.const_expr((e // 2) % 2 == h):
-                    acc_o[e] = acc_o[e] * (inv[h] * out_scale if direct else inv[h])
-        self.store_o_staged(acc_o, tOcO, row_in, stage, mOut, mOacc, mblk, split, b, wg, wtid)
-
-    def out_row(self, b, split, r):
-        """Row of query row ``r`` of request ``b`` in ``out`` / ``lse`` (one split) or in the fp32 partials of split
-        ``split`` (``o_accum`` / ``lse_accum``), as an Int64."""
-        if self.num_splits == 1:
-            return Int64(b) * self.R + r
-        return (Int64(b) * self.num_splits + split) * self.R + r
+                    acc_o[e] = acc_o[e] * fac[h]
+        if slot < 0:
+            self.store_o_staged(acc_o, tOcO, row_in, stage, mOut, mOacc, mblk, slot, b, wg, wtid, True)
+        else:
+            self.store_o_staged(acc_o, tOcO, row_in, stage, mOut, mOacc, mblk, slot, b, wg, wtid, False)
 
     @cute.jit
-    def store_o_staged(self, acc_o, tOcO, row_in, stage, mOut, mOacc, mblk, split, b, wg, wtid):
-        """The scaled O of warpgroup ``wg`` (64 rows x its 256 features, in ``acc_o``) to ``out`` (or the fp32 partials)
-        through the shared memory ``stage`` = ``(pointer, bytes)``, in passes of ``cw`` features, the most of 256 /
-        128 / 64 for which both warpgroups' tiles fit: each thread writes its element pairs (4 or 8 bytes) into a
-        64-row tile with rows of ``cw + 8`` elements (the 8 put a warp's pair stores, 8 rows x 4 threads, on 32
-        distinct banks: a row is 4 banks on for 4-byte pairs, 8 for 8-byte ones), the warpgroup syncs on its TAIL
-        barrier, then the warps copy whole row segments out, 16 bytes per thread (coalesced).  16-bit Q tile (72 KB):
-        one pass (bf16) or two (fp32); FP8 Q tile (36 KB): two or four.  Rows past R are not stored."""
-        direct = cutlass.const_expr(self.num_splits == 1)
+    def out_row(self, b, slot, r):
+        """Row of query row ``r`` of request ``b`` in ``out`` / ``lse`` (``slot < 0``) or in workspace slot ``slot``
+        of the fp32 partials (``o_accum`` / ``lse_accum``), as an Int64."""
+        row = Int64(b) * self.R + r
+        if slot >= 0:
+            row = Int64(slot) * self.R + r
+        return row
+
+    @cute.jit
+    def store_o_staged(self, acc_o, tOcO, row_in, stage, mOut, mOacc, mblk, slot, b, wg, wtid,
+                       direct: cutlass.Constexpr):
+        """The scaled O of warpgroup ``wg`` (64 rows x its 256 features, in ``acc_o``) to ``out`` (``direct``) or to
+        workspace slot ``slot`` of the fp32 partials through the shared memory ``stage`` = ``(pointer, bytes)``, in
+        passes of ``cw`` features, the most of 256 / 128 / 64 for which both warpgroups' tiles fit: each thread writes
+        its element pairs (4 or 8 bytes) into a 64-row tile with rows of ``cw + 8`` elements (the 8 put a warp's pair
+        stores, 8 rows x 4 threads, on 32 distinct banks), the warpgroup syncs on its TAIL barrier, then the warps
+        copy whole row segments out, 16 bytes per thread (coalesced).  16-bit Q tile (72 KB): one pass (bf16) or two
+        (fp32); FP8 Q tile (36 KB): two or four.  Rows past R are not stored."""
         et = self.out_dtype if direct else Float32
         eb = et.width // 8
         cw = staged_pass_features(eb, stage[1])
@@ -381,53 +416,52 @@ class MlaDecodeSm90:
                     src = cute.make_ptr(et, (base + row * pitch + c).toint(), cute.AddressSpace.smem, assumed_align=16)
                     cute.autovec_copy(cute.make_tensor(src, cute.make_layout(vec)), chunk)
                     f = wg * (self.DV // 2) + p * cw + c
-                    gdst = row_ptr(mOut if direct else mOacc, self.out_row(b, split, r), f, self.DV, 16)
+                    gdst = row_ptr(mOut if direct else mOacc, self.out_row(b, slot, r), f, self.DV, 16)
                     cute.autovec_copy(chunk, cute.make_tensor(gdst, cute.make_layout(vec)))
             if cutlass.const_expr(p + 1 < (self.DV // 2) // cw):  # the next pass overwrites the tile
                 cute.arch.barrier(barrier_id=int(Barrier.TAIL) + wg, number_of_threads=128)
 
-    def launch_main(self, main, smem: int, stream, batch, output_scale, out, lse, o_accum, lse_accum):
-        """Host side of every loop: launch its traced main kernel ``main`` (``smem`` bytes of shared memory) on the grid
-        ``(row blocks, splits, requests)`` (:meth:`cta_start` reads it back; the shared memory allows one CTA per SM);
-        with split partials, then the combine kernel (:meth:`launch_combine`)."""
-        main.launch(grid=(self.num_m_blocks, self.num_splits, batch), block=(self.cta_threads, 1, 1), smem=smem,
+    def launch_main(self, main, smem: int, stream, batch, output_scale, sched_req, out, lse, o_accum, lse_accum):
+        """Host side of every loop: launch its traced main kernel ``main`` (``smem`` bytes of shared memory) on the
+        persistent grid ``(row blocks, num_ctas)`` (:meth:`cta_start` reads it back; the shared memory allows one CTA
+        per SM), then the combine kernel (:meth:`launch_combine`)."""
+        main.launch(grid=(self.num_m_blocks, self.num_ctas, 1), block=(self.cta_threads, 1, 1), smem=smem,
                     stream=stream, min_blocks_per_mp=1)
-        if self.num_splits > 1:
-            self.launch_combine(stream, o_accum, lse_accum, output_scale, out, lse, batch)
+        self.launch_combine(stream, o_accum, lse_accum, output_scale, sched_req, out, lse, batch)
 
     @cute.jit
     def allow_combine_launch(self):
-        """Main kernels, first thing: with split partials the combine grid may be launched now (programmatic dependent
-        launch; it waits for this grid to complete before reading: :meth:`combine_kernel`)."""
-        if cutlass.const_expr(self.num_splits > 1):
-            cute.arch.griddepcontrol_launch_dependents()
+        """Main kernels, first thing: the combine grid may be launched now (programmatic dependent launch; it waits
+        for this grid to complete before reading: :meth:`combine_kernel`)."""
+        cute.arch.griddepcontrol_launch_dependents()
 
-    def combine_shape(self):
-        """``(C, G)`` of the combine kernel: each CTA merges ``DV / C`` columns of one row; its 128
-        threads form ``G`` split groups of ``128 / G`` column threads (4 columns each). Up to 8 splits one
-        thread merges all of them (C = G = 1, the loads unrolled); beyond, 8 x 8 keeps enough loads in
-        flight when one request is split over the whole GPU (B=1: 128 splits x 16 rows)."""
-        return (1, 1) if self.num_splits <= 8 else (8, 8)
+    def combine_shape(self, batch) -> tuple[int, int]:
+        """``(C, G)`` of the combine: each CTA merges ``DV / C`` columns of one query row of one request; its 128
+        threads form ``G`` slot groups of ``128 / G`` column threads (4 columns each).  Few rows (``B x R < 1024``,
+        where a request may be cut into many pieces, up to one per CTA of the grid): 8 x 8, so 8 loads of 16 bytes
+        stay in flight per thread group; many rows (whose requests have few pieces each): 1 x 1, 8x fewer CTAs,
+        most of which only read their request's piece count and return."""
+        return (8, 8) if not isinstance(batch, int) or batch * self.R < 1024 else (1, 1)
 
-    def combine_lse_slots(self) -> int:
-        """Split LSEs each of the combine's 128 threads reads (``ceil(splits / 128)``)."""
-        return -(-self.num_splits // 128)
+    @property
+    def combine_slots(self) -> int:
+        """Slot weights the combine keeps in shared memory: the workspace's slots rounded up to 128."""
+        return -(-self.max_slots // 128) * 128
 
     @cute.jit
     def launch_combine(self, stream, o_accum: cute.Tensor, lse_accum: cute.Tensor, output_scale: cute.Tensor,
-                       out: cute.Tensor, lse: cute.Tensor, batch):
-        C, _G = self.combine_shape()
-        nw = self.combine_lse_slots() * 128
+                       sched_req: cute.Tensor, out: cute.Tensor, lse: cute.Tensor, batch):
 
         @cute.struct
         class CombineStorage:
             red: cute.struct.MemRange[Float32, 8]
-            w: cute.struct.Align[cute.struct.MemRange[Float32, nw], 16]
+            w: cute.struct.Align[cute.struct.MemRange[Float32, self.combine_slots], 16]
             acc: cute.struct.Align[cute.struct.MemRange[Float32, 512], 16]
 
-        self.combine_kernel(o_accum, lse_accum, output_scale, out, lse, CombineStorage).launch(
-            grid=(self.R, batch, C), block=(128, 1, 1), smem=CombineStorage.size_in_bytes(), stream=stream,
-            use_pdl=True)
+        self.comb_c, self.comb_g = self.combine_shape(batch)
+        self.combine_kernel(o_accum, lse_accum, output_scale, sched_req, out, lse, CombineStorage).launch(
+            grid=(self.R, batch, self.comb_c), block=(128, 1, 1), smem=CombineStorage.size_in_bytes(),
+            stream=stream, use_pdl=True)
 
     @cute.jit
     def block_allreduce(self, x: Float32, sRed: cute.Tensor, slot: cutlass.Constexpr[int],
@@ -446,12 +480,14 @@ class MlaDecodeSm90:
         return r
 
     @cute.kernel
-    def combine_kernel(self, mOacc: cute.Tensor, mLacc: cute.Tensor, mOS: cute.Tensor, mOut: cute.Tensor,
-                       mLse: cute.Tensor, Storage: cutlass.Constexpr):
-        """One CTA per (row, request, column chunk): LSE-weighted sum of the split partials in a fixed order
-        (deterministic, no atomics). The split LSEs are read by all 128 threads at once and reduced in the
-        block; the weights go through smem; each split group sums its splits in order, then group 0 adds
-        the groups in order.
+    def combine_kernel(self, mOacc: cute.Tensor, mLacc: cute.Tensor, mOS: cute.Tensor, mReq: cute.Tensor,
+                       mOut: cute.Tensor, mLse: cute.Tensor, Storage: cutlass.Constexpr):
+        """One CTA per (row, request, column chunk).  ``mReq[b] = (pieces, first_slot)``
+        (``tokenspeed_jax.decode_schedule``): a request of one piece was written by the main kernel (nothing to do);
+        one of none (length 0) gets exact zeros and LSE -inf; otherwise the LSE-weighted sum of its fp32 partials in
+        slots ``first_slot ..`` in slot order (deterministic, no atomics).  The slot LSEs are read by all 128
+        threads at once and reduced in the block; the weights go through smem; each slot group sums its slots in
+        order, then group 0 adds the groups in order.
 
         Launched with programmatic dependent launch (PDL): the main kernel signals
         ``griddepcontrol.launch_dependents`` at its start, so this grid is launched while the main grid
@@ -460,68 +496,72 @@ class MlaDecodeSm90:
         cute.arch.griddepcontrol_wait()
         tid, _, _ = cute.arch.thread_idx()
         r, b, chunk = cute.arch.block_idx()
-        ns = self.num_splits
-        C, G = self.combine_shape()
+        ns = mReq[b, 0]
+        first = mReq[b, 1]
+        C, G = self.comb_c, self.comb_g
         T = 128 // G
-        NL = self.combine_lse_slots()
-        NI = -(-ns // G)
-        st = cutlass.utils.SmemAllocator().allocate(Storage)
-        sRed = st.red.get_tensor(cute.make_layout(8))
-        sW = st.w.get_tensor(cute.make_layout(NL * 128))
-        sAcc = st.acc.get_tensor(cute.make_layout(512))
-        lbase = Int64(b) * ns * self.R + r
-        gL = cute.make_tensor(mLacc.iterator + lbase, cute.make_layout(ns, stride=self.R))
-        lv = cute.make_rmem_tensor((NL,), Float32)
-        m = -Float32.inf
-        for j in cutlass.range_constexpr(NL):
-            lv[j] = -Float32.inf
-            if tid + 128 * j < ns:
-                lv[j] = gL[tid + 128 * j]
-            m = cute.arch.fmax(m, lv[j])
-        m = self.block_allreduce(m, sRed, 0, True, tid)
-        part = Float32(0.0)
-        for j in cutlass.range_constexpr(NL):
-            w = Float32(0.0)
-            if m != -Float32.inf:
-                w = cute.arch.exp2((lv[j] - m) * LOG2_E)
-            sW[tid + 128 * j] = w
-            part = part + w
-        total = self.block_allreduce(part, sRed, 4, False, tid)
         g, c = tid // T, tid % T
         col = chunk * (self.DV // C) + c * 4
-        acc = cute.make_rmem_tensor((4,), Float32)
-        acc.fill(0.0)
-        for i in cutlass.range_constexpr(NI):
-            if g + G * i < ns:
-                s = g + G * i
-                gO = cute.make_tensor(row_ptr(mOacc, lbase + Int64(s) * self.R, col, self.DV, 16), cute.make_layout(4))
+        obase = Int64(b) * self.R + r
+        gOut = cute.make_tensor(row_ptr(mOut, obase, col, self.DV, 8), cute.make_layout(4))
+        res = cute.make_rmem_tensor((4,), self.out_dtype)
+        if ns == 0:  # a request of length 0: exact zeros, LSE -inf
+            if g == 0:
+                res.fill(0.0)
+                gOut.store(res.load())
+                if tid == 0 and chunk == 0:
+                    cute.make_tensor(mLse.iterator + obase, cute.make_layout(1))[0] = -Float32.inf
+        if ns >= 2:
+            NL = self.combine_slots // 128
+            st = cutlass.utils.SmemAllocator().allocate(Storage)
+            sRed = st.red.get_tensor(cute.make_layout(8))
+            sW = st.w.get_tensor(cute.make_layout(self.combine_slots))
+            sAcc = st.acc.get_tensor(cute.make_layout(512))
+            lbase = Int64(first) * self.R + r
+            gL = cute.make_tensor(mLacc.iterator + lbase, cute.make_layout(self.combine_slots, stride=self.R))
+            lv = cute.make_rmem_tensor((NL,), Float32)
+            m = -Float32.inf
+            for j in cutlass.range_constexpr(NL):
+                lv[j] = -Float32.inf
+                if tid + 128 * j < ns:
+                    lv[j] = gL[tid + 128 * j]
+                m = cute.arch.fmax(m, lv[j])
+            m = self.block_allreduce(m, sRed, 0, True, tid)
+            part = Float32(0.0)
+            for j in cutlass.range_constexpr(NL):
+                w = Float32(0.0)
+                if m != -Float32.inf:
+                    w = cute.arch.exp2((lv[j] - m) * LOG2_E)
+                sW[tid + 128 * j] = w
+                part = part + w
+            total = self.block_allreduce(part, sRed, 4, False, tid)
+            acc = cute.make_rmem_tensor((4,), Float32)
+            acc.fill(0.0)
+            for s in cutlass.range(g, ns, G, unroll=1):
+                gO = cute.make_tensor(row_ptr(mOacc, lbase + Int64(s) * self.R, col, self.DV, 16),
+                                      cute.make_layout(4))
                 v = gO.load()
                 w = sW[s]
                 for j in cutlass.range_constexpr(4):
                     acc[j] = acc[j] + w * v[j]
-        if cutlass.const_expr(G > 1):
-            for j in cutlass.range_constexpr(4):
-                sAcc[tid * 4 + j] = acc[j]
-            cute.arch.barrier()
-        if g == 0:
             if cutlass.const_expr(G > 1):
+                for j in cutlass.range_constexpr(4):
+                    sAcc[tid * 4 + j] = acc[j]
+                cute.arch.barrier()
+            if g == 0:
                 for k in cutlass.range_constexpr(1, G):
                     for j in cutlass.range_constexpr(4):
                         acc[j] = acc[j] + sAcc[(k * T + c) * 4 + j]
-            inv = Float32(0.0)
-            lse = -Float32.inf
-            if total > 0.0:
-                inv = mOS[0] / total
-                lse = m + cute.math.log(total, fastmath=False)
-            obase = Int64(b) * self.R + r
-            res = cute.make_rmem_tensor((4,), self.out_dtype)
-            for j in cutlass.range_constexpr(4):
-                res[j] = (acc[j] * inv).to(self.out_dtype)
-            gOut = cute.make_tensor(row_ptr(mOut, obase, col, self.DV, 8), cute.make_layout(4))
-            gOut.store(res.load())
-            if tid == 0 and chunk == 0:
-                gLse = cute.make_tensor(mLse.iterator + obase, cute.make_layout(1))
-                gLse[0] = lse
+                inv = Float32(0.0)
+                lse = -Float32.inf
+                if total > 0.0:
+                    inv = mOS[0] / total
+                    lse = m + cute.math.log(total, fastmath=False)
+                for j in cutlass.range_constexpr(4):
+                    res[j] = (acc[j] * inv).to(self.out_dtype)
+                gOut.store(res.load())
+                if tid == 0 and chunk == 0:
+                    cute.make_tensor(mLse.iterator + obase, cute.make_layout(1))[0] = lse
 
 
 def staged_pass_features(elem_bytes: int, stage_bytes: int) -> int:

@@ -176,8 +176,9 @@ class MlaDecodeFp8TransposedPvSm90(TransposedOutMixin, KvRefillMixin, DecodeTrac
     # ------------------------------------------------------------------------------------------ host
     @cute.jit
     def __call__(self, stream, q: cute.Tensor, kv: cute.Tensor, block_table: cute.Tensor, seq_lens: cute.Tensor,
-                 softmax_scale: cute.Tensor, output_scale: cute.Tensor, out: cute.Tensor, lse: cute.Tensor,
-                 o_accum: cute.Tensor = None, lse_accum: cute.Tensor = None, trace_buf: cute.Tensor = None):
+                 softmax_scale: cute.Tensor, output_scale: cute.Tensor, sched_cta: cute.Tensor, sched_req: cute.Tensor,
+                 out: cute.Tensor, lse: cute.Tensor, o_accum: cute.Tensor, lse_accum: cute.Tensor,
+                 trace_buf: cute.Tensor = None):
         K = warpgroup.OperandMajorMode.K
         q_layout = sm90_utils.make_smem_layout_a(LayoutEnum.ROW_MAJOR, (self.block_m, self.block_n, self.D), _F8, 1)
         if cutlass.const_expr(self.qk_t):  # S^T (tokens x rows) = K (staging, A) Q^T (the first pv_n q rows, B)
@@ -204,9 +205,10 @@ class MlaDecodeFp8TransposedPvSm90(TransposedOutMixin, KvRefillMixin, DecodeTrac
             # S^T (qk_t): per warpgroup and warp, column maxima / sums
             red: cute.struct.Align[cute.struct.MemRange[Float32, 2 * 4 * 32], 16]
 
-        main = self.ot_kernel(qk_mma, pv_mma, q, kv, block_table, seq_lens, softmax_scale, output_scale, out, lse,
-                              o_accum, lse_accum, trace_buf, q_layout, tma_atom, tma_kv, Storage)
-        self.launch_main(main, Storage.size_in_bytes(), stream, q.shape[0], output_scale, out, lse, o_accum, lse_accum)
+        main = self.ot_kernel(qk_mma, pv_mma, q, kv, block_table, seq_lens, softmax_scale, output_scale, sched_cta,
+                              out, lse, o_accum, lse_accum, trace_buf, q_layout, tma_atom, tma_kv, Storage)
+        self.launch_main(main, Storage.size_in_bytes(), stream, q.shape[0], output_scale, sched_req, out, lse, o_accum,
+                         lse_accum)
 
     def kv_tma(self, kv: cute.Tensor):
         """``(atom, tensor)`` of the TMA loads of the e4m3 cache (traced in ``__call__``): the (page_size, 576,
@@ -342,71 +344,89 @@ class MlaDecodeFp8TransposedPvSm90(TransposedOutMixin, KvRefillMixin, DecodeTrac
 
     @cute.kernel
     def ot_kernel(self, qk_mma: cute.TiledMma, pv_mma: cute.TiledMma, mQ: cute.Tensor, mKV: cute.Tensor,
-                  mBT: cute.Tensor, mSeq: cute.Tensor, mSS: cute.Tensor, mOS: cute.Tensor, mOut: cute.Tensor,
-                  mLse: cute.Tensor, mOacc: cute.Tensor, mLacc: cute.Tensor, mTrace: cute.Tensor,
+                  mBT: cute.Tensor, mSeq: cute.Tensor, mSS: cute.Tensor, mOS: cute.Tensor, mCta: cute.Tensor,
+                  mOut: cute.Tensor, mLse: cute.Tensor, mOacc: cute.Tensor, mLacc: cute.Tensor, mTrace: cute.Tensor,
                   q_layout: cute.ComposedLayout, tma_atom: cute.CopyAtom, tma_kv: cute.Tensor,
                   Storage: cutlass.Constexpr):
-        tid, mblk, split, b, wg, wtid, st = self.cta_start(Storage)
-        bn = self.block_n
+        """The persistent CTA ``(row block, g)``: the producer warpgroup and the computing warpgroups each walk the
+        pieces of the CTA's range of the schedule (:meth:`piece`); a piece is a complete run of the loop (Q load,
+        the first two pairs, the loop, the epilogue), pieces separated by CTA barriers.  The mbarriers are
+        initialised once; their phase parity carries from piece to piece (:meth:`landed`)."""
+        tid, mblk, g, wg, wtid, st = self.cta_start(Storage)
+        ph = self.phase_bits(st.mbar.data_ptr())
         sQ = st.sQ.get_tensor(q_layout.outer, swizzle=q_layout.inner)
         sM = st.row_max.get_tensor(cute.make_layout(64))
         mbar = st.mbar.data_ptr()
         bufs = st.bufs.data_ptr()
 
         num_pages = mKV.shape[0]
-        seq, split_start, split_end = self.split_range(mBT, mSeq, b, split)
-        n_pairs = self.num_pairs(split_start, split_end)
         if tid == 0:
             for i in cutlass.range_constexpr(_NBUF):
                 cute.arch.mbarrier_init(mbar + i, 1)
             cpasync.prefetch_descriptor(tma_atom)
-        if tid < 64:
-            sM[tid] = -Float32.inf
         if tid < 4:
             st.zero_row.get_tensor(cute.make_layout(4))[tid] = Int32(0)
         cute.arch.mbarrier_init_fence()
-        if wg < 2:  # the e4m3 q tile, by the computing warpgroups
-            self.load_q_tile(sQ[None, None, 0], mQ, mblk, b, tid)
-        cute.arch.barrier()  # mbarriers initialised before any arrive
-
         gKV = cute.group_modes(cute.local_tile(tma_kv, (self.box_rows, _CHUNK), (None, None, None)), 0, 2)
         tAs = []
         for k in cutlass.range_constexpr(_NBUF):
             t, tAg = cpasync.tma_partition(tma_atom, 0, cute.make_layout(1), cute.group_modes(
                 cute.local_tile(self.stg_view(bufs, k), (self.box_rows, _CHUNK), (None, None)), 0, 2), gKV)
             tAs.append(t)
-        if n_pairs > 0:  # noqa: SIM102 (dynamic tests)
-            if wg == 2:  # the producer loads pairs 0 and 1 into buffers 0..3
-                for k in cutlass.range_constexpr(_NBUF):
-                    t0 = split_start + k * bn
-                    if k < 2 or n_pairs > 1:
-                        crd = self.coords(mBT, b, t0, split_end, num_pages)
-                        self.refill(tAs[k], tAg, tma_atom, mbar + k, crd, wtid, _ALL_CHUNKS, None)
-        cute.arch.fence_view_async_shared()  # q (generic stores) before the QGMMAs read it
-        cute.arch.barrier()
-
+        cute.arch.barrier()  # mbarriers initialised before any arrive
+        b_first = mCta[g, 0]
+        b_last = mCta[g, 2]
         if wg == 2:
             cute.arch.setmaxregister_decrease(self.producer_regs)
-            if wtid < 32:
-                # pair j's buffers 2 (j % 2) + g, once both PVs of pair j retired (SLOT*_FREE), with pair j + 2 (the
-                # TMA destination of buffers 2 + g: buffer g's, 2 buffers further; unrolled by pairs instead, the
-                # loop spilled a register of the 24)
-                for j in cutlass.range(n_pairs - 2, unroll=1):
-                    u = j % 2
-                    for g in cutlass.range_constexpr(2):
-                        t0 = split_start + (2 * j + 4 + g) * bn
-                        crd = self.coords(mBT, b, t0, split_end, num_pages)
-                        dst = cute.make_tensor(tAs[g].iterator + u * (2 * _BUF_BYTES), tAs[g].layout)
-                        cute.arch.barrier(barrier_id=int(Barrier.SLOT0_FREE) + g, number_of_threads=160)
-                        self.refill(dst, tAg, tma_atom, mbar + 2 * u + g, crd, wtid, _ALL_CHUNKS, None)
-            cute.arch.barrier()  # the consumers' barrier before their epilogue
+            for b in cutlass.range(b_first, b_last + 1, unroll=1):
+                seq, start, end, slot = self.piece(mCta, mBT, mSeq, g, b)
+                if end > start:
+                    n_pairs = self.num_pairs(start, end)
+                    self.produce_ot(tAs, tAg, tma_atom, mbar, mBT, b, start, end, num_pages, n_pairs, wtid)
+                    cute.arch.barrier()  # the consumers' barrier before their epilogue
+                    cute.arch.barrier()  # the piece's epilogue done: its buffers are free
         else:
             cute.arch.setmaxregister_increase(self.consumer_regs)
-            cta = (b * self.num_splits + split) * self.num_m_blocks + mblk  # (debug traces: mark)
-            self.clear_trace(mTrace, cta, wg, wtid)
-            self.consume_ot(qk_mma, pv_mma, sQ, st, bufs, wg, wtid, mblk, split, b, seq, split_start, split_end,
-                            n_pairs, mbar, mSS[0] * LOG2_E, mOS[0], mBT, mKV, num_pages, mOut, mLse, mOacc, mLacc,
-                            (mTrace, cta))
+            for b in cutlass.range(b_first, b_last + 1, unroll=1):
+                seq, start, end, slot = self.piece(mCta, mBT, mSeq, g, b)
+                if end > start:
+                    n_pairs = self.num_pairs(start, end)
+                    if tid < 64:
+                        sM[tid] = -Float32.inf
+                    self.load_q_tile(sQ[None, None, 0], mQ, mblk, b, tid)
+                    cute.arch.fence_view_async_shared()  # q (generic stores) before the QGMMAs read it
+                    cute.arch.barrier()
+                    cta = g * self.num_m_blocks + mblk  # (debug traces: mark)
+                    self.clear_trace(mTrace, cta, wg, wtid)
+                    self.consume_ot(qk_mma, pv_mma, sQ, st, bufs, wg, wtid, mblk, slot, b, seq, start, end, n_pairs,
+                                    mbar, mSS[0] * LOG2_E, mOS[0], mBT, mKV, num_pages, mOut, mLse, mOacc, mLacc,
+                                    (mTrace, cta))
+                    cute.arch.barrier()  # the piece's epilogue done: its buffers are free
+                    # buffers 0, 1 hold the even pairs, 2, 3 the odd ones: their completions this piece
+                    ph[0] = ph[0] ^ ((((n_pairs + 1) >> 1) & 1) * 3) ^ (((n_pairs >> 1) & 1) * 12)
+
+    @cute.jit
+    def produce_ot(self, tAs, tAg, tma_atom, mbar, mBT, b, split_start, split_end, num_pages, n_pairs, wtid):
+        """The producer warpgroup's part of one piece: pairs 0 and 1 into buffers 0..3, the barrier the computing
+        warpgroups' Q tile waits on, then every later refill: pair j's buffers 2 (j % 2) + g, once both PVs of
+        pair j retired (SLOT*_FREE), with pair j + 2 (the TMA destination of buffers 2 + g: buffer g's, 2 buffers
+        further; unrolled by pairs instead, the loop spilled a register of the 24)."""
+        bn = self.block_n
+        for k in cutlass.range_constexpr(_NBUF):
+            t0 = split_start + k * bn
+            if k < 2 or n_pairs > 1:
+                crd = self.coords(mBT, b, t0, split_end, num_pages)
+                self.refill(tAs[k], tAg, tma_atom, mbar + k, crd, wtid, _ALL_CHUNKS, None)
+        cute.arch.barrier()  # the consumers' Q tile landed
+        if wtid < 32:
+            for j in cutlass.range(n_pairs - 2, unroll=1):
+                u = j % 2
+                for g in cutlass.range_constexpr(2):
+                    t0 = split_start + (2 * j + 4 + g) * bn
+                    crd = self.coords(mBT, b, t0, split_end, num_pages)
+                    dst = cute.make_tensor(tAs[g].iterator + u * (2 * _BUF_BYTES), tAs[g].layout)
+                    cute.arch.barrier(barrier_id=int(Barrier.SLOT0_FREE) + g, number_of_threads=160)
+                    self.refill(dst, tAg, tma_atom, mbar + 2 * u + g, crd, wtid, _ALL_CHUNKS, None)
 
     @cute.jit
     def consume_ot(self, qk_mma, pv_mma, sQ, st, bufs, wg, wtid, mblk, split, b, seq, split_start, split_end, n_pairs,

@@ -135,8 +135,9 @@ class MlaDecodeSeesawSm90(Fp8OperandsMixin, KvRefillMixin, DecodeTraceMixin, Mla
 
     @cute.jit
     def __call__(self, stream, q: cute.Tensor, kv: cute.Tensor, block_table: cute.Tensor, seq_lens: cute.Tensor,
-                 softmax_scale: cute.Tensor, output_scale: cute.Tensor, out: cute.Tensor, lse: cute.Tensor,
-                 o_accum: cute.Tensor = None, lse_accum: cute.Tensor = None, trace_buf: cute.Tensor = None):
+                 softmax_scale: cute.Tensor, output_scale: cute.Tensor, sched_cta: cute.Tensor, sched_req: cute.Tensor,
+                 out: cute.Tensor, lse: cute.Tensor, o_accum: cute.Tensor, lse_accum: cute.Tensor,
+                 trace_buf: cute.Tensor = None):
         dt = self.mma_dtype
         q_layout, k_layout, v_layout, p_layout = self._seesaw_layouts()
         qk_mma, pv_ss, pv_rs, pv8 = self.seesaw_mmas()
@@ -162,9 +163,10 @@ class MlaDecodeSeesawSm90(Fp8OperandsMixin, KvRefillMixin, DecodeTraceMixin, Mla
             red: cute.struct.Align[cute.struct.MemRange[Float32, self.red_floats], 16]  # column statistics
 
         main = self.seesaw_kernel(qk_mma, pv_ss, pv_rs, pv8, q, kv, block_table, seq_lens, softmax_scale, output_scale,
-                                  out, lse, o_accum, lse_accum, trace_buf, q_layout, k_layout, v_layout, p_layout,
-                                  tma_atom, tma_kv, Storage)
-        self.launch_main(main, Storage.size_in_bytes(), stream, q.shape[0], output_scale, out, lse, o_accum, lse_accum)
+                                  sched_cta, out, lse, o_accum, lse_accum, trace_buf, q_layout, k_layout, v_layout,
+                                  p_layout, tma_atom, tma_kv, Storage)
+        self.launch_main(main, Storage.size_in_bytes(), stream, q.shape[0], output_scale, sched_req, out, lse, o_accum,
+                         lse_accum)
 
     # ---------------------------------------------------------------------------------------- device
     @cute.jit
@@ -287,12 +289,16 @@ class MlaDecodeSeesawSm90(Fp8OperandsMixin, KvRefillMixin, DecodeTraceMixin, Mla
     def seesaw_kernel(self, qk_mma: cute.TiledMma, pv_ss: cute.TiledMma, pv_rs: cute.TiledMma, pv8: cute.TiledMma,
                       mQ: cute.Tensor,
                       mKV: cute.Tensor, mBT: cute.Tensor, mSeq: cute.Tensor, mSS: cute.Tensor, mOS: cute.Tensor,
-                      mOut: cute.Tensor, mLse: cute.Tensor, mOacc: cute.Tensor, mLacc: cute.Tensor, mTrace: cute.Tensor,
-                      q_layout: cute.ComposedLayout, k_layout: cute.ComposedLayout, v_layout: cute.ComposedLayout,
-                      p_layout: cute.ComposedLayout, tma_atom: cute.CopyAtom, tma_kv: cute.Tensor,
-                      Storage: cutlass.Constexpr):
-        tid, mblk, split, b, wg, wtid, st = self.cta_start(Storage)
-        bn = self.block_n
+                      mCta: cute.Tensor, mOut: cute.Tensor, mLse: cute.Tensor, mOacc: cute.Tensor, mLacc: cute.Tensor,
+                      mTrace: cute.Tensor, q_layout: cute.ComposedLayout, k_layout: cute.ComposedLayout,
+                      v_layout: cute.ComposedLayout, p_layout: cute.ComposedLayout, tma_atom: cute.CopyAtom,
+                      tma_kv: cute.Tensor, Storage: cutlass.Constexpr):
+        """The persistent CTA ``(row block, g)``: it walks the pieces of its range of the schedule
+        (:meth:`piece`), each one a complete run of the loop: Q load, prologue refills, the seesaw loop and the
+        epilogue, separated by CTA barriers.  The mbarriers are initialised once; their phase parity carries from
+        piece to piece (:meth:`landed`)."""
+        tid, mblk, g, wg, wtid, st = self.cta_start(Storage)
+        ph = self.phase_bits(st.mbar.data_ptr())
         sQ = st.sQ.get_tensor(q_layout.outer, swizzle=q_layout.inner)
         sK = st.sK.get_tensor(k_layout.outer, swizzle=k_layout.inner)
         sM = st.row_max.get_tensor(cute.make_layout(64))
@@ -304,31 +310,15 @@ class MlaDecodeSeesawSm90(Fp8OperandsMixin, KvRefillMixin, DecodeTraceMixin, Mla
         scale_log2 = mSS[0] * LOG2_E
         out_scale = mOS[0]
         num_pages = mKV.shape[0]
-        seq, split_start, split_end = self.split_range(mBT, mSeq, b, split)
-        n_pairs = self.num_pairs(split_start, split_end)
-
         if tid == 0:
             for i in cutlass.range_constexpr(self.n_mbar):
                 cute.arch.mbarrier_init(mbar + i, 1)
             cpasync.prefetch_descriptor(tma_atom)
-        if tid < 64:
-            sM[tid] = -Float32.inf
         zrow = st.zero_row.data_ptr()  # (only the FP8 transpose reads it)
-        cta = (b * self.num_splits + split) * self.num_m_blocks + mblk  # (debug traces: mark)
-        self.clear_trace(mTrace, cta, wg, wtid)
         if cutlass.const_expr(self.fp8):  # noqa: SIM102 (static + dynamic test)
             if tid < 4:
                 st.zero_row.get_tensor(cute.make_layout(4))[tid] = Int32(0)
         cute.arch.mbarrier_init_fence()
-        # ---- Q tile (16-bit: one cp.async group; FP8: raw e4m3 through registers)
-        if cutlass.const_expr(self.producer):  # (the computing warpgroups' 256 threads)
-            if wg < 2:
-                self.load_q_tile(sQ[None, None, 0], mQ, mblk, b, tid)
-        else:
-            self.load_q_tile(sQ[None, None, 0], mQ, mblk, b, tid)
-        cute.arch.cp_async_commit_group()
-        cute.arch.barrier()  # mbarriers initialised before any arrive
-        # ---- prologue: pair 0 into both slots (completion 0 of every mbarrier)
         sK0 = sK[None, None, 0]
         sK1 = sK[None, None, 1]
         sSt0, sSt1 = None, None  # FP8: the e4m3 staging view of each slot (:meth:`staging`)
@@ -341,41 +331,84 @@ class MlaDecodeSeesawSm90(Fp8OperandsMixin, KvRefillMixin, DecodeTraceMixin, Mla
             cute.local_tile(dst0, (self.box_rows, _CHUNK), (None, None)), 0, 2), gKV)
         tAs1, _ = cpasync.tma_partition(tma_atom, 0, cute.make_layout(1), cute.group_modes(
             cute.local_tile(dst1, (self.box_rows, _CHUNK), (None, None)), 0, 2), gKV)
-        if n_pairs > 0:
-            pg0 = self.coords(mBT, b, split_start, split_end, num_pages)
-            pg1 = self.coords(mBT, b, split_start + bn, split_end, num_pages)
-            cg = self.col_groups
-            if cutlass.const_expr(self.producer):  # the producer loads both slots by column groups (A0, A1, B0, B1)
-                if wg == 2:
-                    self.refill(tAs0, tAg, tma_atom, mbar + 0, pg0, wtid, cg[0], None)
-                    self.refill(tAs1, tAg, tma_atom, mbar + 2, pg1, wtid, cg[2], None)
-                    self.refill(tAs0, tAg, tma_atom, mbar + 1, pg0, wtid, cg[1], None)
-                    self.refill(tAs1, tAg, tma_atom, mbar + 3, pg1, wtid, cg[3], None)
-            elif wg == 0:
-                self.refill(tAs0, tAg, tma_atom, mbar + 0, pg0, wtid, cg[0], None)
-                self.refill(tAs1, tAg, tma_atom, mbar + 2, pg1, wtid, cg[2], None)
-            else:
-                self.refill(tAs0, tAg, tma_atom, mbar + 1, pg0, wtid, cg[1], None)
-                self.refill(tAs1, tAg, tma_atom, mbar + 3, pg1, wtid, cg[3], None)
-        cute.arch.cp_async_wait_group(0)  # Q (the KV copies are tracked by the mbarriers)
-        cute.arch.fence_view_async_shared()
-        cute.arch.barrier()
-
-        ctx = (qk_mma, pv_ss, pv_rs, pv8, sQ, sK0, sK1, sSt0, sSt1, st, k_layout, v_layout, p_layout, wg, wtid, mblk,
-               split, b, seq, split_start, split_end, n_pairs, sM, sSc0, sSc1, sSum, mbar, scale_log2, out_scale, mBT,
-               mKV, num_pages, tAs0, tAs1, tAg, tma_atom, zrow, mTrace, cta, mOut, mLse, mOacc, mLacc)
+        cute.arch.barrier()  # mbarriers initialised before any arrive
+        b_first = mCta[g, 0]
+        b_last = mCta[g, 2]
         if cutlass.const_expr(self.producer):  # warpgroup 2 issues the refills, 0 and 1 compute
             if wg == 2:
                 cute.arch.setmaxregister_decrease(self.producer_regs)
-                if n_pairs > 0:
-                    self.produce(tAs0, tAs1, tAg, tma_atom, mbar, mBT, b, split_start, split_end, num_pages, n_pairs,
-                                 wtid)
-                cute.arch.barrier()  # the consumers' barrier before their epilogue
+                for b in cutlass.range(b_first, b_last + 1, unroll=1):
+                    seq, start, end, slot = self.piece(mCta, mBT, mSeq, g, b)
+                    if end > start:
+                        n_pairs = self.num_pairs(start, end)
+                        self.prologue_refills(tAs0, tAs1, tAg, tma_atom, mbar, mBT, b, start, end, num_pages, wg,
+                                              wtid)
+                        cute.arch.barrier()  # the consumers' Q tile landed
+                        self.produce(tAs0, tAs1, tAg, tma_atom, mbar, mBT, b, start, end, num_pages, n_pairs, wtid)
+                        cute.arch.barrier()  # the consumers' barrier before their epilogue
+                        cute.arch.barrier()  # the piece's epilogue done: its buffers are free
             else:
                 cute.arch.setmaxregister_increase(self.consumer_regs)
-                self.consume(ctx)
+                for b in cutlass.range(b_first, b_last + 1, unroll=1):
+                    seq, start, end, slot = self.piece(mCta, mBT, mSeq, g, b)
+                    if end > start:
+                        n_pairs = self.num_pairs(start, end)
+                        if tid < 64:
+                            sM[tid] = -Float32.inf
+                        self.load_q_tile(sQ[None, None, 0], mQ, mblk, b, tid)
+                        cute.arch.cp_async_commit_group()
+                        cute.arch.cp_async_wait_group(0)  # Q (the KV copies are tracked by the mbarriers)
+                        cute.arch.fence_view_async_shared()
+                        cute.arch.barrier()
+                        cta = g * self.num_m_blocks + mblk  # (debug traces: mark)
+                        self.clear_trace(mTrace, cta, wg, wtid)
+                        self.consume((qk_mma, pv_ss, pv_rs, pv8, sQ, sK0, sK1, sSt0, sSt1, st, k_layout, v_layout,
+                                      p_layout, wg, wtid, mblk, slot, b, seq, start, end, n_pairs, sM, sSc0, sSc1,
+                                      sSum, mbar, scale_log2, out_scale, mBT, mKV, num_pages, tAs0, tAs1, tAg,
+                                      tma_atom, zrow, mTrace, cta, mOut, mLse, mOacc, mLacc))
+                        cute.arch.barrier()  # the piece's epilogue done: its buffers are free
+                        ph[0] = ph[0] ^ (Int32(0) - (n_pairs & 1))  # every mbarrier completed n_pairs times
         else:
-            self.consume(ctx)
+            for b in cutlass.range(b_first, b_last + 1, unroll=1):
+                seq, start, end, slot = self.piece(mCta, mBT, mSeq, g, b)
+                if end > start:
+                    n_pairs = self.num_pairs(start, end)
+                    if tid < 64:
+                        sM[tid] = -Float32.inf
+                    self.load_q_tile(sQ[None, None, 0], mQ, mblk, b, tid)
+                    cute.arch.cp_async_commit_group()
+                    self.prologue_refills(tAs0, tAs1, tAg, tma_atom, mbar, mBT, b, start, end, num_pages, wg, wtid)
+                    cute.arch.cp_async_wait_group(0)  # Q (the KV copies are tracked by the mbarriers)
+                    cute.arch.fence_view_async_shared()
+                    cute.arch.barrier()
+                    cta = g * self.num_m_blocks + mblk  # (debug traces: mark)
+                    self.clear_trace(mTrace, cta, wg, wtid)
+                    self.consume((qk_mma, pv_ss, pv_rs, pv8, sQ, sK0, sK1, sSt0, sSt1, st, k_layout, v_layout,
+                                  p_layout, wg, wtid, mblk, slot, b, seq, start, end, n_pairs, sM, sSc0, sSc1,
+                                  sSum, mbar, scale_log2, out_scale, mBT, mKV, num_pages, tAs0, tAs1, tAg,
+                                  tma_atom, zrow, mTrace, cta, mOut, mLse, mOacc, mLacc))
+                    cute.arch.barrier()  # the piece's epilogue done: its buffers are free
+                    ph[0] = ph[0] ^ (Int32(0) - (n_pairs & 1))  # every mbarrier completed n_pairs times
+
+    @cute.jit
+    def prologue_refills(self, tAs0, tAs1, tAg, tma_atom, mbar, mBT, b, split_start, split_end, num_pages, wg, wtid):
+        """A piece's pair 0 into both slots (one completion of every mbarrier): by the producer warpgroup when
+        there is one (it calls this alone), else by the computing warpgroups, each its column groups."""
+        bn = self.block_n
+        pg0 = self.coords(mBT, b, split_start, split_end, num_pages)
+        pg1 = self.coords(mBT, b, split_start + bn, split_end, num_pages)
+        cg = self.col_groups
+        if cutlass.const_expr(self.producer):  # the producer loads both slots by column groups (A0, A1, B0, B1)
+            self.refill(tAs0, tAg, tma_atom, mbar + 0, pg0, wtid, cg[0], None)
+            self.refill(tAs1, tAg, tma_atom, mbar + 2, pg1, wtid, cg[2], None)
+            self.refill(tAs0, tAg, tma_atom, mbar + 1, pg0, wtid, cg[1], None)
+            self.refill(tAs1, tAg, tma_atom, mbar + 3, pg1, wtid, cg[3], None)
+        elif wg == 0:
+            self.refill(tAs0, tAg, tma_atom, mbar + 0, pg0, wtid, cg[0], None)
+            self.refill(tAs1, tAg, tma_atom, mbar + 2, pg1, wtid, cg[2], None)
+        else:
+            self.refill(tAs0, tAg, tma_atom, mbar + 1, pg0, wtid, cg[1], None)
+            self.refill(tAs1, tAg, tma_atom, mbar + 3, pg1, wtid, cg[3], None)
 
     @cute.jit
     def consume(self, ctx):

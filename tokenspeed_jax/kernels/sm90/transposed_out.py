@@ -139,13 +139,15 @@ class TransposedOutMixin:
         lse = -Float32.inf
         if l_tot > 0.0:
             lse = (m - self.p8_bias + cute.math.log2(l_tot, fastmath=False)) * LN_2
-        if r < self.R:  # (:meth:`out_row` written out: with a call of it here the DSL refused this `if`)
-            idx = Int64(b) * self.R + r
-            dst = mLse
-            if cutlass.const_expr(self.num_splits > 1):
-                idx = (Int64(b) * self.num_splits + split) * self.R + r
-                dst = mLacc
-            cute.make_tensor(dst.iterator + idx, cute.make_layout(1))[0] = lse
+        R = self.R
+        direct = split < 0
+        if r < R:  # (:meth:`out_row` written out: with a call of it here the DSL refused this `if`)
+            if direct:
+                g_out = cute.make_tensor(mLse.iterator + (Int64(b) * R + r), cute.make_layout(1))
+                g_out[0] = lse
+            else:
+                g_acc = cute.make_tensor(mLacc.iterator + (Int64(split) * R + r), cute.make_layout(1))
+                g_acc[0] = lse
 
     @cute.jit
     def epilogue_ot(self, acc, sM, row_l, row_in, sSum, sRed, mOut, mLse, mOacc, mLacc, out_scale, mblk, split, b, wg,
@@ -214,29 +216,32 @@ class TransposedOutMixin:
         """Output features ``f`` and ``f + pair_step`` of query row ``r`` (:attr:`pair_step`: 1 here, the register
         ``V^T``'s row permutation puts both features of a pair in one thread): accumulator elements ``e`` and ``e + 2``
         (rows ``q`` and ``q + 8`` of the A fragment) times ``inv`` (1 / the row sum), into ``out`` (times
-        ``out_scale``; one bf16x2 store for adjacent features), or with split partials into ``o_accum`` (one fp32x2)."""
-        direct = cutlass.const_expr(self.num_splits == 1)
+        ``out_scale``; one bf16x2 store for adjacent features) when ``split`` (the piece's workspace slot) is
+        negative, else into slot ``split`` of ``o_accum`` (one fp32x2)."""
+        if split < 0:
+            sc = inv * out_scale
+            if inv == 0.0:  # a row without keys: exact zeros whatever output_scale holds (NaN, inf)
+                sc = Float32(0.0)
+            self.store_ot_pair_to(acc, e, sc, mOut, Int64(b) * self.R + r, f, True)
+        else:
+            self.store_ot_pair_to(acc, e, inv, mOacc, Int64(split) * self.R + r, f, False)
+
+    @cute.jit
+    def store_ot_pair_to(self, acc: cute.Tensor, e: cutlass.Constexpr, scale: Float32, mDst: cute.Tensor, row: Int64,
+                         f: Int32, direct: cutlass.Constexpr):
+        """:meth:`store_ot_pair` into row ``row`` of ``mDst`` (``out`` when ``direct``, else ``o_accum``)."""
         dt = self.out_dtype if direct else Float32
-        scale = inv * out_scale if direct else inv
         if cutlass.const_expr(self.pair_step == 1):
             o = cute.make_rmem_tensor((2,), dt)
             o[0] = (acc[e] * scale).to(dt)
             o[1] = (acc[e + 2] * scale).to(dt)
-            cute.autovec_copy(o, cute.make_tensor(self.out_ptr(mOut, mOacc, b, split, r, f, 2), cute.make_layout(2)))
+            cute.autovec_copy(o, cute.make_tensor(row_ptr(mDst, row, f, self.DV, 2 * (dt.width // 8)),
+                                                  cute.make_layout(2)))
         else:
             for h in cutlass.range_constexpr(2):
-                dst = cute.make_tensor(self.out_ptr(mOut, mOacc, b, split, r, f + self.pair_step * h, 1),
+                dst = cute.make_tensor(row_ptr(mDst, row, f + self.pair_step * h, self.DV, dt.width // 8),
                                        cute.make_layout(1))
                 dst[0] = (acc[e + 2 * h] * scale).to(dt)
-
-    @cute.jit
-    def out_ptr(self, mOut: cute.Tensor, mOacc: cute.Tensor, b: Int32, split: Int32, r: Int32, f: Int32,
-                n: cutlass.Constexpr):
-        """Pointer to feature ``f`` of query row ``r`` in ``out``, or with split partials in ``o_accum``, aligned
-        for ``n`` elements."""
-        if cutlass.const_expr(self.num_splits == 1):
-            return row_ptr(mOut, self.out_row(b, split, r), f, self.DV, n * (self.out_dtype.width // 8))
-        return row_ptr(mOacc, self.out_row(b, split, r), f, self.DV, 4 * n)
 
 
 __all__ = ["TransposedOutMixin"]

@@ -1,0 +1,203 @@
+"""MLA decode on serving-shaped batches: varied request lengths, ours vs FlashMLA (BF16) and its FP8 fork.
+
+    CUTE_DSL_ARCH=sm_90a python -m benchmarks.decode_varlen --prewarm 12 --out $OUT/varlen.json --png $OUT/varlen.png
+
+Every contender runs on the same inputs in one process, interleaved (``benchmarks.harness.interleaved``).  A case
+is ``(distribution, B, capacity, H, S)`` with page 64; its lengths are drawn once per case from a seeded generator:
+
+* ``full``: every request at the capacity (the static benchmark matrix's shape);
+* ``uniform``: uniform in ``[256, capacity]``;
+* ``tail``: a long tail: 90% of the requests uniform in ``[64, 2048]``, 10% at the capacity.
+
+Bytes are those actually read: the sum of the lengths times 576 elements (2 bytes, 1 for FP8) plus q and the
+output, so ``roofline_fraction`` is the fraction of the measured copy bandwidth on the real work.  Each row also
+records the largest difference to FlashMLA's output (the same data through dlpack).  JSON + PNG via
+``benchmarks.harness.Report``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import time
+
+import numpy as np
+
+from benchmarks.decode import Case, _jax_calls, decode_fn, prewarm
+
+DISTS = ("full", "uniform", "tail")
+DEFAULT = ([("uniform", 64, 81920, H, S) for H in (16, 32, 128) for S in (1, 4)]
+           + [("tail", 64, 81920, 32, 1), ("tail", 64, 81920, 128, 1), ("uniform", 128, 32768, 16, 2),
+              ("uniform", 256, 4096, 32, 1), ("uniform", 8, 131072, 128, 1), ("uniform", 1, 131072, 16, 1),
+              ("full", 64, 81920, 32, 1), ("full", 64, 81920, 128, 1), ("full", 64, 81920, 16, 4)])
+
+
+def lengths(dist: str, B: int, cap: int, seed: int) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    if dist == "full":
+        return np.full(B, cap, np.int64)
+    if dist == "uniform":
+        return rng.integers(min(256, cap), cap + 1, B)
+    if dist == "tail":
+        return np.where(rng.random(B) < 0.1, cap, rng.integers(64, min(2048, cap) + 1, B))
+    raise ValueError(f"dist: expected one of {DISTS}, got {dist!r}")
+
+
+def case_of(dist, B, cap, H, S, dtype="bfloat16", page=64) -> Case:
+    return Case(f"{dist}_B{B}_K{cap}_H{H}_S{S}", dtype, B, S, H, page, cap // page)
+
+
+def inputs(c: Case, lens: np.ndarray, seed: int):
+    """q, cache (random, every page owned by one request, pages permuted), table, lengths, scale."""
+    import jax
+    import jax.numpy as jnp
+
+    rng = np.random.default_rng(seed)
+    perm = rng.permutation(c.num_pages)
+    bt = perm[: c.B * c.max_pages].reshape(c.B, c.max_pages)
+    kv = jax.random.normal(jax.random.PRNGKey(seed), (c.num_pages, c.page, 576), jnp.bfloat16)
+    q = jax.random.normal(jax.random.PRNGKey(seed + 1), (c.B, c.S, c.H, 576), jnp.bfloat16)
+    return q, kv, jnp.asarray(bt, jnp.int32), jnp.asarray(lens, jnp.int32), jnp.float32(576 ** -0.5)
+
+
+def read_bytes(lens: np.ndarray, S: int, H: int, elt: int) -> float:
+    """KV bytes of the actual lengths, plus q (elt bytes) and the bf16 output."""
+    return float(np.sum(lens)) * 576 * elt + len(lens) * S * H * (576 * elt + 512 * 2)
+
+
+def flops_of(lens: np.ndarray, S: int, H: int) -> float:
+    return float(np.sum(lens)) * S * H * 2 * (576 + 512)
+
+
+def bench_case(report, fm, spec, seed: int, rounds: int, calls: int) -> None:
+    import jax
+    import jax.numpy as jnp
+
+    from benchmarks.harness import interleaved
+
+    dist, B, cap, H, S = spec
+    lens = lengths(dist, B, cap, seed)
+    c = case_of(dist, B, cap, H, S)
+    c8 = dataclasses.replace(c, dtype="float8_e4m3fn")
+    q, kv, bt, sl, scale = inputs(c, lens, seed)
+    q8, kv8 = q.astype(jnp.float8_e4m3fn), kv.astype(jnp.float8_e4m3fn)
+    nb, nb8, fl = read_bytes(lens, S, H, 2), read_bytes(lens, S, H, 1), flops_of(lens, S, H)
+    ours, ours8 = decode_fn(c, "sm90"), decode_fn(c8, "sm90")
+    fns = {"ours bf16": (_jax_calls(ours, (q, kv, bt, sl, scale), calls), nb, False),
+           "ours fp8": (_jax_calls(ours8, (q8, kv8, bt, sl, scale), calls), nb8, True)}
+    # the kernels alone, the schedule computed once outside (as a model step shares it across layers, and as
+    # FlashMLA's metadata is timed)
+    from tokenspeed_jax.backends import sm90_decode
+    from tokenspeed_jax.decode import _decode_problem
+
+    for name, cc, qq, kk, b in (("ours bf16 kernel", c, q, kv, nb), ("ours fp8 kernel", c8, q8, kv8, nb8)):
+        prob = _decode_problem(qq, kk, bt, sl, True, 512, True)
+        sched_f = jax.jit(lambda sl_, prob=prob: sm90_decode.schedule_of(prob, sl_))
+        work = sched_f(sl)
+        kf = jax.jit(lambda q_, kv_, bt_, sl_, s_, w_, prob=prob: sm90_decode.decode(
+            prob, q_, kv_, bt_, sl_, s_, jnp.float32(1.0), work=w_))
+        fns[name] = (_jax_calls(kf, (qq, kk, bt, sl, scale, work), calls), b, cc.dtype != "bfloat16")
+        fns[f"schedule {cc.dtype[:4]}"] = (lambda sched_f=sched_f: sched_f(sl), 0.0, False)
+    diffs = {}
+    if fm is not None:
+        import torch
+
+        tq, tk = torch.from_dlpack(q), torch.from_dlpack(kv).view(c.num_pages, c.page, 1, 576)
+        tbt, tsl = torch.from_dlpack(bt), torch.from_dlpack(sl)
+        sched, _ = fm.get_mla_metadata()
+
+        def run():
+            return fm.flash_mla_with_kvcache(tq, tk, tbt, tsl, 512, sched, None, softmax_scale=576 ** -0.5,
+                                             causal=True)
+
+        fns["FlashMLA bf16"] = (run, nb, False)
+        ref = np.asarray(jax.dlpack.from_dlpack(run()[0]).astype(jnp.float32))
+        diffs["ours bf16"] = float(np.max(np.abs(np.asarray(ours(q, kv, bt, sl, scale)[0].astype(jnp.float32)) - ref)))
+        tq8, tk8 = tq.to(torch.float8_e4m3fn), tk.to(torch.float8_e4m3fn)
+        one = torch.ones(1, dtype=torch.float32, device=tq.device)
+
+        def run8():
+            return fm.flash_mla_fp8_dense(tq8, tk8, tbt, tsl, 576 ** -0.5, True, one, one)
+
+        try:
+            ref8 = np.asarray(jax.dlpack.from_dlpack(run8()[0]).astype(jnp.float32))
+            fns["FlashMLA fp8"] = (run8, nb8, True)
+            o8 = np.asarray(ours8(q8, kv8, bt, sl, scale)[0].astype(jnp.float32))
+            diffs["ours fp8"] = float(np.max(np.abs(o8 - ref8)))
+        except Exception as e:  # noqa: BLE001
+            print(f"{c.name}: FlashMLA fp8 failed: {str(e)[:100]}", flush=True)
+    est = max(nb / 4e12, fl / 6e14) * 1e6 * calls
+    res = interleaved({n: f for n, (f, _, _) in fns.items()}, est, rounds=rounds)
+    for n, (_, b, fp8) in fns.items():
+        r = res[n]
+        us = r["median_us"] / (calls if n.startswith("ours") else 1)
+        report.add(c.name, n, us, nbytes=b, flops=fl, fp8=fp8, note=f"interleaved median of {rounds} rounds",
+                   dist=dist, B=B, capacity=cap, H=H, S=S, mean_len=float(np.mean(lens)),
+                   max_diff_flashmla=diffs.get(n))
+    print("\n".join(report.table().splitlines()[-len(fns):]), flush=True)
+
+
+def summary(rows: list[dict]) -> dict:
+    """Geometric means of ours / FlashMLA time ratios (speed-ups) per dtype and distribution."""
+    out: dict = {}
+    by = {}
+    for r in rows:
+        if r.get("us"):
+            by[(r["case"], r["contender"])] = r["us"]
+    for dt in ("bf16", "fp8"):
+        for dist in (*DISTS, "all"):
+            xs = [by[(case, f"FlashMLA {dt}")] / by[(case, f"ours {dt}")] for (case, cont) in by
+                  if cont == f"ours {dt}" and (case, f"FlashMLA {dt}") in by and (dist == "all" or
+                                                                                 case.startswith(dist + "_"))]
+            if xs:
+                out[f"{dt}_{dist}"] = {"geomean_speedup": float(np.exp(np.mean(np.log(xs)))), "min": float(min(xs)),
+                                       "n": len(xs)}
+    return out
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--cases", nargs="+", default=None, metavar="DIST,B,CAP,H,S")
+    ap.add_argument("--prewarm", type=int, default=0, help="CPU worker processes compiling every config first")
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--calls", type=int, default=1)
+    ap.add_argument("--seed", type=int, default=1234)
+    ap.add_argument("--no-flashmla", action="store_true")
+    ap.add_argument("--out", default="/tmp/decode_varlen.json")
+    ap.add_argument("--png", default=None)
+    a = ap.parse_args(argv)
+    specs = DEFAULT if not a.cases else [
+        (d, int(b), int(k), int(h), int(s)) for d, b, k, h, s in (x.split(",") for x in a.cases)]
+    for s in specs:
+        if s[0] not in DISTS:
+            ap.error(f"--cases: distribution must be one of {DISTS}, got {s[0]!r}")
+    from benchmarks.harness import Report, measure_ceilings
+
+    if a.prewarm:
+        cs = [case_of(*s, dtype=dt) for s in specs for dt in ("bfloat16", "float8_e4m3fn")]
+        prewarm(cs, a.prewarm)
+    fm = None
+    if not a.no_flashmla:
+        try:
+            import flash_mla as fm
+        except Exception as e:  # noqa: BLE001
+            print("flash_mla unavailable:", e)
+    report = Report("MLA decode, varied lengths (page 64, causal)", measure_ceilings())
+    t = time.time()
+    for i, s in enumerate(specs):
+        bench_case(report, fm, s, a.seed + i, a.rounds, a.calls)
+    doc_extra = summary(report.rows)
+    report.write(a.out, a.png)
+    import json
+
+    with open(a.out) as f:
+        doc = json.load(f)
+    doc["summary"] = doc_extra
+    with open(a.out, "w") as f:
+        json.dump(doc, f, indent=1)
+    print(json.dumps(doc_extra, indent=1))
+    print(f"{len(specs)} cases in {time.time() - t:.0f}s")
+
+
+if __name__ == "__main__":
+    main()

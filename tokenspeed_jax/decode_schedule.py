@@ -1,0 +1,187 @@
+"""The length-balanced split-KV schedule of the Hopper decode kernel, computed on the device.
+
+A decode batch never has equal lengths, so a split plan fixed by the block table's *capacity* leaves the
+batch paced by its longest request.  This module cuts the batch's *actual* work into one contiguous range
+per CTA of a persistent grid, from ``seq_lens`` and inside the caller's ``jax.jit`` (a few jnp ops: no host
+sync, replayed by CUDA graphs).  Design brief: FlashMLA's ``get_decoding_sched_meta`` (one range of
+``[begin_req, begin_block) .. [end_req, end_block)`` per CTA, a fixed start/drain cost per request).
+
+Work model (all in units of ``unit`` = 128 KV tokens, one tile pair of the main loop):
+
+* request ``b`` has ``n_b = ceil(L_b / unit)`` units, ``L_b = clip(seq_lens[b], 0, capacity)`` (the clamp
+  the kernel applies too); its cost is ``n_b + fixed_cost`` (``0`` for an empty request).
+* Units are laid end to end in request order; a *cut* is a position in that order.  CTA ``g`` of the
+  ``num_ctas`` owns units ``[P[g], P[g+1])``: the part of each request in that range is one *piece*.
+* The **balanced** cut puts ``P[g]`` at cost position ``g * total / num_ctas`` (rounded to a unit).
+* The **per-request** cut (the static plan's shape: request ``b`` split at multiples of
+  ``split_units``) puts every cut on a multiple of ``split_units`` inside a request, so each request's
+  pieces are fixed ranges of its own tokens.  On full-length batches this is the static plan exactly.
+* ``choose`` mode computes both and keeps the per-request cut unless its busiest CTA has more than
+  ``prefer`` times the busiest balanced CTA's cost (balanced cuts cost a Q reload, a pipeline restart and
+  an fp32 partial per extra piece, which a bandwidth-bound full-length batch does not win back).
+
+A request whose units all fall in one CTA is *direct*: that CTA writes its final output.  A request cut by
+``k >= 2`` CTAs writes ``k`` fp32 partials into consecutive workspace *slots* and the combine kernel merges
+them in order (deterministic).  Each interior cut splits at most one request in two, so at most
+``2 * (num_ctas - 1)`` slots are ever used: the workspace depends on neither the batch size nor the
+lengths.  A request of length 0 has no piece; the combine writes its exact 0 output and ``-inf`` LSE.
+
+Kernel metadata (int32, all computed here):
+
+* ``cta`` ``[num_ctas, 8]``: ``(b_first, tok_first, b_last, tok_end, slot_first, slot_last, 0, 0)``: CTA
+  ``g`` runs requests ``b_first..b_last`` (none if ``b_last < b_first``); the first starts at KV token
+  ``tok_first``, the last ends at token ``tok_end`` (exclusive); the ones between are whole.  The first's
+  and last's fp32 partial slots, ``-1`` for direct.  Requests between them are direct.
+* ``req`` ``[B, 2]``: ``(num_pieces, first_slot)`` per request for the combine (``num_pieces`` 0: empty
+  request, 1: direct, else merge slots ``first_slot .. first_slot + num_pieces - 1``).
+
+:func:`reference_pieces` lists the same pieces in plain numpy for tests.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+UNIT = 128  # KV tokens per schedule unit (one tile pair of the main loops)
+MODES = ("choose", "balanced", "per_request")
+
+
+@dataclasses.dataclass(frozen=True)
+class ScheduleSpec:
+    """Static parameters of a schedule (part of the decode call's trace, never of the kernel compile).
+
+    num_ctas: CTAs per row block of the persistent grid (``num_sms // m_blocks``).
+    capacity: the block table's token capacity (``max_pages * page_size``), the kernel's length clamp.
+    split_units: per-request cut granularity in units (the static plan's tokens per split / ``unit``).
+    fixed_cost: start/drain cost of a piece, in units (FlashMLA: 5 blocks of 64 tokens).
+    mode: ``"choose"`` (per call, on the device), ``"balanced"`` or ``"per_request"``.
+    prefer: the per-request cut is kept while its busiest CTA costs at most ``prefer`` x the balanced one's.
+    """
+
+    num_ctas: int
+    capacity: int
+    split_units: int
+    fixed_cost: int = 3
+    mode: str = "choose"
+    prefer: float = 1.08
+    unit: int = UNIT
+
+    def __post_init__(self):
+        for name in ("num_ctas", "capacity", "split_units", "unit"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"{name}: expected a positive int, got {v!r}")
+        if isinstance(self.fixed_cost, bool) or not isinstance(self.fixed_cost, int) or self.fixed_cost < 0:
+            raise ValueError(f"fixed_cost: expected an int >= 0, got {self.fixed_cost!r}")
+        if self.mode not in MODES:
+            raise ValueError(f"mode: expected one of {MODES}, got {self.mode!r}")
+        if not self.prefer >= 1.0:
+            raise ValueError(f"prefer: expected a float >= 1, got {self.prefer!r}")
+
+    @property
+    def max_slots(self) -> int:
+        """Workspace slots any schedule can use: ``2 * (num_ctas - 1)``, at least 1 (``planner.schedule_slots``)."""
+        from tokenspeed_jax.planner import schedule_slots
+
+        return schedule_slots(self.num_ctas)
+
+
+def _cuts(n, K, T, x, fixed_cost, split_units):
+    """Unit positions of the cuts at cost positions ``x``: the request whose cost range holds ``x``, and the
+    unit inside it past its fixed cost, rounded up to a multiple of ``split_units``."""
+    B = n.shape[0]
+    b = jnp.searchsorted(K[1:], x, side="right", method="compare_all")  # first request whose cost range ends after x
+    bc = jnp.minimum(b, B - 1)
+    t = jnp.clip(x - K[bc] - fixed_cost, 0, n[bc])
+    if split_units > 1:
+        t = jnp.minimum((t + split_units - 1) // split_units * split_units, n[bc])
+    return jnp.where(b < B, T[bc] + t, T[B])
+
+
+def _cta_load(P, T, fixed_cost):
+    """Cost of each CTA's range ``[P[g], P[g+1])``: its units plus ``fixed_cost`` per request it touches."""
+    lo, hi = P[:-1], P[1:]
+    b0 = jnp.searchsorted(T[1:], lo, side="right", method="compare_all")
+    b1 = jnp.searchsorted(T[1:], hi - 1, side="right", method="compare_all")
+    pieces = jnp.where(hi > lo, b1 - b0 + 1, 0)
+    return (hi - lo) + fixed_cost * pieces
+
+
+def decode_schedule(seq_lens: jax.Array, spec: ScheduleSpec) -> tuple[jax.Array, jax.Array]:
+    """``(cta [num_ctas, 8], req [B, 2])`` int32 metadata for ``seq_lens`` (module docstring).  Traceable."""
+    if seq_lens.ndim != 1:
+        raise ValueError(f"seq_lens: expected shape [B], got {seq_lens.shape}")
+    u, G, c = spec.unit, spec.num_ctas, spec.fixed_cost
+    L = jnp.clip(seq_lens.astype(jnp.int32), 0, spec.capacity)
+    n = (L + (u - 1)) // u
+    cost = jnp.where(n > 0, n + c, 0)
+    zero = jnp.zeros((1,), jnp.int32)
+    K = jnp.concatenate([zero, jnp.cumsum(cost, dtype=jnp.int32)])  # cost prefix [B+1]
+    T = jnp.concatenate([zero, jnp.cumsum(n, dtype=jnp.int32)])  # unit prefix [B+1]
+    total = K[-1]
+    g = jnp.arange(G + 1, dtype=jnp.int32)
+    x = g * total // G  # (int32: total * G < 2**31 up to ~16M units, i.e. 2G tokens in a batch)
+    if spec.mode == "balanced":
+        P = _cuts(n, K, T, x, c, 1)
+    elif spec.mode == "per_request":
+        P = _cuts(n, K, T, x, c, spec.split_units)
+    else:
+        Pb = _cuts(n, K, T, x, c, 1)
+        Ps = _cuts(n, K, T, x, c, spec.split_units)
+        lb = jnp.max(_cta_load(Pb, T, c))
+        ls = jnp.max(_cta_load(Ps, T, c))
+        P = jnp.where(ls.astype(jnp.float32) <= spec.prefer * lb.astype(jnp.float32), Ps, Pb)
+    return _metadata(P, n, L, T, spec)
+
+
+def _metadata(P, n, L, T, spec: ScheduleSpec):
+    B, G, u = n.shape[0], spec.num_ctas, spec.unit
+    lo, hi = P[:-1], P[1:]
+    nonempty = hi > lo
+    b_first = jnp.minimum(jnp.searchsorted(T[1:], lo, side="right", method="compare_all"), B - 1)
+    b_last = jnp.minimum(jnp.searchsorted(T[1:], hi - 1, side="right", method="compare_all"), B - 1)
+    tok_first = (lo - T[b_first]) * u
+    tok_end = jnp.minimum((hi - T[b_last]) * u, L[b_last])
+    # per request: the CTAs whose range meets its units, and its slots
+    f = jnp.searchsorted(hi, T[:-1], side="right", method="compare_all")  # first g with P[g+1] > T[b]
+    last = jnp.searchsorted(lo, T[1:], side="left", method="compare_all") - 1  # last g with P[g] < T[b] + n[b]
+    # (empty CTAs, P[g] == P[g+1], may sit between a request's CTAs: count and rank the non-empty ones)
+    ne = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(nonempty, dtype=jnp.int32)])
+    pieces = jnp.where(n > 0, ne[jnp.maximum(last + 1, 0)] - ne[jnp.minimum(f, G)], 0).astype(jnp.int32)
+    split = pieces >= 2
+    used = jnp.where(split, pieces, 0)
+    first_slot = (jnp.cumsum(used, dtype=jnp.int32) - used).astype(jnp.int32)
+
+    def slot_of(b):
+        return jnp.where(split[b], first_slot[b] + ne[:-1] - ne[jnp.minimum(f[b], G)], -1)
+
+    cta = jnp.stack([
+        jnp.where(nonempty, b_first, 1), jnp.where(nonempty, tok_first, 0),
+        jnp.where(nonempty, b_last, 0), jnp.where(nonempty, tok_end, 0),
+        jnp.where(nonempty, slot_of(b_first), -1), jnp.where(nonempty, slot_of(b_last), -1),
+        jnp.zeros((G,), jnp.int32), jnp.zeros((G,), jnp.int32),
+    ], axis=1).astype(jnp.int32)
+    req = jnp.stack([pieces, jnp.where(split, first_slot, -1)], axis=1).astype(jnp.int32)
+    return cta, req
+
+
+def reference_pieces(cta: np.ndarray, req: np.ndarray, seq_lens: np.ndarray, capacity: int):
+    """The pieces a kernel following ``cta`` runs, as ``[(g, b, tok_start, tok_end, slot)]`` (numpy;
+    the walk of the kernel's CTA loop, for tests and the CPU emulation)."""
+    L = np.clip(np.asarray(seq_lens, np.int64), 0, capacity)
+    out = []
+    for g, (b0, t0, b1, t1, s0, s1, _, _) in enumerate(np.asarray(cta)):
+        for b in range(int(b0), int(b1) + 1):
+            start = int(t0) if b == b0 else 0
+            end = int(t1) if b == b1 else int(L[b])
+            if end > start:
+                slot = int(s0) if b == b0 else (int(s1) if b == b1 else -1)
+                out.append((g, b, start, end, slot))
+    return out
+
+
+__all__ = ["MODES", "UNIT", "ScheduleSpec", "decode_schedule", "reference_pieces"]
