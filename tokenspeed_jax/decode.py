@@ -36,9 +36,12 @@ Non-finite values
     (also inside an owned page), pages a request does not own, and under ``causal`` the keys a query token
     cannot see yet (token ``j >= seq_len - S + 1 + i``) may hold anything.  A row that sees no key is
     exactly 0 (LSE ``-inf``) whatever the scales hold, a NaN or infinite ``output_scale`` included.  The
-    ``xla`` backend holds all of it by construction (``backends/xla.py``); kernel backends document how
-    they keep rows past ``seq_len`` and unowned pages out of their products, and the causally masked keys
-    and non-finite scales are checked on the GPU by ``tests/gpu/test_hostile_sm90.py``.
+    ``xla`` backend holds all of it by construction (``backends/xla.py``).  The ``sm90`` kernels hold rows
+    past ``seq_len``, unowned pages and non-finite scales (checked on the GPU by
+    ``tests/gpu/test_hostile_sm90.py``), with one documented exception: the causally masked keys of an MTP
+    step (``seq_len - S + 1 + i <= j < seq_len``) lie inside the request's own length and are read by all of
+    its query rows in one P V matrix product, so a NaN written there reaches the rows that mask it
+    (``0 * NaN``); those keys are the step's own new tokens, which the model has just written.
 """
 
 from __future__ import annotations
