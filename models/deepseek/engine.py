@@ -35,6 +35,7 @@ import numpy as np
 from flax import nnx
 from tokenspeed_jax.models.deepseek.attention import AttentionBatch
 from tokenspeed_jax.models.deepseek.cache import KVCache, PageAllocator
+from tokenspeed_jax.models.deepseek.model import check_token_ids
 
 
 def _slots(block_table, pos, page_size):
@@ -321,6 +322,8 @@ class Engine:
         lens = [len(p) for p in prompts]
         if min(lens) < 1:
             raise ValueError("prompts: expected every prompt to have at least one token")
+        for i, p in enumerate(prompts):
+            check_token_ids(np.asarray(list(p), np.int64), self.config.vocab_size, f"prompts[{i}]")
         C = self.prefill_chunk or max(lens)
         rounds = -(-max(lens) // C)
         outs = [None] * B
@@ -383,6 +386,7 @@ class Engine:
     def decode(self, tokens, positions) -> jax.Array:
         """Teacher-forced decode: ``tokens [B, S]`` at ``positions [B, S]`` -> logits ``[B, S, V]`` float32
         (one ``mla_decode`` call per layer with this S); writes the tokens into the cache."""
+        check_token_ids(np.asarray(tokens), self.config.vocab_size, "tokens")
         self.cache, logits = _decode_step(
             self.graphdef,
             self.state,
@@ -422,6 +426,8 @@ class Engine:
             raise NotImplementedError(
                 "temperature: speculative decoding is greedy only (no rejection sampling)"
             )
+        for i, p in enumerate(prompts):
+            check_token_ids(np.asarray(list(p), np.int64), self.config.vocab_size, f"prompts[{i}]")
         prompts = [[int(t) for t in p] for p in prompts]
         lens = [len(p) for p in prompts]
         extra = max_new_tokens + (2 * k + 1 if k else 0)

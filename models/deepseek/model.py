@@ -24,6 +24,21 @@ from tokenspeed_jax.models.deepseek.layers import MLP, RMSNorm, linear
 from tokenspeed_jax.models.deepseek.moe import MoE
 
 
+def check_token_ids(ids, vocab_size: int, name: str = "input_ids") -> None:
+    """Raise ``ValueError`` naming the first token id outside ``[0, vocab_size)`` (host-side check: an
+    out-of-range id would otherwise gather a clamped / NaN embedding row without any error)."""
+    a = np.asarray(ids)
+    if a.size and not np.issubdtype(a.dtype, np.integer):
+        raise ValueError(f"{name}: expected integer token ids, got dtype {a.dtype}")
+    bad = (a < 0) | (a >= vocab_size)
+    if a.size and bad.any():
+        idx = tuple(int(i) for i in np.argwhere(bad)[0])
+        raise ValueError(
+            f"{name}: token id {int(a[idx])} at index {idx if len(idx) > 1 else idx[0]} is outside the "
+            f"vocabulary [0, {vocab_size})"
+        )
+
+
 class DecoderLayer(nnx.Module):
     def __init__(
         self,
@@ -149,9 +164,11 @@ class DeepseekV3(nnx.Module):
     def logits(self, input_ids) -> jax.Array:
         """Full-sequence causal logits ``[T, vocab]`` float32 of one request ``input_ids [T]`` (int32),
         through the prefill path (``mla_prefill``, no cache)."""
-        ids = jnp.asarray(input_ids, jnp.int32)
+        ids = np.asarray(input_ids)
         if ids.ndim != 1 or ids.shape[0] < 1:
             raise ValueError(f"input_ids: expected a non-empty int32 [T], got shape {tuple(ids.shape)}")
+        check_token_ids(ids, self.config.vocab_size, "input_ids")
+        ids = jnp.asarray(ids, jnp.int32)
         graphdef, state = nnx.split(self)
         return _logits_fn(graphdef, state, ids)
 

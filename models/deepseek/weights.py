@@ -442,17 +442,20 @@ def _hf_name(path: tuple, expert: int | None = None, num_layers: int = 0) -> str
 
 
 # ------------------------------------------------------------------------------------------ writing
-def model_to_hf_tensors(model, *, fp8: bool = False) -> dict[str, np.ndarray]:
-    """Our parameters as a ``{published name: float32 (or e4m3 + scale) array}`` dict.
+def model_to_hf_tensors(model, *, fp8: bool = False, dtype=None) -> dict[str, np.ndarray]:
+    """Our parameters as a ``{published name: array (or e4m3 + scale)}`` dict.
 
-    With ``fp8`` every linear weight except embeddings, heads and the router is block-quantised as
-    DeepSeek ships them (``F8_E4M3`` + ``weight_scale_inv``)."""
+    Arrays keep each parameter's own dtype (a bf16 model writes BF16, the float32 router stays F32) unless
+    ``dtype`` is given, which converts every floating tensor that is not FP8-quantised to it.  With ``fp8``
+    every linear weight except embeddings, heads and the router is block-quantised as DeepSeek ships them
+    (``F8_E4M3`` + ``weight_scale_inv``)."""
     config = model.config
     out: dict[str, np.ndarray] = {}
     L = config.num_hidden_layers
     block = config.fp8_block_size or (128, 128)
     for p, v in nnx.to_flat_state(nnx.state(model, nnx.Param)):
-        a = np.asarray(jax.device_get(v.get_value()), np.float32)
+        a = np.asarray(jax.device_get(v.get_value()))
+        tdt = np.dtype(a.dtype) if dtype is None else np.dtype(dtype)
         tr = p[-1] == "kernel" or p[-2:-1] == ("experts",)
         names_arrays = []
         if p[-2:-1] == ("experts",):
@@ -473,17 +476,22 @@ def model_to_hf_tensors(model, *, fp8: bool = False) -> dict[str, np.ndarray]:
                 q, s = quantize_fp8_block(arr, block)
                 out[n], out[n + "_scale_inv"] = q, s
             else:
-                out[n] = np.ascontiguousarray(arr)
+                out[n] = np.ascontiguousarray(arr.astype(tdt))
     return out
 
 
-def save_checkpoint(model, path: str | os.PathLike, *, fp8: bool = False, num_shards: int = 2) -> None:
-    """Write ``config.json``, sharded safetensors and ``model.safetensors.index.json`` (published names)."""
+def save_checkpoint(
+    model, path: str | os.PathLike, *, fp8: bool = False, dtype=None, num_shards: int = 2
+) -> None:
+    """Write ``config.json``, sharded safetensors and ``model.safetensors.index.json`` (published names).
+
+    Tensors keep the model's parameter dtypes (bf16 stays bf16) unless ``dtype`` names another one
+    (e.g. ``jnp.float32``); ``fp8=True`` writes DeepSeek's e4m3 + 128x128 ``weight_scale_inv`` format."""
     from tokenspeed_jax.models.deepseek.config import QuantizationConfig
 
     path = os.fspath(path)
     os.makedirs(path, exist_ok=True)
-    tensors = model_to_hf_tensors(model, fp8=fp8)
+    tensors = model_to_hf_tensors(model, fp8=fp8, dtype=dtype)
     config = model.config.replace(quantization_config=QuantizationConfig() if fp8 else None)
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump(config.to_dict(), f, indent=1)
