@@ -51,12 +51,14 @@ class MTPLayer(DecoderLayer):
         kw = {"dtype": dtype, "param_dtype": param_dtype}
         self.enorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps, **kw)
         self.hnorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps, **kw)
-        self.eh_proj = linear(2 * config.hidden_size, config.hidden_size, rngs=rngs, **kw)
+        self.eh_proj = linear(
+            2 * config.hidden_size, config.hidden_size, rngs=rngs, fp8_block=config.fp8_block_size, **kw
+        )
         self.shared_head = SharedHead(config, rngs=rngs, **kw)
 
-    def __call__(self, emb: jax.Array, prev_hidden: jax.Array, batch, kv_cache=None, k_scale=None):
+    def __call__(self, emb: jax.Array, prev_hidden: jax.Array, batch, kv=None, k_scale=None, layer=0):
         x = self.eh_proj(jnp.concatenate([self.enorm(emb), self.hnorm(prev_hidden)], axis=-1))
-        return super().__call__(x, batch, kv_cache, k_scale)
+        return super().__call__(x, batch, kv, k_scale, layer)
 
     def logits(self, h: jax.Array) -> jax.Array:
         return self.shared_head(h)
