@@ -68,11 +68,20 @@ class KVCache:
         dtype=jnp.bfloat16,
         k_scale: float = 1.0,
         fill: float = 0.0,
+        mesh=None,
     ) -> KVCache:
-        """Zero-filled (or ``fill``-ed, e.g. NaN in tests) caches for every main and MTP layer."""
+        """Zero-filled (or ``fill``-ed, e.g. NaN in tests) caches for every main and MTP layer; on a
+        ``mesh`` created in place with its NamedSharding (pages over ``data``)."""
         n = config.num_hidden_layers + config.num_nextn_predict_layers
         shape = (num_pages, n, page_size, config.kv_cache_dim)
-        return cls(kv=jnp.full(shape, fill, dtype), k_scale=jnp.asarray(k_scale, jnp.float32))
+        if mesh is None:
+            kv = jnp.full(shape, fill, dtype)
+        else:
+            from jax.sharding import NamedSharding
+            from tokenspeed_jax.models.deepseek.parallel import cache_spec
+
+            kv = jax.jit(lambda: jnp.full(shape, fill, dtype), out_shardings=NamedSharding(mesh, cache_spec(mesh)))()
+        return cls(kv=kv, k_scale=jnp.asarray(k_scale, jnp.float32))
 
 
 class PageAllocator:

@@ -36,6 +36,7 @@ from flax import nnx
 from tokenspeed_jax.models.deepseek.attention import AttentionBatch
 from tokenspeed_jax.models.deepseek.cache import KVCache, PageAllocator
 from tokenspeed_jax.models.deepseek.model import check_token_ids
+from tokenspeed_jax.models.deepseek.parallel import ShardedPages, data_size
 
 
 def _slots(block_table, pos, page_size):
@@ -296,10 +297,15 @@ class Engine:
         """Fresh cache and allocator with room for requests of the given total lengths."""
         ps = self.page_size
         self.max_pages = max(-(-n // ps) for n in lengths)
-        num_pages = sum(-(-n // ps) for n in lengths) + 1
-        self.allocator = PageAllocator(num_pages, ps, shuffle=self.shuffle_pages, seed=self.seed)
-        for r, n in enumerate(lengths):
-            self.allocator.allocate(r, n)
+        mesh = getattr(self.model, "mesh", None)
+        if data_size(mesh) > 1:  # DP attention: each data rank owns its requests' pages (local ids)
+            self.allocator = ShardedPages(lengths, ps, data_size(mesh), shuffle=self.shuffle_pages, seed=self.seed)
+            num_pages = self.allocator.num_pages
+        else:
+            num_pages = sum(-(-n // ps) for n in lengths) + 1
+            self.allocator = PageAllocator(num_pages, ps, shuffle=self.shuffle_pages, seed=self.seed)
+            for r, n in enumerate(lengths):
+                self.allocator.allocate(r, n)
         self.block_table = jnp.asarray(self.allocator.block_table(list(range(len(lengths))), self.max_pages))
         self.cache = KVCache.create(
             self.config,
@@ -308,6 +314,7 @@ class Engine:
             dtype=self.kv_dtype,
             k_scale=self.k_scale,
             fill=self.cache_fill,
+            mesh=mesh,
         )
 
     def _bucket(self, n: int) -> int:
@@ -331,7 +338,12 @@ class Engine:
             starts = [min(r * C, n) for n in lens]
             ends = [min((r + 1) * C, n) for n in lens]
             counts = [e - s for s, e in zip(starts, ends)]
-            T = self._bucket(sum(counts))
+            # DP attention: requests of data rank d are packed in slab d (rows d*Tl ..), with their own
+            # offsets (cu = n concatenated [B/n + 1] arrays); n = 1 is the ordinary packed batch.
+            nd = data_size(getattr(self.model, "mesh", None))
+            Bl = B // nd
+            Tl = self._bucket(max(sum(counts[d * Bl : (d + 1) * Bl]) for d in range(nd)))
+            T = nd * Tl
             ids = np.zeros(T, np.int32)
             nxt = np.zeros(T, np.int32)
             positions = np.zeros(T, np.int32)
@@ -339,9 +351,11 @@ class Engine:
             is_last = np.zeros(T, bool)
             row_req = np.zeros(T, np.int32)
             last_row = np.zeros(B, np.int32)
-            cu = np.zeros(B + 1, np.int32)
+            cu = np.zeros(nd * (Bl + 1), np.int32)
             o = 0
             for b, (s, e) in enumerate(zip(starts, ends)):
+                if b % Bl == 0:
+                    o = (b // Bl) * Tl
                 n = e - s
                 ids[o : o + n] = prompts[b][s:e]
                 nxt[o : o + n] = list(prompts[b][s + 1 : e + 1]) + [0] * (n - len(prompts[b][s + 1 : e + 1]))
@@ -352,7 +366,7 @@ class Engine:
                     is_last[o + n - 1] = True
                 last_row[b] = o + n - 1 if n else 0
                 o += n
-                cu[b + 1] = o
+                cu[(b // Bl) * (Bl + 1) + b % Bl + 1] = o - (b // Bl) * Tl
             ctx = np.asarray(starts, np.int32)
             cap = self._bucket(int(ctx.sum())) if r > 0 else 0
             self.cache, logits, d1, mh = _prefill_step(
@@ -429,6 +443,8 @@ class Engine:
         for i, p in enumerate(prompts):
             check_token_ids(np.asarray(list(p), np.int64), self.config.vocab_size, f"prompts[{i}]")
         prompts = [[int(t) for t in p] for p in prompts]
+        n_real = len(prompts)
+        prompts = prompts + [[0]] * (-n_real % data_size(getattr(self.model, "mesh", None)))  # DP: whole ranks
         lens = [len(p) for p in prompts]
         extra = max_new_tokens + (2 * k + 1 if k else 0)
         self.reset([n + extra for n in lens])
@@ -479,7 +495,7 @@ class Engine:
             out = np.asarray(first)[:, None]
         res.decode_s = time.perf_counter() - t1
         res.decode_tokens = len(prompts) * (max_new_tokens - 1)
-        res.tokens = [list(map(int, row[:max_new_tokens])) for row in out]
+        res.tokens = [list(map(int, row[:max_new_tokens])) for row in out][:n_real]
         return res
 
 

@@ -117,6 +117,7 @@ class DeepseekV3(nnx.Module):
 
         self.config = config
         self.dtype = dtype
+        self.mesh = None  # a jax.sharding.Mesh once placed on one (parallel.py); static, part of the graphdef
         kw = {"dtype": dtype, "param_dtype": param_dtype, "rngs": rngs}
         self.embed_tokens = nnx.Embed(
             config.vocab_size,
@@ -186,11 +187,13 @@ class DeepseekV3(nnx.Module):
         for path, v in flat.items():
             a = np.asarray(values[path]).astype(v.dtype)
             v.set_value(jax.device_put(a, param_sharding(path, a.shape, mesh)))
+        model.mesh = mesh
         return model
 
     def __call__(self, input_ids: jax.Array, batch: AttentionBatch, cache: KVCache | None = None):
         """Main model over packed tokens ``input_ids [T]`` -> ``(hidden [T, hidden] after the final norm,
         new cache)``; ``cache=None`` runs attention without any cache (prefill mode only)."""
+        batch = batch.replace(mesh=self.mesh)
         h = self.embed_tokens(input_ids)
         if self.dense_layers is not None:
             h, cache = run_stack(self.dense_layers, 0, h, batch, cache)
@@ -215,6 +218,7 @@ class DeepseekV3(nnx.Module):
         model's final-norm output for the first draft).  Returns ``(mtp hidden [T, hidden], logits [T, V],
         new cache)``; the layer uses cache ``num_hidden_layers + depth``."""
         li = self.config.num_hidden_layers + depth
+        batch = batch.replace(mesh=self.mesh)
         emb = self.embed_tokens(next_ids)
         # Position 0's embedding input is zeroed, as vLLM/SGLang do for DeepSeek's MTP.
         emb = jnp.where((batch.positions == 0)[:, None], jnp.zeros((), emb.dtype), emb)
@@ -237,11 +241,17 @@ class DeepseekV3(nnx.Module):
 def _logits_fn(graphdef, state, ids):
     model = nnx.merge(graphdef, state)
     T = ids.shape[0]
+    nd = 1 if model.mesh is None else model.mesh.shape.get("data", 1)
+    # DP attention: the request in data rank 0's slab, the other slabs empty (parallel.py's layout)
+    cu = np.zeros(2 * nd, np.int32)
+    cu[1] = T
+    pos = jnp.arange(T, dtype=jnp.int32)
     batch = AttentionBatch(
-        positions=jnp.arange(T, dtype=jnp.int32),
-        cu_seqlens_q=jnp.asarray(np.array([0, T], np.int32)),
+        positions=jnp.concatenate([pos, jnp.zeros(((nd - 1) * T,), jnp.int32)]),
+        cu_seqlens_q=jnp.asarray(cu),
         mode="prefill",
         max_seqlen_q=T,
     )
+    ids = jnp.concatenate([ids, jnp.zeros(((nd - 1) * T,), jnp.int32)])
     h, _ = model(ids, batch, None)
-    return model.lm_logits(h)
+    return model.lm_logits(h[:T])

@@ -111,3 +111,46 @@ def shard_model(model, mesh: Mesh):
     for p, v in nnx.to_flat_state(nnx.state(model, nnx.Param)):
         v.set_value(jax.device_put(v.get_value(), param_sharding(p, tuple(v.shape), mesh)))
     return model
+
+
+def data_size(mesh: Mesh | None) -> int:
+    return 1 if mesh is None else int(mesh.shape.get("data", 1))
+
+
+class ShardedPages:
+    """DP attention's page allocator: request ``b`` of a batch of ``B`` (a multiple of ``n``) lives on data
+    rank ``b // (B / n)``, which owns pages ``[d * P/n, (d+1) * P/n)`` of the cache; block tables and slots
+    use **shard-local** page ids (the layout of :func:`tokenspeed_jax.sharding.sharded_mla_decode` with
+    ``cache_sharding="pages"``).  Same interface as :class:`~.cache.PageAllocator`."""
+
+    def __init__(self, lengths: list[int], page_size: int, n: int, *, shuffle: bool = False, seed: int = 0):
+        from tokenspeed_jax.models.deepseek.cache import PageAllocator
+
+        B = len(lengths)
+        if B % n:
+            raise ValueError(f"batch: expected a multiple of the data axis ({n}) requests, got {B}")
+        self.per_req = B // n
+        need = [
+            sum(-(-lengths[b] // page_size) for b in range(d * self.per_req, (d + 1) * self.per_req)) + 1
+            for d in range(n)
+        ]
+        self.local_pages = max(need)
+        self.num_pages = n * self.local_pages
+        self.page_size = page_size
+        self.shards = [
+            PageAllocator(self.local_pages, page_size, shuffle=shuffle, seed=seed + d) for d in range(n)
+        ]
+        for b, length in enumerate(lengths):
+            self.allocate(b, length)
+
+    def _shard(self, request: int):
+        return self.shards[request // self.per_req]
+
+    def allocate(self, request: int, num_tokens: int) -> list[int]:
+        return self._shard(request).allocate(request, num_tokens)
+
+    def slots(self, request: int, positions) -> np.ndarray:
+        return self._shard(request).slots(request, positions)
+
+    def block_table(self, requests: list[int], max_pages: int) -> np.ndarray:
+        return np.concatenate([self._shard(r).block_table([r], max_pages) for r in requests])

@@ -451,6 +451,7 @@ def load_checkpoint(
         sharding = param_sharding(p, tuple(v.shape), mesh)
         src = lazy[p]
         v.set_value(jax.make_array_from_callback(tuple(v.shape), sharding, lambda s, src=src: src.read(s)))
+    model.mesh = mesh
     return model
 
 
