@@ -70,10 +70,17 @@ class DecoderLayer(nnx.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps, **kw)
 
     def __call__(self, h, batch: AttentionBatch, kv=None, k_scale=None, layer=0):
-        a, kv = self.self_attn(self.input_layernorm(h), batch, kv, k_scale, layer)
+        # named scopes: the benchmark's profile breakdown (attention / moe / dense_mlp / rest) reads them
+        with jax.named_scope("attention"):
+            a, kv = self.self_attn(self.input_layernorm(h), batch, kv, k_scale, layer)
         h = h + a
         x = self.post_attention_layernorm(h)
-        h = h + (self.mlp(x, batch.mesh) if self.is_moe else self.mlp(x))
+        if self.is_moe:
+            with jax.named_scope("moe"):
+                h = h + self.mlp(x, batch.mesh)
+        else:
+            with jax.named_scope("dense_mlp"):
+                h = h + self.mlp(x)
         return h, kv
 
 

@@ -34,9 +34,6 @@ def main(spec="data=8", batch=16, context=4096, page_size=64, k=1):
     model = nnx.eval_shape(lambda: DeepseekV3(cfg, dtype=jnp.bfloat16, param_dtype=jnp.bfloat16, rngs=nnx.Rngs(0)))
     model.mesh = mesh
     graphdef, state = nnx.split(model)
-    state = jax.tree.map(
-        lambda x: x, state
-    )
     flat = nnx.to_flat_state(state)
     w_bytes = 0
     for p, v in flat:
