@@ -24,7 +24,8 @@ On a mesh (``batch.mesh``, axes ``data`` / ``tensor`` / ``expert``) the MLA cust
 kernels are split by heads, so q, the expanded k/v and the attention output stay head-sharded and
 ``o_proj``'s row split ends in one all-reduce), requests split over ``data`` (DP attention: each data rank
 holds its own pages of the cache, block tables and slots are shard-local, prefill rows come as per-shard
-slabs, :func:`tokenspeed_jax.sharding.split_varlen_batch`'s layout).  An FP8 (e4m3) cache stores ``x / k_scale``; decode
+slabs, :func:`tokenspeed_jax.sharding.split_varlen_batch`'s layout).
+An FP8 (e4m3) cache stores ``x / k_scale``; decode
 queries are quantised with a per-call dynamic scale ``q_scale = max|q| / 448`` and the scales are folded into
 ``softmax_scale`` / ``output_scale`` as the decode contract prescribes.
 """

@@ -80,7 +80,8 @@ class KVCache:
             from jax.sharding import NamedSharding
             from tokenspeed_jax.models.deepseek.parallel import cache_spec
 
-            kv = jax.jit(lambda: jnp.full(shape, fill, dtype), out_shardings=NamedSharding(mesh, cache_spec(mesh)))()
+            sharding = NamedSharding(mesh, cache_spec(mesh))
+            kv = jax.jit(lambda: jnp.full(shape, fill, dtype), out_shardings=sharding)()
         return cls(kv=kv, k_scale=jnp.asarray(k_scale, jnp.float32))
 
 

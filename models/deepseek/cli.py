@@ -84,9 +84,15 @@ def _parser() -> argparse.ArgumentParser:
         help="print the bytes per device (weights, KV cache, peak activations) for the config / mesh / "
         "batch / context and exit (status 2 if it does not fit); nothing is loaded",
     )
-    p.add_argument("--context", type=int, default=None, help="--plan: tokens per request (default prompt + new)")
-    p.add_argument("--prefill-tokens", type=int, default=None, help="--plan: tokens of one prefill step per data rank")
-    p.add_argument("--device-memory-gib", type=float, default=None, help="--plan: device memory (default H200)")
+    p.add_argument(
+        "--context", type=int, default=None, help="--plan: tokens per request (default prompt + new)"
+    )
+    p.add_argument(
+        "--prefill-tokens", type=int, default=None, help="--plan: tokens of one prefill step per data rank"
+    )
+    p.add_argument(
+        "--device-memory-gib", type=float, default=None, help="--plan: device memory (default H200)"
+    )
     return p
 
 
@@ -95,7 +101,10 @@ def _plan_main(args) -> int:
     from tokenspeed_jax.models.deepseek.parallel import parse_mesh
     from tokenspeed_jax.models.deepseek.plan import H200_BYTES, plan
 
-    cfg = DeepseekV3Config.from_json(args.checkpoint) if args.checkpoint else DeepseekV3Config.preset(args.preset)
+    if args.checkpoint:
+        cfg = DeepseekV3Config.from_json(args.checkpoint)
+    else:
+        cfg = DeepseekV3Config.preset(args.preset)
     dtype = jnp.float32 if args.dtype == "float32" else jnp.bfloat16
     kv = None if args.kv_dtype == "auto" else jnp.dtype(args.kv_dtype)
     k = args.num_speculative_tokens if args.num_speculative_tokens is not None else 1

@@ -299,7 +299,9 @@ class Engine:
         self.max_pages = max(-(-n // ps) for n in lengths)
         mesh = getattr(self.model, "mesh", None)
         if data_size(mesh) > 1:  # DP attention: each data rank owns its requests' pages (local ids)
-            self.allocator = ShardedPages(lengths, ps, data_size(mesh), shuffle=self.shuffle_pages, seed=self.seed)
+            self.allocator = ShardedPages(
+                lengths, ps, data_size(mesh), shuffle=self.shuffle_pages, seed=self.seed
+            )
             num_pages = self.allocator.num_pages
         else:
             num_pages = sum(-(-n // ps) for n in lengths) + 1
@@ -444,7 +446,8 @@ class Engine:
             check_token_ids(np.asarray(list(p), np.int64), self.config.vocab_size, f"prompts[{i}]")
         prompts = [[int(t) for t in p] for p in prompts]
         n_real = len(prompts)
-        prompts = prompts + [[0]] * (-n_real % data_size(getattr(self.model, "mesh", None)))  # DP: whole ranks
+        # DP attention: pad with one-token requests to whole data ranks
+        prompts = prompts + [[0]] * (-n_real % data_size(getattr(self.model, "mesh", None)))
         lens = [len(p) for p in prompts]
         extra = max_new_tokens + (2 * k + 1 if k else 0)
         self.reset([n + extra for n in lens])

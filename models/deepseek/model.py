@@ -97,7 +97,7 @@ def layer_stack(config: DeepseekV3Config, first: int, count: int, *, rngs: nnx.R
 
 
 def run_stack(stack: DecoderLayer, first: int, h, batch: AttentionBatch, cache: KVCache | None):
-    """``jax.lax.scan`` of a :func:`layer_stack` over its layers (global indices ``first, first + 1, ...``)."""
+    """``jax.lax.scan`` of a :func:`layer_stack` over its layers (global indices from ``first``)."""
     graphdef, state = nnx.split(stack)
     n = jax.tree.leaves(state)[0].shape[0]
     kv = None if cache is None else cache.kv
@@ -137,7 +137,8 @@ class DeepseekV3(nnx.Module):
         L = config.num_hidden_layers
         self.num_dense = min(config.first_k_dense_replace, L) if config.n_routed_experts > 0 else L
         self.dense_layers = layer_stack(config, 0, self.num_dense, **kw) if self.num_dense else None
-        self.moe_layers = layer_stack(config, self.num_dense, L - self.num_dense, **kw) if L > self.num_dense else None
+        n_moe = L - self.num_dense
+        self.moe_layers = layer_stack(config, self.num_dense, n_moe, **kw) if n_moe else None
         self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps, **kw)
         self.lm_head = linear(config.hidden_size, config.vocab_size, **kw)
         self.mtp = nnx.List(

@@ -7,7 +7,8 @@ decoder block (``self_attn``, ``mlp`` (MoE), ``input_layernorm``, ``post_attenti
 not loaded (the main ``embed_tokens`` is used).
 
 At position ``i`` the layer combines the previous depth's hidden state ``h_i`` and the embedding of token
-``t_{i+1}``: ``x = eh_proj([enorm(emb(t_{i+1})) | hnorm(h_i)])`` (vLLM/SGLang order; like them, the embedding input at
+``t_{i+1}``: ``x = eh_proj([enorm(emb(t_{i+1})) | hnorm(h_i)])`` (vLLM/SGLang order; like them, the embedding
+input at
 position 0 is zeroed), runs the decoder
 block (with its own paged latent cache) and predicts ``t_{i+2}`` through ``shared_head``.  For the first
 depth ``h_i`` is the main model's final-norm output (as vLLM feeds it); chained drafts (k > 1 with one

@@ -34,7 +34,9 @@ def parse_mesh(spec: str) -> dict[str, int]:
     out = dict.fromkeys(AXES, 1)
     for part in filter(None, (p.strip() for p in spec.split(","))):
         if "=" not in part:
-            raise ValueError(f"mesh: expected 'axis=size' items separated by commas, got {part!r} in {spec!r}")
+            raise ValueError(
+                f"mesh: expected 'axis=size' items separated by commas, got {part!r} in {spec!r}"
+            )
         k, v = (x.strip() for x in part.split("=", 1))
         if k not in AXES:
             raise ValueError(f"mesh: expected axes among {AXES}, got {k!r} in {spec!r}")

@@ -118,8 +118,10 @@ class Plan:
             f"plan: mesh {self.mesh}, batch {self.batch}, context {self.context}, prefill "
             f"{self.prefill_tokens} tokens per data rank, MTP k = {self.num_speculative_tokens}, "
             f"KV cache {self.kv_dtype}",
-            f"  weights      {_gib(self.weight_bytes):>12} per device ({_gib(self.weight_bytes_total)} in all)",
-            f"  KV cache     {_gib(self.kv_cache_bytes):>12} per device ({self.num_pages} pages per data rank)",
+            f"  weights      {_gib(self.weight_bytes):>12} per device "
+            f"({_gib(self.weight_bytes_total)} in all)",
+            f"  KV cache     {_gib(self.kv_cache_bytes):>12} per device "
+            f"({self.num_pages} pages per data rank)",
             f"  activations  {_gib(self.activation_bytes):>12} per device (peak estimate: "
             + ", ".join(f"{k} {_gib(v)}" for k, v in self.activation_detail.items()) + ")",
             f"  total        {_gib(self.total_bytes):>12} of {_gib(self.usable_bytes)} usable "
@@ -212,7 +214,8 @@ def plan(
 
     def step(T: int) -> dict[str, int]:
         hidden = 6 * T * D * 4  # residual, norms, attention / MLP outputs (float32 upper bound)
-        attn = T * H * (2 * c.qk_head_dim + 2 * c.v_head_dim) * b + T * (c.q_lora_rank or 0 + c.kv_cache_dim) * 4
+        attn = T * H * (2 * c.qk_head_dim + 2 * c.v_head_dim) * b
+        attn += T * ((c.q_lora_rank or 0) + c.kv_cache_dim) * 4  # latent q / kv rows
         Tg = T * d  # the MoE all-gathers the tokens of the data group
         moe = Tg * K * (2 * D * b + 3 * I * b + D * 4) + Tg * D * 4 if c.n_routed_experts else 0
         dense = T * c.intermediate_size * 3 * b

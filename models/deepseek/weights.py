@@ -202,7 +202,9 @@ def _leaf_name(leaf: str, expert: int | None) -> str:
     return leaf
 
 
-def _hf_name(path: tuple, index: tuple = (), config: DeepseekV3Config | None = None, num_dense: int = 0) -> str:
+def _hf_name(
+    path: tuple, index: tuple = (), config: DeepseekV3Config | None = None, num_dense: int = 0
+) -> str:
     """Published name of element ``index`` (leading stacked axes: layer, then expert) of parameter ``path``.
 
     ``dense_layers`` element l is ``model.layers.{l}``, ``moe_layers`` element l is
@@ -392,7 +394,8 @@ def load_checkpoint(
         if n in scale_params:
             continue
         if n not in where:
-            raise CheckpointError(f"{path}: missing tensor {n} (parameter {'.'.join(map(str, p))}{list(idx)})")
+            pname = ".".join(map(str, p))
+            raise CheckpointError(f"{path}: missing tensor {n} (parameter {pname}{list(idx)})")
         shard = where[n]
         f = shards[shard]
         dt = f.dtype_name(n)
@@ -410,14 +413,18 @@ def load_checkpoint(
                 n_bad = sum(
                     1
                     for m in where
-                    if m in names and m + "_scale_inv" not in where and shards[where[m]].dtype_name(m) == "F8_E4M3"
+                    if m in names
+                    and m + "_scale_inv" not in where
+                    and shards[where[m]].dtype_name(m) == "F8_E4M3"
                 )
                 raise CheckpointError(
                     f"{n} in {shard}: FP8 (F8_E4M3) weight without {sname}; {n_bad} such weight(s)"
                 )
             sf = shards[where[sname]]
             if sf.dtype_name(sname) != "F32":
-                raise CheckpointError(f"{sname} in {where[sname]}: expected dtype F32, got {sf.dtype_name(sname)}")
+                raise CheckpointError(
+                    f"{sname} in {where[sname]}: expected dtype F32, got {sf.dtype_name(sname)}"
+                )
             o, i = f.shape(n)
             exp_s = (-(-o // block[0]), -(-i // block[1]))
             if sf.shape(sname) != exp_s:
