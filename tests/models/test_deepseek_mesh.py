@@ -9,6 +9,8 @@ partial sums per layer); greedy tokens equal (float32)."""
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -45,15 +47,20 @@ def close(got, want, dtype):
     np.testing.assert_allclose(np.asarray(got, np.float32), want, rtol=0, atol=tol * np.abs(want).max())
 
 
-@pytest.mark.parametrize(
-    "spec",
-    ["tensor=8", "tensor=2,expert=4", "expert=8", "data=8", "data=2,tensor=2,expert=2"],
-)
-def test_sharded_equals_unsharded(reference, spec):
+MESHES = ["tensor=8", "tensor=2,expert=4", "expert=8", "data=8", "data=2,tensor=2,expert=2"]
+
+
+@functools.lru_cache(maxsize=None)
+def sharded_model(spec):
+    return DeepseekV3.random(CFG, std=0.1, seed=1, mesh=make_mesh(spec))
+
+
+@pytest.mark.parametrize("spec", MESHES)
+def test_sharded_logits_and_greedy(reference, spec):
     want, greedy = reference
-    mesh = make_mesh(spec)
-    m = DeepseekV3.random(CFG, std=0.1, seed=1, mesh=mesh)
-    t = parse_mesh(spec)["tensor"]
+    m = sharded_model(spec)
+    mesh = m.mesh
+    t, d = parse_mesh(spec)["tensor"], parse_mesh(spec)["data"]
     attn = m.moe_layers.self_attn
     assert attn.q_b_proj.kernel.sharding.spec == P(None, None, "tensor" if t > 1 else None)
     assert attn.o_proj.kernel.sharding.spec == P(None, "tensor" if t > 1 else None, None)
@@ -63,18 +70,24 @@ def test_sharded_equals_unsharded(reference, spec):
     close(m.logits(IDS), want, jnp.float32)
     eng = Engine(m, backend="xla", cache_fill=float("nan"))
     assert eng.generate(PROMPTS, NEW).tokens == greedy
-    d = parse_mesh(spec)["data"]
     assert eng.cache.kv.sharding.is_equivalent_to(
         NamedSharding(mesh, P("data" if d > 1 else None)), eng.cache.kv.ndim
     )
-    out = Engine(m, backend="xla", cache_fill=float("nan")).generate(PROMPTS, NEW, num_speculative_tokens=1)
-    assert out.tokens == greedy
+
+
+@pytest.mark.parametrize("spec", MESHES)
+def test_sharded_mtp_greedy(reference, spec):
+    _, greedy = reference
+    eng = Engine(sharded_model(spec), backend="xla", cache_fill=float("nan"))
+    out = eng.generate(PROMPTS, NEW, num_speculative_tokens=1)
+    assert out.tokens == greedy and out.draft_tokens > 0
 
 
 def test_bf16_and_fp8_weights_on_a_mesh():
     """bf16 within its tolerance; FP8 block weights (e4m3 + scales, split like their kernels) too."""
     mesh = make_mesh("tensor=2,expert=4")
-    for cfg in (CFG, CFG.replace(quantization_config=DeepseekV3Config.preset("deepseek-r1").quantization_config)):
+    qc = DeepseekV3Config.preset("deepseek-r1").quantization_config
+    for cfg in (CFG, CFG.replace(quantization_config=qc)):
         ref = DeepseekV3.random(cfg, dtype=jnp.bfloat16, std=0.1, seed=2)
         got = DeepseekV3.random(cfg, dtype=jnp.bfloat16, std=0.1, seed=2, mesh=mesh)
         close(got.logits(IDS), np.asarray(ref.logits(IDS), np.float32), jnp.bfloat16)
