@@ -459,7 +459,7 @@ class Engine:
         first.block_until_ready()
         t1 = time.perf_counter()
         pos0 = jnp.asarray(np.asarray(lens, np.int32))
-        res = GenerateOutput(tokens=[], prefill_tokens=sum(lens), prefill_s=t1 - t0)
+        res = GenerateOutput(tokens=[], prefill_tokens=sum(lens[:n_real]), prefill_s=t1 - t0)
         if k:
             self.cache, out, rounds, accepted = _spec_loop(
                 self.graphdef,
@@ -497,7 +497,7 @@ class Engine:
         else:
             out = np.asarray(first)[:, None]
         res.decode_s = time.perf_counter() - t1
-        res.decode_tokens = len(prompts) * (max_new_tokens - 1)
+        res.decode_tokens = n_real * (max_new_tokens - 1)
         res.tokens = [list(map(int, row[:max_new_tokens])) for row in out][:n_real]
         return res
 
