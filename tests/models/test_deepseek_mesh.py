@@ -112,6 +112,19 @@ def test_loader_places_each_shard(tmp_path):
         np.asarray(kv_b, np.float32), np.asarray(ref.moe_layers.self_attn.kv_b_proj.kernel, np.float32)
     )
     close(m.logits(IDS), np.asarray(ref.logits(IDS)), jnp.float32)
+    # the plan's weight bytes per device are the bytes device 0 actually holds
+    from flax import nnx
+    from tokenspeed_jax.models.deepseek.plan import plan
+
+    dev = jax.devices()[0]
+    held = sum(
+        s.data.nbytes
+        for _, v in nnx.to_flat_state(nnx.state(m, nnx.Param))
+        for s in v.get_value().addressable_shards
+        if s.device == dev
+    )
+    p = plan(m.config, dict(mesh.shape), batch=2, context=32, dtype=jnp.float32)
+    assert p.weight_bytes == held
 
 
 def test_mesh_spec_errors():
