@@ -14,9 +14,18 @@ Two forms of the same attention (documented decision, as in vLLM/SGLang):
   :func:`tokenspeed_jax.mla_decode`: ``q_nope`` is multiplied by ``W_UK`` into the 512-dim latent, the
   output latent is mapped back by ``W_UV``; keys and values are the cache rows themselves.
 
-Every call writes its new tokens' ``[kv_c | k_pe]`` rows into the layer's paged cache with
-:func:`tokenspeed_jax.concat_and_cache_mla` (rows layout: :mod:`tokenspeed_jax.decode`) and returns the
-new cache: the cache is data passed in and returned.  An FP8 (e4m3) cache stores ``x / k_scale``; decode
+Every call writes its new tokens' ``[kv_c | k_pe]`` rows into the layer's pages of the model's one paged
+cache (``[num_pages, num_layers, page_size, D]``, :mod:`tokenspeed_jax.models.deepseek.cache`) with
+:func:`tokenspeed_jax.concat_and_cache_mla` and returns the new cache: the cache is data passed in and
+returned.
+
+On a mesh (``batch.mesh``, axes ``data`` / ``tensor`` / ``expert``) the MLA custom calls run under
+``shard_map`` through :mod:`tokenspeed_jax.sharding`: heads split over ``tensor`` (the projections'
+kernels are split by heads, so q, the expanded k/v and the attention output stay head-sharded and
+``o_proj``'s row split ends in one all-reduce), requests split over ``data`` (DP attention: each data rank
+holds its own pages of the cache, block tables and slots are shard-local, prefill rows come as per-shard
+slabs, :func:`tokenspeed_jax.sharding.split_varlen_batch`'s layout).
+An FP8 (e4m3) cache stores ``x / k_scale``; decode
 queries are quantised with a per-call dynamic scale ``q_scale = max|q| / 448`` and the scales are folded into
 ``softmax_scale`` / ``output_scale`` as the decode contract prescribes.
 """
@@ -28,11 +37,14 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 from flax import nnx, struct
+from jax.sharding import PartitionSpec as P
+from tokenspeed_jax.models.deepseek.cache import layer_pages, layer_slots
 from tokenspeed_jax.models.deepseek.config import DeepseekV3Config
 from tokenspeed_jax.models.deepseek.layers import RMSNorm, linear
 from tokenspeed_jax.models.deepseek.rope import apply_rope, rope_cos_sin, rope_frequencies
 
 import tokenspeed_jax as ts
+from tokenspeed_jax import sharding as tsh
 
 E4M3_MAX = 448.0
 
@@ -51,6 +63,9 @@ class AttentionBatch:
       ``sum(context_lens)``; ``context_lens is None`` means no context.
     decode: ``T = B * q_len`` rows ordered request-major; ``block_table [B, max_pages]`` and
       ``seq_lens [B]`` (cache length including the ``q_len`` new tokens).
+    ``mesh`` (static): run the custom calls under shard_map (module docstring); with a data axis > 1
+      (DP attention) page ids / slots are shard-local and prefill rows / ``cu_seqlens_q`` are per-shard
+      slabs (``[n * (B/n + 1)]`` offsets).
     """
 
     positions: jax.Array
@@ -64,6 +79,15 @@ class AttentionBatch:
     context_capacity: int = struct.field(pytree_node=False, default=0)
     max_seqlen_q: int | None = struct.field(pytree_node=False, default=None)
     backend: str = struct.field(pytree_node=False, default="auto")
+    mesh: jax.sharding.Mesh | None = struct.field(pytree_node=False, default=None)
+
+    @property
+    def head_axis(self) -> str | None:
+        return "tensor" if self.mesh is not None and self.mesh.shape.get("tensor", 1) > 1 else None
+
+    @property
+    def batch_axis(self) -> str | None:
+        return "data" if self.mesh is not None and self.mesh.shape.get("data", 1) > 1 else None
 
     def replace(self, **kw) -> AttentionBatch:
         return dataclasses.replace(self, **kw)
@@ -102,15 +126,15 @@ class MLAttention(nnx.Module):
         self.config = c
         self.dtype = dtype
         H = c.num_attention_heads
-        kw = {"dtype": dtype, "param_dtype": param_dtype, "rngs": rngs}
+        kw = {"dtype": dtype, "param_dtype": param_dtype, "rngs": rngs, "fp8_block": c.fp8_block_size}
         if c.q_lora_rank is None:
             self.q_proj = linear(c.hidden_size, H * c.qk_head_dim, **kw)
         else:
             self.q_a_proj = linear(c.hidden_size, c.q_lora_rank, **kw)
-            self.q_a_layernorm = RMSNorm(c.q_lora_rank, **kw)
+            self.q_a_layernorm = RMSNorm(c.q_lora_rank, dtype=dtype, param_dtype=param_dtype)
             self.q_b_proj = linear(c.q_lora_rank, H * c.qk_head_dim, **kw)
         self.kv_a_proj_with_mqa = linear(c.hidden_size, c.kv_lora_rank + c.qk_rope_head_dim, **kw)
-        self.kv_a_layernorm = RMSNorm(c.kv_lora_rank, **kw)
+        self.kv_a_layernorm = RMSNorm(c.kv_lora_rank, dtype=dtype, param_dtype=param_dtype)
         self.kv_b_proj = linear(c.kv_lora_rank, H * (c.qk_nope_head_dim + c.v_head_dim), **kw)
         self.o_proj = linear(H * c.v_head_dim, c.hidden_size, **kw)
         inv_freq, self.rope_attention_factor = rope_frequencies(c)
@@ -147,7 +171,7 @@ class MLAttention(nnx.Module):
 
     def _w_uk_uv(self):
         c = self.config
-        w = self.kv_b_proj.kernel[...].astype(self.dtype)
+        w = self.kv_b_proj.weight()
         w = w.reshape(c.kv_lora_rank, c.num_attention_heads, c.qk_nope_head_dim + c.v_head_dim)
         return w[..., : c.qk_nope_head_dim], w[..., c.qk_nope_head_dim :]
 
@@ -156,36 +180,78 @@ class MLAttention(nnx.Module):
         self,
         x: jax.Array,
         batch: AttentionBatch,
-        kv_cache: jax.Array | None = None,
+        kv: jax.Array | None = None,
         k_scale: jax.Array | None = None,
+        layer=0,
     ) -> tuple[jax.Array, jax.Array | None]:
-        """``x [T, hidden]`` -> ``(out [T, hidden], new kv_cache)`` (see the module docstring)."""
+        """``x [T, hidden]`` -> ``(out [T, hidden], new kv)``; ``kv`` is the model's whole cache
+        ``[num_pages, num_layers, page_size, D]`` and ``layer`` (int or traced) this layer's index in it."""
         c = self.config
         cos, sin = rope_cos_sin(batch.positions, self.inv_freq, self.rope_attention_factor)
         q_nope, q_pe = self._q(x, cos, sin)
         kv_c, k_pe = self._kv_latent(x, cos, sin)
-        fp8 = kv_cache is not None and jnp.dtype(kv_cache.dtype) == jnp.float8_e4m3fn
-        if kv_cache is not None and batch.slot_mapping is not None:
-            kv_cache = ts.concat_and_cache_mla(
-                kv_c, k_pe, kv_cache, batch.slot_mapping, scale=k_scale if fp8 else None
-            )
+        fp8 = kv is not None and jnp.dtype(kv.dtype) == jnp.float8_e4m3fn
+        flat = bt = None
+        if kv is not None:
+            Pn, L, ps, D = kv.shape
+            flat = kv.reshape(Pn * L, ps, D)
+            bt = None if batch.block_table is None else layer_pages(batch.block_table, layer, L)
+            if batch.slot_mapping is not None:
+                slots = layer_slots(batch.slot_mapping, layer, L, ps)
+                flat = self._write(kv_c, k_pe, flat, slots, k_scale if fp8 else None, batch)
         if batch.mode == "prefill":
-            out = self._prefill(q_nope, q_pe, kv_c, k_pe, batch, kv_cache, k_scale, fp8)
+            out = self._prefill(q_nope, q_pe, kv_c, k_pe, batch, flat, bt, k_scale, fp8)
         elif batch.mode == "decode":
-            if kv_cache is None:
-                raise ValueError("kv_cache: expected the layer's paged cache for a decode call, got None")
-            out = self._decode(q_nope, q_pe, batch, kv_cache, k_scale, fp8)
+            if kv is None:
+                raise ValueError("kv: expected the model's paged cache for a decode call, got None")
+            out = self._decode(q_nope, q_pe, batch, flat, bt, k_scale, fp8)
         else:
             raise ValueError(f"batch.mode: expected 'prefill' or 'decode', got {batch.mode!r}")
         T = x.shape[0]
-        return self.o_proj(out.reshape(T, c.num_attention_heads * c.v_head_dim).astype(self.dtype)), kv_cache
+        out = self.o_proj(out.reshape(T, c.num_attention_heads * c.v_head_dim).astype(self.dtype))
+        return out, None if kv is None else flat.reshape(kv.shape)
 
-    def _prefill(self, q_nope, q_pe, kv_c, k_pe, batch, kv_cache, k_scale, fp8):
+    @staticmethod
+    def _write(kv_c, k_pe, flat, slots, scale, batch):
+        """``concat_and_cache_mla``; under DP attention per data rank (shard-local slots)."""
+        if batch.batch_axis is None:
+            return ts.concat_and_cache_mla(kv_c, k_pe, flat, slots, scale=scale)
+        d = batch.batch_axis
+        sc = jnp.float32(1.0) if scale is None else scale
+
+        def local(a, b, f, s, sc_):
+            return ts.concat_and_cache_mla(a, b, f, s, scale=None if scale is None else sc_)
+
+        return tsh._shard_map(
+            local, batch.mesh, (P(d), P(d), P(d), P(d), P()), P(d)
+        )(kv_c, k_pe, flat, slots, sc)
+
+    def _prefill(self, q_nope, q_pe, kv_c, k_pe, batch, kv_cache, block_table, k_scale, fp8):
         c = self.config
         q = jnp.concatenate([q_nope, q_pe.astype(q_nope.dtype)], axis=-1)
         k, v = self._expand_kv(kv_c, k_pe)
         cu = batch.cu_seqlens_q
         kw = {"softmax_scale": c.softmax_scale, "backend": batch.backend}
+        if batch.mesh is not None:
+            if batch.context_lens is not None:
+                raise NotImplementedError(
+                    "prefill_chunk: chunked context prefill is not implemented on a mesh (prefill whole "
+                    "prompts)"
+                )
+            return tsh.sharded_mla_prefill(
+                q,
+                k,
+                v,
+                cu,
+                cu,
+                mesh=batch.mesh,
+                head_axis=batch.head_axis,
+                batch_axis=batch.batch_axis,
+                causal=True,
+                max_seqlen_q=batch.max_seqlen_q,
+                max_seqlen_k=batch.max_seqlen_q,
+                **kw,
+            )
         if batch.context_lens is None:
             return ts.mla_prefill(
                 q,
@@ -210,14 +276,14 @@ class MLAttention(nnx.Module):
             max_seqlen_k=batch.max_seqlen_q,
             **kw,
         )
-        rows, cu_ctx = gather_context(kv_cache, batch.block_table, batch.context_lens, batch.context_capacity)
+        rows, cu_ctx = gather_context(kv_cache, block_table, batch.context_lens, batch.context_capacity)
         rows = rows.astype(jnp.float32) * k_scale if fp8 else rows
         kc, vc = self._expand_kv(rows[:, : c.kv_lora_rank], rows[:, c.kv_lora_rank :])
         out_ctx, lse_ctx = ts.mla_prefill(q, kc, vc, cu, cu_ctx, causal=False, return_lse=True, **kw)
         out, _ = ts.merge_attn_states(out_ctx, lse_ctx, out_new, lse_new)
         return out
 
-    def _decode(self, q_nope, q_pe, batch, kv_cache, k_scale, fp8):
+    def _decode(self, q_nope, q_pe, batch, kv_cache, block_table, k_scale, fp8):
         c = self.config
         S = batch.q_len
         B = batch.seq_lens.shape[0]
@@ -233,16 +299,26 @@ class MLAttention(nnx.Module):
             os_ = k_scale
         else:
             q = q.astype(kv_cache.dtype)
-        out = ts.mla_decode(
-            q,
-            kv_cache,
-            batch.block_table,
-            batch.seq_lens,
-            softmax_scale=ss,
-            output_scale=os_,
-            causal=True,
-            kv_lora_rank=c.kv_lora_rank,
-            backend=batch.backend,
-        )
+        dkw = {
+            "softmax_scale": ss,
+            "output_scale": os_,
+            "causal": True,
+            "kv_lora_rank": c.kv_lora_rank,
+            "backend": batch.backend,
+        }
+        if batch.mesh is None:
+            out = ts.mla_decode(q, kv_cache, block_table, batch.seq_lens, **dkw)
+        else:
+            out = tsh.sharded_mla_decode(
+                q,
+                kv_cache,
+                block_table,
+                batch.seq_lens,
+                mesh=batch.mesh,
+                head_axis=batch.head_axis,
+                batch_axis=batch.batch_axis,
+                cache_sharding="pages",
+                **dkw,
+            )
         out = out.reshape(B * S, H, c.kv_lora_rank).astype(self.dtype)
         return jnp.einsum("thc,chv->thv", out, w_uv)

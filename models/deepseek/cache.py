@@ -1,9 +1,16 @@
 """The paged latent KV cache (data passed in and returned) and the host-side page allocator.
 
-``KVCache.layers[i]`` is layer ``i``'s ``[num_pages, page_size, kv_lora_rank + qk_rope_head_dim]`` cache
-(row layout: :mod:`tokenspeed_jax.decode`); the main model's layers come first, then one cache per MTP
-layer.  All layers share one page table: a request owns the same page ids in every layer.  ``k_scale`` is
-the FP8 scale (a float32 scalar, 1.0 and unused for 16/32-bit caches).
+``KVCache.kv`` is one array ``[num_pages, num_layers, page_size, kv_lora_rank + qk_rope_head_dim]`` for
+every main layer (first) and MTP layer (after them); row layout: :mod:`tokenspeed_jax.decode`.  All layers
+share one page table: a request owns the same page ids in every layer.  ``k_scale`` is the FP8 scale (a
+float32 scalar, 1.0 and unused for 16/32-bit caches).
+
+Layout (documented decision): page-major with the layers inside a page.  Reshaped (a bitcast) to
+``[num_pages * num_layers, page_size, D]`` it is an ordinary paged cache in which layer ``l``'s copy of page
+``p`` is page ``p * num_layers + l`` (:func:`layer_pages`, :func:`layer_slots`), so a scanned layer reads
+and writes the one cache the scan carries, with no per-layer slice copied, and the MLA custom calls see a
+plain ``[num_pages, page_size, D]`` operand.  Sharding the page axis over the mesh's data axis gives each
+data rank its own pages of every layer (DP attention) with shard-local page ids.
 """
 
 from __future__ import annotations
@@ -15,22 +22,41 @@ from flax import struct
 from tokenspeed_jax.models.deepseek.config import DeepseekV3Config
 
 
+def layer_pages(block_table: jax.Array, layer, num_layers: int) -> jax.Array:
+    """Page ids of ``layer`` in the flattened ``[num_pages * num_layers, page_size, D]`` cache."""
+    return block_table * num_layers + layer
+
+
+def layer_slots(slot_mapping: jax.Array, layer, num_layers: int, page_size: int) -> jax.Array:
+    """Slots of ``layer`` in the flattened cache; negative slots (write nothing) stay negative."""
+    s = (slot_mapping // page_size * num_layers + layer) * page_size + slot_mapping % page_size
+    return jnp.where(slot_mapping < 0, -1, s)
+
+
 @struct.dataclass
 class KVCache:
-    layers: tuple[jax.Array, ...]
+    kv: jax.Array
     k_scale: jax.Array
 
     @property
     def num_pages(self) -> int:
-        return self.layers[0].shape[0]
+        return self.kv.shape[0]
+
+    @property
+    def num_layers(self) -> int:
+        return self.kv.shape[1]
 
     @property
     def page_size(self) -> int:
-        return self.layers[0].shape[1]
+        return self.kv.shape[2]
 
     @property
     def dtype(self):
-        return self.layers[0].dtype
+        return self.kv.dtype
+
+    def layer(self, i: int) -> jax.Array:
+        """Layer ``i``'s ``[num_pages, page_size, D]`` cache (a copy; for tests and inspection)."""
+        return self.kv[:, i]
 
     @classmethod
     def create(
@@ -42,12 +68,21 @@ class KVCache:
         dtype=jnp.bfloat16,
         k_scale: float = 1.0,
         fill: float = 0.0,
+        mesh=None,
     ) -> KVCache:
-        """Zero-filled (or ``fill``-ed, e.g. NaN in tests) caches for every main and MTP layer."""
+        """Zero-filled (or ``fill``-ed, e.g. NaN in tests) caches for every main and MTP layer; on a
+        ``mesh`` created in place with its NamedSharding (pages over ``data``)."""
         n = config.num_hidden_layers + config.num_nextn_predict_layers
-        shape = (num_pages, page_size, config.kv_cache_dim)
-        layers = tuple(jnp.full(shape, fill, dtype) for _ in range(n))
-        return cls(layers=layers, k_scale=jnp.asarray(k_scale, jnp.float32))
+        shape = (num_pages, n, page_size, config.kv_cache_dim)
+        if mesh is None:
+            kv = jnp.full(shape, fill, dtype)
+        else:
+            from jax.sharding import NamedSharding
+            from tokenspeed_jax.models.deepseek.parallel import cache_spec
+
+            sharding = NamedSharding(mesh, cache_spec(mesh))
+            kv = jax.jit(lambda: jnp.full(shape, fill, dtype), out_shardings=sharding)()
+        return cls(kv=kv, k_scale=jnp.asarray(k_scale, jnp.float32))
 
 
 class PageAllocator:

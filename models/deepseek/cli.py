@@ -100,6 +100,27 @@ def _parser() -> argparse.ArgumentParser:
         "--profile", default=None, metavar="DIR", help="write an XLA profiler trace of the timed run"
     )
     p.add_argument("--json", default=None, metavar="FILE", help="also write the results as JSON")
+    p.add_argument(
+        "--mesh",
+        default=None,
+        help='device mesh, e.g. "data=1,tensor=2,expert=4" (data: DP attention, tensor: heads, experts '
+        "over all axes); parameters and cache are placed with NamedSharding",
+    )
+    p.add_argument(
+        "--plan",
+        action="store_true",
+        help="print the bytes per device (weights, KV cache, peak activations) for the config / mesh / "
+        "batch / context and exit (status 2 if it does not fit); nothing is loaded",
+    )
+    p.add_argument(
+        "--context", type=int, default=None, help="--plan: tokens per request (default prompt + new)"
+    )
+    p.add_argument(
+        "--prefill-tokens", type=int, default=None, help="--plan: tokens of one prefill step per data rank"
+    )
+    p.add_argument(
+        "--device-memory-gib", type=float, default=None, help="--plan: device memory (default H200)"
+    )
     return p
 
 
@@ -131,6 +152,59 @@ def _validate(p: argparse.ArgumentParser, args) -> None:
     if (args.prompt or args.prompts_file) and args.checkpoint is None:
         flag = "--prompt" if args.prompt else "--prompts-file"
         p.error(f"{flag}: text prompts need a tokenizer: pass --checkpoint DIR with a tokenizer.json")
+
+
+def _plan_main(args) -> int:
+    import jax.numpy as jnp
+
+    from tokenspeed_jax.models.deepseek.config import DeepseekV3Config
+    from tokenspeed_jax.models.deepseek.parallel import parse_mesh
+    from tokenspeed_jax.models.deepseek.plan import H200_BYTES, plan
+
+    if args.checkpoint:
+        cfg = DeepseekV3Config.from_json(args.checkpoint)
+    else:
+        cfg = DeepseekV3Config.preset(args.preset)
+    dtype = jnp.float32 if args.dtype == "float32" else jnp.bfloat16
+    kv = None if args.kv_dtype == "auto" else jnp.dtype(args.kv_dtype)
+    k = args.num_speculative_tokens if args.num_speculative_tokens is not None else 1
+    p = plan(
+        cfg,
+        parse_mesh(args.mesh or ""),
+        batch=args.batch,
+        context=args.context or args.prompt_len + args.max_new_tokens,
+        prefill_tokens=args.prefill_tokens,
+        num_speculative_tokens=k,
+        dtype=dtype,
+        kv_dtype=kv,
+        page_size=args.page_size,
+        device_bytes=int(args.device_memory_gib * 1024**3) if args.device_memory_gib else H200_BYTES,
+    )
+    print(p.text())
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(p.to_dict(), f, indent=1)
+    if not p.fits:
+        print(f"refused: {p.advice()}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def bytes_per_device(model, cache=None) -> dict[str, int]:
+    """Bytes the first device holds of the parameters (and cache): the sizes of the sharded arrays."""
+    import jax
+    from flax import nnx
+
+    dev = jax.devices()[0]
+
+    def on_dev(a):
+        return sum(s.data.nbytes for s in a.addressable_shards if s.device == dev)
+
+    w = sum(on_dev(v.get_value()) for _, v in nnx.to_flat_state(nnx.state(model, nnx.Param)))
+    out = {"weights": int(w)}
+    if cache is not None:
+        out["kv_cache"] = int(on_dev(cache.kv))
+    return out
 
 
 def attention_backends(engine, batch: int, prompt_len: int, q_len: int) -> dict[str, dict]:
@@ -235,6 +309,8 @@ def main(argv: list[str] | None = None) -> int:
     import jax
     import jax.numpy as jnp
     import numpy as np
+    if args.plan:
+        return _plan_main(args)
     from tokenspeed_jax.models.deepseek.config import DeepseekV3Config
     from tokenspeed_jax.models.deepseek.engine import Engine, enable_compilation_cache
     from tokenspeed_jax.models.deepseek.model import DeepseekV3
@@ -249,11 +325,16 @@ def main(argv: list[str] | None = None) -> int:
         "bfloat16": jnp.bfloat16,
     }[args.dtype]
     kv_dtype = None if args.kv_dtype == "auto" else jnp.dtype(args.kv_dtype)
+    mesh = None
+    if args.mesh:
+        from tokenspeed_jax.models.deepseek.parallel import make_mesh
+
+        mesh = make_mesh(args.mesh)
     t0 = time.perf_counter()
     tokenizer = None
     if args.checkpoint:
         try:
-            model = load_checkpoint(args.checkpoint, dtype=dtype)
+            model = load_checkpoint(args.checkpoint, dtype=dtype, mesh=mesh)
             tokenizer = load_tokenizer(args.checkpoint)
         except (ValueError, OSError) as e:
             parser.error(f"--checkpoint: {e}".splitlines()[0])
@@ -261,7 +342,7 @@ def main(argv: list[str] | None = None) -> int:
         model_name = os.path.basename(os.path.normpath(args.checkpoint))
     else:
         config = DeepseekV3Config.preset(args.preset)
-        model = DeepseekV3.random(config, dtype=dtype, seed=args.seed)
+        model = DeepseekV3.random(config, dtype=dtype, seed=args.seed, mesh=mesh)
         source = f"preset {args.preset!r} with generated weights"
         model_name = f"preset:{args.preset}"
     load_s = time.perf_counter() - t0
@@ -364,6 +445,8 @@ def main(argv: list[str] | None = None) -> int:
         "attention_backend": backends,
         "first_tokens": [t[:8] for t in res.tokens],
         "texts": res.texts,
+        "mesh": None if mesh is None else dict(mesh.shape),
+        "bytes_per_device": bytes_per_device(model, engine.cache),
     }
     print(
         f"prompts {lens} (up to {args.max_new_tokens} new tokens each); warm-up (compile) {compile_s:.1f} s"

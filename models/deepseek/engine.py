@@ -59,6 +59,8 @@ from flax import nnx
 from tokenspeed_jax.models.deepseek import sampling as smp
 from tokenspeed_jax.models.deepseek.attention import AttentionBatch
 from tokenspeed_jax.models.deepseek.cache import KVCache, PageAllocator
+from tokenspeed_jax.models.deepseek.model import check_token_ids
+from tokenspeed_jax.models.deepseek.parallel import data_size
 from tokenspeed_jax.models.deepseek.sampling import SamplingParams
 
 GREEDY = SamplingParams()
@@ -521,6 +523,13 @@ class Engine:
 
     # ------------------------------------------------------------------------------ setup
     def _new_cache(self, num_pages: int) -> None:
+        mesh = getattr(self.model, "mesh", None)
+        if data_size(mesh) > 1:
+            raise NotImplementedError(
+                "Engine: DP attention (a mesh with data > 1) is not supported by the slot engine yet; shard the "
+                "model over tensor / expert axes (data=1), or run the model's prefill / decode steps directly "
+                "(tokenspeed_jax.models.deepseek.parallel.ShardedPages gives the shard-local page ids)"
+            )
         self.cache = KVCache.create(
             self.config,
             num_pages=num_pages,
@@ -528,6 +537,7 @@ class Engine:
             dtype=self.kv_dtype,
             k_scale=self.k_scale,
             fill=self.cache_fill,
+            mesh=mesh,
         )
 
     def reset(self, lengths: list[int]) -> None:
@@ -535,10 +545,17 @@ class Engine:
         API of :meth:`prefill` / :meth:`decode`)."""
         ps = self.page_size
         self.max_pages = max(-(-n // ps) for n in lengths)
-        num_pages = sum(-(-n // ps) for n in lengths) + 1
-        self.allocator = PageAllocator(num_pages, ps, shuffle=self.shuffle_pages, seed=self.seed)
-        for r, n in enumerate(lengths):
-            self.allocator.allocate(r, n)
+        mesh = getattr(self.model, "mesh", None)
+        if data_size(mesh) > 1:  # DP attention: each data rank owns its requests' pages (local ids)
+            self.allocator = ShardedPages(
+                lengths, ps, data_size(mesh), shuffle=self.shuffle_pages, seed=self.seed
+            )
+            num_pages = self.allocator.num_pages
+        else:
+            num_pages = sum(-(-n // ps) for n in lengths) + 1
+            self.allocator = PageAllocator(num_pages, ps, shuffle=self.shuffle_pages, seed=self.seed)
+            for r, n in enumerate(lengths):
+                self.allocator.allocate(r, n)
         self.block_table = jnp.asarray(self.allocator.block_table(list(range(len(lengths))), self.max_pages))
         self._new_cache(num_pages)
 
@@ -565,7 +582,12 @@ class Engine:
             starts = [min(r * C, n) for n in lens]
             ends = [min((r + 1) * C, n) for n in lens]
             counts = [e - s for s, e in zip(starts, ends)]
-            T = self._bucket(sum(counts))
+            # DP attention: requests of data rank d are packed in slab d (rows d*Tl ..), with their own
+            # offsets (cu = n concatenated [B/n + 1] arrays); n = 1 is the ordinary packed batch.
+            nd = data_size(getattr(self.model, "mesh", None))
+            Bl = B // nd
+            Tl = self._bucket(max(sum(counts[d * Bl : (d + 1) * Bl]) for d in range(nd)))
+            T = nd * Tl
             ids = np.zeros(T, np.int32)
             nxt = np.zeros(T, np.int32)
             positions = np.zeros(T, np.int32)
@@ -573,9 +595,11 @@ class Engine:
             is_last = np.zeros(T, bool)
             row_req = np.zeros(T, np.int32)
             last_row = np.zeros(B, np.int32)
-            cu = np.zeros(B + 1, np.int32)
+            cu = np.zeros(nd * (Bl + 1), np.int32)
             o = 0
             for b, (s, e) in enumerate(zip(starts, ends)):
+                if b % Bl == 0:
+                    o = (b // Bl) * Tl
                 n = e - s
                 if n:
                     ids[o : o + n] = prompts[b][s:e]
@@ -588,7 +612,7 @@ class Engine:
                         is_last[o + n - 1] = True
                 last_row[b] = o + n - 1 if n else 0
                 o += n
-                cu[b + 1] = o
+                cu[(b // Bl) * (Bl + 1) + b % Bl + 1] = o - (b // Bl) * Tl
             ctx = np.asarray(starts, np.int32)
             cap = self._bucket(int(ctx.sum())) if r > 0 else 0
             self.cache, logits, first, d1, q1, mh = _prefill_step(
@@ -643,6 +667,7 @@ class Engine:
     def decode(self, tokens, positions) -> jax.Array:
         """Teacher-forced decode: ``tokens [B, S]`` at ``positions [B, S]`` -> logits ``[B, S, V]`` float32
         (one ``mla_decode`` call per layer with this S); writes the tokens into the cache."""
+        check_token_ids(np.asarray(tokens), self.config.vocab_size, "tokens")
         self.cache, logits = _decode_step(
             self.graphdef,
             self.state,
@@ -672,10 +697,7 @@ class Engine:
                 raise ValueError(
                     f"prompts: expected every prompt to have at least one token, prompt {i} is empty"
                 )
-            if min(p) < 0 or max(p) >= V:
-                raise ValueError(
-                    f"prompts: expected token ids in [0, {V}), prompt {i} has {min(p)}..{max(p)}"
-                )
+            check_token_ids(np.asarray(p, np.int64), V, f"prompts[{i}]")
         limits = [max_new_tokens] * len(prompts) if isinstance(max_new_tokens, int) else list(max_new_tokens)
         if len(limits) != len(prompts) or any(not isinstance(m, int | np.integer) or m < 1 for m in limits):
             raise ValueError(

@@ -1,10 +1,38 @@
-"""Small building blocks: RMSNorm and the dense SwiGLU MLP (also the MoE's shared experts)."""
+"""Small building blocks: RMSNorm, the bias-free ``Linear`` (optionally FP8 block-quantised) and the dense
+SwiGLU MLP (also the MoE's shared experts).
+
+FP8 weights (DeepSeek-R1's release format) stay FP8 in memory: ``kernel`` is float8_e4m3fn ``[in, out]``
+(the transpose of the checkpoint's ``[out, in]``) and ``kernel_scale_inv`` float32
+``[ceil(in / bi), ceil(out / bo)]`` (the transpose of ``weight_scale_inv`` for ``(bo, bi)`` blocks).  The
+matmul dequantises per block inside the jitted step (:func:`dequantize`: e4m3 -> compute dtype times the
+block's scale, which XLA fuses into the operand of the dot) and multiplies in the compute dtype.
+"""
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
+
+FP8 = jnp.float8_e4m3fn
+
+
+def dequantize(w: jax.Array, scale_inv: jax.Array | None, dtype, block=(128, 128)) -> jax.Array:
+    """``w [..., in, out]`` (e4m3) times its per-block ``scale_inv [..., ceil(in/bi), ceil(out/bo)]``,
+    in ``dtype``, for checkpoint blocks ``block = (bo, bi)``; ``scale_inv=None`` is a plain cast."""
+    if scale_inv is None:
+        return w.astype(dtype)
+    din, dout = w.shape[-2:]
+    bo, bi = block
+    s = jnp.repeat(jnp.repeat(scale_inv.astype(jnp.float32), bi, axis=-2), bo, axis=-1)[..., :din, :dout]
+    return (w.astype(jnp.float32) * s).astype(dtype)
+
+
+def fp8_scale_shape(din: int, dout: int, block: tuple[int, int]) -> tuple[int, int]:
+    """Shape of the transposed ``kernel_scale_inv`` of an ``[in, out]`` kernel with checkpoint blocks
+    ``(bo, bi)`` (``quantization_config.weight_block_size``)."""
+    bo, bi = block
+    return (-(-din // bi), -(-dout // bo))
 
 
 class RMSNorm(nnx.Module):
@@ -31,17 +59,46 @@ class RMSNorm(nnx.Module):
         return (self.weight[...].astype(self.dtype) * xf.astype(self.dtype)).astype(self.dtype)
 
 
-def linear(din: int, dout: int, *, dtype, param_dtype, rngs: nnx.Rngs, std: float = 0.02) -> nnx.Linear:
-    """A bias-free ``nnx.Linear`` (kernel ``[in, out]``, the transpose of the checkpoint's ``[out, in]``)."""
-    return nnx.Linear(
-        din,
-        dout,
-        use_bias=False,
-        dtype=dtype,
-        param_dtype=param_dtype,
-        kernel_init=nnx.initializers.normal(std),
-        rngs=rngs,
-    )
+class Linear(nnx.Module):
+    """Bias-free ``x @ kernel`` (kernel ``[in, out]``).  With ``fp8_block`` the kernel is e4m3 with a
+    ``kernel_scale_inv`` (module docstring); otherwise it is ``param_dtype``."""
+
+    def __init__(
+        self,
+        din: int,
+        dout: int,
+        *,
+        dtype,
+        param_dtype,
+        rngs: nnx.Rngs,
+        std: float = 0.02,
+        fp8_block: tuple[int, int] | None = None,
+    ):
+        self.dtype = dtype
+        self.fp8 = fp8_block is not None
+        self.fp8_block = None if fp8_block is None else tuple(fp8_block)
+        if self.fp8:
+            # Generated weights come from DeepseekV3.random / the loader; unit scales and zeros here.
+            self.kernel = nnx.Param(jnp.zeros((din, dout), FP8))
+            self.kernel_scale_inv = nnx.Param(jnp.ones(fp8_scale_shape(din, dout, fp8_block), jnp.float32))
+        else:
+            self.kernel = nnx.Param(nnx.initializers.normal(std)(rngs.params(), (din, dout), param_dtype))
+
+    def weight(self) -> jax.Array:
+        """The kernel in the compute dtype (dequantised per block when FP8)."""
+        if not self.fp8:
+            return self.kernel[...].astype(self.dtype)
+        return dequantize(self.kernel[...], self.kernel_scale_inv[...], self.dtype, self.fp8_block)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return jnp.dot(x.astype(self.dtype), self.weight())
+
+
+def linear(
+    din: int, dout: int, *, dtype, param_dtype, rngs: nnx.Rngs, std: float = 0.02, fp8_block=None
+) -> Linear:
+    """A bias-free :class:`Linear` (kernel ``[in, out]``, the transpose of the checkpoint's ``[out, in]``)."""
+    return Linear(din, dout, dtype=dtype, param_dtype=param_dtype, rngs=rngs, std=std, fp8_block=fp8_block)
 
 
 class MLP(nnx.Module):
@@ -55,8 +112,9 @@ class MLP(nnx.Module):
         dtype=jnp.float32,
         param_dtype=jnp.float32,
         rngs: nnx.Rngs,
+        fp8_block=None,
     ):
-        kw = {"dtype": dtype, "param_dtype": param_dtype, "rngs": rngs}
+        kw = {"dtype": dtype, "param_dtype": param_dtype, "rngs": rngs, "fp8_block": fp8_block}
         self.gate_proj = linear(hidden_size, intermediate_size, **kw)
         self.up_proj = linear(hidden_size, intermediate_size, **kw)
         self.down_proj = linear(intermediate_size, hidden_size, **kw)

@@ -7,7 +7,8 @@ decoder block (``self_attn``, ``mlp`` (MoE), ``input_layernorm``, ``post_attenti
 not loaded (the main ``embed_tokens`` is used).
 
 At position ``i`` the layer combines the previous depth's hidden state ``h_i`` and the embedding of token
-``t_{i+1}``: ``x = eh_proj([enorm(emb(t_{i+1})) | hnorm(h_i)])`` (vLLM/SGLang order; like them, the embedding input at
+``t_{i+1}``: ``x = eh_proj([enorm(emb(t_{i+1})) | hnorm(h_i)])`` (vLLM/SGLang order; like them, the embedding
+input at
 position 0 is zeroed), runs the decoder
 block (with its own paged latent cache) and predicts ``t_{i+2}`` through ``shared_head``.  For the first
 depth ``h_i`` is the main model's final-norm output (as vLLM feeds it); chained drafts (k > 1 with one
@@ -51,12 +52,14 @@ class MTPLayer(DecoderLayer):
         kw = {"dtype": dtype, "param_dtype": param_dtype}
         self.enorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps, **kw)
         self.hnorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps, **kw)
-        self.eh_proj = linear(2 * config.hidden_size, config.hidden_size, rngs=rngs, **kw)
+        self.eh_proj = linear(
+            2 * config.hidden_size, config.hidden_size, rngs=rngs, fp8_block=config.fp8_block_size, **kw
+        )
         self.shared_head = SharedHead(config, rngs=rngs, **kw)
 
-    def __call__(self, emb: jax.Array, prev_hidden: jax.Array, batch, kv_cache=None, k_scale=None):
+    def __call__(self, emb: jax.Array, prev_hidden: jax.Array, batch, kv=None, k_scale=None, layer=0):
         x = self.eh_proj(jnp.concatenate([self.enorm(emb), self.hnorm(prev_hidden)], axis=-1))
-        return super().__call__(x, batch, kv_cache, k_scale)
+        return super().__call__(x, batch, kv, k_scale, layer)
 
     def logits(self, h: jax.Array) -> jax.Array:
         return self.shared_head(h)

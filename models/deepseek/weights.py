@@ -250,49 +250,61 @@ def quantize_fp8_block(w: np.ndarray, block: tuple[int, int] = (128, 128)) -> tu
 
 
 # ----------------------------------------------------------------------------------- name mapping
-_EXPERT = re.compile(r"^mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
-_LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
+_STACKS = ("dense_layers", "moe_layers")
 
 
-def _target(name: str, config: DeepseekV3Config, params: dict):
-    """HF name -> ``(param path, expert index or None, transpose)`` or None if the name is unknown."""
-    if name == "model.embed_tokens.weight":
-        base, rest = (), "embed_tokens.weight"
-    elif name == "model.norm.weight":
-        base, rest = (), "norm.weight"
-    elif name == "lm_head.weight":
-        base, rest = (), "lm_head.weight"
-    else:
-        m = _LAYER.match(name)
-        if not m:
-            return None
-        i, rest = int(m.group(1)), m.group(2)
-        L = config.num_hidden_layers
-        base = ("layers", i) if i < L else ("mtp", i - L)
-        e = _EXPERT.match(rest)
-        if e:
-            path = base + ("mlp", "experts", e.group(2))
-            return (path, int(e.group(1)), True) if path in params else None
-    parts = tuple(rest.split("."))
-    stem, leaf = parts[:-1], parts[-1]
-    if leaf == "weight":
-        for cand, tr in (
-            (base + stem + ("kernel",), True),
-            (base + stem + ("weight",), False),
-            (base + stem + ("embedding",), False),
-        ):
-            if cand in params:
-                return cand, None, tr
-        return None
-    cand = base + parts
-    return (cand, None, False) if cand in params else None
-
-
-def _expected_shape(path, expert, transpose, params) -> tuple[int, ...]:
-    shape = tuple(params[path].shape)
+def _leaf_name(leaf: str, expert: int | None) -> str:
+    """Our leaf -> the published name's tail (``kernel`` -> ``weight``, an expert's ``gate_proj`` ->
+    ``{e}.gate_proj.weight``, ``*_scale_inv`` -> ``weight_scale_inv``)."""
     if expert is not None:
-        shape = shape[1:]
-    return shape[::-1] if transpose else shape
+        if leaf.endswith("_scale_inv"):
+            return f"{expert}.{leaf[: -len('_scale_inv')]}.weight_scale_inv"
+        return f"{expert}.{leaf}.weight"
+    if leaf in ("kernel", "embedding", "weight"):
+        return "weight"
+    if leaf == "kernel_scale_inv":
+        return "weight_scale_inv"
+    return leaf
+
+
+def _hf_name(
+    path: tuple, index: tuple = (), config: DeepseekV3Config | None = None, num_dense: int = 0
+) -> str:
+    """Published name of element ``index`` (leading stacked axes: layer, then expert) of parameter ``path``.
+
+    ``dense_layers`` element l is ``model.layers.{l}``, ``moe_layers`` element l is
+    ``model.layers.{num_dense + l}``, MTP layer j is ``model.layers.{num_hidden_layers + j}``."""
+    p = [str(x) for x in path]
+    index = list(index)
+    if p[0] in _STACKS:
+        layer = index.pop(0) + (num_dense if p[0] == "moe_layers" else 0)
+        p = ["model", "layers", str(layer)] + p[1:]
+    elif p[0] == "mtp":
+        p = ["model", "layers", str(config.num_hidden_layers + int(p[1]))] + p[2:]
+    elif p[0] in ("embed_tokens", "norm"):
+        p = ["model"] + p
+    expert = index.pop(0) if index else None
+    return ".".join(p[:-1] + [_leaf_name(p[-1], expert)])
+
+
+def _lead(path: tuple) -> int:
+    """Number of leading stacked axes of a parameter (layer axis, expert axis)."""
+    return int(path[0] in _STACKS) + int(path[-2:-1] == ("experts",))
+
+
+def _transposed(path: tuple) -> bool:
+    leaf = path[-1]
+    return leaf in ("kernel", "kernel_scale_inv") or path[-2:-1] == ("experts",)
+
+
+def param_names(model_or_state, config: DeepseekV3Config, num_dense: int) -> dict[str, tuple]:
+    """``{published name: (param path, leading index, transpose)}`` for every parameter element."""
+    out = {}
+    for p, v in model_or_state:
+        n = _lead(p)
+        for idx in np.ndindex(*v.shape[:n]):
+            out[_hf_name(p, idx, config, num_dense)] = (p, tuple(int(i) for i in idx), _transposed(p))
+    return out
 
 
 # ------------------------------------------------------------------------------------------ loading
@@ -349,6 +361,46 @@ def _open_index(path: str) -> dict[str, str]:
     raise CheckpointError(f"{path}: expected {INDEX_FILE} or {SINGLE_FILE}, found neither")
 
 
+class _Lazy:
+    """How to read one parameter (or any slice of it) from the memory-mapped shards: per leading index,
+    the tensor name, its file and how to convert it (``raw`` cast, ``dequant`` FP8 -> float, ``quant_w`` /
+    ``quant_s`` float -> FP8 kernel / scale).  ``read(slices)`` returns exactly that slice, reading only the
+    tensors (and, for row / column slices, only the rows) it covers."""
+
+    def __init__(self, path, shape, dtype, transpose, block):
+        self.path, self.shape, self.dtype, self.transpose, self.block = path, shape, dtype, transpose, block
+        self.lead = _lead(path)
+        self.entries: dict[tuple, tuple] = {}
+
+    def _tensor(self, idx, trailing):
+        kind, f, name, sf, sname = self.entries[idx]
+        if kind == "raw":
+            a = f.get(name)
+            a = a.T if self.transpose else a
+            return np.asarray(a[trailing]).astype(self.dtype)
+        w = f.get(name)
+        if kind == "dequant":
+            a = dequantize_fp8_block(w, np.asarray(sf.get(sname)), self.block)
+            a = a.T if self.transpose else a
+            return a[trailing].astype(self.dtype)
+        # quant_w / quant_s: quantise the float checkpoint tensor with the kernel's (transposed) blocks
+        wt = np.asarray(w, np.float32).T
+        q, s = quantize_fp8_block(wt, self.block[::-1])
+        return (q if kind == "quant_w" else s)[trailing].astype(self.dtype)
+
+    def read(self, slices) -> np.ndarray:
+        slices = tuple(slices) + (slice(None),) * (len(self.shape) - len(tuple(slices)))
+        lead, trailing = slices[: self.lead], slices[self.lead :]
+        ranges = [range(*s.indices(n)) for s, n in zip(lead, self.shape[: self.lead])]
+        out = None
+        for idx in np.ndindex(*[len(r) for r in ranges]):
+            a = self._tensor(tuple(r[i] for r, i in zip(ranges, idx)), trailing)
+            if out is None:
+                out = np.empty(tuple(len(r) for r in ranges) + a.shape, a.dtype)
+            out[idx] = a
+        return out
+
+
 def load_checkpoint(
     path: str | os.PathLike,
     *,
@@ -356,17 +408,28 @@ def load_checkpoint(
     param_dtype=None,
     config: DeepseekV3Config | None = None,
     progress: bool = True,
+    fp8_weights: bool | None = None,
+    mesh=None,
 ):
     """Load a Hugging Face DeepSeek-V3/R1 checkpoint directory into a :class:`DeepseekV3` model.
 
     Args:
       path: directory with ``config.json`` and the safetensors shards.
       dtype: compute dtype of the model (bfloat16 on GPU, float32 for exact CPU tests).
-      param_dtype: storage dtype of the weights (default: ``dtype``); FP8 weights are dequantised into it.
+      param_dtype: storage dtype of the non-FP8 weights (default: ``dtype``).
       config: overrides ``config.json``.
-      progress: show a tqdm bar over shards.
+      progress: show a tqdm bar over parameters.
+      fp8_weights: keep an FP8 block checkpoint's projection weights as e4m3 + ``*_scale_inv`` (the
+        default, ``None``, when ``config.json`` has a ``quantization_config``); ``False`` dequantises them
+        into ``param_dtype`` on load; ``True`` also block-quantises a float checkpoint.
+      mesh: a ``jax.sharding.Mesh`` (axes data / tensor / expert, :mod:`.parallel`): every parameter is
+        created with its ``NamedSharding`` and each device's shard is read from the memory-mapped files
+        (``jax.make_array_from_callback``), so the full model is never assembled on one device or host
+        buffer.  Without a mesh the parameters go to the default device.
     """
+    from tokenspeed_jax.models.deepseek.config import QuantizationConfig
     from tokenspeed_jax.models.deepseek.model import DeepseekV3
+    from tokenspeed_jax.models.deepseek.parallel import param_sharding
 
     path = os.fspath(path)
     if not os.path.isdir(path):
@@ -381,10 +444,10 @@ def load_checkpoint(
                 f"{os.path.join(path, INDEX_FILE)}: corrupt index, {name!r} is listed in "
                 f"{shard!r} but that shard does not contain it"
             )
-    names = {n for s, f in shards.items() for n in f}
+    where = {n: s for s, f in shards.items() for n in f}
 
     L, n_mtp = config.num_hidden_layers, config.num_nextn_predict_layers
-    if n_mtp and not any(n.startswith(f"model.layers.{L}.") for n in names):
+    if n_mtp and not any(n.startswith(f"model.layers.{L}.") for n in where):
         warnings.warn(
             f"{path}: no MTP tensors (model.layers.{L}.*); loading without the MTP layer "
             f"(num_nextn_predict_layers = 0)",
@@ -396,162 +459,124 @@ def load_checkpoint(
     ignored += list(_IGNORED)
 
     block = config.fp8_block_size or (128, 128)
-    # Weights are dequantised on load, so the model itself is not quantised (and shares compiled code with
-    # an unquantised model of the same shape).
-    config = config.replace(quantization_config=None)
+    keep = config.quantization_config is not None if fp8_weights is None else bool(fp8_weights)
+    config = config.replace(quantization_config=QuantizationConfig(weight_block_size=block) if keep else None)
     model = nnx.eval_shape(lambda: DeepseekV3(config, dtype=dtype, param_dtype=param_dtype, rngs=nnx.Rngs(0)))
-    variables = {p: v for p, v in nnx.to_flat_state(nnx.state(model, nnx.Param))}
-    filled: dict[tuple, np.ndarray] = {}
-    experts_seen: dict[tuple, set[int]] = {}
+    variables = dict(nnx.to_flat_state(nnx.state(model, nnx.Param)))
+    names = param_names(variables.items(), config, model.num_dense)
+    scale_params = {n for n, t in names.items() if t[0][-1].endswith("_scale_inv")}
 
-    targets = {}
-    unexpected = []
-    for n in sorted(names):
-        if n.endswith(".weight_scale_inv") or any(r.match(n) for r in ignored):
-            continue
-        t = _target(n, config, variables)
-        if t is None:
-            unexpected.append(n)
-        else:
-            targets[n] = t
+    unexpected = [
+        n
+        for n in sorted(where)
+        if n not in names
+        and not n.endswith(".weight_scale_inv")
+        and not any(r.match(n) for r in ignored)
+    ]
     if unexpected:
-        where = {n: next(s for s, f in shards.items() if n in f.header) for n in unexpected[:5]}
         raise CheckpointError(
             f"{path}: {len(unexpected)} unexpected tensor(s) for this config, e.g. "
-            + ", ".join(f"{n} (in {s})" for n, s in where.items())
+            + ", ".join(f"{n} (in {where[n]})" for n in unexpected[:5])
         )
-    for p, v in variables.items():
-        is_expert = p[-2:-1] == ("experts",)
-        if not is_expert and not any(t[0] == p for t in targets.values()):
+    lazy = {
+        p: _Lazy(p, tuple(v.shape), np.dtype(v.dtype), _transposed(p), block) for p, v in variables.items()
+    }
+    for n, (p, idx, tr) in names.items():
+        if n in scale_params:
+            continue
+        if n not in where:
+            pname = ".".join(map(str, p))
+            raise CheckpointError(f"{path}: missing tensor {n} (parameter {pname}{list(idx)})")
+        shard = where[n]
+        f = shards[shard]
+        dt = f.dtype_name(n)
+        v = variables[p]
+        exp_shape = tuple(v.shape[len(idx) :])
+        exp_shape = exp_shape[::-1] if tr else exp_shape
+        if f.shape(n) != exp_shape:
+            raise CheckpointError(f"{n} in {shard}: expected shape {exp_shape}, got {f.shape(n)}")
+        if dt not in _FLOAT_WEIGHT:
+            raise CheckpointError(f"{n} in {shard}: expected dtype in {list(_FLOAT_WEIGHT)}, got {dt}")
+        sname = n + "_scale_inv"
+        is_fp8_param = np.dtype(v.dtype) == np.dtype(ml_dtypes.float8_e4m3fn)
+        if dt == "F8_E4M3":
+            if sname not in where:
+                n_bad = sum(
+                    1
+                    for m in where
+                    if m in names
+                    and m + "_scale_inv" not in where
+                    and shards[where[m]].dtype_name(m) == "F8_E4M3"
+                )
+                raise CheckpointError(
+                    f"{n} in {shard}: FP8 (F8_E4M3) weight without {sname}; {n_bad} such weight(s)"
+                )
+            sf = shards[where[sname]]
+            if sf.dtype_name(sname) != "F32":
+                raise CheckpointError(
+                    f"{sname} in {where[sname]}: expected dtype F32, got {sf.dtype_name(sname)}"
+                )
+            o, i = f.shape(n)
+            exp_s = (-(-o // block[0]), -(-i // block[1]))
+            if sf.shape(sname) != exp_s:
+                raise CheckpointError(
+                    f"{sname} in {where[sname]}: expected shape {exp_s} for a {(o, i)} weight with "
+                    f"{block[0]}x{block[1]} blocks, got {sf.shape(sname)}"
+                )
+            kind = "raw" if is_fp8_param else "dequant"
+        else:
+            sf = None
+            kind = "quant_w" if is_fp8_param else "raw"
+        lazy[p].entries[idx] = (kind, f, n, sf, sname)
+        if is_fp8_param:
+            sp = p[:-1] + (p[-1] + "_scale_inv",)
+            lazy[sp].entries[idx] = ("raw" if kind == "raw" else "quant_s",) + (
+                (sf, sname, None, None) if kind == "raw" else (f, n, None, None)
+            )
+    for n in where:
+        if n.endswith(".weight_scale_inv") and n[: -len("_scale_inv")] not in where:
             raise CheckpointError(
-                f"{path}: missing tensor for parameter {'.'.join(map(str, p))} "
-                f"(expected checkpoint tensor {_hf_name(p, None, L)})"
+                f"{n} in {where[n]}: unexpected scale, checkpoint has no tensor {n[: -len('_scale_inv')]}"
             )
 
     try:
         from tqdm.auto import tqdm
     except ImportError:  # pragma: no cover
         tqdm = None
-    order = list(shards.items())
-    it = tqdm(order, desc="loading shards", unit="shard", disable=not progress) if tqdm else order
-    pending: dict[str, tuple[np.ndarray, str]] = {}  # fp8 weights waiting for their scale
-    scales: dict[str, np.ndarray] = {}
-    for shard, f in it:
-        for n in f:
-            if n.endswith(".weight_scale_inv"):
-                if f.dtype_name(n) != "F32":
-                    raise CheckpointError(f"{n} in {shard}: expected dtype F32, got {f.dtype_name(n)}")
-                wname = n[: -len("_scale_inv")]
-                if wname not in names:
-                    raise CheckpointError(
-                        f"{n} in {shard}: unexpected scale, checkpoint has no tensor {wname}"
-                    )
-                scales[wname] = np.array(f.get(n))
-                if wname in pending:
-                    w, s0 = pending.pop(wname)
-                    _place(
-                        wname,
-                        dequantize_fp8_block(w, scales.pop(wname), block),
-                        s0,
-                        targets,
-                        variables,
-                        filled,
-                        experts_seen,
-                        param_dtype,
-                    )
-                continue
-            if n not in targets:
-                continue
-            dt = f.dtype_name(n)
-            path_, expert, tr = targets[n]
-            exp_shape = _expected_shape(path_, expert, tr, variables)
-            if f.shape(n) != exp_shape:
-                raise CheckpointError(f"{n} in {shard}: expected shape {exp_shape}, got {f.shape(n)}")
-            want = _FLOAT_WEIGHT
-            if dt not in want:
-                raise CheckpointError(f"{n} in {shard}: expected dtype in {list(want)}, got {dt}")
-            arr = f.get(n)
-            if dt == "F8_E4M3":
-                if n in scales:
-                    arr = dequantize_fp8_block(arr, scales.pop(n), block)
-                else:
-                    pending[n] = (arr, shard)
-                    continue
-            _place(n, arr, shard, targets, variables, filled, experts_seen, param_dtype)
-    if pending:
-        n, (_, s) = next(iter(pending.items()))
-        raise CheckpointError(
-            f"{n} in {s}: FP8 (F8_E4M3) weight without {n}_scale_inv; {len(pending)} such weight(s)"
-        )
-    for p, seen in experts_seen.items():
-        E = variables[p].shape[0]
-        if len(seen) != E:
-            e = min(set(range(E)) - seen)
-            raise CheckpointError(f"{path}: missing tensor {_hf_name(p, e, L)}")
-    for p in variables:
-        if p[-2:-1] == ("experts",) and p not in experts_seen:
-            raise CheckpointError(f"{path}: missing tensor {_hf_name(p, 0, L)}")
-
-    for p, v in variables.items():
-        v.set_value(jnp.asarray(filled.pop(p)))
+    items = list(variables.items())
+    it = tqdm(items, desc="loading parameters", unit="param", disable=not progress) if tqdm else items
+    for p, v in it:
+        sharding = param_sharding(p, tuple(v.shape), mesh)
+        src = lazy[p]
+        v.set_value(jax.make_array_from_callback(tuple(v.shape), sharding, lambda s, src=src: src.read(s)))
+    model.mesh = mesh
     return model
 
 
-def _place(name, arr, shard, targets, variables, filled, experts_seen, param_dtype):
-    path_, expert, tr = targets[name]
-    var = variables[path_]
-    a = np.asarray(arr)
-    if np.dtype(a.dtype) != np.float32 and np.dtype(param_dtype) == np.float32:
-        a = a.astype(np.float32)
-    a = a.T if tr else a
-    tdt = np.dtype(var.dtype)
-    if expert is None:
-        filled[path_] = np.ascontiguousarray(a.astype(tdt))
-    else:
-        if path_ not in filled:
-            filled[path_] = np.empty(var.shape, tdt)
-            experts_seen[path_] = set()
-        filled[path_][expert] = a.astype(tdt)
-        experts_seen[path_].add(expert)
-
-
-def _hf_name(path: tuple, expert: int | None = None, num_layers: int = 0) -> str:
-    """Published name of our parameter ``path`` (MTP layer j is ``model.layers.{num_layers + j}``)."""
-    p = list(map(str, path))
-    if p[0] in ("layers", "mtp"):
-        idx = int(p[1]) + (0 if p[0] == "layers" else num_layers)
-        p = ["model", "layers", str(idx)] + p[2:]
-    elif p[0] in ("embed_tokens", "norm"):
-        p = ["model"] + p
-    if expert is not None:
-        p = p[:-1] + [str(expert), p[-1]]
-    if p[-1] in ("kernel", "embedding"):
-        p[-1] = "weight"
-    elif p[-1] != "weight" and p[-1] != "e_score_correction_bias":
-        p.append("weight")
-    return ".".join(p)
-
-
 # ------------------------------------------------------------------------------------------ writing
-def model_to_hf_tensors(model, *, fp8: bool = False) -> dict[str, np.ndarray]:
-    """Our parameters as a ``{published name: float32 (or e4m3 + scale) array}`` dict.
+def model_to_hf_tensors(model, *, fp8: bool = False, dtype=None) -> dict[str, np.ndarray]:
+    """Our parameters as a ``{published name: array (or e4m3 + scale)}`` dict.
 
-    With ``fp8`` every linear weight except embeddings, heads and the router is block-quantised as
-    DeepSeek ships them (``F8_E4M3`` + ``weight_scale_inv``)."""
+    Arrays keep each parameter's own dtype (a bf16 model writes BF16, the float32 router stays F32, an FP8
+    model writes its e4m3 weights and scales as they are) unless ``dtype`` is given, which converts every
+    floating tensor that is not FP8 to it.  With ``fp8`` every linear weight except embeddings, heads and
+    the router is block-quantised as DeepSeek ships them (``F8_E4M3`` + ``weight_scale_inv``)."""
     config = model.config
     out: dict[str, np.ndarray] = {}
-    L = config.num_hidden_layers
     block = config.fp8_block_size or (128, 128)
-    for p, v in nnx.to_flat_state(nnx.state(model, nnx.Param)):
-        a = np.asarray(jax.device_get(v.get_value()), np.float32)
-        tr = p[-1] == "kernel" or p[-2:-1] == ("experts",)
-        names_arrays = []
-        if p[-2:-1] == ("experts",):
-            for e in range(a.shape[0]):
-                names_arrays.append((_hf_name(p, e, L), a[e].T))
-        else:
-            names_arrays.append((_hf_name(p, None, L), a.T if tr else a))
-        for n, arr in names_arrays:
+    state = list(nnx.to_flat_state(nnx.state(model, nnx.Param)))
+    e4m3 = np.dtype(ml_dtypes.float8_e4m3fn)
+    for p, v in state:
+        a = np.asarray(jax.device_get(v.get_value()))
+        n_lead = _lead(p)
+        tr = _transposed(p)
+        for idx in np.ndindex(*a.shape[:n_lead]):
+            n = _hf_name(p, idx, config, model.num_dense)
+            arr = a[idx].T if tr else a[idx]
+            if np.dtype(arr.dtype) == e4m3 or p[-1].endswith("_scale_inv"):
+                out[n] = np.ascontiguousarray(arr)
+                continue
+            tdt = np.dtype(arr.dtype) if dtype is None else np.dtype(dtype)
             quant = (
                 fp8
                 and arr.ndim == 2
@@ -564,18 +589,26 @@ def model_to_hf_tensors(model, *, fp8: bool = False) -> dict[str, np.ndarray]:
                 q, s = quantize_fp8_block(arr, block)
                 out[n], out[n + "_scale_inv"] = q, s
             else:
-                out[n] = np.ascontiguousarray(arr)
+                out[n] = np.ascontiguousarray(arr.astype(tdt))
     return out
 
 
-def save_checkpoint(model, path: str | os.PathLike, *, fp8: bool = False, num_shards: int = 2) -> None:
-    """Write ``config.json``, sharded safetensors and ``model.safetensors.index.json`` (published names)."""
+def save_checkpoint(
+    model, path: str | os.PathLike, *, fp8: bool = False, dtype=None, num_shards: int = 2
+) -> None:
+    """Write ``config.json``, sharded safetensors and ``model.safetensors.index.json`` (published names).
+
+    Tensors keep the model's parameter dtypes (bf16 stays bf16) unless ``dtype`` names another one
+    (e.g. ``jnp.float32``); ``fp8=True`` writes DeepSeek's e4m3 + 128x128 ``weight_scale_inv`` format."""
     from tokenspeed_jax.models.deepseek.config import QuantizationConfig
 
     path = os.fspath(path)
     os.makedirs(path, exist_ok=True)
-    tensors = model_to_hf_tensors(model, fp8=fp8)
-    config = model.config.replace(quantization_config=QuantizationConfig() if fp8 else None)
+    tensors = model_to_hf_tensors(model, fp8=fp8, dtype=dtype)
+    quantized = fp8 or model.config.quantization_config is not None
+    config = model.config.replace(
+        quantization_config=(model.config.quantization_config or QuantizationConfig()) if quantized else None
+    )
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump(config.to_dict(), f, indent=1)
     write_sharded(tensors, path, num_shards=num_shards)

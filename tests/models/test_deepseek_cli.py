@@ -128,3 +128,34 @@ def test_compilation_cache_dir_default(monkeypatch, tmp_path):
     assert default_compilation_cache_dir() == str(tmp_path / "tokenspeed_jax" / "xla")
     monkeypatch.setenv("TOKENSPEED_JAX_CACHE_DIR", str(tmp_path / "c"))
     assert default_compilation_cache_dir() == str(tmp_path / "c" / "xla")
+
+def test_cli_plan_r1_fits_and_refuses(tmp_path, capsys):
+    """--plan: DeepSeek-R1 (FP8, MTP) on 8 H200s with DP attention fits; TP-only at the same batch and
+    context does not (replicated latent cache) and the refusal names what to change."""
+    out_json = tmp_path / "plan.json"
+    argv = ["--plan", "--preset", "deepseek-r1", "--batch", "64", "--context", "32768", "--prefill-tokens", "2048"]
+    assert main(argv + ["--mesh", "data=8", "--json", str(out_json)]) == 0
+    text = capsys.readouterr().out
+    assert "fits, headroom" in text
+    res = json.loads(out_json.read_text())
+    assert res["fits"] and res["bytes_per_device"]["headroom"] > 0 and res["mesh"]["data"] == 8
+    assert main(argv + ["--mesh", "tensor=8"]) == 2
+    cap = capsys.readouterr()
+    assert "DOES NOT FIT" in cap.out and "refused: lower --batch (64) or --context (32768)" in cap.err
+
+
+def test_cli_mesh_json(tmp_path):
+    """--mesh on the tiny preset (8 virtual CPU devices): JSON keeps first_tokens, gains mesh and bytes."""
+    import jax
+    import pytest
+
+    if len(jax.devices()) < 8:
+        pytest.skip("needs 8 (virtual) devices")
+    out_json = tmp_path / "res.json"
+    argv = ["--preset", "tiny", "--batch", "2", "--prompt-len", "8", "--max-new-tokens", "2", "--page-size", "16",
+            "--num-speculative-tokens", "0", "--backend", "xla", "--mesh", "expert=8", "--json", str(out_json)]
+    assert main(argv) == 0
+    res = json.loads(out_json.read_text())
+    assert res["mesh"] == {"data": 1, "tensor": 1, "expert": 8}
+    assert len(res["first_tokens"]) == 2 and res["bytes_per_device"]["weights"] > 0
+    assert res["bytes_per_device"]["kv_cache"] > 0

@@ -141,3 +141,17 @@ def test_generate_argument_errors(model, prompts):
         eng.generate(prompts, 0)
     with pytest.raises(ValueError, match="prompts"):
         eng.generate([], 4)
+
+
+def test_token_ids_outside_vocabulary(model, prompts):
+    V = model.config.vocab_size
+    eng = Engine(model, backend="xla")
+    with pytest.raises(ValueError, match=rf"^prompts\[1\]: token id {V} at index 2 is outside the vocabulary"):
+        eng.generate([prompts[0], [1, 2, V, 3]], 4)
+    with pytest.raises(ValueError, match=r"^prompts\[0\]: token id -1 at index 0 is outside"):
+        eng.generate([[-1, 5]], 4)
+    with pytest.raises(ValueError, match=rf"^input_ids: token id {V + 7} at index 1 is outside"):
+        model.logits([3, V + 7])
+    eng.reset([8])
+    with pytest.raises(ValueError, match=r"^tokens: token id -3 at index \(0, 0\)"):
+        eng.decode([[-3]], [[0]])

@@ -68,3 +68,32 @@ def test_engine_steps_lower_for_sm90():
     assert "tokenspeed_mla_decode_sm90" in res["spec"]
     assert "tokenspeed_mla_decode_sm90" in res["spec_sampling"]
     assert "tokenspeed_mla_prefill_sm90" in res["prefill"]
+
+
+@pytest.mark.compile
+def test_r1_sharded_steps_lower_for_sm90():
+    """Full DeepSeek-R1 (FP8 weights, MTP), abstract weights on an 8-device mesh with DP attention: the
+    prefill, decode and MTP-decode steps lower for CUDA sm_90a through the sm90 kernels, each within 120 s
+    on this CPU (layers are scanned: the program holds one dense and one MoE layer), and the plan's bytes
+    per device equal the sizes of the sharded parameter and cache arrays."""
+    pytest.importorskip("cutlass")
+    env = dict(
+        os.environ,
+        CUTE_DSL_ARCH="sm_90a",
+        TOKENSPEED_JAX_TARGET="sm_90a",
+        XLA_FLAGS="--xla_force_host_platform_device_count=8",
+        PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
+    )
+    script = os.path.join(ROOT, "tests", "models", "lower_r1_sharded.py")
+    p = subprocess.run(
+        [sys.executable, script, "data=8"], env=env, cwd=ROOT, capture_output=True, text=True, timeout=900
+    )
+    line = next((x for x in p.stdout.splitlines() if x.startswith("RESULT ")), None)
+    assert line, p.stdout[-3000:] + p.stderr[-3000:]
+    res = json.loads(line[len("RESULT ") :])
+    assert res["bytes_per_device"] == res["plan_bytes_per_device"]
+    assert "tokenspeed_mla_prefill_sm90" in res["prefill"]["custom_calls"]
+    assert "tokenspeed_mla_decode_sm90" in res["decode"]["custom_calls"]
+    assert "tokenspeed_mla_decode_sm90" in res["mtp_decode"]["custom_calls"]
+    for step in ("prefill", "decode", "mtp_decode"):
+        assert res[step]["seconds"] < 120, res

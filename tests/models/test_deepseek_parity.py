@@ -62,7 +62,13 @@ def test_fp8_block_checkpoint(hf_checkpoint, model_seed, tmp_path):
     )
     hf_util.write_checkpoint(tmp_path, q, cfg8, num_shards=3)
     ours = load_checkpoint(tmp_path, dtype=jnp.float32, progress=False)
-    assert ours.config.quantization_config is None  # weights are dequantised; the model is not quantised
+    # FP8 weights stay FP8 (e4m3 + block scales), dequantised inside the jitted step
+    assert ours.config.quantization_config is not None
+    attn = ours.moe_layers.self_attn
+    assert attn.kv_b_proj.kernel.dtype == jnp.float8_e4m3fn and attn.kv_b_proj.kernel_scale_inv.dtype == jnp.float32
+    assert ours.moe_layers.mlp.experts.gate_proj.dtype == jnp.float8_e4m3fn
+    deq_model = load_checkpoint(tmp_path, dtype=jnp.float32, progress=False, fp8_weights=False)
+    assert deq_model.config.quantization_config is None
     ref_model, _ = hf_util.make_hf_model(model_seed)
     sd = {
         k: torch.from_numpy(np.asarray(v, np.float32))
@@ -86,6 +92,8 @@ def test_fp8_block_checkpoint(hf_checkpoint, model_seed, tmp_path):
     ref = hf_logits(ref_model, ids)
     got = np.asarray(ours.logits(jnp.asarray(ids, jnp.int32)))
     np.testing.assert_allclose(got, ref, rtol=1e-4, atol=1e-4 * np.abs(ref).max())
+    got_deq = np.asarray(deq_model.logits(jnp.asarray(ids, jnp.int32)))
+    np.testing.assert_allclose(got, got_deq, rtol=1e-5, atol=1e-5 * np.abs(ref).max())
     orig = hf_logits(hf_model, ids)
     # e4m3 weights are a few % off each; routing may flip for a token, so compare in norm only.
     assert np.linalg.norm(got - orig) < 0.3 * np.linalg.norm(orig)

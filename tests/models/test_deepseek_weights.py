@@ -206,3 +206,21 @@ def test_not_a_directory(tmp_path):
     with pytest.raises(CheckpointError, match="expected a checkpoint directory"):
         load_checkpoint(tmp_path / "nope", dtype=jnp.float32)
     shutil.rmtree(tmp_path, ignore_errors=True)
+
+
+def test_save_keeps_dtype_or_converts(tmp_path):
+    """A bf16 model is written as BF16 (the float32 router bias stays F32); ``dtype=`` converts."""
+    from tokenspeed_jax.models.deepseek import DeepseekV3, save_checkpoint
+
+    m = DeepseekV3.random(DeepseekV3Config.preset("tiny"), dtype=jnp.bfloat16)
+    save_checkpoint(m, tmp_path / "bf16", num_shards=1)
+    f = SafetensorsFile(str(tmp_path / "bf16" / "model-00001-of-00001.safetensors"))
+    assert f.dtype_name("model.layers.0.self_attn.q_a_proj.weight") == "BF16"
+    assert f.dtype_name("model.layers.1.mlp.experts.3.down_proj.weight") == "BF16"
+    assert f.dtype_name("model.layers.1.mlp.gate.e_score_correction_bias") == "F32"
+    again = load_checkpoint(tmp_path / "bf16", dtype=jnp.bfloat16, progress=False)
+    ids = jnp.arange(9, dtype=jnp.int32)
+    np.testing.assert_array_equal(np.asarray(again.logits(ids)), np.asarray(m.logits(ids)))
+    save_checkpoint(m, tmp_path / "f32", num_shards=1, dtype=jnp.float32)
+    f = SafetensorsFile(str(tmp_path / "f32" / "model-00001-of-00001.safetensors"))
+    assert f.dtype_name("model.layers.0.self_attn.q_a_proj.weight") == "F32"

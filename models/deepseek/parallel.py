@@ -1,0 +1,158 @@
+"""The model on a device mesh: axes ``data`` / ``tensor`` / ``expert``, parameter and cache shardings.
+
+* ``tensor``: attention is tensor-parallel over heads.  ``q_b_proj`` (or ``q_proj``) and ``kv_b_proj`` are
+  split along their output (head-major, so by heads), ``o_proj`` along its input (by heads): each tensor
+  rank computes its heads end to end and ``o_proj`` ends in an all-reduce XLA inserts.  ``q_a_proj``,
+  ``kv_a_proj_with_mqa`` and the norms are replicated, so the latent cache row of a token is computed (and
+  stored) by every tensor rank: the latent cache is replicated per tensor rank, as vLLM does.  The dense
+  MLPs and the shared experts are split Megatron-style (gate / up by columns, down by rows).
+* ``data``: DP attention.  Each data rank serves its own requests: the cache's page axis is split over
+  ``data`` (each rank holds its own pages of every layer), tokens are split over ``data``; weights other
+  than the experts are replicated over ``data``.
+* ``expert``: the routed experts are split over all three axes together (``E / (data * tensor * expert)``
+  experts per device; :mod:`.moe` has the dispatch / combine).
+* Embedding, lm_head / shared_head.head: split along the vocabulary over ``tensor``.
+
+Everything is placed with ``NamedSharding`` at creation (:func:`param_sharding`, used by the loader and by
+``DeepseekV3.random(mesh=...)``) and XLA's SPMD partitioner propagates the layouts through the jitted
+steps; only the MLA custom calls (:mod:`tokenspeed_jax.sharding`) and the experts run under ``shard_map``.
+"""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+AXES = ("data", "tensor", "expert")
+EXPERT_AXES = ("data", "tensor", "expert")
+
+
+def parse_mesh(spec: str) -> dict[str, int]:
+    """``"data=1,tensor=2,expert=4"`` -> ``{"data": 1, "tensor": 2, "expert": 4}`` (missing axes are 1)."""
+    out = dict.fromkeys(AXES, 1)
+    for part in filter(None, (p.strip() for p in spec.split(","))):
+        if "=" not in part:
+            raise ValueError(
+                f"mesh: expected 'axis=size' items separated by commas, got {part!r} in {spec!r}"
+            )
+        k, v = (x.strip() for x in part.split("=", 1))
+        if k not in AXES:
+            raise ValueError(f"mesh: expected axes among {AXES}, got {k!r} in {spec!r}")
+        try:
+            n = int(v)
+        except ValueError:
+            raise ValueError(f"mesh: expected an integer size for {k!r}, got {v!r}") from None
+        if n < 1:
+            raise ValueError(f"mesh: expected a positive size for {k!r}, got {n}")
+        out[k] = n
+    return out
+
+
+def make_mesh(shape: dict[str, int] | str, devices=None) -> Mesh:
+    """A ``Mesh`` with axes (data, tensor, expert) over the first ``prod(shape)`` devices."""
+    if isinstance(shape, str):
+        shape = parse_mesh(shape)
+    sizes = tuple(int(shape.get(a, 1)) for a in AXES)
+    n = int(np.prod(sizes))
+    devices = jax.devices() if devices is None else list(devices)
+    if n > len(devices):
+        raise ValueError(f"mesh: {dict(zip(AXES, sizes))} needs {n} devices, {len(devices)} are available")
+    return Mesh(np.array(devices[:n]).reshape(sizes), AXES)
+
+
+def param_spec(path: tuple, shape: tuple[int, ...], mesh: Mesh) -> P:
+    """The PartitionSpec of a parameter (module docstring); axes that do not divide stay replicated."""
+    names = [str(x) for x in path]
+    leaf = names[-1]
+    nd = len(shape)
+    spec: list = [None] * nd
+    t = "tensor" if mesh.shape.get("tensor", 1) > 1 else None
+
+    def put(axis, name):
+        if name is None:
+            return
+        size = int(np.prod([mesh.shape[a] for a in (name if isinstance(name, tuple) else (name,))]))
+        if shape[axis] % size == 0:
+            spec[axis] = name
+
+    if "experts" in names and leaf in (
+        "gate_proj", "up_proj", "down_proj", "gate_proj_scale_inv", "up_proj_scale_inv", "down_proj_scale_inv"
+    ):
+        put(nd - 3, EXPERT_AXES)  # [(layers,) E, in, out]
+        return P(*spec)
+    owner = names[-2] if leaf in ("kernel", "kernel_scale_inv") else None
+    if owner in ("q_b_proj", "q_proj", "kv_b_proj", "gate_proj", "up_proj"):
+        put(nd - 1, t)  # output split (heads / intermediate)
+    elif owner in ("o_proj", "down_proj"):
+        put(nd - 2, t)  # input split
+    elif owner in ("lm_head", "head"):
+        put(nd - 1, t)  # vocabulary
+    elif leaf == "embedding":
+        put(nd - 2, t)
+    return P(*spec)
+
+
+def param_sharding(path: tuple, shape: tuple[int, ...], mesh: Mesh | None):
+    """NamedSharding of a parameter on ``mesh``; the default device without a mesh."""
+    if mesh is None:
+        return jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    return NamedSharding(mesh, param_spec(path, shape, mesh))
+
+
+def cache_spec(mesh: Mesh) -> P:
+    """The cache ``[num_pages, num_layers, page_size, D]``: pages over ``data`` (replicated otherwise)."""
+    return P("data" if mesh.shape.get("data", 1) > 1 else None)
+
+
+def shard_model(model, mesh: Mesh):
+    """Place every parameter of ``model`` with its NamedSharding (in place); returns ``model``."""
+    from flax import nnx
+
+    for p, v in nnx.to_flat_state(nnx.state(model, nnx.Param)):
+        v.set_value(jax.device_put(v.get_value(), param_sharding(p, tuple(v.shape), mesh)))
+    return model
+
+
+def data_size(mesh: Mesh | None) -> int:
+    return 1 if mesh is None else int(mesh.shape.get("data", 1))
+
+
+class ShardedPages:
+    """DP attention's page allocator: request ``b`` of a batch of ``B`` (a multiple of ``n``) lives on data
+    rank ``b // (B / n)``, which owns pages ``[d * P/n, (d+1) * P/n)`` of the cache; block tables and slots
+    use **shard-local** page ids (the layout of :func:`tokenspeed_jax.sharding.sharded_mla_decode` with
+    ``cache_sharding="pages"``).  Same interface as :class:`~.cache.PageAllocator`."""
+
+    def __init__(self, lengths: list[int], page_size: int, n: int, *, shuffle: bool = False, seed: int = 0):
+        from tokenspeed_jax.models.deepseek.cache import PageAllocator
+
+        B = len(lengths)
+        if B % n:
+            raise ValueError(f"batch: expected a multiple of the data axis ({n}) requests, got {B}")
+        self.per_req = B // n
+        need = [
+            sum(-(-lengths[b] // page_size) for b in range(d * self.per_req, (d + 1) * self.per_req)) + 1
+            for d in range(n)
+        ]
+        self.local_pages = max(need)
+        self.num_pages = n * self.local_pages
+        self.page_size = page_size
+        self.shards = [
+            PageAllocator(self.local_pages, page_size, shuffle=shuffle, seed=seed + d) for d in range(n)
+        ]
+        for b, length in enumerate(lengths):
+            self.allocate(b, length)
+
+    def _shard(self, request: int):
+        return self.shards[request // self.per_req]
+
+    def allocate(self, request: int, num_tokens: int) -> list[int]:
+        return self._shard(request).allocate(request, num_tokens)
+
+    def slots(self, request: int, positions) -> np.ndarray:
+        return self._shard(request).slots(request, positions)
+
+    def block_table(self, requests: list[int], max_pages: int) -> np.ndarray:
+        return np.concatenate([self._shard(r).block_table([r], max_pages) for r in requests])
