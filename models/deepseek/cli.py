@@ -2,9 +2,11 @@
 tokenspeed_jax MLA ops and report prefill / decode throughput, the MTP acceptance rate and the attention
 backend that ran.
 
-By default it builds the ``small`` preset with generated (random) weights, so it runs anywhere (CPU: float32
-compute, xla backend; GPU: bfloat16, ``backend=auto`` picks the kernel backend when it supports the call).
-``--checkpoint DIR`` loads a Hugging Face checkpoint instead; when DIR has ``tokenizer.json``,
+By default it loads the shipped checkpoint ``pystdlib-tiny`` (a small DeepSeek-V3-architecture model with a
+trained MTP head, ``tokenspeed_jax.models.deepseek.checkpoints``) and continues three Python prompts, so it runs
+anywhere and prints real text (CPU: float32 compute, xla backend; GPU: bfloat16, ``backend=auto`` picks the
+kernel backend when it supports the call).  ``--preset NAME`` builds a config with generated (random) weights
+instead; ``--checkpoint DIR`` loads another Hugging Face checkpoint; when DIR has ``tokenizer.json``,
 ``--prompt TEXT`` (repeatable) or ``--prompts-file FILE`` (one prompt per line) give text prompts and the
 generated text is printed.  Without text prompts the prompts are random token ids.  Each configuration
 runs once to compile (warm-up; JAX's persistent compilation cache makes a second process's warm-up
@@ -29,7 +31,9 @@ TOKENSPEED_SCOPES = (
     "tokenspeed_merge_attn_states",
 )
 BACKENDS = ("auto", "xla", "sm90", "sm100")
-PAGE_SIZES = (16, 32, 64, 128, 256)  # mla_decode's page sizes
+PAGE_SIZES = (16, 32, 64, 128, 256)
+# the text prompts of the default run (the shipped checkpoint was trained on the Python standard library)
+DEFAULT_PROMPTS = ("    def __init__(self, name", "        if not isinstance(", "import ")  # mla_decode's page sizes
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -40,12 +44,17 @@ def _parser() -> argparse.ArgumentParser:
         description=__doc__.split("\n\n")[0],
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    p.add_argument("--preset", default="small", choices=sorted(PRESETS), help="config with generated weights")
+    p.add_argument(
+        "--preset",
+        default=None,
+        choices=sorted(PRESETS),
+        help="a config with generated (random) weights instead of a checkpoint",
+    )
     p.add_argument(
         "--checkpoint",
         default=None,
         metavar="DIR",
-        help="Hugging Face checkpoint directory (overrides --preset)",
+        help="Hugging Face checkpoint directory (default, without --preset: the shipped pystdlib-tiny)",
     )
     p.add_argument(
         "--dtype",
@@ -147,6 +156,14 @@ def _validate(p: argparse.ArgumentParser, args) -> None:
         p.error(f"--checkpoint: no such directory {args.checkpoint!r}")
     if args.prompts_file is not None and not os.path.isfile(args.prompts_file):
         p.error(f"--prompts-file: no such file {args.prompts_file!r}")
+    if args.preset is not None and args.checkpoint is not None:
+        p.error("--preset: give either --preset (generated weights) or --checkpoint, not both")
+    if args.preset is None and args.checkpoint is None and not args.plan:
+        from tokenspeed_jax.models.deepseek.checkpoints import default_checkpoint
+
+        args.checkpoint = default_checkpoint()
+        if args.prompt is None and args.prompts_file is None:
+            args.prompt = list(DEFAULT_PROMPTS)
     if args.prompt is not None and args.prompts_file is not None:
         p.error("--prompts-file: give either --prompt or --prompts-file, not both")
     if (args.prompt or args.prompts_file) and args.checkpoint is None:
@@ -164,7 +181,7 @@ def _plan_main(args) -> int:
     if args.checkpoint:
         cfg = DeepseekV3Config.from_json(args.checkpoint)
     else:
-        cfg = DeepseekV3Config.preset(args.preset)
+        cfg = DeepseekV3Config.preset(args.preset or "small")
     dtype = jnp.float32 if args.dtype == "float32" else jnp.bfloat16
     kv = None if args.kv_dtype == "auto" else jnp.dtype(args.kv_dtype)
     k = args.num_speculative_tokens if args.num_speculative_tokens is not None else 1
