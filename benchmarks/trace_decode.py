@@ -85,7 +85,8 @@ def traced_decode(c, trace_iters: int, ctas: int, config: str | None = None):
         call = ffi.custom_call(sm90_decode.TARGET, launch_decode_traced, outputs=outputs,
                                compile_key=("traced", key, trace_iters, ctas), loop=cfg.loop, producer=cfg.producer,
                                trace=trace_iters, **statics)
-        res = call(q, kv, bt, sl, ffi.scalar_operand(scale), ffi.scalar_operand(jnp.float32(1.0)))
+        cta, req = sm90_decode.schedule_of(prob, sl, cfg)
+        res = call(q, kv, bt, sl, ffi.scalar_operand(scale), ffi.scalar_operand(jnp.float32(1.0)), cta, req)
         return res[0], res[1], res[2]
 
     return jax.jit(g)

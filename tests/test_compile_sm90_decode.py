@@ -130,15 +130,17 @@ def compiled(tmp_path_factory):
 
 
 # name -> the expected counts: wgmma shapes (PTX, main kernel), TMA copies, the producer's setmaxnreg (2 or 0), its
-# 160-thread barriers, HGMMA / QGMMA (SASS) with those from registers, and the bound on spill instructions
+# 160-thread barriers, HGMMA / QGMMA (SASS) with those from registers, and the bound on spill instructions (the
+# persistent piece loop's values spill and are reloaded once per piece, outside the main loops: 2-28 per build as
+# compiled on 2026-12-04, identical SASS to the build measured on the H200)
 EXPECT = {
     # 16-bit seesaw: 2 x 36 QK (first tile) + 36 per warpgroup loop (m64n64k16), 4 PVs of 4 k16 steps (m64n256k16),
     # 2 of them with P from registers; 4 column-group refills in the prologue + 2 per warpgroup loop, 18 + 18 chunks x
     # boxes per chunk; the producer's 4 loop syncs + 4 arrive sites; P by 2 x 4 stmatrix
     "seesaw16_prod": dict(wgmma={"m64n256k16": 16, "m64n64k16": 144}, tma=72, maxnreg=2, bar160=8, mma=160,
-                          mma_r=8, stsm=8, spill=0),
+                          mma_r=8, stsm=8, spill=28),
     "seesaw16_h128": dict(wgmma={"m64n256k16": 16, "m64n64k16": 144}, tma=36, maxnreg=2, bar160=8, mma=160,
-                          mma_r=8, stsm=8, spill=0),
+                          mma_r=8, stsm=8, spill=2),
     "seesaw16_page16": dict(wgmma={"m64n256k16": 16, "m64n64k16": 144}, tma=144, maxnreg=0, bar160=0, mma=160,
                             mma_r=8, stsm=8, spill=0),
     # FP8 seesaw (16-token pages): QK on FP8 tensor cores (4 x 18 m64n64k32), each PV one m64n256k32 per k32 step
@@ -150,18 +152,18 @@ EXPECT = {
     "transposed16": dict(wgmma={"m64n16k16": 208}, tma=36, maxnreg=2, bar160=8, mma=208, mma_r=0, expect=8, waits=8,
                          spill=0),
     "transposed32": dict(wgmma={"m64n32k16": 208}, tma=72, maxnreg=2, bar160=8, mma=208, mma_r=0, expect=8, waits=8,
-                         spill=0),
+                         spill=14),
     # FP8 O^T on 64-row blocks: 54 QK + 32 PV m64n64k32 (the PVs with V^T from registers, 8 ldmatrix.x4.trans per
     # PV); P as 8 32-bit shared stores per store site and warpgroup 0's rescale of P0 from its words (8 + 8); the TMA
     # of 4 tiles in the prologue and 2 per pair in the producer's loop x 9 chunks; at most a few loop-invariant reloads
     "fp8_pv64": dict(wgmma={"m64n64k32": 86}, tma=54, maxnreg=2, bar160=4, mma=86, mma_r=32, ldsm=32, sts32=24,
-                     lds32=8, spill=56),
+                     lds32=8, spill=11),
     # FP8 transposed, each warpgroup its own tiles over all 512 features: the first QK and the loop's next QK (18 each)
     # and the PV over 8 m-blocks x 2 k32 steps with V^T from registers, all N = the rows; one SLOT*_FREE arrive site
     # (its id depends on the warpgroup) and the producer's 2 syncs; spills at 32 rows only outside the loop (the
     # prologue and the epilogue's merge)
-    "fp8_t32": dict(wgmma={"m64n32k32": 52}, tma=54, maxnreg=2, bar160=3, mma=52, mma_r=16, ldsm=16, spill=48),
-    "fp8_t16": dict(wgmma={"m64n16k32": 52}, tma=54, maxnreg=2, bar160=3, mma=52, mma_r=16, ldsm=16, spill=0),
+    "fp8_t32": dict(wgmma={"m64n32k32": 52}, tma=54, maxnreg=2, bar160=3, mma=52, mma_r=16, ldsm=16, spill=10),
+    "fp8_t16": dict(wgmma={"m64n16k32": 52}, tma=54, maxnreg=2, bar160=3, mma=52, mma_r=16, ldsm=16, spill=4),
 }
 
 
@@ -190,14 +192,15 @@ def test_selected_config_compiles(compiled, name):
 @pytest.mark.compile
 def test_staged_epilogue_and_combine(compiled):
     """The seesaw's staged epilogue: O through the Q tile's shared memory in 16-byte chunks, 16 rows per thread and
-    pass: two passes of fp32 partials (3 splits), one of bf16 (one split), four of fp32 through the 36 KB e4m3 Q tile;
-    the combine kernel over 16 splits: each of a thread's 2 splits one 16-byte load, after griddepcontrol.wait."""
+    pass, both versions built (each piece picks one at run time): one pass of 16-bit output plus two of fp32
+    partials through the 72 KB 16-bit Q tile, two of bf16 plus four of fp32 through the 36 KB e4m3 one; the combine
+    kernel: one 16-byte load per slot in its slot loop, after griddepcontrol.wait."""
     if compiled["seesaw16_prod"]["sass"]:
-        assert compiled["seesaw16_prod"]["stg128"] == 2 * 16, compiled["seesaw16_prod"]
-        assert compiled["seesaw16_h128"]["stg128"] == 16, compiled["seesaw16_h128"]
-        assert compiled["seesaw8_page16"]["stg128"] == 4 * 8, compiled["seesaw8_page16"]
-    assert compiled["seesaw16_page16"]["comb"] == {"v4": 2, "wait": 1}, compiled["seesaw16_page16"]["comb"]
-    assert compiled["seesaw16_prod"]["comb"]["wait"] == 1
+        # both epilogues are built (the direct output and the fp32 partials are chosen per piece at run time)
+        for name in ("seesaw16_prod", "seesaw16_h128", "seesaw8_page16"):
+            assert compiled[name]["stg128"] == 16 + 2 * 16, compiled[name]
+    for name in CASES:  # the combine: one 16-byte load in its slot loop, after griddepcontrol.wait
+        assert compiled[name]["comb"] == {"v4": 1, "wait": 1}, (name, compiled[name]["comb"])
 
 
 @pytest.mark.compile

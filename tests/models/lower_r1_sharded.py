@@ -67,13 +67,14 @@ def main(spec="data=8", batch=16, context=4096, page_size=64, k=1):
     T = nd * Tl
     cu = i32(nd * (batch // nd + 1))
     lower("prefill", E._prefill_step, graphdef, state, cache, i32(T), i32(T), i32(T), cu, i32(T),
-          jax.ShapeDtypeStruct((T,), jnp.bool_), i32(T), i32(batch), bt, i32(batch), backend="auto",
-          context_capacity=0, use_mtp=True, max_seqlen=Tl)
+          jax.ShapeDtypeStruct((T,), jnp.bool_), i32(T), i32(batch), bt, i32(batch),
+          jax.ShapeDtypeStruct((batch, 2), jnp.uint32), backend="auto", context_capacity=0, use_mtp=True,
+          max_seqlen=Tl)
     lower("decode", E._decode_step, graphdef, state, cache, i32(batch, 1), i32(batch, 1), bt, backend="auto",
           page_size=page_size)
-    lower("mtp_decode", E._spec_loop, graphdef, state, cache, i32(batch), i32(batch),
-          jax.ShapeDtypeStruct((batch, cfg.hidden_size), jnp.bfloat16), i32(batch), bt, backend="auto",
-          page_size=page_size, k=k, max_new=8)
+    # the MTP verify step: k drafts + the last token at k + 1 positions, one mla_decode call per layer with S = k + 1
+    lower("mtp_decode", E._decode_step, graphdef, state, cache, i32(batch, k + 1), i32(batch, k + 1), bt,
+          backend="auto", page_size=page_size)
     print("RESULT " + json.dumps(res))
 
 

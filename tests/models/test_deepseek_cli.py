@@ -61,7 +61,7 @@ def test_cli_tiny_with_profile(tmp_path, capsys):
         (["--num-speculative-tokens", "16"], "--num-speculative-tokens"),
         (["--batch", "0"], "--batch"),
         (["--max-new-tokens", "0"], "--max-new-tokens"),
-        (["--prompt", "hello"], "--prompt"),
+        (["--preset", "tiny", "--prompt", "hello"], "--prompt"),
         (["--preset", "nope"], "--preset"),
         (["--backend", "cuda"], "--backend"),
         (["--checkpoint", "/nonexistent/dir"], "--checkpoint"),
