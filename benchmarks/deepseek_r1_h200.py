@@ -3,7 +3,7 @@ MLA dims: kv_lora_rank 512, rope 64, nope 128, v 128), 1 dense + 2 MoE layers (2
 about 40 GB of FP8 weights with the MTP layer, so no expert reduction is needed on an H200), FP8 weights
 resident (e4m3 + 128x128 block scales, dequantised inside the step), bf16 compute and cache.
 
-    python -m benchmarks.deepseek_r1_h200 --json benchmarks/results/deepseek_r1_h200.json
+    python -m benchmarks.deepseek_r1_h200 --json $OUT/deepseek_r1_h200.json
 
 Measures, for batch 1 / 16 / 64 and context 4k / 32k:
 
