@@ -32,11 +32,6 @@ class Sm90Backend:
     def _prefill_mod():
         return _half("tokenspeed_jax.backends.sm90_prefill")
 
-    @property
-    def trace_env(self) -> tuple[str, ...]:
-        d, p = self._decode_mod(), self._prefill_mod()
-        return getattr(d, "TRACE_ENV", ()) + getattr(p, "TRACE_ENV", ())
-
     def supports_decode(self, problem) -> str | None:
         m = self._decode_mod()
         return "sm90 decode is not part of this build" if m is None else m.supports(problem)

@@ -12,14 +12,10 @@ Decisions:
 * **Rows with no visible key** (rows past ``cu_seqlens_q[-1]``, requests with ``Lk = 0``, bottom-right causal
   rows ``i < Lq - Lk``) give 0 and LSE -inf. FA4 leaves the first unwritten and, for a tile that sees no key,
   still processes one out-of-range K/V block whose columns are not all masked, so it may write a softmax over
-  another request's keys there. Default (``EMPTY_ROWS_ENV`` = ``fixup``): the same custom call launches, after
-  FA4's kernel and on the same stream, a small kernel of ours that finds each row's request by binary search
-  over ``cu_seqlens_q`` and overwrites exactly those rows (at S=8192 the clip below and this kernel together
-  add about 20 µs a call, docs/sm90_prefill.md). The alternative ``kernel`` mode overrides FA4's epilogue to
-  write them in registers and appends one key-less request for the rows past ``cu_seqlens_q[-1]``; measured on
-  the H200 (2026-11-30) that override, together with the device-resident scale, makes ptxas reschedule FA4's
-  main loop and costs up to 8% on long non-causal cases, so it is kept only for A/B runs. (An XLA pass under
-  ``lax.cond`` was also tried: the host-side predicate of the conditional cost about 50 µs a call.) cu_seqlens
+  another request's keys there. The same custom call launches, after FA4's kernel and on the same stream, a
+  small kernel of ours that finds each row's request by binary search over ``cu_seqlens_q`` and overwrites
+  exactly those rows (at S=8192 the clip below and this kernel together add about 20 µs a call,
+  docs/sm90_prefill.md; the alternatives measured and deleted are in docs/sm90_prefill_rejected.md). cu_seqlens
   are clipped to ``[0, Tq]`` / ``[0, Tk]`` in one tiny fused XLA op (clamp, not trap: garbage lengths stay in
   bounds).
 * **K/V rows past ``cu_seqlens_k[-1]`` are made finite here, by construction** (:func:`finite_v_tail`).
@@ -60,7 +56,6 @@ import dataclasses
 import functools
 import importlib.metadata
 import importlib.util
-import os
 
 import jax
 import jax.numpy as jnp
@@ -68,12 +63,6 @@ import jax.numpy as jnp
 from tokenspeed_jax.problems import FP8_DTYPE, PrefillProblem
 
 TARGET = "mla_prefill_sm90"
-# Where rows with no visible key get 0 / LSE -inf (module docstring): "fixup" (default: FA4's own epilogue,
-# the kernel otherwise FA4's with the scale read from device memory, then a small kernel of ours on the same
-# stream writes those rows) or "kernel" (the FA4 kernel's epilogue overridden to write them, plus one
-# key-less padding request for the rows past cu_seqlens_q[-1]).  Read at trace time; part of the compile key.
-EMPTY_ROWS_ENV = "TOKENSPEED_SM90_PREFILL_EMPTY_ROWS"
-TRACE_ENV = (EMPTY_ROWS_ENV,)
 INSTALL_HINT = "pip install 'tokenspeed-jax[hopper]'"
 # Rows past cu_seqlens_k[-1] that FA4 may read (tile_n - 1, tile_n <= 128); they must be finite.
 KV_TAIL_ROWS = 127
@@ -94,7 +83,6 @@ class PrefillKernelConfig:
     num_kv_heads: int
     causal: bool
     return_lse: bool
-    empty_rows: str = "fixup"  # who writes 0 / -inf for rows with no visible key (EMPTY_ROWS_ENV)
 
 
 @functools.cache
@@ -168,18 +156,12 @@ def prefill(problem: PrefillProblem, q, k, v, cu_seqlens_q, cu_seqlens_k, softma
     if problem.dtype == FP8_DTYPE:  # exact upcast (e4m3 is a subset of bf16)
         q, k, v = (x.astype(jnp.bfloat16) for x in (q, k, v))
 
-    mode = os.environ.get(EMPTY_ROWS_ENV, "") or "fixup"
-    if mode not in ("fixup", "kernel"):
-        raise ValueError(f"{EMPTY_ROWS_ENV}: expected 'fixup' or 'kernel', got {mode!r}")
     cu_q = jnp.clip(cu_seqlens_q.astype(jnp.int32), 0, Tq)
     cu_k = jnp.clip(cu_seqlens_k.astype(jnp.int32), 0, Tk)
     v = finite_v_tail(v, cu_k[-1])
-    if mode == "kernel":  # one extra key-less request covers q rows past cu_seqlens_q[-1] (written as 0 / -inf)
-        cu_q = jnp.concatenate([cu_q, jnp.full((1,), Tq, jnp.int32)])
-        cu_k = jnp.concatenate([cu_k, cu_k[-1:]])
     scale = jnp.asarray(softmax_scale, jnp.float32).reshape((1,))
 
-    cfg = PrefillKernelConfig("fa4_sm90", kdtype, Dqk, Dv, Hq, Hk, problem.causal, problem.return_lse, mode)
+    cfg = PrefillKernelConfig("fa4_sm90", kdtype, Dqk, Dv, Hq, Hk, problem.causal, problem.return_lse)
     outputs = [jax.ShapeDtypeStruct((Tq, Hq, Dv), out_dtype)]
     if problem.return_lse:
         outputs.append(jax.ShapeDtypeStruct((Tq, Hq), jnp.float32))
@@ -198,7 +180,7 @@ def prefill(problem: PrefillProblem, q, k, v, cu_seqlens_q, cu_seqlens_k, softma
         head_dim_v=Dv,
         qhead_per_kvhead=Hq // Hk,
         causal=problem.causal,
-        **({} if mode == "kernel" else {"exact_empty_rows": False, "num_q_heads": Hq}),
+        num_q_heads=Hq,
     )
     res = call(q, k, v, cu_q, cu_k, scale)
     return res[0], (res[1] if problem.return_lse else None)

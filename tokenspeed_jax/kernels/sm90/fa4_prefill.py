@@ -13,11 +13,9 @@ source, through overrides of its ``@cute.jit`` device methods and one small kern
 * **Rows that see no key give 0 and LSE -inf.** FA4 does not write q rows past ``cu_seqlens_q[-1]``, and
   for tiles that see no key (bottom-right causal with ``Lq > Lk``, requests with ``Lk = 0``) it still
   processes one out-of-range K/V block whose (negative) columns the masks do not remove, so those rows
-  may get a softmax over another request's keys. By default (``exact_empty_rows=False``) the launch runs
-  :func:`rows_without_keys_kernel` after FA4's kernel on the same stream and overwrites exactly those
-  rows. With ``exact_empty_rows`` (the "kernel" mode, kept for A/B runs) :meth:`FA4PrefillSm90.epilogue`
-  instead overwrites them in registers before FA4's epilogue stores the tile; together with the scale
-  override that made ptxas reschedule FA4's main loop (up to 8% slower on the H200, 2026-11-30).
+  may get a softmax over another request's keys. The launch runs :func:`rows_without_keys_kernel` after
+  FA4's kernel on the same stream and overwrites exactly those rows (an override of FA4's epilogue that
+  wrote them in registers made ptxas reschedule FA4's main loop: ``docs/sm90_prefill_rejected.md``).
 
 Not changed: V rows past a request's end inside its last K/V tile are loaded and multiplied by P = 0, so
 up to ``tile_n - 1`` (<= 127) rows past ``cu_seqlens_k[-1]`` must be finite (the caller's contract, see
@@ -40,7 +38,6 @@ import cutlass
 from cutlass import Float32, Int32, Int64, const_expr, cute
 from flash_attn.cute.flash_fwd_sm90 import FlashAttentionForwardSm90
 from flash_attn.cute.utils import AuxData
-from quack import layout_utils
 
 from tokenspeed_jax.kernels.sm90.helpers import row_ptr
 
@@ -58,21 +55,16 @@ def _fa4_sm90_tiles(head_dim: int, head_dim_v: int, causal: bool):
 
 
 class FA4PrefillSm90(FlashAttentionForwardSm90):
-    """FA4's SM90 forward with a device-resident softmax scale (and, with ``exact_empty_rows``, the empty-row
-    epilogue override).
+    """FA4's SM90 forward with a device-resident softmax scale.
 
     Static configuration: ``dtype`` ("bfloat16"/"float16"), ``head_dim``, ``head_dim_v``,
     ``qhead_per_kvhead`` (Hq / Hk; GQA rows are packed as FA4 does), ``causal`` (bottom-right).
     """
 
-    def __init__(self, dtype: str, head_dim: int, head_dim_v: int, qhead_per_kvhead: int, *, causal: bool,
-                 exact_empty_rows: bool = True):
+    def __init__(self, dtype: str, head_dim: int, head_dim_v: int, qhead_per_kvhead: int, *, causal: bool):
         reason = self.can_implement_problem(dtype, head_dim, head_dim_v, qhead_per_kvhead)
         if reason is not None:
             raise ValueError(reason)
-        # False: FA4's own epilogue (rows with no visible key are then fixed by the caller, see
-        # tokenspeed_jax.backends.sm90_prefill.EMPTY_ROWS_ENV)
-        self.exact_empty_rows = exact_empty_rows
         tile_m, tile_n, mma_pv_is_rs, intra_wg_overlap = _fa4_sm90_tiles(head_dim, head_dim_v, causal)
         super().__init__(
             _DTYPES[dtype],
@@ -166,59 +158,6 @@ class FA4PrefillSm90(FlashAttentionForwardSm90):
             fastdiv_mods,
         )
 
-    @cute.jit
-    def epilogue(
-        self,
-        acc_O: cute.Tensor,
-        lse: cute.Tensor,
-        mO: cute.Tensor,
-        mLSE: cute.Tensor | None,
-        sO: cute.Tensor,
-        seqlen,
-        gmem_tiled_copy_O: cute.TiledCopy,
-        tma_atom_O: cute.CopyAtom | None,
-        tiled_mma: cute.TiledMma,
-        tidx: Int32,
-        m_block: Int32,
-        head_idx: Int32,
-        batch_idx: Int32,
-    ):
-        if const_expr(self.exact_empty_rows):
-            # First query index of this request that sees a key (bottom-right causal: i + Lk - Lq >= 0).
-            first_visible = Int32(0)
-            if const_expr(self.is_causal):
-                first_visible = seqlen.seqlen_q - seqlen.seqlen_k
-            no_keys = seqlen.seqlen_k <= 0
-            cO = cute.make_identity_tensor((self.tile_m, self.tile_hdimv))
-            thr_mma = tiled_mma.get_slice(tidx)
-            tOcO = layout_utils.reshape_acc_to_mn(thr_mma.partition_C(cO))
-            acc_O_mn = layout_utils.reshape_acc_to_mn(acc_O)
-            for m in cutlass.range(cute.size(acc_O_mn, mode=[0]), unroll_full=True):
-                row = m_block * self.tile_m + tOcO[m, 0][0]
-                q_idx = row
-                if const_expr(self.pack_gqa):
-                    q_idx = row // self.qhead_per_kvhead
-                if no_keys or q_idx < first_visible:
-                    lse[m] = -Float32.inf
-                    for n in cutlass.range(cute.size(acc_O_mn, mode=[1]), unroll_full=True):
-                        acc_O_mn[m, n] = Float32(0.0)
-        FlashAttentionForwardSm90.epilogue(
-            self,
-            acc_O,
-            lse,
-            mO,
-            mLSE,
-            sO,
-            seqlen,
-            gmem_tiled_copy_O,
-            tma_atom_O,
-            tiled_mma,
-            tidx,
-            m_block,
-            head_idx,
-            batch_idx,
-        )
-
 
 @cute.jit
 def fa4_prefill_launch(
@@ -237,7 +176,6 @@ def fa4_prefill_launch(
     head_dim_v: cutlass.Constexpr,
     qhead_per_kvhead: cutlass.Constexpr,
     causal: cutlass.Constexpr,
-    exact_empty_rows: cutlass.Constexpr = True,
     num_q_heads: cutlass.Constexpr = 0,
 ):
     """Launch :class:`FA4PrefillSm90` (static configuration from the constexprs) on one ragged batch.
@@ -246,12 +184,10 @@ def fa4_prefill_launch(
     (float32 ``(1,)``), then outputs out and, when requested, lse ``[Tq, Hq]`` float32. The constexprs
     are plain values (not a kernel object) so the compile key has a stable text for the disk cache.
 
-    ``exact_empty_rows=False``: FA4's own epilogue, then :func:`rows_without_keys_kernel`
-    on the same stream gives every row with no visible key 0 / LSE -inf (``num_q_heads`` = Hq sizes its
-    rows).
+    FA4's own epilogue, then :func:`rows_without_keys_kernel` on the same stream gives every row with no
+    visible key 0 / LSE -inf (``num_q_heads`` = Hq sizes its rows).
     """
-    kernel = FA4PrefillSm90(dtype, head_dim, head_dim_v, qhead_per_kvhead, causal=causal,
-                            exact_empty_rows=exact_empty_rows)
+    kernel = FA4PrefillSm90(dtype, head_dim, head_dim_v, qhead_per_kvhead, causal=causal)
     lse_view = None
     if const_expr(lse is not None):
         lse_view = cute.make_tensor(lse.iterator, cute.select(lse.layout, mode=[1, 0]))
@@ -276,12 +212,11 @@ def fa4_prefill_launch(
         None,  # cu_total_splits_m_blocks
         stream,
     )
-    if const_expr(not exact_empty_rows):
-        rows = cute.size(out, mode=[0])
-        grid = cutlass.min((rows + FIX_ROWS_PER_CTA - 1) // FIX_ROWS_PER_CTA, FIX_MAX_CTAS)
-        rows_without_keys_kernel(out, lse, cu_seqlens_q, cu_seqlens_k, num_q_heads * head_dim_v, num_q_heads,
-                                 causal).launch(grid=(cutlass.max(grid, 1), 1, 1), block=(FIX_THREADS, 1, 1),
-                                                stream=stream, use_pdl=True)
+    rows = cute.size(out, mode=[0])
+    grid = cutlass.min((rows + FIX_ROWS_PER_CTA - 1) // FIX_ROWS_PER_CTA, FIX_MAX_CTAS)
+    rows_without_keys_kernel(out, lse, cu_seqlens_q, cu_seqlens_k, num_q_heads * head_dim_v, num_q_heads,
+                             causal).launch(grid=(cutlass.max(grid, 1), 1, 1), block=(FIX_THREADS, 1, 1),
+                                            stream=stream, use_pdl=True)
 
 
 # rows_without_keys_kernel: 4 warps per CTA, 32 rows per warp at a time (one per lane); at most 2 CTAs per SM
