@@ -121,7 +121,7 @@ def test_cli_text_in_and_out(tmp_path, capsys):
 
 
 def test_compilation_cache_dir_default(monkeypatch, tmp_path):
-    from tokenspeed_jax.models.deepseek.engine import default_compilation_cache_dir
+    from tokenspeed_jax.models.deepseek.compile_cache import default_compilation_cache_dir
 
     monkeypatch.delenv("TOKENSPEED_JAX_CACHE_DIR", raising=False)
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
