@@ -44,6 +44,11 @@ def _check_cover(seq, spec, cta, req):
         else:
             assert [p[3] for p in ps] == list(range(req[b, 1], req[b, 1] + len(ps)))
             used_slots.update(p[3] for p in ps)
+    # the combine's work list: the requests cut into pieces, in order, then -1 (at most num_ctas - 1 of them)
+    split = [b for b in range(len(L)) if req[b, 0] >= 2]
+    assert len(split) <= max(spec.num_ctas - 1, 0)
+    assert list(cta[:, 6]) == split + [-1] * (spec.num_ctas - len(split)), (cta[:, 6], split)
+    assert list(cta[:, 7]) == [len(split)] * spec.num_ctas
     assert all(0 <= s < spec.max_slots for s in used_slots)
     assert len(used_slots) == sum(int(r[0]) for r in req if r[0] >= 2)
     return pieces

@@ -28,10 +28,13 @@ lengths.  A request of length 0 has no piece; the combine writes its exact 0 out
 
 Kernel metadata (int32, all computed here):
 
-* ``cta`` ``[num_ctas, 8]``: ``(b_first, tok_first, b_last, tok_end, slot_first, slot_last, 0, 0)``: CTA
+* ``cta`` ``[num_ctas, 8]``: ``(b_first, tok_first, b_last, tok_end, slot_first, slot_last, split_k, n_split)``: CTA
   ``g`` runs requests ``b_first..b_last`` (none if ``b_last < b_first``); the first starts at KV token
   ``tok_first``, the last ends at token ``tok_end`` (exclusive); the ones between are whole.  The first's
-  and last's fp32 partial slots, ``-1`` for direct.  Requests between them are direct.
+  and last's fp32 partial slots, ``-1`` for direct.  Requests between them are direct.  ``split_k`` (row ``k``)
+  is the ``k``-th request cut into pieces, in request order, ``-1`` past the last: the combine's work list
+  (at most ``num_ctas - 1`` requests are cut, since each interior cut lies inside at most one); ``n_split``
+  (every row) is its length.
 * ``req`` ``[B, 2]``: ``(num_pieces, first_slot)`` per request for the combine (``num_pieces`` 0: empty
   request, 1: direct, else merge slots ``first_slot .. first_slot + num_pieces - 1``).
 
@@ -156,6 +159,13 @@ def _metadata(P, n, L, T, spec: ScheduleSpec):
     used = jnp.where(split, pieces, 0)
     first_slot = (jnp.cumsum(used, dtype=jnp.int32) - used).astype(jnp.int32)
 
+    # the requests cut into pieces, in request order, one per CTA row of the metadata (each of the G - 1 interior
+    # cuts lies inside at most one request, so at most G - 1 of them): the combine's work list
+    n_split = jnp.cumsum(split, dtype=jnp.int32)
+    k = jnp.arange(G, dtype=jnp.int32)
+    kth = jnp.searchsorted(n_split, k, side="right", method="compare_all")  # first b with n_split[b] > k
+    split_list = jnp.where(k < n_split[-1], kth, -1).astype(jnp.int32)
+
     def slot_of(b):
         return jnp.where(split[b], first_slot[b] + ne[:-1] - ne[jnp.minimum(f[b], G)], -1)
 
@@ -163,7 +173,7 @@ def _metadata(P, n, L, T, spec: ScheduleSpec):
         jnp.where(nonempty, b_first, 1), jnp.where(nonempty, tok_first, 0),
         jnp.where(nonempty, b_last, 0), jnp.where(nonempty, tok_end, 0),
         jnp.where(nonempty, slot_of(b_first), -1), jnp.where(nonempty, slot_of(b_last), -1),
-        jnp.zeros((G,), jnp.int32), jnp.zeros((G,), jnp.int32),
+        split_list, jnp.broadcast_to(n_split[-1], (G,)),
     ], axis=1).astype(jnp.int32)
     req = jnp.stack([pieces, jnp.where(split, first_slot, -1)], axis=1).astype(jnp.int32)
     return cta, req

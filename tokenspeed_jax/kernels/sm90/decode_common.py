@@ -421,13 +421,13 @@ class MlaDecodeSm90:
             if cutlass.const_expr(p + 1 < (self.DV // 2) // cw):  # the next pass overwrites the tile
                 cute.arch.barrier(barrier_id=int(Barrier.TAIL) + wg, number_of_threads=128)
 
-    def launch_main(self, main, smem: int, stream, batch, output_scale, sched_req, out, lse, o_accum, lse_accum):
+    def launch_main(self, main, smem: int, stream, output_scale, sched_cta, sched_req, out, lse, o_accum, lse_accum):
         """Host side of every loop: launch its traced main kernel ``main`` (``smem`` bytes of shared memory) on the
         persistent grid ``(row blocks, num_ctas)`` (:meth:`cta_start` reads it back; the shared memory allows one CTA
         per SM), then the combine kernel (:meth:`launch_combine`)."""
         main.launch(grid=(self.num_m_blocks, self.num_ctas, 1), block=(self.cta_threads, 1, 1), smem=smem,
                     stream=stream, min_blocks_per_mp=1)
-        self.launch_combine(stream, o_accum, lse_accum, output_scale, sched_req, out, lse, batch)
+        self.launch_combine(stream, o_accum, lse_accum, output_scale, sched_cta, sched_req, out, lse)
 
     @cute.jit
     def allow_combine_launch(self):
@@ -435,123 +435,121 @@ class MlaDecodeSm90:
         for this grid to complete before reading: :meth:`combine_kernel`)."""
         cute.arch.griddepcontrol_launch_dependents()
 
-    def combine_shape(self, batch) -> tuple[int, int]:
-        """``(C, G)`` of the combine: each CTA merges ``DV / C`` columns of one query row of one request; its 128
-        threads form ``G`` slot groups of ``128 / G`` column threads (4 columns each).  Few rows (``B x R < 1024``,
-        where a request may be cut into many pieces, up to one per CTA of the grid): 8 x 8, so 8 loads of 16 bytes
-        stay in flight per thread group; many rows (whose requests have few pieces each): 1 x 1, 8x fewer CTAs,
-        most of which only read their request's piece count and return."""
-        return (8, 8) if not isinstance(batch, int) or batch * self.R < 1024 else (1, 1)
+    COMBINE_CTAS_PER_SM = 16  # combine CTAs of 128 threads: one wave on every SM, whatever the batch
 
     @property
-    def combine_slots(self) -> int:
-        """Slot weights the combine keeps in shared memory: the workspace's slots rounded up to 128."""
-        return -(-self.max_slots // 128) * 128
+    def combine_lse_regs(self) -> int:
+        """Slot LSEs a combine lane holds: the workspace's slots over the 32 lanes."""
+        return -(-self.max_slots // 32)
 
     @cute.jit
     def launch_combine(self, stream, o_accum: cute.Tensor, lse_accum: cute.Tensor, output_scale: cute.Tensor,
-                       sched_req: cute.Tensor, out: cute.Tensor, lse: cute.Tensor, batch):
+                       sched_cta: cute.Tensor, sched_req: cute.Tensor, out: cute.Tensor, lse: cute.Tensor):
 
         @cute.struct
         class CombineStorage:
-            red: cute.struct.MemRange[Float32, 8]
-            w: cute.struct.Align[cute.struct.MemRange[Float32, self.combine_slots], 16]
-            acc: cute.struct.Align[cute.struct.MemRange[Float32, 512], 16]
+            acc: cute.struct.Align[cute.struct.MemRange[Float32, 384], 16]
+            w: cute.struct.Align[cute.struct.MemRange[Float32, 4 * 32 * self.combine_lse_regs], 16]
 
-        self.comb_c, self.comb_g = self.combine_shape(batch)
-        self.combine_kernel(o_accum, lse_accum, output_scale, sched_req, out, lse, CombineStorage).launch(
-            grid=(self.R, batch, self.comb_c), block=(128, 1, 1), smem=CombineStorage.size_in_bytes(),
-            stream=stream, use_pdl=True)
+        self.combine_kernel(o_accum, lse_accum, output_scale, sched_cta, sched_req, out, lse, CombineStorage).launch(
+            grid=(self.COMBINE_CTAS_PER_SM, self.num_ctas * self.num_m_blocks, 1), block=(128, 1, 1),
+            smem=CombineStorage.size_in_bytes(), stream=stream, use_pdl=True)
 
     @cute.jit
-    def block_allreduce(self, x: Float32, sRed: cute.Tensor, slot: cutlass.Constexpr[int],
-                        is_max: cutlass.Constexpr[bool], tid: Int32) -> Float32:
-        """Max (``is_max``) or sum of ``x`` over the 128 threads, returned to all of them: butterfly over each
-        warp, the 4 warp results through ``sRed[slot:slot + 4]``, folded in warp order (deterministic)."""
+    def warp_allreduce(self, x: Float32, is_max: cutlass.Constexpr[bool]) -> Float32:
+        """Max (``is_max``) or sum of ``x`` over the warp's 32 lanes, returned to all (butterfly, deterministic)."""
         for k in cutlass.range_constexpr(5):
             y = cute.arch.shuffle_sync_bfly(x, offset=16 >> k)
             x = cute.arch.fmax(x, y) if is_max else x + y
-        if tid % 32 == 0:
-            sRed[slot + tid // 32] = x
-        cute.arch.barrier()
-        r = sRed[slot]
-        for w in cutlass.range_constexpr(1, 4):
-            r = cute.arch.fmax(r, sRed[slot + w]) if is_max else r + sRed[slot + w]
-        return r
+        return x
 
     @cute.kernel
-    def combine_kernel(self, mOacc: cute.Tensor, mLacc: cute.Tensor, mOS: cute.Tensor, mReq: cute.Tensor,
-                       mOut: cute.Tensor, mLse: cute.Tensor, Storage: cutlass.Constexpr):
-        """One CTA per (row, request, column chunk).  ``mReq[b] = (pieces, first_slot)``
-        (``tokenspeed_jax.decode_schedule``): a request of one piece was written by the main kernel (nothing to do);
-        one of none (length 0) gets exact zeros and LSE -inf; otherwise the LSE-weighted sum of its fp32 partials in
-        slots ``first_slot ..`` in slot order (deterministic, no atomics).  The slot LSEs are read by all 128
-        threads at once and reduced in the block; the weights go through smem; each slot group sums its slots in
-        order, then group 0 adds the groups in order.
+    def combine_kernel(self, mOacc: cute.Tensor, mLacc: cute.Tensor, mOS: cute.Tensor, mCta: cute.Tensor,
+                       mReq: cute.Tensor, mOut: cute.Tensor, mLse: cute.Tensor, Storage: cutlass.Constexpr):
+        """A fixed grid of one wave (``COMBINE_CTAS_PER_SM`` x the SMs, whatever the batch), 4 warps a CTA.
 
-        Launched with programmatic dependent launch (PDL): the main kernel signals
-        ``griddepcontrol.launch_dependents`` at its start, so this grid is launched while the main grid
-        runs and its CTAs take SMs as main CTAs retire; ``griddepcontrol.wait`` holds every thread until
-        the main grid has completed and its writes are visible."""
+        * Work items ``(k, row, column quarter)`` over the schedule's work list (``mCta[k, 6]``: the ``k``-th request
+          cut into pieces; ``mCta[0, 7]`` of them, at most ``num_ctas - 1``), spread over the CTAs.  An item's 4
+          warps split its slots (warp ``w``: slots ``w, w + 4, ..``; a lane: 4 of the quarter's 128 columns), each
+          weighting its fp32 partials by ``exp(lse_s - max)`` (the max and the sum over all slots taken by every
+          warp with shuffles); the 4 warp sums go through shared memory and warp 0 adds them in warp order
+          (deterministic, no atomics) and writes the output row and LSE.
+        * Requests of length 0 (``mReq[b, 0] == 0``), ``b`` spread over the CTAs: exact zero rows, LSE -inf.
+
+        A request of one piece was written by the main kernel.  Launched with programmatic dependent launch
+        (PDL): the main kernel signals ``griddepcontrol.launch_dependents`` at its start, so this grid is launched
+        while the main grid runs and its CTAs take SMs as main CTAs retire; ``griddepcontrol.wait`` holds every
+        thread until the main grid has completed and its writes are visible."""
         cute.arch.griddepcontrol_wait()
         tid, _, _ = cute.arch.thread_idx()
-        r, b, chunk = cute.arch.block_idx()
-        ns = mReq[b, 0]
-        first = mReq[b, 1]
-        C, G = self.comb_c, self.comb_g
-        T = 128 // G
-        g, c = tid // T, tid % T
-        col = chunk * (self.DV // C) + c * 4
-        obase = Int64(b) * self.R + r
-        gOut = cute.make_tensor(row_ptr(mOut, obase, col, self.DV, 8), cute.make_layout(4))
+        bx, by, _ = cute.arch.block_idx()
+        nx, ny, _ = cute.arch.grid_dim()
+        cta, n_cta = by * nx + bx, nx * ny
+        warp, lane = tid // 32, tid % 32
+        st = cutlass.utils.SmemAllocator().allocate(Storage)
+        NL = self.combine_lse_regs
+        sAcc = st.acc.get_tensor(cute.make_layout(384))
+        sW = st.w.get_tensor(cute.make_layout(4 * 32 * NL))
         res = cute.make_rmem_tensor((4,), self.out_dtype)
-        if ns == 0:  # a request of length 0: exact zeros, LSE -inf
-            if g == 0:
-                res.fill(0.0)
-                gOut.store(res.load())
-                if tid == 0 and chunk == 0:
-                    cute.make_tensor(mLse.iterator + obase, cute.make_layout(1))[0] = -Float32.inf
-        if ns >= 2:
-            NL = self.combine_slots // 128
-            st = cutlass.utils.SmemAllocator().allocate(Storage)
-            sRed = st.red.get_tensor(cute.make_layout(8))
-            sW = st.w.get_tensor(cute.make_layout(self.combine_slots))
-            sAcc = st.acc.get_tensor(cute.make_layout(512))
-            lbase = Int64(first) * self.R + r
-            gL = cute.make_tensor(mLacc.iterator + lbase, cute.make_layout(self.combine_slots, stride=self.R))
-            lv = cute.make_rmem_tensor((NL,), Float32)
+        for b in cutlass.range(cta, mReq.shape[0], n_cta, unroll=1):
+            if mReq[b, 0] == 0:  # a request of length 0: exact zeros, LSE -inf
+                for r in cutlass.range(warp, self.R, 4, unroll=1):
+                    obase = Int64(b) * self.R + r
+                    res.fill(0.0)
+                    for c in cutlass.range_constexpr(4):
+                        cute.make_tensor(row_ptr(mOut, obase, c * 128 + lane * 4, self.DV, 8),
+                                         cute.make_layout(4)).store(res.load())
+                    if lane == 0:
+                        cute.make_tensor(mLse.iterator + obase, cute.make_layout(1))[0] = -Float32.inf
+        n_items = mCta[0, 7] * (self.R * 4)
+        for item in cutlass.range(cta, n_items, n_cta, unroll=1):
+            k = item // (self.R * 4)
+            r = (item // 4) % self.R
+            col = (item % 4) * 128 + lane * 4
+            b = mCta[k, 6]
+            ns = mReq[b, 0]
+            lbase = Int64(mReq[b, 1]) * self.R + r
+            gL = cute.make_tensor(mLacc.iterator + lbase, cute.make_layout(self.max_slots, stride=self.R))
+            lv = cute.make_rmem_tensor((NL,), Float32)  # slot lane + 32 j's LSE, all loads in flight
             m = -Float32.inf
             for j in cutlass.range_constexpr(NL):
                 lv[j] = -Float32.inf
-                if tid + 128 * j < ns:
-                    lv[j] = gL[tid + 128 * j]
+                if lane + 32 * j < ns:
+                    lv[j] = gL[lane + 32 * j]
                 m = cute.arch.fmax(m, lv[j])
-            m = self.block_allreduce(m, sRed, 0, True, tid)
+            m = self.warp_allreduce(m, True)
+            ref = m
+            if m == -Float32.inf:
+                ref = Float32(0.0)
             part = Float32(0.0)
             for j in cutlass.range_constexpr(NL):
-                w = Float32(0.0)
-                if m != -Float32.inf:
-                    w = cute.arch.exp2((lv[j] - m) * LOG2_E)
-                sW[tid + 128 * j] = w
+                w = cute.arch.exp2((lv[j] - ref) * LOG2_E)
+                sW[warp * NL * 32 + lane + 32 * j] = w  # (each warp its own copy: no CTA barrier)
                 part = part + w
-            total = self.block_allreduce(part, sRed, 4, False, tid)
+            total = self.warp_allreduce(part, False)
+            cute.arch.sync_warp()
             acc = cute.make_rmem_tensor((4,), Float32)
             acc.fill(0.0)
-            for s in cutlass.range(g, ns, G, unroll=1):
-                gO = cute.make_tensor(row_ptr(mOacc, lbase + Int64(s) * self.R, col, self.DV, 16),
-                                      cute.make_layout(4))
-                v = gO.load()
-                w = sW[s]
+            # the warp's slots warp, warp + 4, ..: each one's partial loaded an iteration ahead (the load of slot
+            # s + 4 is in flight while slot s is added; past the last slot a valid row is loaded and not used)
+            vc = cute.make_rmem_tensor((4,), Float32)
+            vc.store(cute.make_tensor(row_ptr(mOacc, lbase + Int64(cutlass.min(warp, ns - 1)) * self.R, col,
+                                              self.DV, 16), cute.make_layout(4)).load())
+            for s in cutlass.range(warp, ns, 4, unroll=2):
+                vn = cute.make_tensor(row_ptr(mOacc, lbase + Int64(cutlass.min(s + 4, ns - 1)) * self.R, col,
+                                              self.DV, 16), cute.make_layout(4)).load()
+                ws = sW[warp * NL * 32 + s]
                 for j in cutlass.range_constexpr(4):
-                    acc[j] = acc[j] + w * v[j]
-            if cutlass.const_expr(G > 1):
+                    acc[j] = acc[j] + ws * vc[j]
+                vc.store(vn)
+            if warp > 0:
                 for j in cutlass.range_constexpr(4):
-                    sAcc[tid * 4 + j] = acc[j]
-                cute.arch.barrier()
-            if g == 0:
-                for k in cutlass.range_constexpr(1, G):
+                    sAcc[(warp - 1) * 128 + lane * 4 + j] = acc[j]
+            cute.arch.barrier()
+            if warp == 0:
+                for o in cutlass.range_constexpr(3):
                     for j in cutlass.range_constexpr(4):
-                        acc[j] = acc[j] + sAcc[(k * T + c) * 4 + j]
+                        acc[j] = acc[j] + sAcc[o * 128 + lane * 4 + j]
                 inv = Float32(0.0)
                 lse = -Float32.inf
                 if total > 0.0:
@@ -559,9 +557,11 @@ class MlaDecodeSm90:
                     lse = m + cute.math.log(total, fastmath=False)
                 for j in cutlass.range_constexpr(4):
                     res[j] = (acc[j] * inv).to(self.out_dtype)
-                gOut.store(res.load())
-                if tid == 0 and chunk == 0:
+                obase = Int64(b) * self.R + r
+                cute.make_tensor(row_ptr(mOut, obase, col, self.DV, 8), cute.make_layout(4)).store(res.load())
+                if lane == 0 and col == 0:
                     cute.make_tensor(mLse.iterator + obase, cute.make_layout(1))[0] = lse
+            cute.arch.barrier()  # sAcc is free for the next item
 
 
 def staged_pass_features(elem_bytes: int, stage_bytes: int) -> int:

@@ -207,7 +207,7 @@ class MlaDecodeFp8TransposedPvSm90(TransposedOutMixin, KvRefillMixin, DecodeTrac
 
         main = self.ot_kernel(qk_mma, pv_mma, q, kv, block_table, seq_lens, softmax_scale, output_scale, sched_cta,
                               out, lse, o_accum, lse_accum, trace_buf, q_layout, tma_atom, tma_kv, Storage)
-        self.launch_main(main, Storage.size_in_bytes(), stream, q.shape[0], output_scale, sched_req, out, lse, o_accum,
+        self.launch_main(main, Storage.size_in_bytes(), stream, output_scale, sched_cta, sched_req, out, lse, o_accum,
                          lse_accum)
 
     def kv_tma(self, kv: cute.Tensor):

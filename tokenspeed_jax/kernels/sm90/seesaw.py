@@ -165,7 +165,7 @@ class MlaDecodeSeesawSm90(Fp8OperandsMixin, KvRefillMixin, DecodeTraceMixin, Mla
         main = self.seesaw_kernel(qk_mma, pv_ss, pv_rs, pv8, q, kv, block_table, seq_lens, softmax_scale, output_scale,
                                   sched_cta, out, lse, o_accum, lse_accum, trace_buf, q_layout, k_layout, v_layout,
                                   p_layout, tma_atom, tma_kv, Storage)
-        self.launch_main(main, Storage.size_in_bytes(), stream, q.shape[0], output_scale, sched_req, out, lse, o_accum,
+        self.launch_main(main, Storage.size_in_bytes(), stream, output_scale, sched_cta, sched_req, out, lse, o_accum,
                          lse_accum)
 
     # ---------------------------------------------------------------------------------------- device

@@ -1,0 +1,203 @@
+"""Diagnostics of the sm90 decode schedule on varied lengths: per-kernel profile, per-piece cost, cost-model sweep.
+
+    source .device/bootstrap.sh && python -m benchmarks.decode_diag --out $OUT/diag.json
+
+Parts: (1) per-kernel device time of one decode call (schedule fusions, main kernel, combine) from a
+profiler trace; (2) per-piece overhead: full-length batches of the same total tokens cut into 1..8 pieces per
+CTA (balanced cut), ours vs FlashMLA; (3) the schedule's fixed cost per piece swept on varied batches;
+(4) the schedule alone per B (device time per call, many calls in one executable)."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import glob
+import json
+import os
+import time
+from collections import defaultdict
+
+import numpy as np
+
+from benchmarks.decode_varlen import case_of, inputs, lengths, read_bytes
+
+
+def kernel_times(trace_dir: str, calls: int) -> dict[str, float]:
+    """µs per call of each GPU kernel name in the trace."""
+    from jax.profiler import ProfileData
+
+    tot: dict[str, float] = defaultdict(float)
+    for f in glob.glob(os.path.join(trace_dir, "**", "*.xplane.pb"), recursive=True):
+        for plane in ProfileData.from_file(f).planes:
+            if not plane.name.startswith("/device:GPU"):
+                continue
+            for line in plane.lines:
+                if "Stream" not in line.name and "stream" not in line.name:
+                    continue
+                for ev in line.events:
+                    tot[ev.name[:70]] += ev.duration_ns / 1e3 / calls
+    return dict(sorted(tot.items(), key=lambda kv: -kv[1]))
+
+
+def main():
+    import jax
+    import jax.numpy as jnp
+
+    from benchmarks.harness import interleaved
+    from tokenspeed_jax import mla_decode
+    from tokenspeed_jax.backends import sm90_decode
+    from tokenspeed_jax.decode import _decode_problem
+    from tokenspeed_jax.decode_schedule import decode_schedule
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default="/tmp/diag.json")
+    ap.add_argument("--parts", default="1234")
+    args = ap.parse_args()
+    res: dict = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
+
+    def dump():
+        with open(args.out, "w") as f:
+            json.dump(res, f, indent=1)
+
+    try:
+        import flash_mla as fm
+        import torch
+    except Exception:  # noqa: BLE001
+        fm = None
+
+    def fm_fn(q, kv, bt, sl, fp8):
+        tq, tk = torch.from_dlpack(q), torch.from_dlpack(kv).view(kv.shape[0], kv.shape[1], 1, 576)
+        tbt, tsl = torch.from_dlpack(bt), torch.from_dlpack(sl)
+        if fp8:
+            one = torch.ones(1, dtype=torch.float32, device=tq.device)
+            tq8, tk8 = tq.to(torch.float8_e4m3fn), tk.to(torch.float8_e4m3fn)
+            return lambda: fm.flash_mla_fp8_dense(tq8, tk8, tbt, tsl, 576 ** -0.5, True, one, one)
+        sched, _ = fm.get_mla_metadata()
+        return lambda: fm.flash_mla_with_kvcache(tq, tk, tbt, tsl, 512, sched, None, softmax_scale=576 ** -0.5,
+                                                 causal=True)
+
+    def kernel_with(prob, spec_kw):
+        spec = dataclasses.replace(sm90_decode.schedule_spec(prob, sm90_decode.plan_for_config(
+            prob, sm90_decode.select_config(prob))), **spec_kw)
+        sched = jax.jit(lambda sl_: decode_schedule(sl_, spec))
+        kf = jax.jit(lambda q_, kv_, bt_, sl_, w_: sm90_decode.decode(
+            prob, q_, kv_, bt_, sl_, jnp.float32(576 ** -0.5), jnp.float32(1.0), work=w_))
+        return sched, kf
+
+    cases = [("uniform", 64, 81920, 32, 1), ("tail", 64, 81920, 32, 1), ("uniform", 256, 4096, 32, 1),
+             ("uniform", 64, 81920, 128, 1), ("full", 64, 81920, 32, 1), ("uniform", 64, 81920, 16, 4)]
+    from benchmarks.decode import prewarm
+
+    prewarm([dataclasses.replace(case_of(*sp), dtype=dt) for sp in cases for dt in ("bfloat16", "float8_e4m3fn")
+             if sp[0] == "uniform"], 12)
+    # ---- (1) per-kernel breakdown
+    if "1" in args.parts:
+        res["breakdown"] = {}
+        for spec in cases:
+            dist, B, cap, H, S = spec
+            lens = lengths(dist, B, cap, 0)
+            c = case_of(dist, B, cap, H, S)
+            q, kv, bt, sl, scale = inputs(c, lens, 0)
+            for dt in ("bfloat16", "float8_e4m3fn"):
+                qq, kk = q.astype(dt), kv.astype(dt)
+                f = jax.jit(lambda q_, kv_, bt_, sl_: mla_decode(q_, kv_, bt_, sl_, softmax_scale=576 ** -0.5,
+                                                                 backend="sm90"))
+                jax.block_until_ready(f(qq, kk, bt, sl))
+                d = f"/tmp/diag_trace/{c.name}_{dt}"
+                jax.profiler.start_trace(d)
+                for _ in range(5):
+                    o = f(qq, kk, bt, sl)
+                jax.block_until_ready(o)
+                if fm is not None:
+                    r = fm_fn(qq if dt == "bfloat16" else q, kk if dt == "bfloat16" else kv, bt, sl, dt != "bfloat16")
+                    for _ in range(5):
+                        r()
+                    torch.cuda.synchronize()
+                jax.profiler.stop_trace()
+                kt = kernel_times(d, 5)
+                res["breakdown"][f"{c.name} {dt[:4]}"] = kt
+                print(c.name, dt, json.dumps({k: round(v, 1) for k, v in list(kt.items())[:12]}), flush=True)
+                dump()
+    # ---- (2) per-piece overhead: same total tokens, 1..8 pieces per CTA (full length, balanced)
+    if "2" in args.parts:
+        res["pieces"] = []
+        for dt in ("bfloat16", "float8_e4m3fn"):
+            for ppc in (1, 2, 4, 8):
+                B, L = 132 * ppc, 16384 // ppc
+                c = case_of("full", B, L, 32, 1)
+                q, kv, bt, sl, scale = inputs(c, lengths("full", B, L, 0), 0)
+                qq, kk = q.astype(dt), kv.astype(dt)
+                prob = _decode_problem(qq, kk, bt, sl, True, 512, True)
+                fns = {}
+                for mode in ("balanced", "choose"):
+                    sched, kf = kernel_with(prob, {"mode": mode})
+                    w = sched(sl)
+                    fns[f"ours {mode}"] = (lambda kf=kf, w=w: kf(qq, kk, bt, sl, w))
+                if fm is not None:
+                    fns["FlashMLA"] = fm_fn(qq if dt == "bfloat16" else q, kk if dt == "bfloat16" else kv, bt, sl,
+                                            dt != "bfloat16")
+                nb = read_bytes(np.full(B, L), 1, 32, 2 if dt == "bfloat16" else 1)
+                r = interleaved(fns, nb / 4e12 * 1e6, rounds=5)
+                row = {"dtype": dt, "pieces_per_cta": ppc, "B": B, "L": L,
+                       **{k: v["median_us"] for k, v in r.items()}}
+                res["pieces"].append(row)
+                print(row, flush=True)
+                dump()
+    # ---- (3) fixed cost sweep on varied batches (kernel alone, schedule precomputed)
+    if "3" in args.parts:
+        res["fixed_cost"] = []
+        for spec in cases[:4]:
+            dist, B, cap, H, S = spec
+            lens = lengths(dist, B, cap, 0)
+            c = case_of(dist, B, cap, H, S)
+            q, kv, bt, sl, scale = inputs(c, lens, 0)
+            for dt in ("bfloat16", "float8_e4m3fn"):
+                qq, kk = q.astype(dt), kv.astype(dt)
+                prob = _decode_problem(qq, kk, bt, sl, True, 512, True)
+                fns = {}
+                for fc in (0, 2, 5, 10):
+                    for unit in (64, 128):
+                        sched, kf = kernel_with(prob, {"fixed_cost": fc * 64 // unit, "unit": unit})
+                        w = sched(sl)
+                        fns[f"fc{fc} u{unit}"] = (lambda kf=kf, w=w: kf(qq, kk, bt, sl, w))
+                if fm is not None:
+                    fns["FlashMLA"] = fm_fn(qq if dt == "bfloat16" else q, kk if dt == "bfloat16" else kv, bt, sl,
+                                            dt != "bfloat16")
+                nb = read_bytes(lens, S, H, 2 if dt == "bfloat16" else 1)
+                r = interleaved(fns, nb / 4e12 * 1e6, rounds=5)
+                row = {"case": c.name, "dtype": dt, **{k: v["median_us"] for k, v in r.items()}}
+                res["fixed_cost"].append(row)
+                print(row, flush=True)
+                dump()
+    # ---- (4) the schedule alone
+    if "4" in args.parts:
+        res["schedule"] = []
+        for B in (1, 64, 256, 1024):
+            c = case_of("uniform", B, 32768, 32, 1)
+            q, kv, bt, sl, scale = inputs(c, lengths("uniform", B, 32768, 0), 0)
+            prob = _decode_problem(q, kv, bt, sl, True, 512, True)
+            spec = sm90_decode.schedule_spec(prob, sm90_decode.plan_for_config(prob, sm90_decode.select_config(prob)))
+            n = 10
+            g = jax.jit(lambda s_: decode_schedule(s_, spec))
+            jax.block_until_ready(g(sl))
+            t = time.perf_counter()
+            for _ in range(n):
+                o = g(sl)
+            jax.block_until_ready(o)
+            per = (time.perf_counter() - t) / n * 1e6
+            d = f"/tmp/diag_trace/sched_B{B}"
+            jax.profiler.start_trace(d)
+            for _ in range(n):
+                o = g(sl)
+            jax.block_until_ready(o)
+            jax.profiler.stop_trace()
+            kt = kernel_times(d, n)
+            row = {"B": B, "us_per_schedule_wall": per, "kernel_names": len(kt), "device_us": sum(kt.values()),
+                   "top": {k: round(v, 2) for k, v in list(kt.items())[:20]}}
+            res["schedule"].append(row)
+            print(row, flush=True)
+            dump()
+
+
+if __name__ == "__main__":
+    main()
