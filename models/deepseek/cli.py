@@ -164,6 +164,18 @@ def _validate(p: argparse.ArgumentParser, args) -> None:
         args.checkpoint = default_checkpoint()
         if args.prompt is None and args.prompts_file is None:
             args.prompt = list(DEFAULT_PROMPTS)
+    if args.mesh is not None:
+        from tokenspeed_jax.models.deepseek.parallel import parse_mesh
+
+        try:
+            data = parse_mesh(args.mesh)["data"]
+        except ValueError as e:
+            p.error(f"--mesh: {str(e).removeprefix('mesh: ')}")
+        if args.max_slots is not None and args.max_slots % data:
+            p.error(
+                f"--max-slots: DP attention (--mesh data={data}) gives every data rank max-slots / data "
+                f"slots, expected a multiple of {data}, got {args.max_slots}"
+            )
     if args.prompt is not None and args.prompts_file is not None:
         p.error("--prompts-file: give either --prompt or --prompts-file, not both")
     if (args.prompt or args.prompts_file) and args.checkpoint is None:

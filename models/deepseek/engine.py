@@ -27,6 +27,17 @@ Flow of :meth:`Engine.generate` (``R`` requests, ``B`` slots: ``max_slots``, def
    pending (continuous batching), or when every slot is done.  ``stream`` runs the same loop one step
    per call.
 
+DP attention (a model on a mesh with ``data = n > 1``, :mod:`~tokenspeed_jax.models.deepseek.parallel`):
+the ``B`` slots (a multiple of n) are split into n groups of ``B / n``, slot ``s`` belonging to data rank
+``s // (B / n)``, and each rank has its own page allocator over its share ``num_pages / n`` of the cache
+(:class:`~tokenspeed_jax.models.deepseek.parallel.ShardedPages`; block tables and slots hold shard-local
+page ids).  Admission puts the next request on the rank with a free slot and room for it that serves the
+fewest requests (then the most free pages); its pages come from that rank.  The prefill batch of an
+admission holds ``A / n`` entries per rank (rank d's admitted requests, padded with empty ones) packed
+as per-rank slabs, and the decode loop's rows are the slots in order, so attention (prefill, decode and
+the cache writes) runs per rank under ``shard_map`` on local data while the dense / MoE layers see the
+whole batch.  With ``n = 1`` all of this is the ordinary single allocator and slot order.
+
 Decisions:
 
 * **EOS is included** in the returned tokens (as transformers' ``generate`` does): a request's tokens end
@@ -55,9 +66,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from tokenspeed_jax.models.deepseek import sampling as smp
-from tokenspeed_jax.models.deepseek.cache import KVCache, PageAllocator
+from tokenspeed_jax.models.deepseek.cache import KVCache
 from tokenspeed_jax.models.deepseek.model import check_token_ids
-from tokenspeed_jax.models.deepseek.parallel import data_size
+from tokenspeed_jax.models.deepseek.parallel import ShardedPages, data_size
 from tokenspeed_jax.models.deepseek.sampling import SamplingParams
 from tokenspeed_jax.models.deepseek.compile_cache import enable_compilation_cache
 from tokenspeed_jax.models.deepseek.steps import (  # noqa: F401  (_decode_step / _prefill_step: tests, benchmarks)
@@ -126,10 +137,14 @@ class Engine:
       backend: attention backend for every tokenspeed op ("auto", "xla", "sm90", ...).
       prefill_chunk: chunked context prefill with at most this many tokens per request per round.
       max_slots: requests decoded together (static batch of the decode loop); default: all requests of
-        a ``generate`` call.  More requests than slots are admitted as slots free up.
+        a ``generate`` call (rounded up to a multiple of the mesh's data axis).  More requests than slots
+        are admitted as slots free up.  With DP attention a multiple of ``data``: ``max_slots / data``
+        slots per data rank.
       batching: ``"continuous"`` admits a request whenever a slot and its pages are free;
         ``"static"`` only when every slot is free (batch after batch).
-      num_pages: pages in the cache (default: room for ``max_slots`` of the longest request).
+      num_pages: pages in the cache (default: room for ``max_slots`` of the longest request).  With DP
+        attention the pages of all data ranks, a multiple of ``data``: each rank holds ``num_pages / data``
+        (default: room for its ``max_slots / data`` slots of the longest request, plus one page).
       tokenizer: a :class:`~tokenspeed_jax.models.deepseek.tokenizer.Tokenizer` (text prompts, ``texts``).
       compilation_cache: enable JAX's persistent compilation cache (:func:`enable_compilation_cache`);
         ``False`` leaves JAX's configuration alone.
@@ -170,6 +185,17 @@ class Engine:
             raise ValueError(f"max_slots: expected a positive int or None, got {max_slots}")
         if batching not in ("continuous", "static"):
             raise ValueError(f"batching: expected 'continuous' or 'static', got {batching!r}")
+        self.data = data_size(getattr(model, "mesh", None))
+        if max_slots is not None and max_slots % self.data:
+            raise ValueError(
+                f"max_slots: DP attention (mesh data = {self.data}) gives every data rank max_slots / data "
+                f"slots, expected a multiple of {self.data}, got {max_slots}"
+            )
+        if num_pages is not None and (num_pages < 1 or num_pages % self.data):
+            raise ValueError(
+                f"num_pages: expected a positive multiple of the mesh's data axis ({self.data}: every data "
+                f"rank holds num_pages / data pages), got {num_pages}"
+            )
         self.prefill_chunk = prefill_chunk
         self.max_slots = max_slots
         self.batching = batching
@@ -181,38 +207,40 @@ class Engine:
         self.token_bucket = token_bucket
         self.cache_fill = cache_fill
         self.cache: KVCache | None = None
-        self.allocator: PageAllocator | None = None
+        self.allocator: ShardedPages | None = None
 
     # ------------------------------------------------------------------------------ setup
-    def _new_cache(self, num_pages: int) -> None:
-        mesh = getattr(self.model, "mesh", None)
-        if data_size(mesh) > 1:
-            raise NotImplementedError(
-                "Engine: DP attention (a mesh with data > 1) is not supported by the slot engine yet; shard the "
-                "model over tensor / expert axes (data=1), or run the model's prefill / decode steps directly "
-                "(tokenspeed_jax.models.deepseek.parallel.ShardedPages gives the shard-local page ids)"
-            )
+    def _new_cache(self) -> None:
+        """A cache of the allocator's pages (all data ranks), created with its sharding on a mesh."""
         self.cache = KVCache.create(
             self.config,
-            num_pages=num_pages,
+            num_pages=self.allocator.num_pages,
             page_size=self.page_size,
             dtype=self.kv_dtype,
             k_scale=self.k_scale,
             fill=self.cache_fill,
-            mesh=mesh,
+            mesh=getattr(self.model, "mesh", None),
         )
 
     def reset(self, lengths: list[int]) -> None:
-        """Fresh cache and allocator holding requests ``0..n-1`` of the given total lengths (low-level
-        API of :meth:`prefill` / :meth:`decode`)."""
-        ps = self.page_size
-        self.max_pages = max(-(-n // ps) for n in lengths)
-        num_pages = sum(-(-n // ps) for n in lengths) + 1
-        self.allocator = PageAllocator(num_pages, ps, shuffle=self.shuffle_pages, seed=self.seed)
-        for r, n in enumerate(lengths):
-            self.allocator.allocate(r, n)
-        self.block_table = jnp.asarray(self.allocator.block_table(list(range(len(lengths))), self.max_pages))
-        self._new_cache(num_pages)
+        """Fresh cache and allocator holding requests ``0..R-1`` of the given total lengths (low-level
+        API of :meth:`prefill` / :meth:`decode`); with DP attention request ``b`` lives on data rank
+        ``b // (R / data)``."""
+        ps, n, R = self.page_size, self.data, len(lengths)
+        if R % n:
+            raise ValueError(
+                f"lengths: DP attention (mesh data = {n}) puts R / data requests on every data rank, "
+                f"expected a multiple of {n} requests, got {R}"
+            )
+        per = R // n
+        pages = [-(-m // ps) for m in lengths]
+        self.max_pages = max(pages)
+        local = max(sum(pages[d * per : (d + 1) * per]) for d in range(n)) + 1
+        self.allocator = ShardedPages(local, ps, n, shuffle=self.shuffle_pages, seed=self.seed)
+        for r, m in enumerate(lengths):
+            self.allocator.allocate(r, m, r // per)
+        self.block_table = jnp.asarray(self.allocator.block_table(list(range(R)), self.max_pages))
+        self._new_cache()
 
     def _bucket(self, n: int) -> int:
         """``token_bucket`` times the next power of two (few distinct prefill shapes)."""
@@ -220,16 +248,13 @@ class Engine:
         return b * _pow2_at_least(-(-n // b))
 
     # ---------------------------------------------------------------------------- prefill
-    def _prefill(self, prompts, requests, keys, *, use_mtp, params, batch_to=None):
-        """Prefill ``prompts`` of allocator ``requests`` (padded with empty requests to ``batch_to``)
-        -> per-request ``(logits, first, d1, q1, mh, block rows)`` of the padded batch."""
-        B = batch_to or len(prompts)
-        prompts = list(prompts) + [[]] * (B - len(prompts))
+    def _prefill(self, prompts, requests, keys, *, use_mtp, params):
+        """Prefill ``prompts`` of allocator ``requests`` (``None`` with an empty prompt: a padding entry)
+        -> per-entry ``(logits, first, d1, q1, mh, block rows)``.  With DP attention entry ``b`` of the
+        ``B`` entries must live on data rank ``b // (B / data)`` (its slab below)."""
+        B = len(prompts)
         lens = [len(p) for p in prompts]
-        block_rows = np.zeros((B, self.max_pages), np.int32)
-        block_rows[: len(requests)] = self.allocator.block_table(list(requests), self.max_pages)
-        block_rows = jnp.asarray(block_rows)
-        keys = jnp.zeros((B, 2), jnp.uint32).at[: keys.shape[0]].set(keys)
+        block_rows = jnp.asarray(self.allocator.block_table(list(requests), self.max_pages))
         C = self.prefill_chunk or max(lens)
         rounds = -(-max(lens) // C)
         outs: list = [None] * B
@@ -239,7 +264,7 @@ class Engine:
             counts = [e - s for s, e in zip(starts, ends)]
             # DP attention: requests of data rank d are packed in slab d (rows d*Tl ..), with their own
             # offsets (cu = n concatenated [B/n + 1] arrays); n = 1 is the ordinary packed batch.
-            nd = data_size(getattr(self.model, "mesh", None))
+            nd = self.data
             Bl = B // nd
             Tl = self._bucket(max(sum(counts[d * Bl : (d + 1) * Bl]) for d in range(nd)))
             T = nd * Tl
@@ -313,6 +338,10 @@ class Engine:
         MTP hidden [B, hidden])`` (greedy draft); :meth:`reset` must have been called."""
         if min(len(p) for p in prompts) < 1:
             raise ValueError("prompts: expected every prompt to have at least one token")
+        if len(prompts) != self.block_table.shape[0]:
+            raise ValueError(
+                f"prompts: expected the {self.block_table.shape[0]} requests of reset(), got {len(prompts)}"
+            )
         keys = jnp.zeros((len(prompts), 2), jnp.uint32)
         logits, _first, d1, _q1, mh, _ = self._prefill(
             prompts, list(range(len(prompts))), keys, use_mtp=use_mtp, params=GREEDY
@@ -399,19 +428,22 @@ class Engine:
         if params.greedy:  # top-k / top-p do not matter: one compilation for every greedy call
             params = GREEDY
         R = len(prompts)
-        B = self.max_slots or R
+        nd = self.data
+        B = self.max_slots or nd * -(-R // nd)  # DP attention: whole data ranks of slots
+        Bl = B // nd  # slot s lives on data rank s // Bl
         extra = 2 * k + 1 if k else 0
         totals = [len(p) + m + extra for p, m in zip(prompts, limits)]
         ps = self.page_size
         need = -(-max(totals) // ps)
         self.max_pages = _pow2_at_least(need)  # block-table width in buckets: few decode-loop shapes
-        num_pages = self.num_pages or B * need + 1
-        if need > num_pages:
+        local = self.num_pages // nd if self.num_pages else Bl * need + 1  # pages per data rank
+        if need > local:
             raise ValueError(
-                f"num_pages: a request needs {need} pages of {ps} tokens, the cache has {num_pages}"
+                f"num_pages: a request needs {need} pages of {ps} tokens, the cache has {local}"
+                + (f" per data rank (num_pages / data = {self.num_pages} / {nd})" if nd > 1 else "")
             )
-        self.allocator = PageAllocator(num_pages, ps, shuffle=self.shuffle_pages, seed=self.seed)
-        self._new_cache(num_pages)
+        self.allocator = ShardedPages(local, ps, nd, shuffle=self.shuffle_pages, seed=self.seed)
+        self._new_cache()
         N = _pow2_at_least(max(limits) + k + 1, 8)
         st = init_slot_state(B, self.max_pages, N, k=k, vocab=self.config.vocab_size, params=params)
         eos_arr = jnp.asarray(np.array(eos or [-1], np.int32))
@@ -425,40 +457,39 @@ class Engine:
         res = GenerateOutput(tokens=[], prefill_tokens=sum(len(p) for p in prompts))
         t_start = time.perf_counter()
         while True:
-            # ---- admission (host): free slots take pending requests while pages last
+            # ---- admission (host): free slots take pending requests (FIFO) while pages last
             admitted = []
             if self.batching == "continuous" or all(r < 0 for r in slot_req):
-                for s in range(B):
-                    if not pending:
+                while pending:
+                    s = self._pick_slot(slot_req, Bl, self.allocator.pages_for(totals[pending[0]]))
+                    if s is None:
                         break
-                    if slot_req[s] >= 0:
-                        continue
-                    r = pending[0]
-                    if self.allocator.pages_for(totals[r]) > len(self.allocator._free):
-                        break
-                    self.allocator.allocate(r, totals[r])
-                    pending.popleft()
+                    r = pending.popleft()
+                    self.allocator.allocate(r, totals[r], s // Bl)
                     slot_req[s] = r
                     admitted.append((s, r))
             if admitted:
                 t0 = time.perf_counter()
-                A = min(_pow2_at_least(len(admitted)), B)
-                reqs = [r for _, r in admitted]
+                # the prefill batch: A / nd entries per data rank, rank d's admitted requests first in
+                # its part (entry b on rank b // (A / nd), as the slabs and the decode rows need)
+                per_rank = [[(s, r) for s, r in admitted if s // Bl == d] for d in range(nd)]
+                Al = min(_pow2_at_least(max(len(a) for a in per_rank)), Bl)
+                entries = [a[i] if i < len(a) else None for a in per_rank for i in range(Al)]
+                reqs = [None if e is None else e[1] for e in entries]
+                keys = np.stack([req_keys[r] if r is not None else np.zeros(2, np.uint32) for r in reqs])
                 _logits, first, d1, q1, mh, rows = self._prefill(
-                    [prompts[r] for r in reqs], reqs, jnp.asarray(req_keys[reqs]),
-                    use_mtp=bool(k), params=params, batch_to=A,
+                    [[] if r is None else prompts[r] for r in reqs], reqs, jnp.asarray(keys),
+                    use_mtp=bool(k), params=params,
                 )  # fmt: skip
-                pad = A - len(admitted)
 
-                def ints(xs, fill, pad=pad):
-                    return jnp.asarray(np.array(list(xs) + [fill] * pad, np.int32))
+                def ints(f, fill):
+                    return jnp.asarray(np.array([fill if e is None else f(*e) for e in entries], np.int32))
 
                 self.cache, st = _admit(
                     self.graphdef, self.state, self.cache, st,
-                    ints([s for s, _ in admitted], B), rows,
-                    jnp.asarray(np.concatenate([req_keys[reqs], np.zeros((pad, 2), np.uint32)])),
+                    ints(lambda s, r: s, B), rows, jnp.asarray(keys),
                     first, d1, q1, mh,
-                    ints([len(prompts[r]) for r in reqs], 1), ints([limits[r] for r in reqs], 1),
+                    ints(lambda s, r: len(prompts[r]), 1), ints(lambda s, r: limits[r], 1),
                     eos_arr, **skw,
                 )  # fmt: skip
                 jax.block_until_ready(st["done"])
@@ -489,6 +520,22 @@ class Engine:
         if self.tokenizer is not None:
             res.texts = [self.tokenizer.decode(t) for t in tokens]
         return res
+
+    def _pick_slot(self, slot_req: list[int], per_rank: int, pages: int) -> int | None:
+        """The free slot the next request takes, or None when none fits: among the data ranks with a
+        free slot and ``pages`` free pages, the one serving the fewest requests (then the one with the
+        most free pages, then the lowest rank), and its lowest free slot.  One rank (no DP attention):
+        the lowest free slot when the cache has room."""
+        best = None
+        for d in range(self.data):
+            mine = slot_req[d * per_rank : (d + 1) * per_rank]
+            free = self.allocator.free_pages(d)
+            if -1 not in mine or free < pages:
+                continue
+            key = (sum(r >= 0 for r in mine), -free, d)
+            if best is None or key < best[0]:
+                best = (key, d * per_rank + mine.index(-1))
+        return None if best is None else best[1]
 
     def _harvest(self, st, slot_req, sent, tokens, limits, eos, *, stream, free):
         """Host side after a device call: emit new tokens (streaming), collect and free finished slots."""

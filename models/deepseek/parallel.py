@@ -6,9 +6,14 @@
   ``kv_a_proj_with_mqa`` and the norms are replicated, so the latent cache row of a token is computed (and
   stored) by every tensor rank: the latent cache is replicated per tensor rank, as vLLM does.  The dense
   MLPs and the shared experts are split Megatron-style (gate / up by columns, down by rows).
-* ``data``: DP attention.  Each data rank serves its own requests: the cache's page axis is split over
-  ``data`` (each rank holds its own pages of every layer), tokens are split over ``data``; weights other
-  than the experts are replicated over ``data``.
+* ``data``: DP attention (DeepSeek's / SGLang's layout).  Each data rank serves its own requests: the
+  cache's page axis is split over ``data`` (each rank holds its own pages of every layer, :func:`cache_spec`),
+  a request's pages all live on its rank and block tables / slots hold shard-local page ids
+  (:class:`ShardedPages`, one allocator per rank); a batch's requests are in per-rank groups (decode: rows
+  ``d * B/n ..``; prefill: per-rank slabs of packed rows), so attention and the cache writes run under
+  ``shard_map`` over ``data`` on local data only.  The engine assigns its decode slots to ranks
+  (:mod:`.engine`).  Weights other than the experts are replicated over ``data``; the dense layers and the
+  MoE see the whole batch (the MoE all-gathers the tokens over ``data``, :mod:`.moe`).
 * ``expert``: the routed experts are split over all three axes together (``E / (data * tensor * expert)``
   experts per device; :mod:`.moe` has the dispatch / combine).
 * Embedding, lm_head / shared_head.head: split along the vocabulary over ``tensor``.
@@ -120,39 +125,81 @@ def data_size(mesh: Mesh | None) -> int:
 
 
 class ShardedPages:
-    """DP attention's page allocator: request ``b`` of a batch of ``B`` (a multiple of ``n``) lives on data
-    rank ``b // (B / n)``, which owns pages ``[d * P/n, (d+1) * P/n)`` of the cache; block tables and slots
-    use **shard-local** page ids (the layout of :func:`tokenspeed_jax.sharding.sharded_mla_decode` with
-    ``cache_sharding="pages"``).  Same interface as :class:`~.cache.PageAllocator`."""
+    """DP attention's page allocator: one :class:`~.cache.PageAllocator` of ``local_pages`` pages per data
+    rank.  Rank ``d`` owns pages ``[d * local_pages, (d+1) * local_pages)`` of the cache (the cache's page
+    axis split over ``data``, :func:`cache_spec`); a request is placed on one rank when it is first
+    allocated and all its pages come from that rank.  Block tables and slots hold **shard-local** page ids
+    in ``[0, local_pages)``: the layout of :func:`tokenspeed_jax.sharding.sharded_mla_decode` with
+    ``cache_sharding="pages"`` and of ``concat_and_cache_mla`` run per rank.  With ``n = 1`` it is the
+    ordinary allocator (rank 0, seed ``seed``).
 
-    def __init__(self, lengths: list[int], page_size: int, n: int, *, shuffle: bool = False, seed: int = 0):
+    The engine decides the rank (the rank of the decode slot a request takes); ``shuffle`` hands out each
+    rank's pages in a random order (seed ``seed + d``), as tests do to check placement does not matter.
+    """
+
+    def __init__(
+        self, local_pages: int, page_size: int, n: int = 1, *, shuffle: bool = False, seed: int = 0
+    ):
         from tokenspeed_jax.models.deepseek.cache import PageAllocator
 
-        B = len(lengths)
-        if B % n:
-            raise ValueError(f"batch: expected a multiple of the data axis ({n}) requests, got {B}")
-        self.per_req = B // n
-        need = [
-            sum(-(-lengths[b] // page_size) for b in range(d * self.per_req, (d + 1) * self.per_req)) + 1
-            for d in range(n)
-        ]
-        self.local_pages = max(need)
-        self.num_pages = n * self.local_pages
+        if not isinstance(n, int | np.integer) or n < 1:
+            raise ValueError(f"n: expected a positive number of data ranks, got {n!r}")
+        if not isinstance(local_pages, int | np.integer) or local_pages < 1:
+            raise ValueError(
+                f"local_pages: expected a positive number of pages per data rank, got {local_pages!r}"
+            )
+        self.n = int(n)
+        self.local_pages = int(local_pages)
+        self.num_pages = self.n * self.local_pages
         self.page_size = page_size
         self.shards = [
-            PageAllocator(self.local_pages, page_size, shuffle=shuffle, seed=seed + d) for d in range(n)
+            PageAllocator(self.local_pages, page_size, shuffle=shuffle, seed=seed + d) for d in range(self.n)
         ]
-        for b, length in enumerate(lengths):
-            self.allocate(b, length)
+        self._rank: dict[int, int] = {}
 
-    def _shard(self, request: int):
-        return self.shards[request // self.per_req]
+    def pages_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.page_size)
 
-    def allocate(self, request: int, num_tokens: int) -> list[int]:
-        return self._shard(request).allocate(request, num_tokens)
+    def free_pages(self, rank: int) -> int:
+        """Pages rank ``rank`` can still hand out."""
+        return len(self.shards[rank]._free)
+
+    def rank(self, request: int) -> int:
+        """The data rank holding ``request``'s pages."""
+        if request not in self._rank:
+            raise ValueError(f"request: {request} holds no pages (allocate it first)")
+        return self._rank[request]
+
+    def allocate(self, request: int, num_tokens: int, rank: int | None = None) -> list[int]:
+        """Grow ``request``'s pages on its rank to hold ``num_tokens`` tokens (shard-local page ids).
+        ``rank`` is required when the request is new (except with one rank) and must match afterwards."""
+        have = self._rank.get(request)
+        if rank is None:
+            if have is None and self.n > 1:
+                raise ValueError(f"rank: request {request} is new, expected its data rank in [0, {self.n})")
+            rank = 0 if have is None else have
+        if not 0 <= rank < self.n:
+            raise ValueError(f"rank: expected a data rank in [0, {self.n}), got {rank}")
+        if have is not None and have != rank:
+            raise ValueError(f"rank: request {request} lives on data rank {have}, got {rank}")
+        pages = self.shards[rank].allocate(request, num_tokens)
+        self._rank[request] = rank
+        return pages
+
+    def free(self, request: int) -> None:
+        rank = self._rank.pop(request, None)
+        if rank is not None:
+            self.shards[rank].free(request)
 
     def slots(self, request: int, positions) -> np.ndarray:
-        return self._shard(request).slots(request, positions)
+        """Shard-local cache slots ``page * page_size + row`` of ``request``'s token positions."""
+        return self.shards[self.rank(request)].slots(request, positions)
 
-    def block_table(self, requests: list[int], max_pages: int) -> np.ndarray:
-        return np.concatenate([self._shard(r).block_table([r], max_pages) for r in requests])
+    def block_table(self, requests: list, max_pages: int) -> np.ndarray:
+        """int32 ``[len(requests), max_pages]`` of shard-local page ids; a ``None`` request (padding) and
+        unused entries are 0 (never read: lengths bound reads)."""
+        bt = np.zeros((len(requests), max_pages), np.int32)
+        for i, r in enumerate(requests):
+            if r is not None and r in self._rank:
+                bt[i] = self.shards[self._rank[r]].block_table([r], max_pages)[0]
+        return bt

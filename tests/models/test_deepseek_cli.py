@@ -5,6 +5,7 @@ checkpoint's tokenizer.json."""
 import json
 
 import pytest
+from tokenspeed_jax.models.deepseek import DeepseekV3Config
 from tokenspeed_jax.models.deepseek.cli import main
 
 
@@ -66,6 +67,8 @@ def test_cli_tiny_with_profile(tmp_path, capsys):
         (["--backend", "cuda"], "--backend"),
         (["--checkpoint", "/nonexistent/dir"], "--checkpoint"),
         (["--prompts-file", "/nonexistent/file"], "--prompts-file"),
+        (["--preset", "tiny", "--mesh", "model=2"], "--mesh"),
+        (["--preset", "tiny", "--mesh", "data=2", "--max-slots", "3"], "--max-slots"),
     ],
 )
 def test_cli_bad_flags_end_in_one_line_errors(argv, flag, capsys):
@@ -145,7 +148,8 @@ def test_cli_plan_r1_fits_and_refuses(tmp_path, capsys):
 
 
 def test_cli_mesh_json(tmp_path):
-    """--mesh on the tiny preset (8 virtual CPU devices): JSON keeps first_tokens, gains mesh and bytes."""
+    """--mesh on the tiny preset (8 virtual CPU devices) with DP attention (data = 2, experts over all 8):
+    JSON keeps first_tokens, gains mesh and bytes; each device holds half the cache (its rank's pages)."""
     import jax
     import pytest
 
@@ -153,9 +157,12 @@ def test_cli_mesh_json(tmp_path):
         pytest.skip("needs 8 (virtual) devices")
     out_json = tmp_path / "res.json"
     argv = ["--preset", "tiny", "--batch", "2", "--prompt-len", "8", "--max-new-tokens", "2", "--page-size", "16",
-            "--num-speculative-tokens", "0", "--backend", "xla", "--mesh", "expert=8", "--json", str(out_json)]
+            "--num-speculative-tokens", "0", "--backend", "xla", "--mesh", "data=2,expert=4", "--json",
+            str(out_json)]
     assert main(argv) == 0
     res = json.loads(out_json.read_text())
-    assert res["mesh"] == {"data": 1, "tensor": 1, "expert": 8}
+    assert res["mesh"] == {"data": 2, "tensor": 1, "expert": 4}
     assert len(res["first_tokens"]) == 2 and res["bytes_per_device"]["weights"] > 0
-    assert res["bytes_per_device"]["kv_cache"] > 0
+    cfg = DeepseekV3Config.preset("tiny")
+    page = (cfg.num_hidden_layers + cfg.num_nextn_predict_layers) * 16 * cfg.kv_cache_dim * 4
+    assert res["bytes_per_device"]["kv_cache"] == 2 * page  # one request's page + the spare, per rank
