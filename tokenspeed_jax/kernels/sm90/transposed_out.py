@@ -62,13 +62,7 @@ class TransposedOutMixin:
             else:
                 mprev[i] = sM[self.col_n(i, wtid)]
             mx[i] = -Float32.inf
-        for e in cutlass.range_constexpr(cute.size(acc_s)):
-            i = e % 2 + 2 * (e // 4)
-            v = acc_s[e] * scale_log2
-            if tile_start + tScS[e][0] >= lim[i]:
-                v = -Float32.inf
-            acc_s[e] = v
-            mx[i] = cute.arch.fmax(mx[i], v)
+        self.scale_mask(acc_s, tScS, lim, tile_start, scale_log2, mx, True)
         for i in cutlass.range_constexpr(nc):
             for off in cutlass.range_constexpr(3):
                 mx[i] = cute.arch.fmax(mx[i], cute.arch.shuffle_sync_bfly(mx[i], offset=4 << off))
