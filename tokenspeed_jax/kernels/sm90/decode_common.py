@@ -408,11 +408,7 @@ class MlaDecodeSm90:
         normalised fp32 partial and its LSE into workspace slot ``slot`` (:meth:`out_row`).  ``stage`` =
         ``(pointer, bytes)``: free shared memory, 16-byte aligned, at least 36 KB (:meth:`store_o_staged`): O goes
         through it and leaves in full 16-byte chunks."""
-        for h in cutlass.range_constexpr(2):
-            row_l[h] = quad_sum(row_l[h])
-            if wtid % 4 == 0:
-                sSum[wg * 64 + row_in[h]] = row_l[h]
-        cute.arch.barrier(barrier_id=int(Barrier.ROW_SUM), number_of_threads=self.num_threads)
+        self.share_row_sums(row_l, row_in, sSum, wg, wtid)
         inv = cute.make_rmem_tensor((2,), Float32)
         lse = cute.make_rmem_tensor((2,), Float32)
         for h in cutlass.range_constexpr(2):
@@ -447,6 +443,16 @@ class MlaDecodeSm90:
             self.store_o_staged(acc_o, tOcO, row_in, stage, mOut, mOacc, mblk, slot, b, wg, wtid, True)
         else:
             self.store_o_staged(acc_o, tOcO, row_in, stage, mOut, mOacc, mblk, slot, b, wg, wtid, False)
+
+    @cute.jit
+    def share_row_sums(self, row_l: cute.Tensor, row_in: cute.Tensor, sSum: cute.Tensor, wg: Int32, wtid: Int32):
+        """The epilogue's row sums of the thread's 2 rows, summed over their quad, into ``sSum[64 wg + row]`` (by
+        one lane a row); both warpgroups' are there after the ROW_SUM barrier."""
+        for h in cutlass.range_constexpr(2):
+            row_l[h] = quad_sum(row_l[h])
+            if wtid % 4 == 0:
+                sSum[wg * 64 + row_in[h]] = row_l[h]
+        cute.arch.barrier(barrier_id=int(Barrier.ROW_SUM), number_of_threads=self.num_threads)
 
     @cute.jit
     def out_row(self, b, slot, r):

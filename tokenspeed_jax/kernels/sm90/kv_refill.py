@@ -1,7 +1,7 @@
-"""How the decode loops fill their KV slots (a mixin of the loops): the block-table reads ahead of a refill (TMA box
-coordinates) and the TMA refills of a slot's 64-column chunks, completing an mbarrier.  The loop decides when a group
-is refilled, this module how.  Uses the loop's ``page_size``, ``block_n``, ``box_rows``, ``subs``, ``dtype`` and
-``producer``.
+"""How the decode loops fill their KV slots (a mixin of the loops): the TMA atom and partitions of the cache, the
+block-table reads ahead of a refill (TMA box coordinates) and the TMA refills of a slot's 64-column chunks, completing
+an mbarrier.  The loop decides when a group is refilled, this module how.  Uses the loop's ``page_size``, ``block_m``,
+``block_n``, ``box_rows``, ``subs``, ``dtype`` and ``producer``.
 
 The KV cache is viewed as ``(page_size, 576, num_pages)``; one TMA box is ``box_rows = min(page_size, 64)`` rows x 64
 columns (the layout of a 64-column chunk of a slot), ``subs = 64 / box_rows`` boxes per chunk.  Page ids are clamped to

@@ -17,7 +17,7 @@ from __future__ import annotations
 import cutlass
 from cutlass import Float32, Int32, Int64, cute
 
-from tokenspeed_jax.kernels.sm90.helpers import LN_2, Barrier, quad_sum, row_ptr
+from tokenspeed_jax.kernels.sm90.helpers import LN_2, Barrier, row_ptr
 
 
 class TransposedOutMixin:
@@ -175,11 +175,7 @@ class TransposedOutMixin:
                     self.store_lse(mLse, mLacc, sM[n], l_tot, mblk * self.block_m + n, split, b)
             cute.arch.barrier(barrier_id=int(Barrier.ROW_SUM), number_of_threads=self.num_threads)
         else:
-            for h in cutlass.range_constexpr(2):
-                row_l[h] = quad_sum(row_l[h])
-                if wtid % 4 == 0:
-                    sSum[wg * 64 + row_in[h]] = row_l[h]
-            cute.arch.barrier(barrier_id=int(Barrier.ROW_SUM), number_of_threads=self.num_threads)
+            self.share_row_sums(row_l, row_in, sSum, wg, wtid)
             if wg == 0 and wtid % 4 == 0:
                 for h in cutlass.range_constexpr(2):
                     self.store_lse(mLse, mLacc, sM[row_in[h]], sSum[row_in[h]] + sSum[64 + row_in[h]],
