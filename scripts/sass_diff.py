@@ -13,7 +13,10 @@ instructions give identical files.
     python scripts/sass_diff.py dump /tmp/sass_base --src /tmp/base
     python scripts/sass_diff.py diff /tmp/sass_base /tmp/sass_new
 
-``--case dtype:H:S:page[:B[:pages]]`` (repeatable) replaces the default cases; ``--only SUBSTR`` filters them.
+``--case dtype:H:S:page[:B[:pages[:config]]]`` (repeatable) replaces the default cases; ``--only SUBSTR`` filters
+them.  ``config``: a name of the backend's ``CONFIGS`` (forced in place of ``select_config``'s choice; e.g.
+``seesaw_noproducer`` with 64-token pages, which the table never picks); ``--configs`` adds a case for every config
+the default cases' selection does not reach (each of ``CONFIGS`` in every dtype and S x H it runs).
 """
 
 from __future__ import annotations
@@ -24,13 +27,14 @@ import glob
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-# dtype, H, S, page, batch, table pages: S x H of 16 / 32 / 128 / 128-over-S4, page 64 (TMA, producer) and 16;
-# B 4 with long tables (split KV, combine kernel) and B 64 with short ones (one split, the direct epilogue)
+# dtype, H, S, page, batch, table pages[, config]: S x H of 16 / 32 / 128 / 128-over-S4, page 64 (TMA, producer) and
+# 16; B 4 with long tables (split KV, combine kernel) and B 64 with short ones (one split, the direct epilogue)
 DEFAULT_CASES = [
     (dt, H, S, page, B, pages)
     for dt in ("bfloat16", "float8_e4m3fn")
@@ -39,6 +43,15 @@ DEFAULT_CASES = [
         (16, 1, 16, 4, 256), (128, 1, 16, 4, 256), (32, 4, 16, 4, 256),
     )
 ]
+# --configs: the CONFIGS entries select_config picks for none of the default cases, forced, small and large S x H
+# (seesaw with and without the producer on 16-bit 64-token pages: the table picks the transposed loop for S x H <= 32
+# and never the seesaw without its producer there)
+CONFIG_CASES = [
+    ("bfloat16", H, S, 64, B, pages, cfg)
+    for cfg in ("seesaw", "seesaw_noproducer")
+    for (H, S, B, pages) in ((16, 1, 4, 64), (32, 1, 4, 64), (128, 1, 4, 64), (32, 4, 4, 64), (128, 1, 64, 8))
+    if cfg == "seesaw_noproducer" or H * S <= 32
+]
 
 _WORKER = r"""
 import glob, json, os, re, sys
@@ -46,11 +59,14 @@ sys.path.insert(0, SRC)
 import jax, jax.numpy as jnp
 from tokenspeed_jax import mla_decode
 from tokenspeed_jax.runtime import target_override
+from tokenspeed_jax.backends import sm90_decode
 d = os.environ["CUTE_DSL_DUMP_DIR"]
 sd = jax.ShapeDtypeStruct
-for (dt, H, S, page, B, pages) in CASES:
-    name = f"{dt}_H{H}_S{S}_p{page}_B{B}_t{pages}"
-    before = set(glob.glob(d + "/*"))
+select = sm90_decode.select_config
+for (dt, H, S, page, B, pages, *cfg) in CASES:
+    name = f"{dt}_H{H}_S{S}_p{page}_B{B}_t{pages}" + "".join("_" + c for c in cfg)
+    # a forced config: the backend's choice replaced (decode() looks select_config up at call time)
+    sm90_decode.select_config = (lambda p, c=cfg[0]: sm90_decode.CONFIGS[c]) if cfg else select
     f = lambda q, kv, bt, sl, s, o: mla_decode(q, kv, bt, sl, softmax_scale=s, output_scale=o, backend="sm90",
                                               return_lse=True)
     dtype = jnp.dtype(dt)
@@ -58,7 +74,16 @@ for (dt, H, S, page, B, pages) in CASES:
         jax.jit(f).trace(sd((B, S, H, 576), dtype), sd((B * pages + 1, page, 576), dtype), sd((B, pages), jnp.int32),
                          sd((B,), jnp.int32), sd((), jnp.float32), sd((), jnp.float32)
                          ).lower(lowering_platforms=("cuda",))
-    files = sorted(set(glob.glob(d + "/*.sass")) - before)
+    # the compile's dump files, moved out of the way: a later case of the same arguments (a forced config) writes the
+    # same file names
+    sub = os.path.join(d, name)
+    os.makedirs(sub, exist_ok=True)
+    files = []
+    for p in sorted(glob.glob(d + "/*")):
+        if os.path.isfile(p):
+            os.replace(p, os.path.join(sub, os.path.basename(p)))
+            if p.endswith(".sass"):
+                files.append(os.path.join(sub, os.path.basename(p)))
     print("CASE", json.dumps([name, files]), flush=True)
 """
 
@@ -73,9 +98,11 @@ def _normalise(text: str) -> list[str]:
 def dump(out: str, src: str, cases, only: str | None) -> int:
     os.makedirs(out, exist_ok=True)
     dump_dir = os.path.join(out, "_dump")
-    os.makedirs(dump_dir, exist_ok=True)
+    shutil.rmtree(dump_dir, ignore_errors=True)  # (a file of an earlier run would hide a compile's)
+    os.makedirs(dump_dir)
     if only:
         cases = [c for c in cases if only in "_".join(map(str, c))]
+    cases = [tuple(c) for c in cases]
     env = dict(os.environ, CUTE_DSL_ARCH="sm_90a", CUTE_DSL_DUMP_DIR=dump_dir, CUTE_DSL_KEEP="sass",
                TOKENSPEED_JAX_DISK_CACHE="0", JAX_PLATFORMS="cpu", PYTHONPATH=src)
     code = f"SRC = {src!r}\nCASES = {cases!r}\n" + _WORKER
@@ -124,7 +151,8 @@ def main() -> int:
     d = sub.add_parser("dump")
     d.add_argument("out")
     d.add_argument("--src", default=ROOT, help="source tree to import tokenspeed_jax from (default: this one)")
-    d.add_argument("--case", action="append", default=[], help="dtype:H:S:page[:B[:pages]]")
+    d.add_argument("--case", action="append", default=[], help="dtype:H:S:page[:B[:pages[:config]]]")
+    d.add_argument("--configs", action="store_true", help="add CONFIG_CASES (the configs the table does not pick)")
     d.add_argument("--only", default=None)
     c = sub.add_parser("diff")
     c.add_argument("a")
@@ -140,7 +168,9 @@ def main() -> int:
             dt, H, S, page = f[0], int(f[1]), int(f[2]), int(f[3])
             B = int(f[4]) if len(f) > 4 else 4
             pages = int(f[5]) if len(f) > 5 else 64
-            cases.append((dt, H, S, page, B, pages))
+            cases.append((dt, H, S, page, B, pages) + tuple(f[6:7]))
+    if args.configs:
+        cases = cases + CONFIG_CASES
     return dump(args.out, os.path.abspath(args.src), cases, args.only)
 
 

@@ -164,6 +164,21 @@ class MlaDecodeSm90:
         return tid, mblk, g, wg, tid % 128, st
 
     @cute.jit
+    def init_mbarriers(self, st, tid: Int32, n_mbar: cutlass.Constexpr, tma_atom: cute.CopyAtom):
+        """A main kernel's prologue: thread 0 initialises the ``n_mbar`` mbarriers of ``st.mbar`` (one arrival each) and
+        prefetches the TMA descriptor; FP8: threads 0..3 zero ``st.zero_row`` (the 16 bytes a V^T load of a row past
+        the split reads).  Fenced; the caller's CTA barrier publishes them before any arrive."""
+        mbar = st.mbar.data_ptr()
+        if tid == 0:
+            for i in cutlass.range_constexpr(n_mbar):
+                cute.arch.mbarrier_init(mbar + i, 1)
+            cpasync.prefetch_descriptor(tma_atom)
+        if cutlass.const_expr(self.fp8):  # noqa: SIM102 (static + dynamic test)
+            if tid < 4:
+                st.zero_row.get_tensor(cute.make_layout(4))[tid] = Int32(0)
+        cute.arch.mbarrier_init_fence()
+
+    @cute.jit
     def num_pairs(self, split_start: Int32, split_end: Int32):
         """Tile pairs (2 x 64 tokens) of the split ``[split_start, split_end)``, 0 if it is empty."""
         n = Int32(0)
@@ -197,6 +212,61 @@ class MlaDecodeSm90:
         self.ph = cute.make_rmem_tensor((1,), Int32)
         self.ph[0] = Int32(0)
         return self.ph
+
+    @cute.jit
+    def run_pieces(self, c):
+        """After a main kernel's prologue: every warpgroup walks the pieces of its CTA's range (:meth:`walk_pieces`),
+        with the producer warpgroup (:attr:`producer`) as the producer (``setmaxnreg``: :attr:`producer_regs` for it,
+        :attr:`consumer_regs` for the computing ones).  ``c``: the kernel's values by name (a namespace; ``mCta``,
+        ``mBT``, ``mSeq``, ``g``, ``wg``, ``tid``, ``wtid``, ``mblk``, ``sM``, ``sQ``, ``mQ``, ``mTrace`` here, the
+        rest for the loop's hooks)."""
+        b_first = c.mCta[c.g, 0]
+        b_last = c.mCta[c.g, 2]
+        if cutlass.const_expr(self.producer):  # warpgroup 2 issues the refills, 0 and 1 compute
+            if c.wg == 2:
+                cute.arch.setmaxregister_decrease(self.producer_regs)
+                self.walk_pieces(c, b_first, b_last, True)
+            else:
+                cute.arch.setmaxregister_increase(self.consumer_regs)
+                self.walk_pieces(c, b_first, b_last, False)
+        else:
+            self.walk_pieces(c, b_first, b_last, False)
+
+    @cute.jit
+    def walk_pieces(self, c, b_first: Int32, b_last: Int32, producer: cutlass.Constexpr):
+        """One warpgroup's walk over requests ``b_first..b_last`` (:meth:`piece`), each non-empty piece a whole run
+        of the loop between CTA barriers.  The loop's hooks: ``produce_piece(c, b, start, end, n_pairs)`` (the
+        producer warpgroup: its refills and the barrier the Q tile waits on), :meth:`load_piece_q`,
+        ``consume(c, cta, b, seq, start, end, slot, n_pairs)`` (the computing warpgroups: the loop and the epilogue,
+        whose first step is a CTA barrier) and ``advance_phases(n_pairs)`` (the mbarriers' completions of the piece
+        into :attr:`ph`)."""
+        mCta, mBT, mSeq, g = c.mCta, c.mBT, c.mSeq, c.g
+        tid, sM = c.tid, c.sM
+        for b in cutlass.range(b_first, b_last + 1, unroll=1):
+            seq, start, end, slot = self.piece(mCta, mBT, mSeq, g, b)
+            if end > start:
+                n_pairs = self.num_pairs(start, end)
+                if cutlass.const_expr(producer):
+                    self.produce_piece(c, b, start, end, n_pairs)
+                    cute.arch.barrier()  # the consumers' barrier before their epilogue
+                else:
+                    if tid < 64:
+                        sM[tid] = -Float32.inf
+                    self.load_piece_q(c, b, start, end)
+                    cute.arch.fence_view_async_shared()  # q (generic stores) before the wgmmas read it
+                    cute.arch.barrier()
+                    cta = g * self.num_m_blocks + c.mblk  # (debug traces: mark)
+                    self.clear_trace(c.mTrace, cta, c.wg, c.wtid)
+                    self.consume(c, cta, b, seq, start, end, slot, n_pairs)
+                cute.arch.barrier()  # the piece's epilogue done: its buffers are free
+                if cutlass.const_expr(not producer):
+                    self.advance_phases(n_pairs)
+
+    @cute.jit
+    def load_piece_q(self, c, b: Int32, split_start: Int32, split_end: Int32):
+        """A computing warpgroup's start of piece ``b`` (:meth:`walk_pieces`, before the fence and barrier that
+        publish it): the Q tile (:meth:`load_q_tile`)."""
+        self.load_q_tile(c.sQ[None, None, 0], c.mQ, c.mblk, b, c.tid)
 
     @cute.jit
     def q_rows(self, mblk: Int32, b: Int32, tid: Int32):
@@ -260,16 +330,24 @@ class MlaDecodeSm90:
         mx = cute.make_rmem_tensor((2,), Float32)
         mx[0] = -Float32.inf
         mx[1] = -Float32.inf
-        for e in cutlass.range_constexpr(cute.size(acc_s)):
-            h = (e // 2) % 2
-            v = acc_s[e] * scale_log2
-            if tile_start + tScS[e][1] >= lim[h]:
-                v = -Float32.inf
-            acc_s[e] = v
-            mx[h] = cute.arch.fmax(mx[h], v)
+        self.scale_mask(acc_s, tScS, lim, tile_start, scale_log2, mx)
         for h in cutlass.range_constexpr(2):
             mx[h] = quad_max(mx[h])
         return mx
+
+    @cute.jit
+    def scale_mask(self, acc_s: cute.Tensor, tScS: cute.Tensor, lim: cute.Tensor, tile_start: Int32,
+                   scale_log2: Float32, mx: cute.Tensor, cols: cutlass.Constexpr = False):
+        """S -> exp2 domain in place, -inf for keys at or past the row's ``lim``, folded into the thread's maxima
+        ``mx`` (one per row of its 2; ``cols``: ``S^T``, keys down the rows, one per column of
+        :meth:`~.transposed_out.TransposedOutMixin.col_n`)."""
+        for e in cutlass.range_constexpr(cute.size(acc_s)):
+            i = e % 2 + 2 * (e // 4) if cutlass.const_expr(cols) else (e // 2) % 2
+            v = acc_s[e] * scale_log2
+            if tile_start + tScS[e][0 if cutlass.const_expr(cols) else 1] >= lim[i]:
+                v = -Float32.inf
+            acc_s[e] = v
+            mx[i] = cute.arch.fmax(mx[i], v)
 
     @cute.jit
     def fold_max(self, m_prev: Float32, mx: Float32):
@@ -330,11 +408,7 @@ class MlaDecodeSm90:
         normalised fp32 partial and its LSE into workspace slot ``slot`` (:meth:`out_row`).  ``stage`` =
         ``(pointer, bytes)``: free shared memory, 16-byte aligned, at least 36 KB (:meth:`store_o_staged`): O goes
         through it and leaves in full 16-byte chunks."""
-        for h in cutlass.range_constexpr(2):
-            row_l[h] = quad_sum(row_l[h])
-            if wtid % 4 == 0:
-                sSum[wg * 64 + row_in[h]] = row_l[h]
-        cute.arch.barrier(barrier_id=int(Barrier.ROW_SUM), number_of_threads=self.num_threads)
+        self.share_row_sums(row_l, row_in, sSum, wg, wtid)
         inv = cute.make_rmem_tensor((2,), Float32)
         lse = cute.make_rmem_tensor((2,), Float32)
         for h in cutlass.range_constexpr(2):
@@ -369,6 +443,16 @@ class MlaDecodeSm90:
             self.store_o_staged(acc_o, tOcO, row_in, stage, mOut, mOacc, mblk, slot, b, wg, wtid, True)
         else:
             self.store_o_staged(acc_o, tOcO, row_in, stage, mOut, mOacc, mblk, slot, b, wg, wtid, False)
+
+    @cute.jit
+    def share_row_sums(self, row_l: cute.Tensor, row_in: cute.Tensor, sSum: cute.Tensor, wg: Int32, wtid: Int32):
+        """The epilogue's row sums of the thread's 2 rows, summed over their quad, into ``sSum[64 wg + row]`` (by
+        one lane a row); both warpgroups' are there after the ROW_SUM barrier."""
+        for h in cutlass.range_constexpr(2):
+            row_l[h] = quad_sum(row_l[h])
+            if wtid % 4 == 0:
+                sSum[wg * 64 + row_in[h]] = row_l[h]
+        cute.arch.barrier(barrier_id=int(Barrier.ROW_SUM), number_of_threads=self.num_threads)
 
     @cute.jit
     def out_row(self, b, slot, r):

@@ -33,7 +33,7 @@ from cutlass.cute.nvgpu import warpgroup
 
 from tokenspeed_jax.kernels.sm90.decode_trace import TRACE_EVENTS
 from tokenspeed_jax.kernels.sm90.fp8_transposed_pv import _BUF_BYTES, _F8, _P_BYTES, MlaDecodeFp8TransposedPvSm90
-from tokenspeed_jax.kernels.sm90.helpers import Barrier
+from tokenspeed_jax.kernels.sm90.helpers import LOG2_E, Barrier
 
 # DecodeTraceMixin.mark points of an iteration (debug builds, benchmarks/trace_decode.py): both warpgroups run the same
 # code, so the same names; "-" unused (as many slots as TRACE_EVENTS, the trace buffer's shape)
@@ -46,18 +46,19 @@ TRACE_EVENTS_OWN = tuple((e, e) for e in _OWN_EVENTS) + (("-", "-"),) * (len(TRA
 class MlaDecodeFp8TransposedSm90(MlaDecodeFp8TransposedPvSm90):
     """:class:`~.fp8_transposed_pv.MlaDecodeFp8TransposedPvSm90` on 32- / 16-row tiles (``qk_t``) with each warpgroup
     on its own tiles (module docstring): the same host side, prologue and producer, its own computing part
-    (:meth:`consume_ot`)."""
+    (:meth:`consume`)."""
 
     def __init__(self, **kw):
         super().__init__(qk_t=True, **kw)
 
     @cute.jit
-    def consume_ot(self, qk_mma, pv_mma, sQ, st, bufs, wg, wtid, mblk, split, b, seq, split_start, split_end, n_pairs,
-                   mbar, scale_log2, out_scale, mBT, mKV, num_pages, mOut, mLse, mOacc, mLacc, tr):
-        """Warpgroup ``wg``'s tiles ``2 j + wg`` (module docstring), then the merge and the epilogue.  ``tr``:
-        ``(mTrace, cta)`` for :meth:`mark` (events :data:`TRACE_EVENTS_OWN`)."""
+    def consume(self, c, cta, b, seq, split_start, split_end, split, n_pairs):
+        """Warpgroup ``wg``'s tiles ``2 j + wg`` (module docstring), then the merge and the epilogue.  ``cta`` for
+        :meth:`mark` (events :data:`TRACE_EVENTS_OWN`)."""
+        scale_log2, out_scale = c.mSS[0] * LOG2_E, c.mOS[0]  # (loaded once a piece)
+        qk_mma, pv_mma = c.mmas
+        sQ, st, bufs, wg, wtid, mblk, mbar, mTrace = c.sQ, c.st, c.bufs, c.wg, c.wtid, c.mblk, c.mbar, c.mTrace
         bn = self.block_n
-        mTrace, cta = tr
         sM = st.row_max.get_tensor(cute.make_layout(64))
         sSum = st.row_sum.get_tensor(cute.make_layout(128))
         sRed = st.red.get_tensor(cute.make_layout(2 * 4 * 32))
@@ -153,15 +154,15 @@ class MlaDecodeFp8TransposedSm90(MlaDecodeFp8TransposedPvSm90):
         else:
             for e in cutlass.range_constexpr(half):
                 sX[wtid, e, 1] = acc[e]
-        self.row_sums_ot(sM, row_l, None, sSum, sRed, mLse, mLacc, mblk, split, b, wg, wtid)  # (2 barriers)
+        self.row_sums_ot(sM, row_l, None, sSum, sRed, c.mLse, c.mLacc, mblk, split, b, wg, wtid)  # (2 barriers)
         if wg == 0:
             for e in cutlass.range_constexpr(half):
                 acc[e] = acc[e] + sX[wtid, e, 1]
-            self.store_ot_rows(acc, sSum, mOut, mOacc, out_scale, mblk, split, b, wg, wtid, 0)
+            self.store_ot_rows(acc, sSum, c.mOut, c.mOacc, out_scale, mblk, split, b, wg, wtid, 0)
         else:
             for e in cutlass.range_constexpr(half):
                 acc[half + e] = acc[half + e] + sX[wtid, e, 0]
-            self.store_ot_rows(acc, sSum, mOut, mOacc, out_scale, mblk, split, b, wg, wtid, 4)
+            self.store_ot_rows(acc, sSum, c.mOut, c.mOacc, out_scale, mblk, split, b, wg, wtid, 4)
 
 
 __all__ = ["TRACE_EVENTS_OWN", "MlaDecodeFp8TransposedSm90"]

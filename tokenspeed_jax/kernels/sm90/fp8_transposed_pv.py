@@ -47,10 +47,12 @@ pages >= 32 and the producer warpgroup.  P is rounded to e4m3 as ``2^8 p``, the 
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import cutlass
 import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import Float32, Int32, Int64, cute
-from cutlass.cute.nvgpu import cpasync, warpgroup
+from cutlass.cute.nvgpu import warpgroup
 from cutlass.tensor_utils import LayoutEnum
 
 from tokenspeed_jax.kernels.sm90.decode_common import MlaDecodeSm90
@@ -210,14 +212,6 @@ class MlaDecodeFp8TransposedPvSm90(TransposedOutMixin, KvRefillMixin, DecodeTrac
         self.launch_main(main, Storage.size_in_bytes(), stream, output_scale, sched_cta, sched_req, out, lse, o_accum,
                          lse_accum)
 
-    def kv_tma(self, kv: cute.Tensor):
-        """``(atom, tensor)`` of the TMA loads of the e4m3 cache (traced in ``__call__``): the (page_size, 576,
-        pages) view, one box = ``box_rows`` x 64 columns in the QGMMA layout of the staging (64-byte swizzle)."""
-        kv_t = cute.make_tensor(kv.iterator, cute.select(kv.layout, mode=[1, 2, 0]))
-        box = cute.select(sm90_utils.make_smem_layout_b(LayoutEnum.ROW_MAJOR, (self.block_m, self.box_rows, _CHUNK),
-                                                        _F8, 1), mode=[0, 1])
-        return cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), kv_t, box, (self.box_rows, _CHUNK))
-
     # ---------------------------------------------------------------------------------------- device
     def _swz(self):
         return sm90_utils.make_smem_layout_b(LayoutEnum.ROW_MAJOR, (self.block_m, self.block_n, _CHUNK), _F8, 1).inner
@@ -349,68 +343,38 @@ class MlaDecodeFp8TransposedPvSm90(TransposedOutMixin, KvRefillMixin, DecodeTrac
                   q_layout: cute.ComposedLayout, tma_atom: cute.CopyAtom, tma_kv: cute.Tensor,
                   Storage: cutlass.Constexpr):
         """The persistent CTA ``(row block, g)``: the producer warpgroup and the computing warpgroups each walk the
-        pieces of the CTA's range of the schedule (:meth:`piece`); a piece is a complete run of the loop (Q load,
+        pieces of the CTA's range of the schedule (:meth:`run_pieces`); a piece is a complete run of the loop (Q load,
         the first two pairs, the loop, the epilogue), pieces separated by CTA barriers.  The mbarriers are
         initialised once; their phase parity carries from piece to piece (:meth:`landed`)."""
         tid, mblk, g, wg, wtid, st = self.cta_start(Storage)
-        ph = self.phase_bits(st.mbar.data_ptr())
+        self.phase_bits(st.mbar.data_ptr())
         sQ = st.sQ.get_tensor(q_layout.outer, swizzle=q_layout.inner)
         sM = st.row_max.get_tensor(cute.make_layout(64))
         mbar = st.mbar.data_ptr()
         bufs = st.bufs.data_ptr()
 
         num_pages = mKV.shape[0]
-        if tid == 0:
-            for i in cutlass.range_constexpr(_NBUF):
-                cute.arch.mbarrier_init(mbar + i, 1)
-            cpasync.prefetch_descriptor(tma_atom)
-        if tid < 4:
-            st.zero_row.get_tensor(cute.make_layout(4))[tid] = Int32(0)
-        cute.arch.mbarrier_init_fence()
-        gKV = cute.group_modes(cute.local_tile(tma_kv, (self.box_rows, _CHUNK), (None, None, None)), 0, 2)
-        tAs = []
-        for k in cutlass.range_constexpr(_NBUF):
-            t, tAg = cpasync.tma_partition(tma_atom, 0, cute.make_layout(1), cute.group_modes(
-                cute.local_tile(self.stg_view(bufs, k), (self.box_rows, _CHUNK), (None, None)), 0, 2), gKV)
-            tAs.append(t)
+        self.init_mbarriers(st, tid, _NBUF, tma_atom)
+        tAs, tAg = self.kv_partitions(tma_atom, tma_kv, [self.stg_view(bufs, k) for k in range(_NBUF)])
         cute.arch.barrier()  # mbarriers initialised before any arrive
-        b_first = mCta[g, 0]
-        b_last = mCta[g, 2]
-        if wg == 2:
-            cute.arch.setmaxregister_decrease(self.producer_regs)
-            for b in cutlass.range(b_first, b_last + 1, unroll=1):
-                seq, start, end, slot = self.piece(mCta, mBT, mSeq, g, b)
-                if end > start:
-                    n_pairs = self.num_pairs(start, end)
-                    self.produce_ot(tAs, tAg, tma_atom, mbar, mBT, b, start, end, num_pages, n_pairs, wtid)
-                    cute.arch.barrier()  # the consumers' barrier before their epilogue
-                    cute.arch.barrier()  # the piece's epilogue done: its buffers are free
-        else:
-            cute.arch.setmaxregister_increase(self.consumer_regs)
-            for b in cutlass.range(b_first, b_last + 1, unroll=1):
-                seq, start, end, slot = self.piece(mCta, mBT, mSeq, g, b)
-                if end > start:
-                    n_pairs = self.num_pairs(start, end)
-                    if tid < 64:
-                        sM[tid] = -Float32.inf
-                    self.load_q_tile(sQ[None, None, 0], mQ, mblk, b, tid)
-                    cute.arch.fence_view_async_shared()  # q (generic stores) before the QGMMAs read it
-                    cute.arch.barrier()
-                    cta = g * self.num_m_blocks + mblk  # (debug traces: mark)
-                    self.clear_trace(mTrace, cta, wg, wtid)
-                    self.consume_ot(qk_mma, pv_mma, sQ, st, bufs, wg, wtid, mblk, slot, b, seq, start, end, n_pairs,
-                                    mbar, mSS[0] * LOG2_E, mOS[0], mBT, mKV, num_pages, mOut, mLse, mOacc, mLacc,
-                                    (mTrace, cta))
-                    cute.arch.barrier()  # the piece's epilogue done: its buffers are free
-                    # buffers 0, 1 hold the even pairs, 2, 3 the odd ones: their completions this piece
-                    ph[0] = ph[0] ^ ((((n_pairs + 1) >> 1) & 1) * 3) ^ (((n_pairs >> 1) & 1) * 12)
+        self.run_pieces(SimpleNamespace(
+            tid=tid, mblk=mblk, g=g, wg=wg, wtid=wtid, st=st, mCta=mCta, mBT=mBT, mSeq=mSeq, mQ=mQ, mSS=mSS, mOS=mOS,
+            mOut=mOut, mLse=mLse, mOacc=mOacc, mLacc=mLacc, mTrace=mTrace, mmas=(qk_mma, pv_mma), sQ=sQ, sM=sM,
+            mbar=mbar, bufs=bufs, num_pages=num_pages, tAs=tAs, tAg=tAg, tma_atom=tma_atom))
+
+    def advance_phases(self, n_pairs: Int32):
+        """After a piece (:meth:`walk_pieces`): buffers 0, 1 hold the even pairs, 2, 3 the odd ones: their
+        completions this piece."""
+        ph = self.ph
+        ph[0] = ph[0] ^ ((((n_pairs + 1) >> 1) & 1) * 3) ^ (((n_pairs >> 1) & 1) * 12)
 
     @cute.jit
-    def produce_ot(self, tAs, tAg, tma_atom, mbar, mBT, b, split_start, split_end, num_pages, n_pairs, wtid):
-        """The producer warpgroup's part of one piece: pairs 0 and 1 into buffers 0..3, the barrier the computing
-        warpgroups' Q tile waits on, then every later refill: pair j's buffers 2 (j % 2) + g, once both PVs of
-        pair j retired (SLOT*_FREE), with pair j + 2 (the TMA destination of buffers 2 + g: buffer g's, 2 buffers
-        further; unrolled by pairs instead, the loop spilled a register of the 24)."""
+    def produce_piece(self, c, b, split_start, split_end, n_pairs):
+        """The producer warpgroup's part of one piece (:meth:`walk_pieces`): pairs 0 and 1 into buffers 0..3, the
+        barrier the computing warpgroups' Q tile waits on, then every later refill: pair j's buffers 2 (j % 2) + g,
+        once both PVs of pair j retired (SLOT*_FREE), with pair j + 2 (the TMA destination of buffers 2 + g: buffer
+        g's, 2 buffers further; unrolled by pairs instead, the loop spilled a register of the 24)."""
+        tAs, tAg, tma_atom, mbar, mBT, num_pages, wtid = c.tAs, c.tAg, c.tma_atom, c.mbar, c.mBT, c.num_pages, c.wtid
         bn = self.block_n
         for k in cutlass.range_constexpr(_NBUF):
             t0 = split_start + k * bn
@@ -429,12 +393,14 @@ class MlaDecodeFp8TransposedPvSm90(TransposedOutMixin, KvRefillMixin, DecodeTrac
                     self.refill(dst, tAg, tma_atom, mbar + 2 * u + g, crd, wtid, _ALL_CHUNKS, None)
 
     @cute.jit
-    def consume_ot(self, qk_mma, pv_mma, sQ, st, bufs, wg, wtid, mblk, split, b, seq, split_start, split_end, n_pairs,
-                   mbar, scale_log2, out_scale, mBT, mKV, num_pages, mOut, mLse, mOacc, mLacc, tr):
-        """The two computing warpgroups on whole 64-row blocks: first QK, the seesaw loop (module docstring),
-        epilogue.  ``tr``: ``(mTrace, cta)`` for :meth:`mark` (debug builds; the events are :data:`TRACE_EVENTS_OT`)."""
+    def consume(self, c, cta, b, seq, split_start, split_end, split, n_pairs):
+        """The two computing warpgroups on whole 64-row blocks (:meth:`walk_pieces`, after the Q tile): first QK, the
+        seesaw loop (module docstring), epilogue.  ``c``: :meth:`ot_kernel`'s values; ``cta`` for :meth:`mark` (debug
+        builds; the events are :data:`TRACE_EVENTS_OT`)."""
+        scale_log2, out_scale = c.mSS[0] * LOG2_E, c.mOS[0]  # (loaded once a piece)
+        qk_mma, pv_mma = c.mmas
+        sQ, st, bufs, wg, wtid, mblk, mbar, mTrace = c.sQ, c.st, c.bufs, c.wg, c.wtid, c.mblk, c.mbar, c.mTrace
         bn = self.block_n
-        mTrace, cta = tr
         sM = st.row_max.get_tensor(cute.make_layout(64))
         sSc0 = st.scale0.get_tensor(cute.make_layout(64))
         sSc1 = st.scale1.get_tensor(cute.make_layout(64))
@@ -577,8 +543,8 @@ class MlaDecodeFp8TransposedPvSm90(TransposedOutMixin, KvRefillMixin, DecodeTrac
         # ---- epilogue: both warpgroups' O^T and l are relative to the final shared max (its 2^8 P bias taken out
         #      of the max for the LSE)
         cute.arch.barrier()
-        self.epilogue_ot(acc, sM, row_l, row_in, sSum, sRed, mOut, mLse, mOacc, mLacc, out_scale, mblk, split, b, wg,
-                         wtid)
+        self.epilogue_ot(acc, sM, row_l, row_in, sSum, sRed, c.mOut, c.mLse, c.mOacc, c.mLacc, out_scale, mblk,
+                         split, b, wg, wtid)
 
     def acc_feature(self, wg, mb, warp, q):
         """Output feature of the ``O^T`` accumulator row ``q`` (0..7; row ``q + 8`` is :meth:`store_ot_pair`'s

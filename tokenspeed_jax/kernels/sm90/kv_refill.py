@@ -1,7 +1,7 @@
-"""How the decode loops fill their KV slots (a mixin of the loops): the block-table reads ahead of a refill (TMA box
-coordinates) and the TMA refills of a slot's 64-column chunks, completing an mbarrier.  The loop decides when a group
-is refilled, this module how.  Uses the loop's ``page_size``, ``block_n``, ``box_rows``, ``subs``, ``dtype`` and
-``producer``.
+"""How the decode loops fill their KV slots (a mixin of the loops): the TMA atom and partitions of the cache, the
+block-table reads ahead of a refill (TMA box coordinates) and the TMA refills of a slot's 64-column chunks, completing
+an mbarrier.  The loop decides when a group is refilled, this module how.  Uses the loop's ``page_size``, ``block_m``,
+``block_n``, ``box_rows``, ``subs``, ``dtype`` and ``producer``.
 
 The KV cache is viewed as ``(page_size, 576, num_pages)``; one TMA box is ``box_rows = min(page_size, 64)`` rows x 64
 columns (the layout of a 64-column chunk of a slot), ``subs = 64 / box_rows`` boxes per chunk.  Page ids are clamped to
@@ -12,7 +12,10 @@ split may hold anything (page tails, unowned NaN pages): the loops mask them in 
 from __future__ import annotations
 
 import cutlass
+import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import Int32, cute
+from cutlass.cute.nvgpu import cpasync
+from cutlass.tensor_utils import LayoutEnum
 
 from tokenspeed_jax.kernels.sm90.helpers import clamp
 
@@ -21,6 +24,26 @@ _CHUNK = 64  # columns per 64-column chunk (128 bytes of 16-bit values, 64 of e4
 
 class KvRefillMixin:
     """Block-table reads and TMA refills of the KV slots (module docstring)."""
+
+    def kv_tma(self, kv: cute.Tensor):
+        """``(atom, tensor)`` of the TMA loads of the cache (traced in ``__call__``): the ``(page_size, 576, pages)``
+        view, one box = ``box_rows`` x 64 columns in the layout of a slot's 64-column chunk (16-bit: 128-byte swizzle;
+        e4m3: the QGMMA B layout, 64-byte swizzle)."""
+        kv_t = cute.make_tensor(kv.iterator, cute.select(kv.layout, mode=[1, 2, 0]))
+        box = cute.select(sm90_utils.make_smem_layout_b(LayoutEnum.ROW_MAJOR, (self.block_m, self.box_rows, _CHUNK),
+                                                        self.dtype, 1), mode=[0, 1])
+        return cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), kv_t, box, (self.box_rows, _CHUNK))
+
+    def kv_partitions(self, tma_atom: cute.CopyAtom, tma_kv: cute.Tensor, dsts):
+        """The TMA partitions of the refills (in the kernel's prologue): ``([the partition of each slot of dsts],
+        the cache's)``; boxes: (page row block, chunk, page) -> slot (sub-box, chunk)."""
+        gKV = cute.group_modes(cute.local_tile(tma_kv, (self.box_rows, _CHUNK), (None, None, None)), 0, 2)
+        tAs = []
+        for dst in dsts:
+            t, tAg = cpasync.tma_partition(tma_atom, 0, cute.make_layout(1), cute.group_modes(
+                cute.local_tile(dst, (self.box_rows, _CHUNK), (None, None)), 0, 2), gKV)
+            tAs.append(t)
+        return tAs, tAg
 
     @cute.jit
     def coords(self, mBT: cute.Tensor, b: Int32, tile_start: Int32, split_end: Int32, num_pages: Int32, wtid=None):

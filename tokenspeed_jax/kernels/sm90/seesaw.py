@@ -39,17 +39,19 @@ pages.  The structure follows FlashMLA's Hopper kernel (its "seesaw"; design rea
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import cutlass
 import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import Float32, Int32, Int64, cute
-from cutlass.cute.nvgpu import cpasync, warpgroup
+from cutlass.cute.nvgpu import warpgroup
 from cutlass.tensor_utils import LayoutEnum
 
 from tokenspeed_jax.kernels.sm90.decode_common import _K16, _K32, MlaDecodeSm90
 from tokenspeed_jax.kernels.sm90.decode_trace import DecodeTraceMixin
 from tokenspeed_jax.kernels.sm90.fp8_operands import Fp8OperandsMixin, store_p8
 from tokenspeed_jax.kernels.sm90.helpers import LOG2_E, Barrier
-from tokenspeed_jax.kernels.sm90.kv_refill import _CHUNK, KvRefillMixin
+from tokenspeed_jax.kernels.sm90.kv_refill import KvRefillMixin
 _F8 = cutlass.Float8E4M3FN
 _ALL_CHUNKS = (0, 1, 2, 3, 4, 5, 6, 7, 8)
 
@@ -141,13 +143,7 @@ class MlaDecodeSeesawSm90(Fp8OperandsMixin, KvRefillMixin, DecodeTraceMixin, Mla
         dt = self.mma_dtype
         q_layout, k_layout, v_layout, p_layout = self._seesaw_layouts()
         qk_mma, pv_ss, pv_rs, pv8 = self.seesaw_mmas()
-        # (page_size, 576, num_pages) view of the cache; one box = box_rows x 64 columns, SW128 like a 64-column chunk
-        # of a KV slot (FP8: raw e4m3 rows in the QGMMA B layout, 64-byte swizzle)
-        kv_t = cute.make_tensor(kv.iterator, cute.select(kv.layout, mode=[1, 2, 0]))
-        box = cute.select(sm90_utils.make_smem_layout_b(LayoutEnum.ROW_MAJOR, (self.block_m, self.box_rows, _CHUNK),
-                                                        _F8 if cutlass.const_expr(self.fp8) else dt, 1), mode=[0, 1])
-        tma_atom, tma_kv = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), kv_t, box,
-                                                       (self.box_rows, _CHUNK))
+        tma_atom, tma_kv = self.kv_tma(kv)  # (FP8: raw e4m3 rows in the QGMMA B layout)
         qk_dt = _F8 if cutlass.const_expr(self.fp8) else dt
 
         @cute.struct
@@ -176,6 +172,20 @@ class MlaDecodeSeesawSm90(Fp8OperandsMixin, KvRefillMixin, DecodeTraceMixin, Mla
         reads V straight from the slot (nothing to do)."""
         if cutlass.const_expr(self.fp8):
             self.transpose_v_packed(w32, zero_row, slot, tile_start, split_end, wg, wtid)
+
+    @cute.jit
+    def next_qk_retired(self, mTrace, cta, wg, wtid, j, ev: cutlass.Constexpr, more, w32, zrow, slot: cutlass.Constexpr,
+                        tile_start: Int32, split_end: Int32):
+        """The end of iteration ``j`` of warpgroup ``wg`` (its tile at ``tile_start`` in slot ``slot``): the next QK
+        retired (trace event ``ev``), then, with a next pair, the slot's V made ready for its PVs (:meth:`ready_v`;
+        events ``ev + 1 .. ev + 3``: TRACE_EVENTS' wait, transpose and refill issue)."""
+        warpgroup.wait_group(0)
+        self.mark(mTrace, cta, wg, wtid, j, ev)
+        if more:
+            self.mark(mTrace, cta, wg, wtid, j, ev + 1)
+            self.ready_v(w32, zrow, slot, tile_start + 2 * self.block_n, split_end, wg, wtid)
+            self.mark(mTrace, cta, wg, wtid, j, ev + 2)
+            self.mark(mTrace, cta, wg, wtid, j, ev + 3)
 
     @cute.jit
     def produce(self, tAs0: cute.Tensor, tAs1: cute.Tensor, tAg: cute.Tensor, tma_atom: cute.CopyAtom, mbar,
@@ -294,11 +304,11 @@ class MlaDecodeSeesawSm90(Fp8OperandsMixin, KvRefillMixin, DecodeTraceMixin, Mla
                       v_layout: cute.ComposedLayout, p_layout: cute.ComposedLayout, tma_atom: cute.CopyAtom,
                       tma_kv: cute.Tensor, Storage: cutlass.Constexpr):
         """The persistent CTA ``(row block, g)``: it walks the pieces of its range of the schedule
-        (:meth:`piece`), each one a complete run of the loop: Q load, prologue refills, the seesaw loop and the
+        (:meth:`run_pieces`), each one a complete run of the loop: Q load, prologue refills, the seesaw loop and the
         epilogue, separated by CTA barriers.  The mbarriers are initialised once; their phase parity carries from
         piece to piece (:meth:`landed`)."""
         tid, mblk, g, wg, wtid, st = self.cta_start(Storage)
-        ph = self.phase_bits(st.mbar.data_ptr())
+        self.phase_bits(st.mbar.data_ptr())
         sQ = st.sQ.get_tensor(q_layout.outer, swizzle=q_layout.inner)
         sK = st.sK.get_tensor(k_layout.outer, swizzle=k_layout.inner)
         sM = st.row_max.get_tensor(cute.make_layout(64))
@@ -310,85 +320,48 @@ class MlaDecodeSeesawSm90(Fp8OperandsMixin, KvRefillMixin, DecodeTraceMixin, Mla
         scale_log2 = mSS[0] * LOG2_E
         out_scale = mOS[0]
         num_pages = mKV.shape[0]
-        if tid == 0:
-            for i in cutlass.range_constexpr(self.n_mbar):
-                cute.arch.mbarrier_init(mbar + i, 1)
-            cpasync.prefetch_descriptor(tma_atom)
+        self.init_mbarriers(st, tid, self.n_mbar, tma_atom)
         zrow = st.zero_row.data_ptr()  # (only the FP8 transpose reads it)
-        if cutlass.const_expr(self.fp8):  # noqa: SIM102 (static + dynamic test)
-            if tid < 4:
-                st.zero_row.get_tensor(cute.make_layout(4))[tid] = Int32(0)
-        cute.arch.mbarrier_init_fence()
         sK0 = sK[None, None, 0]
         sK1 = sK[None, None, 1]
         sSt0, sSt1 = None, None  # FP8: the e4m3 staging view of each slot (:meth:`staging`)
         if cutlass.const_expr(self.fp8):
             sSt0, sSt1 = self.staging(st.sK.data_ptr())
-        # boxes: (page row block, chunk, page) -> slot (sub-box, chunk)
-        gKV = cute.group_modes(cute.local_tile(tma_kv, (self.box_rows, _CHUNK), (None, None, None)), 0, 2)
-        dst0, dst1 = (sSt0, sSt1) if cutlass.const_expr(self.fp8) else (sK0, sK1)
-        tAs0, tAg = cpasync.tma_partition(tma_atom, 0, cute.make_layout(1), cute.group_modes(
-            cute.local_tile(dst0, (self.box_rows, _CHUNK), (None, None)), 0, 2), gKV)
-        tAs1, _ = cpasync.tma_partition(tma_atom, 0, cute.make_layout(1), cute.group_modes(
-            cute.local_tile(dst1, (self.box_rows, _CHUNK), (None, None)), 0, 2), gKV)
+        (tAs0, tAs1), tAg = self.kv_partitions(tma_atom, tma_kv, (sSt0, sSt1) if cutlass.const_expr(self.fp8)
+                                               else (sK0, sK1))
         cute.arch.barrier()  # mbarriers initialised before any arrive
-        b_first = mCta[g, 0]
-        b_last = mCta[g, 2]
-        if cutlass.const_expr(self.producer):  # warpgroup 2 issues the refills, 0 and 1 compute
-            if wg == 2:
-                cute.arch.setmaxregister_decrease(self.producer_regs)
-                for b in cutlass.range(b_first, b_last + 1, unroll=1):
-                    seq, start, end, slot = self.piece(mCta, mBT, mSeq, g, b)
-                    if end > start:
-                        n_pairs = self.num_pairs(start, end)
-                        self.prologue_refills(tAs0, tAs1, tAg, tma_atom, mbar, mBT, b, start, end, num_pages, wg,
-                                              wtid)
-                        cute.arch.barrier()  # the consumers' Q tile landed
-                        self.produce(tAs0, tAs1, tAg, tma_atom, mbar, mBT, b, start, end, num_pages, n_pairs, wtid)
-                        cute.arch.barrier()  # the consumers' barrier before their epilogue
-                        cute.arch.barrier()  # the piece's epilogue done: its buffers are free
-            else:
-                cute.arch.setmaxregister_increase(self.consumer_regs)
-                for b in cutlass.range(b_first, b_last + 1, unroll=1):
-                    seq, start, end, slot = self.piece(mCta, mBT, mSeq, g, b)
-                    if end > start:
-                        n_pairs = self.num_pairs(start, end)
-                        if tid < 64:
-                            sM[tid] = -Float32.inf
-                        self.load_q_tile(sQ[None, None, 0], mQ, mblk, b, tid)
-                        cute.arch.cp_async_commit_group()
-                        cute.arch.cp_async_wait_group(0)  # Q (the KV copies are tracked by the mbarriers)
-                        cute.arch.fence_view_async_shared()
-                        cute.arch.barrier()
-                        cta = g * self.num_m_blocks + mblk  # (debug traces: mark)
-                        self.clear_trace(mTrace, cta, wg, wtid)
-                        self.consume((qk_mma, pv_ss, pv_rs, pv8, sQ, sK0, sK1, sSt0, sSt1, st, k_layout, v_layout,
-                                      p_layout, wg, wtid, mblk, slot, b, seq, start, end, n_pairs, sM, sSc0, sSc1,
-                                      sSum, mbar, scale_log2, out_scale, mBT, mKV, num_pages, tAs0, tAs1, tAg,
-                                      tma_atom, zrow, mTrace, cta, mOut, mLse, mOacc, mLacc))
-                        cute.arch.barrier()  # the piece's epilogue done: its buffers are free
-                        ph[0] = ph[0] ^ (Int32(0) - (n_pairs & 1))  # every mbarrier completed n_pairs times
-        else:
-            for b in cutlass.range(b_first, b_last + 1, unroll=1):
-                seq, start, end, slot = self.piece(mCta, mBT, mSeq, g, b)
-                if end > start:
-                    n_pairs = self.num_pairs(start, end)
-                    if tid < 64:
-                        sM[tid] = -Float32.inf
-                    self.load_q_tile(sQ[None, None, 0], mQ, mblk, b, tid)
-                    cute.arch.cp_async_commit_group()
-                    self.prologue_refills(tAs0, tAs1, tAg, tma_atom, mbar, mBT, b, start, end, num_pages, wg, wtid)
-                    cute.arch.cp_async_wait_group(0)  # Q (the KV copies are tracked by the mbarriers)
-                    cute.arch.fence_view_async_shared()
-                    cute.arch.barrier()
-                    cta = g * self.num_m_blocks + mblk  # (debug traces: mark)
-                    self.clear_trace(mTrace, cta, wg, wtid)
-                    self.consume((qk_mma, pv_ss, pv_rs, pv8, sQ, sK0, sK1, sSt0, sSt1, st, k_layout, v_layout,
-                                  p_layout, wg, wtid, mblk, slot, b, seq, start, end, n_pairs, sM, sSc0, sSc1,
-                                  sSum, mbar, scale_log2, out_scale, mBT, mKV, num_pages, tAs0, tAs1, tAg,
-                                  tma_atom, zrow, mTrace, cta, mOut, mLse, mOacc, mLacc))
-                    cute.arch.barrier()  # the piece's epilogue done: its buffers are free
-                    ph[0] = ph[0] ^ (Int32(0) - (n_pairs & 1))  # every mbarrier completed n_pairs times
+        self.run_pieces(SimpleNamespace(
+            tid=tid, mblk=mblk, g=g, wg=wg, wtid=wtid, st=st, mCta=mCta, mBT=mBT, mSeq=mSeq, mQ=mQ, mOut=mOut,
+            mLse=mLse, mOacc=mOacc, mLacc=mLacc, mTrace=mTrace, mmas=(qk_mma, pv_ss, pv_rs, pv8), sQ=sQ, sK0=sK0,
+            sK1=sK1, sSt0=sSt0, sSt1=sSt1, k_layout=k_layout, v_layout=v_layout, p_layout=p_layout, sM=sM, sSc0=sSc0,
+            sSc1=sSc1, sSum=sSum, mbar=mbar, scale_log2=scale_log2, out_scale=out_scale, num_pages=num_pages,
+            tAs0=tAs0, tAs1=tAs1, tAg=tAg, tma_atom=tma_atom, zrow=zrow))
+
+    @cute.jit
+    def produce_piece(self, c, b: Int32, split_start: Int32, split_end: Int32, n_pairs: Int32):
+        """The producer warpgroup's part of a piece (:meth:`walk_pieces`): pair 0 (:meth:`prologue_refills`), the
+        barrier the computing warpgroups' Q tile waits on, then the loop's refills (:meth:`produce`)."""
+        self.prologue_refills(c.tAs0, c.tAs1, c.tAg, c.tma_atom, c.mbar, c.mBT, b, split_start, split_end,
+                              c.num_pages, c.wg, c.wtid)
+        cute.arch.barrier()  # the consumers' Q tile landed
+        self.produce(c.tAs0, c.tAs1, c.tAg, c.tma_atom, c.mbar, c.mBT, b, split_start, split_end, c.num_pages,
+                     n_pairs, c.wtid)
+
+    @cute.jit
+    def load_piece_q(self, c, b: Int32, split_start: Int32, split_end: Int32):
+        """The Q tile by cp.async (16-bit; FP8 loads it synchronously: :meth:`load_q_tile`) and, without the producer
+        warpgroup, the piece's pair 0 (:meth:`prologue_refills`) while it is in flight."""
+        self.load_q_tile(c.sQ[None, None, 0], c.mQ, c.mblk, b, c.tid)
+        cute.arch.cp_async_commit_group()
+        if cutlass.const_expr(not self.producer):
+            self.prologue_refills(c.tAs0, c.tAs1, c.tAg, c.tma_atom, c.mbar, c.mBT, b, split_start, split_end,
+                                  c.num_pages, c.wg, c.wtid)
+        cute.arch.cp_async_wait_group(0)  # Q (the KV copies are tracked by the mbarriers)
+
+    def advance_phases(self, n_pairs: Int32):
+        """After a piece (:meth:`walk_pieces`): every mbarrier completed ``n_pairs`` times."""
+        ph = self.ph
+        ph[0] = ph[0] ^ (Int32(0) - (n_pairs & 1))
 
     @cute.jit
     def prologue_refills(self, tAs0, tAs1, tAg, tma_atom, mbar, mBT, b, split_start, split_end, num_pages, wg, wtid):
@@ -411,20 +384,21 @@ class MlaDecodeSeesawSm90(Fp8OperandsMixin, KvRefillMixin, DecodeTraceMixin, Mla
             self.refill(tAs1, tAg, tma_atom, mbar + 3, pg1, wtid, cg[3], None)
 
     @cute.jit
-    def consume(self, ctx):
-        """The two computing warpgroups' part of :meth:`seesaw_kernel` after the prologue (all of it without the
-        producer warpgroup): the MMA partitions, the first QK, the seesaw loop and the epilogue.  ``ctx``: the
-        prologue's values, in :meth:`seesaw_kernel`'s order."""
-        (qk_mma, pv_ss, pv_rs, pv8, sQ, sK0, sK1, sSt0, sSt1, st, k_layout, v_layout, p_layout, wg, wtid, mblk,
-         split, b, seq, split_start, split_end, n_pairs, sM, sSc0, sSc1, sSum, mbar, scale_log2, out_scale, mBT,
-         mKV, num_pages, tAs0, tAs1, tAg, tma_atom, zrow, mTrace, cta, mOut, mLse, mOacc, mLacc) = ctx
+    def consume(self, c, cta, b, seq, split_start, split_end, split, n_pairs):
+        """The two computing warpgroups' part of a piece (:meth:`walk_pieces`, after the Q tile): the MMA partitions,
+        the first QK, the seesaw loop and the epilogue.  ``c``: :meth:`seesaw_kernel`'s values."""
+        qk_mma, pv_ss, pv_rs, pv8 = c.mmas
+        sQ, st, wg, wtid, mblk = c.sQ, c.st, c.wg, c.wtid, c.mblk
+        sK0, sK1, sM, sSc0, sSc1, sSum, mbar, mTrace = c.sK0, c.sK1, c.sM, c.sSc0, c.sSc1, c.sSum, c.mbar, c.mTrace
+        tAs0, tAs1, tAg, tma_atom, mBT, num_pages = c.tAs0, c.tAs1, c.tAg, c.tma_atom, c.mBT, c.num_pages
+        zrow, scale_log2, p_layout = c.zrow, c.scale_log2, c.p_layout
         bn = self.block_n
         fp8 = self.fp8
         # ---- MMA partitions (identical for both warpgroups; slot / column half picked by wg)
         qk_thr = qk_mma.get_slice(wtid)
         ss_thr = pv_ss.get_slice(wtid)
         tSrQ = qk_thr.make_fragment_A(qk_thr.partition_A(sQ[None, None, 0]))
-        kq0, kq1 = (sSt0, sSt1) if cutlass.const_expr(fp8) else (sK0, sK1)  # the QK's B operand
+        kq0, kq1 = (c.sSt0, c.sSt1) if cutlass.const_expr(fp8) else (sK0, sK1)  # the QK's B operand
         tSrK0 = qk_thr.make_fragment_B(qk_thr.partition_B(kq0))
         tSrK1 = qk_thr.make_fragment_B(qk_thr.partition_B(kq1))
         acc_s = qk_thr.make_fragment_C(qk_thr.partition_shape_C((self.block_m, bn)))
@@ -438,14 +412,14 @@ class MlaDecodeSeesawSm90(Fp8OperandsMixin, KvRefillMixin, DecodeTraceMixin, Mla
         tSsP1 = qk_thr.partition_C(sP1[None, None, 0])
         tOsP0 = ss_thr.make_fragment_A(ss_thr.partition_A(sP0[None, None, 0]))
         tOsP1 = ss_thr.make_fragment_A(ss_thr.partition_A(sP1[None, None, 0]))
-        tOrV0 = ss_thr.make_fragment_B(ss_thr.partition_B(self.v_half(sK0, v_layout, wg)))
-        tOrV1 = ss_thr.make_fragment_B(ss_thr.partition_B(self.v_half(sK1, v_layout, wg)))
+        tOrV0 = ss_thr.make_fragment_B(ss_thr.partition_B(self.v_half(sK0, c.v_layout, wg)))
+        tOrV1 = ss_thr.make_fragment_B(ss_thr.partition_B(self.v_half(sK1, c.v_layout, wg)))
         # FP8 P V (pv8_views): e4m3 P tiles and V^T halves as QGMMA operands; O viewed in the QGMMA's (N = 64)
         # accumulator layout, the same registers in the same order as pv_ss's
         w32, acc_o8, tSsP8_0, tSsP8_1, tOsP8_0, tOsP8_1, tOrVt0, tOrVt1 = (None,) * 8
         if cutlass.const_expr(fp8):
             w32 = cute.make_tensor(cute.recast_ptr(st.sK.data_ptr(), dtype=Int32), cute.make_layout(
-                cute.cosize(k_layout) * (self.mma_dtype.width // 8) // 4))
+                cute.cosize(c.k_layout) * (self.mma_dtype.width // 8) // 4))
             (sVt0, sVt1), (sP80, sP81), (sP8s0, sP8s1) = self.pv8_views(st.sK.data_ptr())
             thr8 = pv8.get_slice(wtid)
             acc_o8 = cute.make_tensor(acc_o.iterator,
@@ -555,13 +529,7 @@ class MlaDecodeSeesawSm90(Fp8OperandsMixin, KvRefillMixin, DecodeTraceMixin, Mla
                     self.landed(mbar + 1, ph)
                     self.qk_chunks(qk_mma, acc_s, tSrQ, tSrK0, (4, 5, 6, 7, 8), False)
                     warpgroup.commit_group()
-                warpgroup.wait_group(0)
-                self.mark(mTrace, cta, wg, wtid, j, 9)
-                if more:
-                    self.mark(mTrace, cta, wg, wtid, j, 10)
-                    self.ready_v(w32, zrow, 0, t0 + 2 * bn, split_end, wg, wtid)
-                    self.mark(mTrace, cta, wg, wtid, j, 11)
-                    self.mark(mTrace, cta, wg, wtid, j, 12)
+                self.next_qk_retired(mTrace, cta, wg, wtid, j, 9, more, w32, zrow, 0, t0, split_end)
         else:
             for j in cutlass.range(n_pairs, unroll=1):
                 t1 = split_start + (2 * j + 1) * bn  # first token of this pair's tile in slot 1
@@ -618,13 +586,7 @@ class MlaDecodeSeesawSm90(Fp8OperandsMixin, KvRefillMixin, DecodeTraceMixin, Mla
                     self.landed(mbar + 2, ph)
                     self.qk_chunks(qk_mma, acc_s, tSrQ, tSrK1, (0, 1, 2, 3, 8), False)
                     warpgroup.commit_group()
-                warpgroup.wait_group(0)
-                self.mark(mTrace, cta, wg, wtid, j, 8)
-                if more:
-                    self.mark(mTrace, cta, wg, wtid, j, 9)
-                    self.ready_v(w32, zrow, 1, t1 + 2 * bn, split_end, wg, wtid)
-                    self.mark(mTrace, cta, wg, wtid, j, 10)
-                    self.mark(mTrace, cta, wg, wtid, j, 11)
+                self.next_qk_retired(mTrace, cta, wg, wtid, j, 8, more, w32, zrow, 1, t1, split_end)
 
         # ---- epilogue: both warpgroups' O and l are relative to the final shared max; O leaves through the Q tile's
         #      shared memory (64 x 576 e4m3 or 16-bit values; every QK retired: the barrier)
@@ -635,8 +597,8 @@ class MlaDecodeSeesawSm90(Fp8OperandsMixin, KvRefillMixin, DecodeTraceMixin, Mla
             if cutlass.const_expr(fp8):  # O and l both carry P's 2^8 (exp_rows): O / l needs nothing, the LSE
                 row_m[h] = row_m[h] - self.p8_bias  # (row max + log2 l) takes it out of the max
         stage = (sQ.iterator, self.block_m * self.D * (1 if fp8 else 2))
-        self.epilogue(ss_thr, acc_o, row_m, row_l, row_in, sSum, mOut, mLse, mOacc, mLacc, out_scale, mblk,
-                      split, b, wg, wtid, stage)
+        self.epilogue(ss_thr, acc_o, row_m, row_l, row_in, sSum, c.mOut, c.mLse, c.mOacc, c.mLacc, c.out_scale,
+                      mblk, split, b, wg, wtid, stage)
 
 
 __all__ = ["MlaDecodeSeesawSm90", "acc_to_a_layout"]

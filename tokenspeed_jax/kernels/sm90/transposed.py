@@ -88,11 +88,13 @@ class MlaDecodeTransposedSm90(TransposedOutMixin, MlaDecodeSeesawSm90):
         self.qk_chunks(qk_mma, acc_s, tSrK, tSrQ, chunks, first)
 
     @cute.jit
-    def consume(self, ctx):
-        """The two computing warpgroups: first QK, the loop (the seesaw loop's order, module docstring), epilogue."""
-        (qk_mma, pv_mma, _, _, sQ, sK0, sK1, _, _, st, _, v_layout, _, wg, wtid, mblk,
-         split, b, seq, split_start, split_end, n_pairs, sM, sSc0, sSc1, sSum, mbar, scale_log2, out_scale, mBT,
-         mKV, num_pages, tAs0, tAs1, tAg, tma_atom, _, mTrace, cta, mOut, mLse, mOacc, mLacc) = ctx
+    def consume(self, c, cta, b, seq, split_start, split_end, split, n_pairs):
+        """The two computing warpgroups: first QK, the loop (the seesaw loop's order, module docstring), epilogue.
+        ``c``: the seesaw kernel's values (:meth:`~.seesaw.MlaDecodeSeesawSm90.seesaw_kernel`)."""
+        qk_mma, pv_mma, _, _ = c.mmas
+        sQ, sK0, sK1, st, wg, wtid, mblk, mTrace = c.sQ, c.sK0, c.sK1, c.st, c.wg, c.wtid, c.mblk, c.mTrace
+        sM, sSc0, sSc1, sSum, mbar, scale_log2 = c.sM, c.sSc0, c.sSc1, c.sSum, c.mbar, c.scale_log2
+        tAs0, tAs1, tAg, tma_atom = c.tAs0, c.tAs1, c.tAg, c.tma_atom
         bn = self.block_n
         dt = self.mma_dtype
         qk_thr = qk_mma.get_slice(wtid)
@@ -110,8 +112,8 @@ class MlaDecodeTransposedSm90(TransposedOutMixin, MlaDecodeSeesawSm90):
         # its (tokens, rows) transpose from the S^T accumulators
         acc = pv_thr.make_fragment_C(pv_thr.partition_shape_C((self.DV // 2, self.pv_n)))
         acc.fill(0.0)
-        tOrVt0 = pv_thr.make_fragment_A(pv_thr.partition_A(self.v_half(sK0, v_layout, wg)))
-        tOrVt1 = pv_thr.make_fragment_A(pv_thr.partition_A(self.v_half(sK1, v_layout, wg)))
+        tOrVt0 = pv_thr.make_fragment_A(pv_thr.partition_A(self.v_half(sK0, c.v_layout, wg)))
+        tOrVt1 = pv_thr.make_fragment_A(pv_thr.partition_A(self.v_half(sK1, c.v_layout, wg)))
         pt_layout = sm90_utils.make_smem_layout_b(LayoutEnum.ROW_MAJOR, (64, self.pv_n, bn), dt, 1)
         pt_store = cute.select(pt_layout.outer, mode=[1, 0, 2])
         pt0, pt1 = sK0.iterator + self.DV * bn, sK1.iterator + self.DV * bn  # the slots' rope columns
@@ -244,8 +246,8 @@ class MlaDecodeTransposedSm90(TransposedOutMixin, MlaDecodeSeesawSm90):
 
         # ---- epilogue: both warpgroups' O^T and l are relative to the final shared max
         cute.arch.barrier()
-        self.epilogue_ot(acc, sM, row_l, None, sSum, sRed, mOut, mLse, mOacc, mLacc, out_scale, mblk, split, b, wg,
-                         wtid)
+        self.epilogue_ot(acc, sM, row_l, None, sSum, sRed, c.mOut, c.mLse, c.mOacc, c.mLacc, c.out_scale, mblk,
+                         split, b, wg, wtid)
 
 
 __all__ = ["MlaDecodeTransposedSm90"]

@@ -17,7 +17,7 @@ from __future__ import annotations
 import cutlass
 from cutlass import Float32, Int32, Int64, cute
 
-from tokenspeed_jax.kernels.sm90.helpers import LN_2, Barrier, quad_sum, row_ptr
+from tokenspeed_jax.kernels.sm90.helpers import LN_2, Barrier, row_ptr
 
 
 class TransposedOutMixin:
@@ -62,13 +62,7 @@ class TransposedOutMixin:
             else:
                 mprev[i] = sM[self.col_n(i, wtid)]
             mx[i] = -Float32.inf
-        for e in cutlass.range_constexpr(cute.size(acc_s)):
-            i = e % 2 + 2 * (e // 4)
-            v = acc_s[e] * scale_log2
-            if tile_start + tScS[e][0] >= lim[i]:
-                v = -Float32.inf
-            acc_s[e] = v
-            mx[i] = cute.arch.fmax(mx[i], v)
+        self.scale_mask(acc_s, tScS, lim, tile_start, scale_log2, mx, True)
         for i in cutlass.range_constexpr(nc):
             for off in cutlass.range_constexpr(3):
                 mx[i] = cute.arch.fmax(mx[i], cute.arch.shuffle_sync_bfly(mx[i], offset=4 << off))
@@ -181,11 +175,7 @@ class TransposedOutMixin:
                     self.store_lse(mLse, mLacc, sM[n], l_tot, mblk * self.block_m + n, split, b)
             cute.arch.barrier(barrier_id=int(Barrier.ROW_SUM), number_of_threads=self.num_threads)
         else:
-            for h in cutlass.range_constexpr(2):
-                row_l[h] = quad_sum(row_l[h])
-                if wtid % 4 == 0:
-                    sSum[wg * 64 + row_in[h]] = row_l[h]
-            cute.arch.barrier(barrier_id=int(Barrier.ROW_SUM), number_of_threads=self.num_threads)
+            self.share_row_sums(row_l, row_in, sSum, wg, wtid)
             if wg == 0 and wtid % 4 == 0:
                 for h in cutlass.range_constexpr(2):
                     self.store_lse(mLse, mLacc, sM[row_in[h]], sSum[row_in[h]] + sSum[64 + row_in[h]],
