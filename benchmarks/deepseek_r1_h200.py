@@ -345,6 +345,7 @@ def run(args, res: Results) -> None:
     L = cfg.num_hidden_layers
     compile_guess = args.compile_guess_s
     seen_compile: list[float] = []
+    fallback_used = False  # the breakdown's HLO-metadata fallback compiled a step once already
 
     def compile_est():
         return max(seen_compile) if seen_compile else compile_guess
@@ -417,8 +418,9 @@ def run(args, res: Results) -> None:
                     profiled = sum("breakdown" in r for r in res.doc["points"])
                     if args.profile_steps and profiled < args.profile_points and res.budget.allows(10.0):
                         # the HLO-metadata fallback recompiles the step: only when the budget still has room
-                        allow_compile = res.budget.allows(compile_est() + 10.0)
+                        allow_compile = not fallback_used and res.budget.allows(compile_est() + 10.0)
                         br = _profile_decode(args, eng, tok, B, C, steps, allow_compile)
+                        fallback_used = fallback_used or br.get("hlo_metadata_compiled", False)
                         row["breakdown"] = br
                         if "ms_per_step" in br:
                             row.update({f"{k}_ms": v for k, v in br["ms_per_step"].items()})
@@ -438,10 +440,25 @@ def run(args, res: Results) -> None:
                 g = max(1, min(B, args.prefill_step_tokens // C))
                 chunk = min(C, args.prefill_step_tokens // g)
                 groups.setdefault((C, g, chunk), []).append(B)
+        seen_run: list[
+            tuple[int, int, float]
+        ] = []  # (context, group, seconds) of the measured configurations
+
+        def run_est(C, g):
+            """Seconds of one prefill run, scaled from the largest measured one: linearly in the tokens, times
+            sqrt(context ratio) for attention (quadratic in the context, but a share of the time that shrinks
+            with FlashAttention-4; a 32k prompt against 2 x 4k ones, estimated from FLOPs and bytes: about
+            7.5x the time with the xla reference, 4x with FA4; this estimate says 11x)."""
+            if not seen_run:
+                return 1.0
+            c0, g0, t0 = max(seen_run, key=lambda x: x[0] * x[1])
+            return t0 * (g * C) / (g0 * c0) * max(1.0, C / c0) ** 0.5
+
         for (C, g, chunk), batches in groups.items():
             what = f"C={C} g={g}"
             rounds = -(-C // chunk)
-            if not res.fits("prefill", what, compile_est() * min(rounds, 4) + 5.0):
+            est = compile_est() * min(rounds, 4) + 2 * run_est(C, g) + 5.0
+            if not res.fits("prefill", what, est):
                 continue
             try:
                 eng = Engine(
@@ -470,6 +487,7 @@ def run(args, res: Results) -> None:
                     if sp["compiles"]:
                         res.note(f"prefill {what}: {sp['compiles']} compilation(s) inside a timed run")
                 dt = min(times)
+                seen_run.append((C, g, max(times)))
                 row.update(
                     prefill_s=dt, prefill_s_all=times, prefill_tokens_per_s=g * C / dt, peak_gib=peak_gib()
                 )
@@ -502,9 +520,12 @@ def _profile_decode(args, eng, tok, B, C, steps, allow_compile: bool = True) -> 
     finally:
         jax.profiler.stop_trace()
 
+    compiled = []
+
     def scopes():
         if not allow_compile:
             return {}
+        compiled.append(True)
         pos = jnp.full((B, 1), C, jnp.int32)
         text = (
             _decode_step.lower(
@@ -523,9 +544,11 @@ def _profile_decode(args, eng, tok, B, C, steps, allow_compile: bool = True) -> 
         return hlo_scopes(text)
 
     try:
-        return profile_breakdown(d, args.profile_steps, scopes)
+        out = profile_breakdown(d, args.profile_steps, scopes)
     except Exception as e:  # noqa: BLE001
-        return {"error": f"breakdown: {_err(e)}", "trace_dir": d}
+        out = {"error": f"breakdown: {_err(e)}", "trace_dir": d}
+    out["hlo_metadata_compiled"] = bool(compiled)
+    return out
 
 
 def table(doc: dict) -> str:

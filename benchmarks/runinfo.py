@@ -127,6 +127,23 @@ def fa4_importable() -> bool:
         return False
 
 
+_PACKAGES = ("flash-attn-4", "nvidia-cutlass-dsl", "jax", "jaxlib", "flax", "torch")
+_VERSIONS: dict[str, str | None] = {}
+
+
+def package_versions() -> dict[str, str | None]:
+    """Installed versions of the packages the attention backends depend on (None: not installed)."""
+    if not _VERSIONS:
+        import importlib.metadata
+
+        for name in _PACKAGES:
+            try:
+                _VERSIONS[name] = importlib.metadata.version(name)
+            except importlib.metadata.PackageNotFoundError:
+                _VERSIONS[name] = None
+    return dict(_VERSIONS)
+
+
 def _problem_dict(problem) -> dict:
     out = {}
     for f in dataclasses.fields(problem):
@@ -183,6 +200,7 @@ class BackendLog:
     def snapshot(self) -> dict:
         out = json.loads(json.dumps(self.ops, default=str))
         out["fa4_importable"] = fa4_importable()
+        out["packages"] = package_versions()
         return out
 
     def line(self) -> str:
@@ -435,7 +453,8 @@ def _fmt(v) -> str:
         return f"{v:.4g}"
     if isinstance(v, dict | list):
         return "…"
-    return str(v)
+    v = str(v)
+    return v if len(v) <= 48 else v[:47] + "…"
 
 
 def table(rows: list[dict], columns: list[str]) -> str:

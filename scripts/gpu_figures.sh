@@ -6,15 +6,18 @@
 #   source .device/bootstrap.sh && export CUTE_DSL_ARCH=sm_90a && bash scripts/gpu_figures.sh mtp
 #   bash scripts/gpu_figures.sh smoke          # the three scripts' --smoke runs (a CPU check of this driver)
 #
-# SECTION     script                            writes                         budget / hard timeout
-#   r1        benchmarks/deepseek_r1_h200.py    $OUT/r1.json,  $OUT/r1.log     230 s / 280 s
-#   gen       benchmarks/generation.py          $OUT/gen.json, $OUT/gen.log    230 s / 280 s
-#   mtp       benchmarks/mtp_speedup.py         $OUT/mtp.json, $OUT/mtp.log    230 s / 280 s
-#   gen-mtp   generation.py --sections mtp,early_stop  $OUT/gen_mtp.{json,log}  230 s / 280 s (optional)
+# SECTION   what (script)                                           writes $OUT/NAME.json, .log  budget / timeout
+#   r1      R1-width model, decode + prefill (deepseek_r1_h200.py)  r1                           230 s / 280 s
+#   gen     batching, warm start, MTP, early stop (generation.py)   gen                          230 s / 280 s
+#   mtp     shipped checkpoint: loss, MTP k = 0..3 (mtp_speedup.py) mtp                          230 s / 280 s
+#   r1-32k  (optional) r1's prefill only, the 32k prompt first      r1_32k                       230 s / 280 s
+#   gen-mtp (optional) gen's MTP and early-stop sections only       gen_mtp                      230 s / 280 s
+#   smoke   the three --smoke runs (CPU check of this driver)       r1_smoke, gen_smoke, ...     - / 600 s each
 #
 # Each script writes its JSON after every measured point and skips (with the reason in the JSON) the points
 # its --budget-s no longer covers; `timeout` is the backstop (SIGTERM: the JSON is marked "killed"; SIGKILL 15 s
-# later).  After each script `python -m benchmarks.runinfo summary` appends the JSON's table to the log.
+# later).  A script that ends early prints no table: then `python -m benchmarks.runinfo summary` prints (and appends
+# to the log) the JSON's status, the point in progress, the backends and the points so far.
 # Extra arguments after SECTION go to the script (e.g. `bash scripts/gpu_figures.sh r1 --experts 16`).
 # Environment: OUT (default results/gpu_figures), PYTHON (default python3), BUDGET_S / TIMEOUT_S (override the
 # defaults above), TOKENSPEED_JAX_COMMIT (the commit to record where the checkout has no .git).  The attention
@@ -38,7 +41,9 @@ run() {  # run NAME LIMIT MODULE ARGS...: the script under timeout, its output t
   timeout -k 15 "$limit" "$PY" -m "$@" --out "$OUT/$name.json" 2>&1 | tee "$OUT/$name.log"
   local rc=$?
   echo "== $name: exit $rc" | tee -a "$OUT/$name.log"
-  "$PY" -m benchmarks.runinfo summary "$OUT/$name.json" 2>&1 | tee -a "$OUT/$name.log"
+  if [ "$rc" -ne 0 ]; then  # killed or failed: the script printed no table; the JSON holds the points so far
+    "$PY" -m benchmarks.runinfo summary "$OUT/$name.json" 2>&1 | tee -a "$OUT/$name.log"
+  fi
   return "$rc"
 }
 
@@ -47,6 +52,12 @@ case "$section" in
     # R1 width, 1 dense + 2 MoE layers, 32 experts, FP8 resident: decode at B = 1 / 16 / 64 x 4k / 32k (with the
     # profile breakdown), then prefill of 4k prompts (1 and 2 per step) and of a 32k prompt (4 chunks of 8192).
     run r1 "$TIMEOUT_S" benchmarks.deepseek_r1_h200 --budget-s "$BUDGET_S" "$@"
+    ;;
+  r1-32k)
+    # what `r1` leaves to its budget when the compiles take long: the prefill of one 32k prompt (4 chunks of 8192,
+    # 4 step shapes to compile) and, after it, the 4k prompts.
+    run r1_32k "$TIMEOUT_S" benchmarks.deepseek_r1_h200 --budget-s "$BUDGET_S" --sections prefill --batches 1 \
+      --contexts 32768 4096 "$@"
     ;;
   gen)
     # small preset, bf16, 256 prompts (32..512 tokens, 16..256 new), 64 slots: continuous vs static, warm start of
@@ -73,7 +84,7 @@ case "$section" in
     exit "$rc"
     ;;
   *)
-    echo "usage: bash scripts/gpu_figures.sh r1|gen|gen-mtp|mtp|smoke [script arguments...]" >&2
+    echo "usage: bash scripts/gpu_figures.sh r1|r1-32k|gen|gen-mtp|mtp|smoke [script arguments...]" >&2
     exit 2
     ;;
 esac
