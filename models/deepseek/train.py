@@ -183,6 +183,20 @@ def _block(layer, h, batch, loads):
     return h + y.reshape(B, L, D)
 
 
+def decoder_layers(model: DeepseekV3) -> list:
+    """The main model's decoder layers, one module each, in order: the scanned stacks (``dense_layers``,
+    ``moe_layers``: parameters with a leading layer axis) sliced per layer (differentiable views of the
+    stacked parameters; :func:`forward` runs them as a Python loop)."""
+    out = []
+    for stack in (model.dense_layers, model.moe_layers):
+        if stack is None:
+            continue
+        graphdef, state = nnx.split(stack)
+        n = jax.tree.leaves(state)[0].shape[0]
+        out += [nnx.merge(graphdef, jax.tree.map(lambda a, i=i: a[i], state)) for i in range(n)]
+    return out
+
+
 def forward(model: DeepseekV3, ids: jax.Array, nxt: jax.Array, *, tied_head: bool = True):
     """Teacher-forced main and MTP logits: ``ids, nxt [B, L]`` (``nxt`` = ids shifted by one) ->
     ``(main logits [B, L, V], MTP logits [B, L, V], router loads [n_moe, E])``.  With ``tied_head`` (training)
@@ -196,7 +210,7 @@ def forward(model: DeepseekV3, ids: jax.Array, nxt: jax.Array, *, tied_head: boo
     )
     loads: list = []
     h = model.embed_tokens(ids)
-    for layer in model.layers:
+    for layer in decoder_layers(model):
         h = _block(layer, h, batch, loads)
     hn = model.norm(h)
     logits = model.lm_logits(hn)
@@ -265,12 +279,17 @@ def make_steps(graphdef, tx, *, mtp_lambda: float, bias_rate: float):
         state = optax.apply_updates(state, updates)
         # Auxiliary-loss-free balancing: b_i += gamma * sign(mean load - load_i), per router.
         model = nnx.merge(graphdef, state)
-        routers = [layer.mlp.gate for layer in [*model.layers, *model.mtp] if isinstance(layer.mlp, MoE)]
-        for r, ld in zip(routers, loads):
-            ld = ld.astype(jnp.float32)
-            r.e_score_correction_bias.set_value(
-                r.e_score_correction_bias[...] + bias_rate * jnp.sign(jnp.mean(ld) - ld)
-            )
+        # loads: one row per MoE layer, in forward's order: the moe_layers stack's layers, then the MTP layers
+        ld = loads.astype(jnp.float32)
+        step = bias_rate * jnp.sign(jnp.mean(ld, axis=-1, keepdims=True) - ld)
+        routers = [] if model.moe_layers is None else [model.moe_layers.mlp.gate]  # bias [n_moe, E]
+        routers += [layer.mlp.gate for layer in model.mtp if isinstance(layer.mlp, MoE)]  # bias [E]
+        row = 0
+        for r in routers:
+            b = r.e_score_correction_bias[...]
+            n = b.shape[0] if b.ndim == 2 else 1
+            r.e_score_correction_bias.set_value(b + step[row : row + n].reshape(b.shape))
+            row += n
         state = nnx.state(model)
         imbalance = jnp.max(loads, axis=-1) / jnp.mean(loads.astype(jnp.float32), axis=-1)
         return state, opt_state, {"loss": loss, "main": main, "mtp": mtp, "max_load": jnp.max(imbalance)}

@@ -114,8 +114,31 @@ def available_backends(op: str, problem: DecodeProblem | PrefillProblem) -> list
     return [n for n, r in backend_reasons(op, problem).items() if r is None]
 
 
+_SELECTION_LISTENERS: list[Callable[[str, Any, str], None]] = []
+
+
+def add_selection_listener(fn: Callable[[str, Any, str], None]) -> Callable[[], None]:
+    """Call ``fn(op, problem, backend_name)`` whenever :func:`select_backend` resolves a call (at trace time,
+    so once per traced shape: the backend the compiled program runs).  Returns a function that removes the
+    listener.  For reports (the benchmarks record which backend ran each op); a listener must not raise."""
+    _SELECTION_LISTENERS.append(fn)
+
+    def remove() -> None:
+        if fn in _SELECTION_LISTENERS:
+            _SELECTION_LISTENERS.remove(fn)
+
+    return remove
+
+
 def select_backend(op: str, problem: DecodeProblem | PrefillProblem, backend: str) -> Backend:
     """Resolve ``backend`` ("auto" or a name) for one call, or raise ValueError with every reason."""
+    chosen = _select_backend(op, problem, backend)
+    for fn in _SELECTION_LISTENERS:
+        fn(op, problem, chosen.name)
+    return chosen
+
+
+def _select_backend(op: str, problem: DecodeProblem | PrefillProblem, backend: str) -> Backend:
     if not isinstance(backend, str):
         raise TypeError(f"backend: expected a backend name or 'auto', got {type(backend).__name__}")
     if backend == "auto":
