@@ -183,6 +183,14 @@ def schedule_of(problem: DecodeProblem, seq_lens, config: Sm90DecodeConfig | Non
     return decode_schedule(seq_lens, schedule_spec(problem, plan_for_config(problem, config)))
 
 
+def work_key(problem: DecodeProblem, config: Sm90DecodeConfig | None = None) -> tuple[int, ScheduleSpec]:
+    """What the schedule of a call depends on besides the lengths: ``(batch, ScheduleSpec)`` (the grid, the table's
+    capacity and the per-request cut).  Calls with equal keys and lengths have equal schedules, so one
+    ``mla_decode_work`` serves every layer of a decode step; a different key is another call's schedule."""
+    config = select_config(problem) if config is None else config
+    return problem.batch, schedule_spec(problem, plan_for_config(problem, config))
+
+
 def decode(problem: DecodeProblem, q, kv_cache, block_table, seq_lens, softmax_scale, output_scale, *,
            config: Sm90DecodeConfig | None = None, work=None):
     """Run the kernel; returns ``(out [B,S,H,512], lse [B,S,H] | None)``.
