@@ -106,6 +106,21 @@ _SCRIPT = textwrap.dedent(
                                sd((3, 40), jnp.int32), sd((3,), jnp.int32), sd((), jnp.float32),
                                sd((), jnp.float32)).lower(lowering_platforms=("cuda",)).as_text()
     res["targets"] = sorted(set(re.findall(r"custom_call @(\w+)", txt)))
+    # the same call for other batch sizes, cache sizes and table widths: the compiled object lowered above, reused
+    import hashlib
+    from tokenspeed_jax.ffi.compile_cache import cache_stats
+    def embedded(txt):  # digests of the object and the key embedded in the decode custom call
+        line = [l for l in txt.splitlines() if "custom_call @tokenspeed_mla_decode_sm90" in l]
+        assert len(line) == 1, len(line)
+        return [hashlib.sha256(re.search(a + r' = "((?:[^"\\]|\\.)*)"', line[0]).group(1).encode()).hexdigest()
+                for a in ("module", "key")]
+    res["invariance"] = [embedded(txt) + [cache_stats()["misses"]]]
+    for B, pages, width in ((1, 9, 7), (64, 2000, 300), (5, 200, 40)):
+        with target_override("sm_90a"):
+            t = jax.jit(f).trace(sd((B, 2, 16, 576), jnp.bfloat16), sd((pages, 64, 576), jnp.bfloat16),
+                                 sd((B, width), jnp.int32), sd((B,), jnp.int32), sd((), jnp.float32),
+                                 sd((), jnp.float32)).lower(lowering_platforms=("cuda",)).as_text()
+        res["invariance"].append(embedded(t) + [cache_stats()["misses"]])
     print("RESULT " + json.dumps(res))
     """
 )
@@ -218,6 +233,17 @@ def test_tiles_and_lowering(compiled):
     tv = compiled["fp8_t32"]["pv_tv"]
     assert f"TV Layout A:     {OT_TV_A}" in tv and f"TV Layout C:     {OT_TV_C}" in tv, tv
     assert compiled["targets"] == ["tokenspeed_mla_decode_sm90"], compiled["targets"]
+
+
+@pytest.mark.compile
+def test_new_batch_size_or_table_width_costs_no_compile(compiled):
+    """The public op lowered for other batch sizes, cache sizes and table widths embeds the very object (and key) of
+    the first lowering, with no further CuTe DSL compile (``ffi`` cache misses stay at 1): the decode's operand
+    extents are read at run time (``sm90_decode.operand_specs``)."""
+    inv = compiled["invariance"]
+    assert len(inv) == 4
+    assert {tuple(x[:2]) for x in inv} == {tuple(inv[0][:2])}, inv
+    assert [x[2] for x in inv] == [inv[0][2]] * 4 and inv[0][2] >= 1, inv
 
 
 @pytest.mark.compile

@@ -128,8 +128,11 @@ def test_decode_launches_the_config(monkeypatch, dtype, S, H, page, loop, produc
     assert seen["launch"].__name__ == "launch_decode"
     assert seen["key"] == m.kernel_key(p, cfg, plan) and seen["key"].config == cfg
     spec = m.schedule_spec(p, plan)
-    assert seen["kw"] == dict(loop=loop, producer=producer, dtype=dtype, num_heads=H, q_len=S, page_size=page,
-                              causal=True, num_ctas=spec.num_ctas, max_slots=spec.max_slots)
+    kw = dict(seen["kw"])
+    assert (kw.pop("input_specs"), kw.pop("output_specs")) == m.operand_specs(p, spec)
+    assert kw.pop("dynamic_shapes") is True  # one compiled object for every B, cache size and table width
+    assert kw == dict(loop=loop, producer=producer, dtype=dtype, num_heads=H, q_len=S, page_size=page, causal=True,
+                      num_ctas=spec.num_ctas, max_slots=spec.max_slots)
     # out, lse and the schedule's fp32 partials, whose size is the plan's workspace (not the batch's)
     assert len(seen["outputs"]) == 4
     assert [tuple(o.shape) for o in seen["outputs"][2:]] == [w.shape for w in plan.workspace]
@@ -168,6 +171,30 @@ def test_kernel_key_fields():
     assert k == m.kernel_key(dataclasses.replace(p, batch=p.batch), cfg, plan)
     assert k != m.kernel_key(dataclasses.replace(p, page_size=128), cfg, plan)
     assert k != m.kernel_key(p, m.Sm90DecodeConfig("seesaw", False), plan)
+
+
+@pytest.mark.parametrize("dtype,S,H,page", [("bfloat16", 1, 16, 64), ("float8_e4m3fn", 4, 128, 16)])
+def test_operand_specs_are_the_keys(dtype, S, H, page):
+    """The operands' TensorSpecs (``dynamic_shapes``: extents read at run time) depend on the compile key only: the
+    batch size, the cache size and the table width have hint 1, every other extent is its own hint, so one compiled
+    object is valid for every B, num_pages and max_pages."""
+    pytest.importorskip("cutlass")
+    from tokenspeed_jax.backends import sm90_decode as m
+
+    specs = set()
+    for B, num_pages, max_pages in ((1, 16, 8), (7, 100, 3), (256, 5, 2048)):
+        p = _problem(batch=B, q_len=S, num_heads=H, page_size=page, num_pages=num_pages, max_pages=max_pages,
+                     dtype=dtype)
+        cfg = m.select_config(p)
+        spec = m.schedule_spec(p, m.plan_for_config(p, cfg))
+        ins, outs = m.operand_specs(p, spec)
+        specs.add((m.kernel_key(p, cfg, m.plan_for_config(p, cfg)), ins, outs))
+        G, slots, R = spec.num_ctas, spec.max_slots, S * H
+        assert [t.divisibility for t in ins] == [(1, S, H, 576), (1, page, 576), (1, 1), (1,), (1,), (1,), (G, 8),
+                                                 (1, 2)]
+        assert [t.divisibility for t in outs] == [(1, S, H, 512), (1, S, H), (slots, R, 512), (slots, R)]
+        assert all(t.static is None and t.layout is None and t.mode is None for t in ins + outs)
+    assert len(specs) == 1
 
 
 def test_no_environment_switch(monkeypatch):

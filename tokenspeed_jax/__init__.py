@@ -4,6 +4,8 @@ Public ops (all plain functions, usable inside and outside ``jax.jit``; static c
 keyword-only):
 
 * :func:`mla_decode` -- absorbed MLA decode / MTP (speculative) decode over a paged latent cache.
+* :func:`mla_decode_work` -- the per-step work of ``mla_decode`` (the sm90 split-KV schedule), computed once
+  per decode step and passed to every layer as ``mla_decode(..., work=)`` (a :class:`DecodeWork` pytree).
 * :func:`mla_prefill` -- ragged varlen prefill attention (non-absorbed, e.g. 192/128).
 * :func:`merge_attn_states` -- exact merge of two partial attentions (chunked context prefill).
 * :func:`concat_and_cache_mla` -- write ``[kv_c | k_pe]`` rows into the paged latent cache.
@@ -53,7 +55,7 @@ if not _os.path.isdir(_os.path.join(_pkg_dir, "ffi")) and _os.path.isfile(
     _sys.meta_path.insert(0, _CheckoutSubpackages(_root))
 
 from tokenspeed_jax.cache import concat_and_cache_mla, mla_kv_pack_quantize_fp8  # noqa: E402
-from tokenspeed_jax.decode import mla_decode  # noqa: E402
+from tokenspeed_jax.decode import DecodeWork, mla_decode, mla_decode_work  # noqa: E402
 from tokenspeed_jax.merge import merge_attn_states  # noqa: E402
 from tokenspeed_jax.planner import DecodePlan, plan_mla_decode  # noqa: E402
 from tokenspeed_jax.prefill import mla_prefill  # noqa: E402
@@ -66,6 +68,7 @@ from tokenspeed_jax._version import __version__  # noqa: E402
 
 __all__ = [
     "DecodePlan",
+    "DecodeWork",
     "__version__",
     "available_backends",
     "backend_reasons",
@@ -76,6 +79,7 @@ __all__ = [
     "get_backend",
     "merge_attn_states",
     "mla_decode",
+    "mla_decode_work",
     "mla_kv_pack_quantize_fp8",
     "mla_prefill",
     "plan_mla_decode",

@@ -46,20 +46,129 @@ Non-finite values
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+from collections.abc import Hashable
 
 import jax
 import jax.numpy as jnp
 from jax.experimental import checkify
 
 from tokenspeed_jax import _checks as C
-from tokenspeed_jax.backends import defer_to_lowering_platform, select_backend, trace_switches
+from tokenspeed_jax.backends import defer_to_lowering_platform, has_decode_work, select_backend, trace_switches
 from tokenspeed_jax.problems import ALL_DTYPES, DecodeProblem
 from tokenspeed_jax.runtime import current_target
 
 MAX_Q_LEN = 16
 MAX_HEADS = 128
 PAGE_SIZES = (16, 32, 64, 128, 256)
+
+
+@functools.partial(jax.tree_util.register_dataclass, data_fields=["arrays"],
+                   meta_fields=["backend", "key", "sharding"])
+@dataclasses.dataclass(frozen=True)
+class DecodeWork:
+    """What a decode backend derives from ``seq_lens`` and the static problem alone, computed once per decode step
+    (:func:`mla_decode_work`) and shared by every layer's ``mla_decode(..., work=)``.
+
+    A pytree: ``arrays`` are its leaves (pass it through ``jax.jit``, ``lax.scan`` carries or closures like any
+    array), the other fields are static.  Treat it as opaque.
+
+    * ``arrays``: the backend's device arrays: ``sm90``, the split-KV schedule ``(cta [num_ctas, 8], req [B, 2])``
+      int32 (:mod:`tokenspeed_jax.decode_schedule`); empty for backends without per-step work (``xla``,
+      ``sm100``).
+    * ``backend``: the name of the backend it was built for.
+    * ``key``: what the arrays depend on besides the lengths (``sm90``: the batch size and the schedule's
+      :class:`~tokenspeed_jax.decode_schedule.ScheduleSpec`; ``None`` for backends without work).
+      ``mla_decode`` refuses a work whose key differs from its own call's.
+    * ``sharding``: ``None``, or for :func:`tokenspeed_jax.sharding.sharded_mla_decode_work` the
+      ``(mesh, head_axis, batch_axis)`` it was computed for (per shard).
+    """
+
+    arrays: tuple[jax.Array, ...]
+    backend: str
+    key: Hashable = None
+    sharding: tuple | None = None
+
+
+def mla_decode_work(
+    q,
+    kv_cache,
+    block_table,
+    seq_lens: jax.Array,
+    *,
+    causal: bool = True,
+    kv_lora_rank: int = 512,
+    backend: str = "auto",
+) -> DecodeWork:
+    """The per-step work of :func:`mla_decode`: compute it once per decode step and pass it to every layer's call
+    as ``mla_decode(..., work=...)``.
+
+    The ``sm90`` backend cuts the batch's KV work into a length-balanced schedule (a few dozen small XLA ops on
+    the device, tens of microseconds); ``mla_decode`` without ``work`` computes it in every call, i.e. per layer.
+    Every layer of a step has the same lengths and shapes, so one schedule serves them all (FlashMLA's
+    ``get_mla_metadata``).  Backends without per-step work (``xla``, ``sm100``) return an empty work, which
+    ``mla_decode`` accepts and ignores, so the same model code runs on every backend.
+
+    Args:
+      q, kv_cache, block_table: the decode call's arrays, or anything with ``.shape`` and ``.dtype``
+        (``jax.ShapeDtypeStruct``): only their shapes and dtypes are read.  The work depends on the shapes
+        (batch, query tokens, heads, page size, table width, dtype), not on the number of cache pages.
+      seq_lens: int ``[B]`` the lengths of the step (values are read: clamped to the table's capacity, as
+        ``mla_decode`` clamps them).
+      causal, kv_lora_rank, backend: as the calls that will use it pass them (``backend="auto"`` picks the
+        backend the calls pick).
+
+    Returns:
+      A :class:`DecodeWork`.  Inside ``jax.jit`` it is computed on the device with no host sync.  Results of
+      ``mla_decode(..., work=mla_decode_work(...))`` are bitwise identical to ``mla_decode(...)`` on the same
+      lengths.  The lengths are not checked at run time: a work built from other lengths gives wrong results.
+    """
+    if isinstance(seq_lens, jax.ShapeDtypeStruct):
+        raise TypeError("seq_lens: expected the step's lengths as an array (the work is computed from their "
+                        "values), got a jax.ShapeDtypeStruct")
+    problem = _decode_problem(q, kv_cache, block_table, seq_lens, causal, kv_lora_rank, False)
+    impl = select_backend("decode", problem, backend)
+    if not has_decode_work(impl):
+        return DecodeWork((), impl.name)
+    with jax.named_scope("tokenspeed_mla_decode_work"):
+        seq_lens = C.clamp_index(seq_lens, 0, problem.max_kv_len)
+        arrays = tuple(impl.decode_work(problem, seq_lens))
+    return DecodeWork(arrays, impl.name, impl.decode_work_key(problem))
+
+
+def _work_arrays(work, impl, problem: DecodeProblem) -> tuple:
+    """The arrays of ``work`` for a call of ``impl`` on ``problem`` (``()``: none), or a ``TypeError`` /
+    ``ValueError`` naming ``work`` when it was built for another call."""
+    if work is None:
+        return ()
+    if not isinstance(work, DecodeWork):
+        raise TypeError(f"work: expected a DecodeWork from tokenspeed_jax.mla_decode_work, got {type(work).__name__}")
+    if work.sharding is not None:
+        raise ValueError("work: built by tokenspeed_jax.sharding.sharded_mla_decode_work for a mesh; pass it to "
+                         "sharded_mla_decode (mla_decode takes the work of mla_decode_work)")
+    if work.backend != impl.name:
+        raise ValueError(f"work: built for backend {work.backend!r}, this call runs on backend {impl.name!r}; build "
+                         "it with the arguments of the calls that use it (the same shapes, dtypes and backend=)")
+    if not has_decode_work(impl):
+        if work.arrays:
+            raise ValueError(f"work: backend {impl.name!r} has no per-step work, got {len(work.arrays)} arrays")
+        return ()
+    key = impl.decode_work_key(problem)
+    if work.key != key:
+        raise ValueError(f"work: built for a different problem: its key is {work.key}, this call needs {key} "
+                         f"({problem}); build it with the arguments of the calls that use it")
+    want = jax.eval_shape(lambda s: tuple(impl.decode_work(problem, s)),
+                          jax.ShapeDtypeStruct((problem.batch,), jnp.int32))
+    got = tuple(work.arrays)
+
+    def shapes(xs):
+        return [(tuple(x.shape), jnp.dtype(x.dtype).name) if hasattr(x, "shape") and hasattr(x, "dtype")
+                else type(x).__name__ for x in xs]
+
+    if shapes(got) != shapes(want):
+        raise ValueError(f"work: expected arrays (shape, dtype) {shapes(want)} for this call, got {shapes(got)}")
+    return got
 
 
 def mla_decode(
@@ -75,6 +184,7 @@ def mla_decode(
     return_lse: bool = False,
     backend: str = "auto",
     validate: bool = False,
+    work: DecodeWork | None = None,
 ) -> jax.Array | tuple[jax.Array, jax.Array]:
     """Multi-head latent attention decode (S = 1) and MTP decode (S = 2..16) over a paged cache.
 
@@ -94,6 +204,11 @@ def mla_decode(
       validate: check runtime data (lengths vs. table capacity, page ids in range) with
         ``jax.experimental.checkify``; eager calls raise, jitted calls must be wrapped in
         ``checkify.checkify``.
+      work: the step's :class:`DecodeWork` from :func:`mla_decode_work` (built with this call's shapes, dtype,
+        ``causal``, ``kv_lora_rank``, ``backend`` and ``seq_lens``), shared by every layer of a decode step;
+        ``None`` computes it inside this call.  The result is bitwise identical either way.  A work built for
+        another backend or another problem raises ``ValueError`` naming ``work``; its lengths are not checked.
+        Under ``jax.vmap`` the call folds the mapped axis into its batch and computes its own work.
 
     Returns:
       ``out [B, S, H, kv_lora_rank]`` (bf16 for fp8 input, else the input dtype), or ``(out, lse)``.
@@ -104,6 +219,7 @@ def mla_decode(
     ss = C.f32_scalar(softmax_scale, "softmax_scale")
     os_ = C.f32_scalar(output_scale, "output_scale")
     impl = select_backend("decode", problem, backend)
+    work_arrays = _work_arrays(work, impl, problem)
     with jax.named_scope("tokenspeed_mla_decode"):
         if validate:
             check_decode_inputs(block_table, seq_lens, num_pages=problem.num_pages,
@@ -114,7 +230,7 @@ def mla_decode(
         call = _vmappable_decode(impl.name, problem.causal, problem.kv_lora_rank, problem.return_lse,
                                  problem.target, trace_switches(impl))
         out, lse = defer_to_lowering_platform("decode", problem, backend, call, q, kv_cache, block_table, seq_lens,
-                                              ss, os_)
+                                              ss, os_, work_arrays)
     return (out, lse) if return_lse else out
 
 
@@ -212,6 +328,9 @@ def _vmappable_decode(backend_name: str, causal: bool, kv_lora_rank: int, return
     trace-time environment switches (``Backend.trace_env``) are part of the key, since JAX caches the trace
     of the returned function.
 
+    ``work``: the arrays of the call's :class:`DecodeWork` (``()``: the backend computes its work inside).
+    A vmapped call drops them: the folded batch is another problem, whose work the backend computes.
+
     A vmapped axis of size V over q / block_table / seq_lens becomes V*B requests.  A vmapped kv_cache
     ``[V, num_pages, ...]`` is folded into ``V*num_pages`` pages with block-table entries offset by
     ``v * num_pages`` (after clamping, so a request still only reaches its own cache).  Vmapped scales
@@ -222,20 +341,23 @@ def _vmappable_decode(backend_name: str, causal: bool, kv_lora_rank: int, return
     impl = get_backend(backend_name)
 
     @jax.custom_batching.custom_vmap
-    def call(q, kv_cache, block_table, seq_lens, ss, os_):
+    def call(q, kv_cache, block_table, seq_lens, ss, os_, work=()):
         p = _decode_problem(q, kv_cache, block_table, seq_lens, causal, kv_lora_rank, return_lse)
         p = DecodeProblem(**{**p.__dict__, "target": target})
-        out, lse = impl.decode(p, q, kv_cache, block_table, seq_lens, ss, os_)
+        if has_decode_work(impl):
+            out, lse = impl.decode(p, q, kv_cache, block_table, seq_lens, ss, os_, work=tuple(work) or None)
+        else:
+            out, lse = impl.decode(p, q, kv_cache, block_table, seq_lens, ss, os_)
         if lse is None:
             lse = jnp.zeros((), jnp.float32)  # placeholder; dropped by mla_decode
         return out, lse
 
     @call.def_vmap
-    def rule(axis_size, in_batched, q, kv_cache, block_table, seq_lens, ss, os_):
-        qb, kb, bb, sb, ssb, osb = in_batched
+    def rule(axis_size, in_batched, q, kv_cache, block_table, seq_lens, ss, os_, work=()):
+        qb, kb, bb, sb, ssb, osb = in_batched[:6]
         if ssb or osb:
             bcast = lambda x, b: x if b else jnp.broadcast_to(x, (axis_size,) + x.shape)  # noqa: E731
-            args = [bcast(x, b) for x, b in zip((q, kv_cache, block_table, seq_lens, ss, os_), in_batched)]
+            args = [bcast(x, b) for x, b in zip((q, kv_cache, block_table, seq_lens, ss, os_), in_batched[:6])]
             out = jax.lax.map(lambda a: call(*a), tuple(args))
             return out, (True, True)
         V = axis_size

@@ -51,6 +51,7 @@ import numpy as np
 
 UNIT = 128  # KV tokens per schedule unit (one tile pair of the main loops)
 MODES = ("choose", "balanced", "per_request")
+SCOPE = "tokenspeed_decode_schedule"  # the name scope of the schedule's operations in a lowered program
 
 
 @dataclasses.dataclass(frozen=True)
@@ -115,9 +116,18 @@ def _cta_load(P, T, fixed_cost):
 
 
 def decode_schedule(seq_lens: jax.Array, spec: ScheduleSpec) -> tuple[jax.Array, jax.Array]:
-    """``(cta [num_ctas, 8], req [B, 2])`` int32 metadata for ``seq_lens`` (module docstring).  Traceable."""
+    """``(cta [num_ctas, 8], req [B, 2])`` int32 metadata for ``seq_lens`` (module docstring).  Traceable.
+
+    Its operations carry the name scope :data:`SCOPE`, so a lowered program shows where (and how often) a
+    schedule is computed: once per decode step, outside the layer loop, when the step shares one
+    (``tokenspeed_jax.mla_decode_work``)."""
     if seq_lens.ndim != 1:
         raise ValueError(f"seq_lens: expected shape [B], got {seq_lens.shape}")
+    with jax.named_scope(SCOPE):
+        return _schedule(seq_lens, spec)
+
+
+def _schedule(seq_lens, spec: ScheduleSpec):
     u, G, c = spec.unit, spec.num_ctas, spec.fixed_cost
     L = jnp.clip(seq_lens.astype(jnp.int32), 0, spec.capacity)
     n = (L + (u - 1)) // u
@@ -194,4 +204,4 @@ def reference_pieces(cta: np.ndarray, req: np.ndarray, seq_lens: np.ndarray, cap
     return out
 
 
-__all__ = ["MODES", "UNIT", "ScheduleSpec", "decode_schedule", "reference_pieces"]
+__all__ = ["MODES", "SCOPE", "UNIT", "ScheduleSpec", "decode_schedule", "reference_pieces"]

@@ -11,6 +11,13 @@ Decode (``sharded_mla_decode``)
     block table and the lengths are replicated; out is split along H, LSE along H.  H must be a multiple
     of the axis size.
 
+    The per-step work (:func:`~tokenspeed_jax.mla_decode_work`, the sm90 schedule) is computed once per
+    step by :func:`sharded_mla_decode_work` and passed as ``sharded_mla_decode(..., work=)``.  It is the
+    work of each shard's local call (``H / n`` heads, ``B / n`` requests): with ``head_axis`` alone every
+    device has the same lengths and the work is replicated; with ``batch_axis`` each shard's schedule cuts
+    its own requests, so the work's arrays get a leading axis of the ``batch_axis`` size, split over it
+    (shard ``d`` holds the schedule of its requests).
+
     Data parallel, ``batch_axis``: q, block_table and seq_lens are split along B (a multiple of the axis
     size; device ``d`` serves requests ``d * B/n .. (d+1) * B/n - 1``).  The cache is either
 
@@ -47,10 +54,12 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from tokenspeed_jax import _checks as C
-from tokenspeed_jax.decode import mla_decode
+from tokenspeed_jax.backends import has_decode_work, select_backend
+from tokenspeed_jax.decode import DecodeWork, _decode_problem, mla_decode, mla_decode_work
 from tokenspeed_jax.prefill import mla_prefill
 
-__all__ = ["localize_block_table", "sharded_mla_decode", "sharded_mla_prefill", "split_varlen_batch"]
+__all__ = ["localize_block_table", "sharded_mla_decode", "sharded_mla_decode_work", "sharded_mla_prefill",
+           "split_varlen_batch"]
 
 
 def _shard_map(f, mesh, in_specs, out_specs):
@@ -83,38 +92,9 @@ def _divisible(what: str, size: int, n: int, axis: str, argname: str) -> None:
                          f"({n}), got {size}")
 
 
-def sharded_mla_decode(
-    q: jax.Array,
-    kv_cache: jax.Array,
-    block_table: jax.Array,
-    seq_lens: jax.Array,
-    *,
-    mesh: Mesh,
-    head_axis: str | None = None,
-    batch_axis: str | None = None,
-    cache_sharding: str = "pages",
-    softmax_scale: float | jax.Array,
-    output_scale: float | jax.Array = 1.0,
-    causal: bool = True,
-    kv_lora_rank: int = 512,
-    return_lse: bool = False,
-    backend: str = "auto",
-) -> jax.Array | tuple[jax.Array, jax.Array]:
-    """:func:`~tokenspeed_jax.mla_decode` with heads split over ``head_axis`` (tensor parallel) and/or
-    requests split over ``batch_axis`` (data parallel); see the module docstring for the layouts.
-
-    Args:
-      q, kv_cache, block_table, seq_lens: as in ``mla_decode`` (global shapes).  With ``batch_axis`` and
-        ``cache_sharding="pages"`` the block table holds shard-local page ids (:func:`localize_block_table`).
-      mesh: the device mesh.  head_axis / batch_axis: mesh axis names, or None.
-      cache_sharding: ``"pages"`` (split the cache along pages over ``batch_axis``) or ``"replicated"``.
-        Ignored without ``batch_axis`` (tensor parallel always replicates the latent cache).
-      softmax_scale, output_scale, causal, kv_lora_rank, return_lse, backend: as in ``mla_decode``.
-
-    Returns:
-      ``out [B, S, H, kv_lora_rank]`` (or ``(out, lse)``) sharded along B over ``batch_axis`` and along H
-      over ``head_axis``.
-    """
+def _decode_layout(q, kv_cache, block_table, seq_lens, mesh, head_axis, batch_axis, cache_sharding):
+    """Check the arguments of a sharded decode; returns ``(nh, nb, pages)``: the head and batch axis sizes and
+    whether the cache is split along pages."""
     if not isinstance(mesh, Mesh):
         raise TypeError(f"mesh: expected a jax.sharding.Mesh, got {type(mesh).__name__}")
     for x, n in ((q, "q"), (kv_cache, "kv_cache"), (block_table, "block_table"), (seq_lens, "seq_lens")):
@@ -131,7 +111,6 @@ def sharded_mla_decode(
         raise ValueError(f"batch_axis: expected a mesh axis other than head_axis, got {batch_axis!r} twice")
     if cache_sharding not in ("pages", "replicated"):
         raise ValueError(f"cache_sharding: expected 'pages' or 'replicated', got {cache_sharding!r}")
-    C.static_bool(return_lse, "return_lse")
     if head_axis is not None:
         _divisible("H (q axis 2)", q.shape[2], nh, head_axis, "q")
     pages = batch_axis is not None and cache_sharding == "pages"
@@ -139,6 +118,140 @@ def sharded_mla_decode(
         _divisible("B (q axis 0)", q.shape[0], nb, batch_axis, "q")
     if pages:
         _divisible("num_pages (axis 0)", kv_cache.shape[0], nb, batch_axis, "kv_cache")
+    return nh, nb, pages
+
+
+def sharded_mla_decode_work(
+    q,
+    kv_cache,
+    block_table,
+    seq_lens: jax.Array,
+    *,
+    mesh: Mesh,
+    head_axis: str | None = None,
+    batch_axis: str | None = None,
+    cache_sharding: str = "pages",
+    causal: bool = True,
+    kv_lora_rank: int = 512,
+    backend: str = "auto",
+) -> DecodeWork:
+    """The per-step work of :func:`sharded_mla_decode` (module docstring): each shard's
+    :func:`~tokenspeed_jax.mla_decode_work` of its local call, computed under ``shard_map`` once per decode
+    step and passed to every layer as ``sharded_mla_decode(..., work=)``.
+
+    Args: as :func:`sharded_mla_decode` (global shapes; q / kv_cache / block_table may be
+    ``jax.ShapeDtypeStruct`` s, only their shapes and dtypes are read; ``seq_lens`` are the step's lengths).
+
+    Returns a :class:`~tokenspeed_jax.DecodeWork` for this mesh and these axes: with ``batch_axis``, arrays with a
+    leading axis of the axis size split over it (shard ``d``: the work of its requests); without, the
+    replicated work of the local call.  Backends without per-step work return an empty one.
+    """
+    if isinstance(seq_lens, jax.ShapeDtypeStruct):
+        raise TypeError("seq_lens: expected the step's lengths as an array (the work is computed from their "
+                        "values), got a jax.ShapeDtypeStruct")
+    nh, nb, pages = _decode_layout(q, kv_cache, block_table, seq_lens, mesh, head_axis, batch_axis, cache_sharding)
+    causal = C.static_bool(causal, "causal")
+    kv_lora_rank = C.static_pos_int(kv_lora_rank, "kv_lora_rank")
+    if not isinstance(backend, str):
+        raise TypeError(f"backend: expected a backend name or 'auto', got {type(backend).__name__}")
+    sd = jax.ShapeDtypeStruct
+    B, S, H, D = q.shape
+    P_, ps, Dk = kv_cache.shape
+    local = (sd((B // nb, S, H // nh, D), q.dtype), sd((P_ // nb if pages else P_, ps, Dk), kv_cache.dtype),
+             sd((B // nb, block_table.shape[1]), block_table.dtype))
+    problem = _decode_problem(*local, sd((B // nb,), seq_lens.dtype), causal, kv_lora_rank, False)
+    impl = select_backend("decode", problem, backend)
+    layout = (mesh, head_axis, batch_axis)
+    if not has_decode_work(impl):
+        return DecodeWork((), impl.name, None, layout)
+    fn = _work_fn(mesh, batch_axis, local, causal, kv_lora_rank, impl.name)
+    return DecodeWork(tuple(fn(seq_lens)), impl.name, impl.decode_work_key(problem), layout)
+
+
+@functools.lru_cache(maxsize=256)
+def _work_fn(mesh, batch_axis, local, causal, kv_lora_rank, backend):
+    """One jitted shard_map computing each shard's work from its lengths (leading axis over ``batch_axis``)."""
+    spec = P(batch_axis)
+
+    def per_shard(sl):
+        w = mla_decode_work(*local, sl, causal=causal, kv_lora_rank=kv_lora_rank, backend=backend)
+        return tuple(a[None] for a in w.arrays) if batch_axis is not None else w.arrays
+
+    out_shapes = jax.eval_shape(
+        lambda sl: mla_decode_work(*local, sl, causal=causal, kv_lora_rank=kv_lora_rank, backend=backend).arrays,
+        jax.ShapeDtypeStruct(local[2].shape[:1], jax.numpy.int32))
+    mapped = _shard_map(per_shard, mesh, (spec,), tuple(spec if batch_axis is not None else P() for _ in out_shapes))
+
+    @jax.jit
+    def run(sl):
+        with jax.named_scope("tokenspeed_sharded_mla_decode_work"):
+            return mapped(sl)
+
+    return run
+
+
+def _sharded_work(work, mesh, head_axis, batch_axis, nb):
+    """``(arrays, (backend, key, count))`` of ``work`` for a sharded call, or ``((), None)`` without one; a
+    ``TypeError`` / ``ValueError`` naming ``work`` when it was built for another layout."""
+    if work is None:
+        return (), None
+    if not isinstance(work, DecodeWork):
+        raise TypeError("work: expected a DecodeWork from tokenspeed_jax.sharding.sharded_mla_decode_work, got "
+                        f"{type(work).__name__}")
+    if work.sharding is None:
+        raise ValueError("work: built by mla_decode_work for an unsharded call; build the work of a sharded call "
+                         "with tokenspeed_jax.sharding.sharded_mla_decode_work (the same mesh and axes)")
+    if work.sharding != (mesh, head_axis, batch_axis):
+        _, wh, wb = work.sharding
+        raise ValueError(f"work: built for head_axis={wh!r}, batch_axis={wb!r} on its mesh, this call has "
+                         f"head_axis={head_axis!r}, batch_axis={batch_axis!r} on mesh {dict(mesh.shape)}; build it "
+                         "with sharded_mla_decode_work and this call's mesh and axes")
+    arrays = tuple(work.arrays)
+    if batch_axis is not None:
+        for a in arrays:
+            if not a.shape or a.shape[0] != nb:
+                raise ValueError(f"work: expected arrays with a leading axis of the size of mesh axis {batch_axis!r} "
+                                 f"({nb}), got shape {tuple(a.shape)}")
+    return arrays, (work.backend, work.key, len(arrays))
+
+
+def sharded_mla_decode(
+    q: jax.Array,
+    kv_cache: jax.Array,
+    block_table: jax.Array,
+    seq_lens: jax.Array,
+    *,
+    mesh: Mesh,
+    head_axis: str | None = None,
+    batch_axis: str | None = None,
+    cache_sharding: str = "pages",
+    softmax_scale: float | jax.Array,
+    output_scale: float | jax.Array = 1.0,
+    causal: bool = True,
+    kv_lora_rank: int = 512,
+    return_lse: bool = False,
+    backend: str = "auto",
+    work: DecodeWork | None = None,
+) -> jax.Array | tuple[jax.Array, jax.Array]:
+    """:func:`~tokenspeed_jax.mla_decode` with heads split over ``head_axis`` (tensor parallel) and/or
+    requests split over ``batch_axis`` (data parallel); see the module docstring for the layouts.
+
+    Args:
+      q, kv_cache, block_table, seq_lens: as in ``mla_decode`` (global shapes).  With ``batch_axis`` and
+        ``cache_sharding="pages"`` the block table holds shard-local page ids (:func:`localize_block_table`).
+      mesh: the device mesh.  head_axis / batch_axis: mesh axis names, or None.
+      cache_sharding: ``"pages"`` (split the cache along pages over ``batch_axis``) or ``"replicated"``.
+        Ignored without ``batch_axis`` (tensor parallel always replicates the latent cache).
+      softmax_scale, output_scale, causal, kv_lora_rank, return_lse, backend: as in ``mla_decode``.
+      work: the step's work from :func:`sharded_mla_decode_work` (same mesh, axes and arguments), shared by
+        every layer; None computes it inside each shard's call.  Bitwise the same result either way.
+
+    Returns:
+      ``out [B, S, H, kv_lora_rank]`` (or ``(out, lse)``) sharded along B over ``batch_axis`` and along H
+      over ``head_axis``.
+    """
+    nh, nb, pages = _decode_layout(q, kv_cache, block_table, seq_lens, mesh, head_axis, batch_axis, cache_sharding)
+    C.static_bool(return_lse, "return_lse")
     ss = C.f32_scalar(softmax_scale, "softmax_scale")
     os_ = C.f32_scalar(output_scale, "output_scale")
 
@@ -146,21 +259,30 @@ def sharded_mla_decode(
     kv_lora_rank = C.static_pos_int(kv_lora_rank, "kv_lora_rank")
     if not isinstance(backend, str):
         raise TypeError(f"backend: expected a backend name or 'auto', got {type(backend).__name__}")
-    fn = _decode_fn(mesh, head_axis, batch_axis, pages, causal, kv_lora_rank, bool(return_lse), backend)
-    return fn(q, kv_cache, block_table, seq_lens, ss, os_)
+    arrays, meta = _sharded_work(work, mesh, head_axis, batch_axis, nb)
+    fn = _decode_fn(mesh, head_axis, batch_axis, pages, causal, kv_lora_rank, bool(return_lse), backend, meta)
+    return fn(q, kv_cache, block_table, seq_lens, ss, os_, arrays)
 
 
 @functools.lru_cache(maxsize=256)
-def _decode_fn(mesh, head_axis, batch_axis, pages, causal, kv_lora_rank, return_lse, backend):
-    """One jitted shard_map per static configuration (eager shard_map would dispatch op by op)."""
+def _decode_fn(mesh, head_axis, batch_axis, pages, causal, kv_lora_rank, return_lse, backend, work_meta=None):
+    """One jitted shard_map per static configuration (eager shard_map would dispatch op by op); ``work_meta``:
+    ``(backend, key, number of arrays)`` of the work passed in, or None."""
     q_spec = P(batch_axis, None, head_axis, None)
     kv_spec = P(batch_axis, None, None) if pages else P()
     out_specs = q_spec if not return_lse else (q_spec, P(batch_axis, None, head_axis))
-    in_specs = (q_spec, kv_spec, P(batch_axis, None), P(batch_axis), P(), P())
+    n_work = 0 if work_meta is None else work_meta[2]
+    w_spec = P(batch_axis) if batch_axis is not None else P()
+    in_specs = (q_spec, kv_spec, P(batch_axis, None), P(batch_axis), P(), P(), (w_spec,) * n_work)
 
-    def local(q, kv, bt, sl, ss, os_):
+    def local(q, kv, bt, sl, ss, os_, arrays):
+        work = None
+        if work_meta is not None:
+            if batch_axis is not None:
+                arrays = tuple(a[0] for a in arrays)
+            work = DecodeWork(tuple(arrays), work_meta[0], work_meta[1])
         return mla_decode(q, kv, bt, sl, softmax_scale=ss, output_scale=os_, causal=causal,
-                          kv_lora_rank=kv_lora_rank, return_lse=return_lse, backend=backend)
+                          kv_lora_rank=kv_lora_rank, return_lse=return_lse, backend=backend, work=work)
 
     mapped = _shard_map(local, mesh, in_specs, out_specs)
 

@@ -62,7 +62,10 @@ class AttentionBatch:
       already in the cache, attended by every new token), ``context_capacity`` a static bound on
       ``sum(context_lens)``; ``context_lens is None`` means no context.
     decode: ``T = B * q_len`` rows ordered request-major; ``block_table [B, max_pages]`` and
-      ``seq_lens [B]`` (cache length including the ``q_len`` new tokens).
+      ``seq_lens [B]`` (cache length including the ``q_len`` new tokens).  ``work``: the step's
+      :class:`tokenspeed_jax.DecodeWork` (the sm90 split-KV schedule), computed once per forward by
+      :meth:`~tokenspeed_jax.models.deepseek.model.DeepseekV3.with_decode_work` before the layer loop and
+      passed to every layer's decode call; None computes it in each call.
     ``mesh`` (static): run the custom calls under shard_map (module docstring); with a data axis > 1
       (DP attention) page ids / slots are shard-local and prefill rows / ``cu_seqlens_q`` are per-shard
       slabs (``[n * (B/n + 1)]`` offsets).
@@ -74,6 +77,7 @@ class AttentionBatch:
     block_table: jax.Array | None = None
     context_lens: jax.Array | None = None
     seq_lens: jax.Array | None = None
+    work: ts.DecodeWork | None = None
     mode: str = struct.field(pytree_node=False, default="prefill")
     q_len: int = struct.field(pytree_node=False, default=1)
     context_capacity: int = struct.field(pytree_node=False, default=0)
@@ -111,6 +115,28 @@ def gather_context(kv_cache: jax.Array, block_table: jax.Array, context_lens: ja
     rows = kv_cache.reshape(P * ps, D)[jnp.clip(page, 0, P - 1) * ps + pos % ps]
     rows = jnp.where((r < cu[-1])[:, None], rows, jnp.zeros((), rows.dtype))
     return rows, cu
+
+
+def decode_work(config: DeepseekV3Config, batch: AttentionBatch, kv: jax.Array) -> AttentionBatch:
+    """``batch`` with the decode work of its layers' ``mla_decode`` calls (``batch.work``), computed here once:
+    every layer reads the same lengths through equally shaped views of the one cache ``kv [num_pages,
+    num_layers, page_size, D]`` (queries in the cache dtype, :meth:`MLAttention._decode`), so one work serves all
+    of them.  A prefill batch, or one that has its work, is returned as it is."""
+    if batch.mode != "decode" or batch.work is not None:
+        return batch
+    c = config
+    sd = jax.ShapeDtypeStruct
+    Pn, L, ps, D = kv.shape
+    B = batch.seq_lens.shape[0]
+    q = sd((B, batch.q_len, c.num_attention_heads, c.kv_cache_dim), kv.dtype)
+    flat, bt = sd((Pn * L, ps, D), kv.dtype), sd(batch.block_table.shape, batch.block_table.dtype)
+    kw = {"causal": True, "kv_lora_rank": c.kv_lora_rank, "backend": batch.backend}
+    if batch.mesh is None:
+        work = ts.mla_decode_work(q, flat, bt, batch.seq_lens, **kw)
+    else:
+        work = tsh.sharded_mla_decode_work(q, flat, bt, batch.seq_lens, mesh=batch.mesh, head_axis=batch.head_axis,
+                                           batch_axis=batch.batch_axis, cache_sharding="pages", **kw)
+    return batch.replace(work=work)
 
 
 def _quantize_fp8(x, scale):
@@ -307,7 +333,7 @@ class MLAttention(nnx.Module):
             "backend": batch.backend,
         }
         if batch.mesh is None:
-            out = ts.mla_decode(q, kv_cache, block_table, batch.seq_lens, **dkw)
+            out = ts.mla_decode(q, kv_cache, block_table, batch.seq_lens, work=batch.work, **dkw)
         else:
             out = tsh.sharded_mla_decode(
                 q,
@@ -318,6 +344,7 @@ class MLAttention(nnx.Module):
                 head_axis=batch.head_axis,
                 batch_axis=batch.batch_axis,
                 cache_sharding="pages",
+                work=batch.work,
                 **dkw,
             )
         out = out.reshape(B * S, H, c.kv_lora_rank).astype(self.dtype)

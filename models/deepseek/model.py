@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from tokenspeed_jax.models.deepseek.attention import AttentionBatch, MLAttention
+from tokenspeed_jax.models.deepseek.attention import AttentionBatch, MLAttention, decode_work
 from tokenspeed_jax.models.deepseek.cache import KVCache
 from tokenspeed_jax.models.deepseek.config import DeepseekV3Config
 from tokenspeed_jax.models.deepseek.layers import MLP, RMSNorm, linear
@@ -198,10 +198,20 @@ class DeepseekV3(nnx.Module):
         model.mesh = mesh
         return model
 
+    def with_decode_work(self, batch: AttentionBatch, cache: KVCache | None) -> AttentionBatch:
+        """``batch`` on this model's mesh, with its decode work (:func:`tokenspeed_jax.mla_decode_work`, the sm90
+        split-KV schedule) when it is a decode batch without one: what every layer's ``mla_decode`` of a forward
+        shares.  The forwards compute it themselves, once and outside the layer scans; a step that runs two
+        forwards on the same batch (verification and the MTP layer of a speculative round) calls this first and
+        passes the result to both, so the step computes it once."""
+        batch = batch.replace(mesh=self.mesh)
+        return batch if cache is None else decode_work(self.config, batch, cache.kv)
+
     def __call__(self, input_ids: jax.Array, batch: AttentionBatch, cache: KVCache | None = None):
         """Main model over packed tokens ``input_ids [T]`` -> ``(hidden [T, hidden] after the final norm,
-        new cache)``; ``cache=None`` runs attention without any cache (prefill mode only)."""
-        batch = batch.replace(mesh=self.mesh)
+        new cache)``; ``cache=None`` runs attention without any cache (prefill mode only).  A decode batch
+        gets its decode work here, before the layer scans (:meth:`with_decode_work`)."""
+        batch = self.with_decode_work(batch, cache)
         h = self.embed_tokens(input_ids)
         if self.dense_layers is not None:
             h, cache = run_stack(self.dense_layers, 0, h, batch, cache)
@@ -226,7 +236,7 @@ class DeepseekV3(nnx.Module):
         model's final-norm output for the first draft).  Returns ``(mtp hidden [T, hidden], logits [T, V],
         new cache)``; the layer uses cache ``num_hidden_layers + depth``."""
         li = self.config.num_hidden_layers + depth
-        batch = batch.replace(mesh=self.mesh)
+        batch = self.with_decode_work(batch, cache)
         emb = self.embed_tokens(next_ids)
         # Position 0's embedding input is zeroed, as vLLM/SGLang do for DeepSeek's MTP.
         emb = jnp.where((batch.positions == 0)[:, None], jnp.zeros((), emb.dtype), emb)

@@ -244,7 +244,8 @@ def _spec_round(model, cache, st, eos, *, k, params, page_size, backend):
     ar = jnp.arange(S, dtype=jnp.int32)
     rows = jnp.arange(B)
     toks = jnp.concatenate([st["last"][:, None], drafts], axis=1)  # [B, S]
-    batch = _decode_batch(bt, pos[:, None] + ar[None, :], page_size, backend, active)
+    # one decode work (the sm90 schedule) for the verification and the MTP layer over the same k+1 positions
+    batch = model.with_decode_work(_decode_batch(bt, pos[:, None] + ar[None, :], page_size, backend, active), cache)
     h, cache = model(toks.reshape(-1), batch, cache)
     logits = model.lm_logits(h).reshape(B, S, -1)
     if params.greedy:

@@ -216,3 +216,34 @@ def test_cuda_graph_replay_with_changing_lengths():
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-4000:]
     line = [x for x in p.stdout.splitlines() if x.startswith("GRAPH_LENS_OK")][-1].split()
     assert float(line[1]) < 2e-2, line
+
+
+def test_shared_work_bitwise_and_one_object_for_every_batch(rng):
+    """``mla_decode(work=mla_decode_work(...))`` is bitwise ``mla_decode(...)``; batches of other sizes and table
+    widths run the first call's compiled object (no further compile: the custom call reads its extents at run
+    time) and match the fp32 reference."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    import tokenspeed_jax as tj
+    from tokenspeed_jax.ffi.compile_cache import cache_stats
+
+    kw = dict(softmax_scale=0.07, backend="sm90")
+    with_work = jax.jit(lambda q, kv, bt, sl: tj.mla_decode(q, kv, bt, sl, **kw,
+                                                            work=tj.mla_decode_work(q, kv, bt, sl, backend="sm90")))
+    plain = jax.jit(lambda q, kv, bt, sl: tj.mla_decode(q, kv, bt, sl, **kw))
+    misses = None
+    for B, max_pages in ((3, 40), (17, 9), (64, 130), (1, 2)):
+        page = 64
+        q = jnp.asarray(rng.standard_normal((B, 2, 16, 576)), jnp.bfloat16)
+        kv = jnp.asarray(rng.standard_normal((B * max_pages, page, 576)), jnp.bfloat16)
+        bt = jnp.asarray(rng.permutation(B * max_pages).reshape(B, max_pages), jnp.int32)
+        sl = jnp.asarray(rng.integers(0, max_pages * page + 1, B), jnp.int32)
+        a, b = with_work(q, kv, bt, sl), plain(q, kv, bt, sl)
+        assert np.array_equal(np.asarray(a), np.asarray(b)), (B, max_pages)
+        ref = tj.mla_decode(q.astype(jnp.float32), kv.astype(jnp.float32), bt, sl, softmax_scale=0.07, backend="xla")
+        assert float(jnp.max(jnp.abs(a.astype(jnp.float32) - ref))) < 2e-2, (B, max_pages)
+        if misses is None:
+            misses = cache_stats()["misses"]
+        assert cache_stats()["misses"] == misses, (B, max_pages, cache_stats())

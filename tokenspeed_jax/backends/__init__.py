@@ -9,6 +9,13 @@ A backend is an object with
   command, ...),
 * ``decode(problem, q, kv_cache, block_table, seq_lens, softmax_scale, output_scale) -> (out, lse|None)``
 * ``prefill(problem, q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale) -> (out, lse|None)``
+* optionally ``decode_work_key(problem) -> hashable`` and ``decode_work(problem, seq_lens) -> tuple of arrays``:
+  a backend whose decode derives data from the lengths alone (``sm90``: its split-KV schedule) computes it in
+  ``decode_work``, and then takes it as ``decode(..., work=arrays)`` (``work=None``: computed inside the call).
+  ``mla_decode_work`` calls it once per decode step and every layer's ``mla_decode(..., work=)`` shares the
+  result; the key is what the arrays depend on (two problems with equal keys share them) and is how
+  ``mla_decode`` tells a ``work`` built for another call.  Backends without these methods have no per-step work
+  (their ``mla_decode_work`` is empty).
 
 where the scales are float32 scalar arrays (runtime operands).  ``supports_*`` must be cheap and must not
 import torch or compile anything; availability checks that need an import are cached.
@@ -48,6 +55,11 @@ class Backend(Protocol):
     def decode(self, problem, q, kv_cache, block_table, seq_lens, softmax_scale, output_scale): ...
 
     def prefill(self, problem, q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale): ...
+
+
+def has_decode_work(impl) -> bool:
+    """Whether backend ``impl`` has per-step decode work (``decode_work`` / ``decode_work_key``, module docstring)."""
+    return callable(getattr(impl, "decode_work", None)) and callable(getattr(impl, "decode_work_key", None))
 
 
 _REGISTRY: dict[str, Backend] = {}

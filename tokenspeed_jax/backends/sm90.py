@@ -40,9 +40,15 @@ class Sm90Backend:
         m = self._prefill_mod()
         return "sm90 prefill is not part of this build" if m is None else m.supports(problem)
 
-    def decode(self, problem, q, kv_cache, block_table, seq_lens, softmax_scale, output_scale):
+    def decode(self, problem, q, kv_cache, block_table, seq_lens, softmax_scale, output_scale, work=None):
         return self._decode_mod().decode(problem, q, kv_cache, block_table, seq_lens, softmax_scale,
-                                         output_scale)
+                                         output_scale, work=work)
+
+    def decode_work_key(self, problem):
+        return self._decode_mod().work_key(problem)
+
+    def decode_work(self, problem, seq_lens):
+        return self._decode_mod().schedule_of(problem, seq_lens)
 
     def prefill(self, problem, q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale):
         return self._prefill_mod().prefill(problem, q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale)

@@ -17,7 +17,8 @@ says) runs QK^T and P V on FP8 tensor cores (P rounded to e4m3); the output erro
 
 Custom call: ``tokenspeed_mla_decode_sm90`` (the main kernel, plus the combine kernel launched from the same launch
 function).  ``softmax_scale`` / ``output_scale`` are (1,)-shaped float32 operands, so a new
-value never recompiles.
+value never recompiles; operand extents are read at run time (:func:`operand_specs`), so a new batch size, cache
+size or table width does not either: one CuTe DSL compile per :class:`DecodeKernelKey`.
 """
 
 from __future__ import annotations
@@ -183,6 +184,32 @@ def schedule_of(problem: DecodeProblem, seq_lens, config: Sm90DecodeConfig | Non
     return decode_schedule(seq_lens, schedule_spec(problem, plan_for_config(problem, config)))
 
 
+def work_key(problem: DecodeProblem, config: Sm90DecodeConfig | None = None) -> tuple[int, ScheduleSpec]:
+    """What the schedule of a call depends on besides the lengths: ``(batch, ScheduleSpec)`` (the grid, the table's
+    capacity and the per-request cut).  Calls with equal keys and lengths have equal schedules, so one
+    ``mla_decode_work`` serves every layer of a decode step; a different key is another call's schedule."""
+    config = select_config(problem) if config is None else config
+    return problem.batch, schedule_spec(problem, plan_for_config(problem, config))
+
+
+def operand_specs(problem: DecodeProblem, spec: ScheduleSpec):
+    """``(inputs, outputs)``: the ``cutlass.jax.TensorSpec`` of each operand of the custom call.  Every extent is read
+    at run time (``ffi.custom_call(..., dynamic_shapes=True)``), so one compiled object serves every batch size,
+    cache size and table width: the varying extents (B, num_pages, max_pages) carry the divisibility hint 1 and the
+    others, fixed by the compile key (S, H, page size, D, the grid and the workspace), their own extent, the hints
+    the kernels were compiled with when every extent was a hint."""
+    from cutlass.jax import TensorSpec
+
+    S, H, D, L, R = problem.q_len, problem.num_heads, problem.head_dim, problem.kv_lora_rank, problem.rows
+
+    def t(*divisibility):
+        return TensorSpec(divisibility=divisibility)
+
+    inputs = (t(1, S, H, D), t(1, problem.page_size, D), t(1, 1), t(1), t(1), t(1), t(spec.num_ctas, 8), t(1, 2))
+    outputs = (t(1, S, H, L), t(1, S, H), t(spec.max_slots, R, L), t(spec.max_slots, R))
+    return inputs, outputs
+
+
 def decode(problem: DecodeProblem, q, kv_cache, block_table, seq_lens, softmax_scale, output_scale, *,
            config: Sm90DecodeConfig | None = None, work=None):
     """Run the kernel; returns ``(out [B,S,H,512], lse [B,S,H] | None)``.
@@ -215,8 +242,10 @@ def decode(problem: DecodeProblem, q, kv_cache, block_table, seq_lens, softmax_s
                jax.ShapeDtypeStruct((spec.max_slots, S * H, problem.kv_lora_rank), jnp.float32),
                jax.ShapeDtypeStruct((spec.max_slots, S * H), jnp.float32)]
     constexprs = {f.name: getattr(key, f.name) for f in dataclasses.fields(key) if f.name != "config"}
-    call = ffi.custom_call(TARGET, launch_decode, outputs=outputs, compile_key=key, loop=config.loop,
-                           producer=config.producer, **constexprs)
+    input_specs, output_specs = operand_specs(problem, spec)
+    call = ffi.custom_call(TARGET, launch_decode, outputs=outputs, compile_key=key, input_specs=input_specs,
+                           output_specs=output_specs, dynamic_shapes=True, loop=config.loop, producer=config.producer,
+                           **constexprs)
     res = call(q, kv_cache, block_table.astype(jnp.int32), seq_lens.astype(jnp.int32),
                ffi.scalar_operand(softmax_scale), ffi.scalar_operand(output_scale), sched_cta.astype(jnp.int32),
                sched_req.astype(jnp.int32))

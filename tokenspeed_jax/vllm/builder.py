@@ -15,16 +15,27 @@ Mirrors vLLM's ``MLACommonMetadataBuilder.build`` on the host (numpy), producing
 * Context chunks are sized from ``chunked_prefill_workspace_size`` exactly as vLLM does (equal share per
   prefill with context, rounded down to the block size); each chunk is gathered into a per-call array
   of exactly ``seq_tot`` rows, there is no persistent workspace buffer.
+* The decode work (:func:`tokenspeed_jax.mla_decode_work`: the sm90 split-KV schedule) is computed here,
+  once per step, like FlashMLA's ``get_mla_metadata`` in vLLM's FlashMLA builder, and every layer's
+  ``forward_mqa`` passes it to ``mla_decode`` (``MLACommonDecodeMetadata.work``).  It needs the model's MLA
+  facts (``model_config`` or the current :class:`~tokenspeed_jax.vllm.MLAModelConfig`), the cache dtype and
+  the tokenspeed backend, as the impl has them; without a model config it is None and each layer's call
+  computes its own.
 """
 
 from __future__ import annotations
 
 import enum
+import functools
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
-from tokenspeed_jax.decode import MAX_Q_LEN
+from tokenspeed_jax.decode import MAX_Q_LEN, mla_decode_work
+from tokenspeed_jax.runtime import current_target
+from tokenspeed_jax.vllm.backend import decode_problem, kv_cache_kernel_dtype, resolve_kernel_backend
+from tokenspeed_jax.vllm.config import MLAModelConfig, get_current_mla_config
 from tokenspeed_jax.vllm.metadata import (
     CommonAttentionMetadata,
     ContextChunk,
@@ -58,6 +69,11 @@ class TokenspeedMLAMetadataBuilder:
         ``max_model_len`` and ``max_num_seqs`` are given, else 64 Ki rows.
       nonuniform_decode: ``"pad"`` or ``"reject"`` (module docstring).
       head_dim: recorded in the metadata (``kv_lora_rank + qk_rope_head_dim``), optional.
+      model_config: the model's MLA facts (default: the current config,
+        :func:`~tokenspeed_jax.vllm.get_current_mla_config`, at construction); with them ``build`` computes the
+        step's decode work (module docstring).
+      kv_cache_dtype, tokenspeed_backend: the impl's (``TokenspeedMLAImpl``) cache dtype string and tokenspeed
+        backend, which the decode work must be built for.
     """
 
     query_len_support = QueryLenSupport.UNIFORM
@@ -65,7 +81,8 @@ class TokenspeedMLAMetadataBuilder:
     def __init__(self, *, block_size: int, num_speculative_tokens: int = 0,
                  chunked_prefill_workspace_size: int | None = None, max_model_len: int | None = None,
                  max_num_seqs: int | None = None, nonuniform_decode: str = "pad",
-                 head_dim: int | None = None) -> None:
+                 head_dim: int | None = None, model_config: MLAModelConfig | None = None,
+                 kv_cache_dtype: str = "auto", tokenspeed_backend: str = "auto") -> None:
         for n, v in (("block_size", block_size), ("num_speculative_tokens", num_speculative_tokens)):
             if isinstance(v, bool) or not isinstance(v, int) or v < (1 if n == "block_size" else 0):
                 raise ValueError(f"{n}: expected a {'positive' if n == 'block_size' else 'non-negative'} int, "
@@ -95,6 +112,15 @@ class TokenspeedMLAMetadataBuilder:
         self.chunked_prefill_workspace_size = chunked_prefill_workspace_size
         self.nonuniform_decode = nonuniform_decode
         self.head_dim = head_dim
+        if model_config is None:
+            model_config = get_current_mla_config()
+        if model_config is not None and not isinstance(model_config, MLAModelConfig):
+            raise TypeError(f"model_config: expected an MLAModelConfig or None, got {type(model_config).__name__}")
+        if not isinstance(tokenspeed_backend, str):
+            raise TypeError(f"tokenspeed_backend: expected a backend name or 'auto', got {tokenspeed_backend!r}")
+        self.model_config = model_config
+        self.kv_cache_dtype = kv_cache_dtype
+        self.tokenspeed_backend = tokenspeed_backend
 
     @staticmethod
     def determine_chunked_prefill_workspace_size(*, max_model_len: int, max_num_seqs: int,
@@ -170,11 +196,32 @@ class TokenspeedMLAMetadataBuilder:
         slot = np.arange(S)[None, :]
         first = S - qlens[:, None]  # right-aligned: slot s holds token s - first of the request
         token_index = np.where(slot >= first, qsl[:nd, None] + slot - first, -1).astype(np.int32)
+        block_table, seq_lens = m.block_table_tensor[:nd], m.seq_lens[:nd]
         return MLACommonDecodeMetadata(
-            block_table=m.block_table_tensor[:nd], seq_lens=m.seq_lens[:nd],
+            block_table=block_table, seq_lens=seq_lens,
             token_index=jnp.asarray(token_index), query_mask=jnp.asarray(token_index >= 0),
-            num_decodes=nd, query_len=S, padded=not uniform,
+            num_decodes=nd, query_len=S, padded=not uniform, work=self._decode_work(block_table, seq_lens, S),
         )
+
+    def _decode_work(self, block_table, seq_lens, S: int):
+        """The step's decode work (module docstring) for ``[num_decodes, S]`` queries, or None without a model
+        config.  Built for the backend ``forward_mqa`` resolves for the same call, so every layer can use it."""
+        cfg = self.model_config
+        if cfg is None:
+            return None
+        dtype = kv_cache_kernel_dtype(self.kv_cache_dtype, cfg.dtype)
+        nd, max_pages = block_table.shape
+        problem = decode_problem(cfg, dtype=dtype, page_size=self.block_size, target=current_target(), q_len=S,
+                                 batch=nd, max_pages=max_pages)
+        name, reason = resolve_kernel_backend("decode", problem, self.tokenspeed_backend)
+        if reason is not None:
+            raise ValueError(f"tokenspeed_backend: {reason}")
+        sd = jax.ShapeDtypeStruct
+        # (shapes only: the work does not depend on the cache's page count, one page stands for it)
+        q = sd((nd, S, cfg.num_heads, cfg.head_size), jnp.dtype(dtype))
+        kv = sd((1, self.block_size, cfg.head_size), jnp.dtype(dtype))
+        bt = sd(tuple(block_table.shape), block_table.dtype)
+        return _work_fn(q, kv, bt, cfg.kv_lora_rank, name)(seq_lens)
 
     def _build_prefill(self, m, qsl, query_lens, seq_lens, nd):
         np_ = m.num_reqs - nd
@@ -215,3 +262,9 @@ class TokenspeedMLAMetadataBuilder:
                 num_requests=int(ctx.shape[0]), seq_tot=tot, max_seq_len=int(lens.max()),
             ))
         return tuple(out)
+
+
+@functools.lru_cache(maxsize=64)
+def _work_fn(q, kv, bt, kv_lora_rank: int, backend: str):
+    """``mla_decode_work`` for these shapes, jitted (``build`` runs on the host: one dispatch per step)."""
+    return jax.jit(lambda seq_lens: mla_decode_work(q, kv, bt, seq_lens, kv_lora_rank=kv_lora_rank, backend=backend))

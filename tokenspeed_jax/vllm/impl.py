@@ -20,6 +20,10 @@ with ``lse_base_on_e=False`` converts (``lse2 = lse / ln 2``) for a consumer tha
 Workspace.  There is no persistent buffer: decode workspace is sized by the planner per call inside
 ``mla_decode``, and each context chunk of ``forward_mha`` is gathered into an array of exactly
 ``ContextChunk.seq_tot`` rows.
+
+Decode work.  ``forward_mqa`` passes the step's decode work (``MLACommonDecodeMetadata.work``, the sm90
+split-KV schedule built once per step by the metadata builder) to ``mla_decode``, so no layer recomputes it;
+a work built for another backend or shape raises ``ValueError`` naming ``work``.
 """
 
 from __future__ import annotations
@@ -251,7 +255,7 @@ class TokenspeedMLAImpl:
             raise ValueError(f"backend: {reason}")
         res = mla_decode(q4, kv_cache, dec.block_table, dec.seq_lens, softmax_scale=softmax_scale,
                          output_scale=output_scale, causal=True, kv_lora_rank=self.kv_lora_rank,
-                         return_lse=want_lse, backend=name)
+                         return_lse=want_lse, backend=name, work=dec.work)
         o4, lse4 = res if want_lse else (res, None)
         o = self._unpad(o4.reshape(B * S, N, self.kv_lora_rank), dec, T)
         lse = None

@@ -105,6 +105,11 @@ class MLACommonDecodeMetadata:
     exactly the keys it would see unpadded; padding slots read zeros and are dropped on output.
     ``padded`` is False when every decode has exactly ``query_len`` tokens (then ``token_index`` is the
     identity reshape).
+
+    ``work`` is the step's :class:`tokenspeed_jax.DecodeWork` (the sm90 split-KV schedule), built once per step
+    by the builder when it knows the model's MLA facts and passed to every layer's ``mla_decode``; ``None``:
+    each layer's call computes it (FlashMLA's ``tile_scheduler_metadata`` / ``num_splits`` play this role in
+    vLLM).
     """
 
     block_table: Any  # int32 [num_decodes, max_blocks]
@@ -114,6 +119,7 @@ class MLACommonDecodeMetadata:
     num_decodes: int
     query_len: int
     padded: bool
+    work: Any = None  # tokenspeed_jax.DecodeWork | None
 
 
 @_pytree(meta=("chunk_index", "num_requests", "seq_tot", "max_seq_len"))
