@@ -51,7 +51,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks.runinfo import Budget, Results
+from benchmarks.runinfo import Budget, Results, parse_with_smoke
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SECTIONS = ("batching", "warmstart", "mtp", "early_stop")
@@ -423,12 +423,7 @@ SMOKE = {
 
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
-    p = _parser()
-    args = p.parse_args(argv)
-    if args.smoke:
-        p.set_defaults(**SMOKE)
-        args = p.parse_args(argv)
-    return args
+    return parse_with_smoke(_parser(), SMOKE, argv)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -41,7 +41,7 @@ import traceback
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks.runinfo import Budget, Results
+from benchmarks.runinfo import Budget, Results, parse_with_smoke
 
 # --smoke: the defaults it changes (arguments given explicitly still win)
 SMOKE = {
@@ -92,12 +92,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
-    p = _parser()
-    args = p.parse_args(argv)
-    if args.smoke:
-        p.set_defaults(**SMOKE)
-        args = p.parse_args(argv)
-    return args
+    return parse_with_smoke(_parser(), SMOKE, argv)
 
 
 def _err(e: BaseException) -> str:

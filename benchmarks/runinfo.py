@@ -434,6 +434,15 @@ class Results:
         self.finish("complete")
 
 
+def parse_with_smoke(parser, smoke: dict, argv=None):
+    """``parser.parse_args(argv)``; with ``--smoke``, again with ``smoke`` as the defaults (explicit arguments win)."""
+    args = parser.parse_args(argv)
+    if args.smoke:
+        parser.set_defaults(**smoke)
+        args = parser.parse_args(argv)
+    return args
+
+
 def _json_default(o):
     try:
         import numpy as np
