@@ -85,19 +85,18 @@ def bench_case(report, fm, spec, seed: int, rounds: int, calls: int) -> None:
     ours, ours8 = decode_fn(c, "sm90"), decode_fn(c8, "sm90")
     fns = {"ours bf16": (_jax_calls(ours, (q, kv, bt, sl, scale), calls), nb, False),
            "ours fp8": (_jax_calls(ours8, (q8, kv8, bt, sl, scale), calls), nb8, True)}
-    # the kernels alone, the schedule computed once outside (as a model step shares it across layers, and as
-    # FlashMLA's metadata is timed)
-    from tokenspeed_jax.backends import sm90_decode
-    from tokenspeed_jax.decode import _decode_problem
+    # the kernels alone, the schedule computed once outside (`mla_decode_work`, as a model step shares it across its
+    # layers, and as FlashMLA's metadata is timed)
+    import tokenspeed_jax as tj
 
-    for name, cc, qq, kk, b in (("ours bf16 kernel", c, q, kv, nb), ("ours fp8 kernel", c8, q8, kv8, nb8)):
-        prob = _decode_problem(qq, kk, bt, sl, True, 512, True)
-        sched_f = jax.jit(lambda sl_, prob=prob: sm90_decode.schedule_of(prob, sl_))
-        work = sched_f(sl)
-        kf = jax.jit(lambda q_, kv_, bt_, sl_, s_, w_, prob=prob: sm90_decode.decode(
-            prob, q_, kv_, bt_, sl_, s_, jnp.float32(1.0), work=w_))
-        fns[name] = (_jax_calls(kf, (qq, kk, bt, sl, scale, work), calls), b, cc.dtype != "bfloat16")
-        fns[f"schedule {cc.dtype[:4]}"] = (lambda sched_f=sched_f: sched_f(sl), 0.0, False)
+    for name, qq, kk, b, fp8 in (("ours bf16 kernel", q, kv, nb, False), ("ours fp8 kernel", q8, kv8, nb8, True)):
+        sched_f = jax.jit(lambda q_, kv_, bt_, sl_: tj.mla_decode_work(q_, kv_, bt_, sl_, backend="sm90"))
+        work = sched_f(qq, kk, bt, sl)
+        kf = jax.jit(lambda q_, kv_, bt_, sl_, s_, w_: tj.mla_decode(q_, kv_, bt_, sl_, softmax_scale=s_,
+                                                                    return_lse=True, backend="sm90", work=w_))
+        fns[name] = (_jax_calls(kf, (qq, kk, bt, sl, scale, work), calls), b, fp8)
+        fns[f"schedule {'fp8' if fp8 else 'bf16'}"] = (lambda sched_f=sched_f, qq=qq, kk=kk: sched_f(qq, kk, bt, sl),
+                                                       0.0, False)
     diffs = {}
     if fm is not None:
         import torch
