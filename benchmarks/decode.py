@@ -280,13 +280,18 @@ def fp8_pv_active(c: Case) -> bool:
     return c.dtype == "float8_e4m3fn"
 
 
-def check(cases, seed: int, configs: tuple[str, ...] = ()) -> list[dict]:
-    """The correctness matrix on the selected config of each case, then on each named config that applies."""
+def check(cases, seed: int, configs: tuple[str, ...] = (), out: str | None = None) -> list[dict]:
+    """The correctness matrix on the selected config of each case, then on each named config that applies.  With
+    ``out``, the results so far are rewritten there after every case (a run cut by a timeout keeps them)."""
     results = []
     for c in cases:
         for name in (None, *configs):
             if name is None or config_applies(c, name):
                 results.append(_check_one(c, seed, name))
+                if out:
+                    with open(out + ".tmp", "w") as f:
+                        json.dump({"seed": seed, "check": results, "complete": False}, f, indent=1)
+                    os.replace(out + ".tmp", out)
     return results
 
 
@@ -582,8 +587,9 @@ def main(argv=None):
         prewarm(todo, a.prewarm, tuple(a.config))
     doc = {"seed": a.seed}
     if a.check:
-        res = check(checks, a.seed, tuple(a.config))
+        res = check(checks, a.seed, tuple(a.config), out=a.out.replace(".json", "_check.json"))
         doc["check"] = res
+        doc["complete"] = True
         extra = f", configs {a.config}" if a.config else ""
         print(f"check: {sum(r['ok'] for r in res)}/{len(res)} cases pass (seed {a.seed}{extra})", flush=True)
         with open(a.out.replace(".json", "_check.json"), "w") as f:
