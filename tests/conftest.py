@@ -28,6 +28,19 @@ def _has_gpu() -> bool:
 HAS_GPU = _has_gpu()
 
 
+def is_sm90() -> bool:
+    """Whether JAX's first device is an sm_90 (Hopper) GPU."""
+    return HAS_GPU and str(getattr(jax.devices()[0], "compute_capability", "")).startswith("9.")
+
+
+@pytest.fixture(scope="module")
+def sm90_arch():
+    """Skip the module's tests unless on an sm_90 GPU; CuTe DSL compiles for ``sm_90a`` there."""
+    if not is_sm90():
+        pytest.skip("needs an sm_90 GPU")
+    os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
+
+
 def pytest_collection_modifyitems(config, items):
     if HAS_GPU:
         return

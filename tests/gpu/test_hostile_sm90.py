@@ -18,31 +18,16 @@ Run: ``pytest -q tests/gpu/test_hostile_sm90.py``."""
 from __future__ import annotations
 
 import functools
-import os
 
 import numpy as np
 import pytest
 
-from tests.conftest import HAS_GPU
 
-pytestmark = pytest.mark.gpu
+pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("sm90_arch")]
 
 NAN, INF = np.nan, np.inf
 
 
-def _is_sm90() -> bool:
-    if not HAS_GPU:
-        return False
-    import jax
-
-    return str(getattr(jax.devices()[0], "compute_capability", "")).startswith("9.")
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _arch():
-    if not _is_sm90():
-        pytest.skip("needs an sm_90 GPU")
-    os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
 
 
 def poison_allocator(nbytes: int = 1 << 28) -> None:

@@ -15,24 +15,10 @@ import os
 
 import pytest
 
-from tests.conftest import HAS_GPU
 
-pytestmark = pytest.mark.gpu
-
-
-def _is_sm90() -> bool:
-    if not HAS_GPU:
-        return False
-    import jax
-
-    return str(getattr(jax.devices()[0], "compute_capability", "")).startswith("9.")
+pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("sm90_arch")]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _arch():
-    if not _is_sm90():
-        pytest.skip("needs an sm_90 GPU")
-    os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
 
 
 def _env_with_xla_flag(flag: str) -> dict:

@@ -17,19 +17,12 @@ import pytest
 
 import tokenspeed_jax as tj
 from tests import reference as ref
+from tests.conftest import is_sm90
 
 pytestmark = pytest.mark.gpu
 
 
-def _is_sm90() -> bool:
-    try:
-        d = jax.devices("gpu")[0]
-    except RuntimeError:
-        return False
-    return str(getattr(d, "compute_capability", "")).startswith("9.")
-
-
-needs_sm90 = pytest.mark.skipif(not _is_sm90(), reason="needs an sm_90 GPU")
+needs_sm90 = pytest.mark.skipif(not is_sm90(), reason="needs an sm_90 GPU")
 
 
 def _prefill_fn(backend, causal, return_lse):
