@@ -19,7 +19,7 @@ from collections import defaultdict
 
 import numpy as np
 
-from benchmarks.decode_varlen import case_of, inputs, lengths, read_bytes
+from benchmarks.decode_varlen import case_of, flashmla_calls, inputs, lengths, read_bytes
 
 
 def kernel_times(trace_dir: str, calls: int) -> dict[str, float]:
@@ -63,18 +63,10 @@ def main():
         import flash_mla as fm
         import torch
     except Exception:  # noqa: BLE001
-        fm = None
+        fm = torch = None
 
     def fm_fn(q, kv, bt, sl, fp8):
-        tq, tk = torch.from_dlpack(q), torch.from_dlpack(kv).view(kv.shape[0], kv.shape[1], 1, 576)
-        tbt, tsl = torch.from_dlpack(bt), torch.from_dlpack(sl)
-        if fp8:
-            one = torch.ones(1, dtype=torch.float32, device=tq.device)
-            tq8, tk8 = tq.to(torch.float8_e4m3fn), tk.to(torch.float8_e4m3fn)
-            return lambda: fm.flash_mla_fp8_dense(tq8, tk8, tbt, tsl, 576 ** -0.5, True, one, one)
-        sched, _ = fm.get_mla_metadata()
-        return lambda: fm.flash_mla_with_kvcache(tq, tk, tbt, tsl, 512, sched, None, softmax_scale=576 ** -0.5,
-                                                 causal=True)
+        return flashmla_calls(fm, q, kv, bt, sl)[1 if fp8 else 0]
 
     def kernel_with(prob, spec_kw):
         spec = dataclasses.replace(sm90_decode.schedule_spec(prob, sm90_decode.plan_for_config(
@@ -109,7 +101,7 @@ def main():
                     o = f(qq, kk, bt, sl)
                 jax.block_until_ready(o)
                 if fm is not None:
-                    r = fm_fn(qq if dt == "bfloat16" else q, kk if dt == "bfloat16" else kv, bt, sl, dt != "bfloat16")
+                    r = fm_fn(q, kv, bt, sl, dt != "bfloat16")
                     for _ in range(5):
                         r()
                     torch.cuda.synchronize()
@@ -134,8 +126,7 @@ def main():
                     w = sched(sl)
                     fns[f"ours {mode}"] = (lambda kf=kf, w=w: kf(qq, kk, bt, sl, w))
                 if fm is not None:
-                    fns["FlashMLA"] = fm_fn(qq if dt == "bfloat16" else q, kk if dt == "bfloat16" else kv, bt, sl,
-                                            dt != "bfloat16")
+                    fns["FlashMLA"] = fm_fn(q, kv, bt, sl, dt != "bfloat16")
                 nb = read_bytes(np.full(B, L), 1, 32, 2 if dt == "bfloat16" else 1)
                 r = interleaved(fns, nb / 4e12 * 1e6, rounds=5)
                 row = {"dtype": dt, "pieces_per_cta": ppc, "B": B, "L": L,
@@ -161,8 +152,7 @@ def main():
                         w = sched(sl)
                         fns[f"fc{fc} u{unit}"] = (lambda kf=kf, w=w: kf(qq, kk, bt, sl, w))
                 if fm is not None:
-                    fns["FlashMLA"] = fm_fn(qq if dt == "bfloat16" else q, kk if dt == "bfloat16" else kv, bt, sl,
-                                            dt != "bfloat16")
+                    fns["FlashMLA"] = fm_fn(q, kv, bt, sl, dt != "bfloat16")
                 nb = read_bytes(lens, S, H, 2 if dt == "bfloat16" else 1)
                 r = interleaved(fns, nb / 4e12 * 1e6, rounds=5)
                 row = {"case": c.name, "dtype": dt, **{k: v["median_us"] for k, v in r.items()}}

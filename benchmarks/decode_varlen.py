@@ -69,6 +69,26 @@ def flops_of(lens: np.ndarray, S: int, H: int) -> float:
     return float(np.sum(lens)) * S * H * 2 * (576 + 512)
 
 
+def flashmla_calls(fm, q, kv, bt, sl):
+    """Zero-argument FlashMLA calls on the same data (dlpack): ``(bf16, fp8 fork)``; the FP8 one casts the bf16 q
+    and cache once, with unit descales."""
+    import torch
+
+    tq, tk = torch.from_dlpack(q), torch.from_dlpack(kv).view(kv.shape[0], kv.shape[1], 1, 576)
+    tbt, tsl = torch.from_dlpack(bt), torch.from_dlpack(sl)
+    sched, _ = fm.get_mla_metadata()
+    tq8, tk8 = tq.to(torch.float8_e4m3fn), tk.to(torch.float8_e4m3fn)
+    one = torch.ones(1, dtype=torch.float32, device=tq.device)
+
+    def run():
+        return fm.flash_mla_with_kvcache(tq, tk, tbt, tsl, 512, sched, None, softmax_scale=576 ** -0.5, causal=True)
+
+    def run8():
+        return fm.flash_mla_fp8_dense(tq8, tk8, tbt, tsl, 576 ** -0.5, True, one, one)
+
+    return run, run8
+
+
 def bench_case(report, fm, spec, seed: int, rounds: int, calls: int) -> None:
     import jax
     import jax.numpy as jnp
@@ -99,25 +119,10 @@ def bench_case(report, fm, spec, seed: int, rounds: int, calls: int) -> None:
                                                        0.0, False)
     diffs = {}
     if fm is not None:
-        import torch
-
-        tq, tk = torch.from_dlpack(q), torch.from_dlpack(kv).view(c.num_pages, c.page, 1, 576)
-        tbt, tsl = torch.from_dlpack(bt), torch.from_dlpack(sl)
-        sched, _ = fm.get_mla_metadata()
-
-        def run():
-            return fm.flash_mla_with_kvcache(tq, tk, tbt, tsl, 512, sched, None, softmax_scale=576 ** -0.5,
-                                             causal=True)
-
+        run, run8 = flashmla_calls(fm, q, kv, bt, sl)
         fns["FlashMLA bf16"] = (run, nb, False)
         ref = np.asarray(jax.dlpack.from_dlpack(run()[0]).astype(jnp.float32))
         diffs["ours bf16"] = float(np.max(np.abs(np.asarray(ours(q, kv, bt, sl, scale)[0].astype(jnp.float32)) - ref)))
-        tq8, tk8 = tq.to(torch.float8_e4m3fn), tk.to(torch.float8_e4m3fn)
-        one = torch.ones(1, dtype=torch.float32, device=tq.device)
-
-        def run8():
-            return fm.flash_mla_fp8_dense(tq8, tk8, tbt, tsl, 576 ** -0.5, True, one, one)
-
         try:
             ref8 = np.asarray(jax.dlpack.from_dlpack(run8()[0]).astype(jnp.float32))
             fns["FlashMLA fp8"] = (run8, nb8, True)
