@@ -239,10 +239,12 @@ def run(args, res: Results) -> None:
                 for mode in ("continuous", "static"):
                     if not res.fits("batching", mode, est()):
                         continue
-                    t = _run(res, Engine(m, batching=mode, **ekw), prompts, outs)
+                    eng = Engine(m, batching=mode, **ekw)
+                    t = _run(res, eng, prompts, outs)
                     t.pop("_tokens")
                     est.add(t)
-                    rows[mode] = res.add("batching", {"mode": mode, **t})
+                    refill = (eng.refill_at or max(1, args.max_slots // 8)) if mode == "continuous" else None
+                    rows[mode] = res.add("batching", {"mode": mode, "refill_at": refill, **t})
                     print(
                         f"batching {mode:10s}: {t['tokens_per_s']:10.1f} tokens/s ({t['wall_s']:.2f} s; "
                         f"warm-up {t['warmup_s']:.1f} s)",
@@ -396,6 +398,7 @@ def _warmstart(args, res: Results) -> None:
                 {
                     "run": i + 1,
                     "warmup_s": cli["warmup_s"],
+                    "warmup_compile": cli.get("warmup_compile"),
                     "process_wall_s": wall,
                     "decode_tokens_per_s": cli.get("decode_tokens_per_s"),
                     "attention_backend": cli.get("attention_backend"),
@@ -404,7 +407,10 @@ def _warmstart(args, res: Results) -> None:
                 },
             )
             print(
-                f"warm start run {i + 1}: warm-up {cli['warmup_s']:.1f} s, process {wall:.1f} s", flush=True
+                f"warm start run {i + 1}: warm-up {cli['warmup_s']:.1f} s, process {wall:.1f} s; "
+                f"in the warm-up: {json.dumps((cli.get('warmup_compile') or {}).get('seconds'))}, "
+                f"{(cli.get('warmup_compile') or {}).get('persistent_cache_hits')} cache hits",
+                flush=True,
             )
 
 

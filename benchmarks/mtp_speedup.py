@@ -19,7 +19,9 @@ drafted tokens over all prompts; ``same_as_plain`` = fraction of requests whose 
 decoding of the same batch (1.0 in fp32; bf16 kernels may flip near-ties), ``same_tokens_fraction`` the
 same over token positions.  The held-out loss is the main model's (and the MTP layer's) mean cross entropy
 over ``--loss-windows`` fixed windows of the model's context length (``max_position_embeddings``),
-teacher-forced (xla attention).
+teacher-forced (xla attention).  Last (``--agreement``), the kernel backends against the ``xla`` reference:
+the largest batch's plain greedy tokens, decoded again with ``--backend xla`` on the same prompts (the fraction of
+requests and of token positions that are equal, and where the first difference falls).
 
 ``--budget-s`` skips the points that no longer fit, with the reason.  The JSON (``--out``, rewritten after
 every point) records commit, command, date, device, jax version and the attention backends that ran
@@ -76,6 +78,12 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--loss-windows", type=int, default=64)
+    ap.add_argument(
+        "--agreement",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="last: greedy tokens of the largest batch's plain run against the xla reference backend",
+    )
     ap.add_argument(
         "--budget-s", type=float, default=None, help="skip points that no longer fit (from start)"
     )
@@ -217,6 +225,44 @@ def run(args, res: Results) -> None:
                 res.skip("decode", what, f"error: {_err(e)}")
                 traceback.print_exc()
 
+    # ---- agreement of the kernel backends with the xla reference (greedy, the largest batch's plain run)
+    if args.agreement and res.fits("agreement", f"B={nmax} xla", args.compile_guess_s + run_seen.get(nmax, 1.0)):
+        try:
+            _agreement(args, res, model, [prompts[i : i + nmax] for i in range(0, nmax, nmax)], plain.get(nmax))
+        except Exception as e:  # noqa: BLE001
+            res.skip("agreement", f"B={nmax} xla", f"error: {_err(e)}")
+            traceback.print_exc()
+
+
+def _agreement(args, res: Results, model, groups: list, tokens: list | None) -> None:
+    """Greedy tokens of ``--backend`` (the plain run's, else run here) against the ``xla`` reference backend on the
+    same prompts and batch: the fraction of requests whose tokens are all equal, of equal token positions, and
+    where the first difference falls (a bf16 kernel's rounding differs from the reference's, so near-ties of the
+    logits can flip a token; after a flip the two continuations are different texts)."""
+    from tokenspeed_jax.models.deepseek import Engine
+
+    def greedy(backend):
+        eng = Engine(model, backend=backend, page_size=args.page_size)
+        return [t for g in groups for t in eng.generate(g, args.new_tokens).tokens]
+
+    if tokens is None:
+        tokens = greedy(args.backend)
+    ref = greedy("xla")
+    first = [next((i for i, (p, q) in enumerate(zip(a, b)) if p != q), None) for a, b in zip(tokens, ref)]
+    diverged = [i for i in first if i is not None]
+    row = {
+        "batch": len(groups[0]),
+        "requests": len(ref),
+        "new_tokens": args.new_tokens,
+        "backend": args.backend,
+        "same_requests": sum(a == b for a, b in zip(tokens, ref)) / len(ref),
+        "same_tokens_fraction": _same_positions(ref, tokens),
+        "first_difference_at": diverged,
+        "first_difference_median": statistics.median(diverged) if diverged else None,
+    }
+    res.add("agreement", row)
+    print(json.dumps(row), flush=True)
+
 
 def _heldout(tok, res: Results, need: int) -> np.ndarray:
     """The held-out stdlib stream (:func:`~tokenspeed_jax.models.deepseek.train.heldout_stream`); where this
@@ -278,6 +324,11 @@ def main(argv: list[str] | None = None) -> dict:
     print("\n" + table(res.doc))
     if res.doc.get("heldout_loss") is not None:
         print(f"held-out loss {res.doc['heldout_loss']:.4f} (MTP {res.doc['heldout_mtp_loss']:.4f})")
+    for r in (r for r in res.doc["points"] if r["section"] == "agreement"):
+        print(
+            f"agreement with xla, B={r['batch']} x {r['new_tokens']} greedy tokens: {r['same_requests']:.3f} of "
+            f"requests identical, {r['same_tokens_fraction']:.3f} of token positions"
+        )
     print(f"attention backends: {res.backends.line()}")
     for s in res.doc["skipped"]:
         print(f"skipped {s['section']} {s['what']}: {s['reason']}")

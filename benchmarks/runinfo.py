@@ -41,7 +41,7 @@ import subprocess
 import sys
 import threading
 import time
-from typing import Any, ClassVar
+from typing import Any
 
 
 def _process_age() -> float:
@@ -219,68 +219,7 @@ class BackendLog:
 
 
 # ------------------------------------------------------------------------------------------- compile
-class CompileClock:
-    """Seconds JAX spends tracing, lowering and compiling (``jax.monitoring`` duration events)."""
-
-    EVENTS: ClassVar[dict[str, str]] = {
-        "/jax/core/compile/jaxpr_trace_duration": "trace",
-        "/jax/core/compile/jaxpr_to_mlir_module_duration": "lower",
-        "/jax/core/compile/backend_compile_duration": "compile",
-    }
-
-    def __init__(self):
-        self.seconds = {"trace": 0.0, "lower": 0.0, "compile": 0.0}
-        self.compiles = 0
-        self.cache_hits = 0
-        self.by_function: dict[str, list] = {}  # XLA compiles: function name -> [count, seconds]
-        self._installed = False
-
-    def install(self) -> CompileClock:
-        import jax
-
-        if not self._installed:
-            jax.monitoring.register_event_duration_secs_listener(self._on_event)
-            jax.monitoring.register_event_listener(self._on_count)
-            self._installed = True
-        return self
-
-    def _on_event(self, event: str, duration: float, **kw) -> None:
-        kind = self.EVENTS.get(event)
-        if kind is not None:
-            self.seconds[kind] += float(duration)
-            if kind == "compile":
-                self.compiles += 1
-                f = self.by_function.setdefault(str(kw.get("fun_name", "?")), [0, 0.0])
-                f[0] += 1
-                f[1] += float(duration)
-
-    def _on_count(self, event: str, **_kw) -> None:
-        if event == "/jax/compilation_cache/cache_hits":
-            self.cache_hits += 1
-
-    def total(self) -> float:
-        return sum(self.seconds.values())
-
-    @contextlib.contextmanager
-    def span(self):
-        """``with clock.span() as s:`` -> ``s["seconds"]`` (trace + lower + compile inside the block) and
-        ``s["compiles"]`` once the block ends."""
-        t, n = self.total(), self.compiles
-        s: dict[str, float] = {}
-        try:
-            yield s
-        finally:
-            s["seconds"] = round(self.total() - t, 3)
-            s["compiles"] = self.compiles - n
-
-    def snapshot(self) -> dict:
-        top = sorted(self.by_function.items(), key=lambda kv: -kv[1][1])[:15]
-        return {
-            "seconds": {k: round(v, 2) for k, v in self.seconds.items()},
-            "backend_compiles": self.compiles,
-            "persistent_cache_hits": self.cache_hits,
-            "by_function": {n: {"count": c, "seconds": round(t, 2)} for n, (c, t) in top},
-        }
+from tokenspeed_jax.models.deepseek.compile_cache import CompileClock  # noqa: E402  (re-exported)
 
 
 # -------------------------------------------------------------------------------------------- budget

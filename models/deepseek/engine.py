@@ -23,8 +23,8 @@ Flow of :meth:`Engine.generate` (``R`` requests, ``B`` slots: ``max_slots``, def
    tokens; sampling: rejection sampling, :func:`~tokenspeed_jax.models.deepseek.sampling.speculative_accept`),
    emits the accepted drafts plus one corrected / bonus token, runs the MTP layer over the same k+1
    positions and chains k-1 more MTP steps for the next drafts.  A slot finishes at an EOS token or at
-   its ``max_new_tokens``; the loop returns to the host as soon as one slot finishes while requests are
-   pending (continuous batching), or when every slot is done.  ``stream`` runs the same loop one step
+   its ``max_new_tokens``; the loop returns to the host once ``refill_at`` slots have finished while
+   requests are pending (continuous batching; default an eighth of the slots), or when every slot is done.  ``stream`` runs the same loop one step
    per call.
 
 DP attention (a model on a mesh with ``data = n > 1``, :mod:`~tokenspeed_jax.models.deepseek.parallel`):
@@ -45,8 +45,8 @@ Decisions:
 * **Finished requests stop emitting at once and stop costing compute when the loop returns**: within one
   ``_decode_loop`` call the batch shape is static, so a finished slot still runs through the model
   (masked: it writes no cache rows and emits nothing) until the loop exits; the loop exits when every
-  slot is done (no step runs for a batch whose requests all stopped) or, with pending requests, as soon
-  as one finishes, and the freed slot gets the next request.
+  slot is done (no step runs for a batch whose requests all stopped) or, with pending requests, once
+  ``refill_at`` have finished, and the freed slots get the next requests.
 * **Inactive slots** write nothing (slot mapping -1) and read whatever their block-table row points at;
   their outputs are discarded.
 * Cache rows written past the accepted length are never read before they are rewritten, so greedy
@@ -142,6 +142,11 @@ class Engine:
         slots per data rank.
       batching: ``"continuous"`` admits a request whenever a slot and its pages are free;
         ``"static"`` only when every slot is free (batch after batch).
+      refill_at: continuous batching: the decode loop returns to the host to admit pending requests once
+        this many slots have finished (at most the number pending; default ``max(1, slots // 8)``).  Each
+        return costs a host round trip and a prefill call, several decode steps of a small model, while a
+        finished slot idles until the return: admitting in groups keeps both small (one slot at a time ran
+        below static batching on the H200, ``docs/model.md``).
       num_pages: pages in the cache (default: room for ``max_slots`` of the longest request).  With DP
         attention the pages of all data ranks, a multiple of ``data``: each rank holds ``num_pages / data``
         (default: room for its ``max_slots / data`` slots of the longest request, plus one page).
@@ -164,6 +169,7 @@ class Engine:
         prefill_chunk: int | None = None,
         max_slots: int | None = None,
         batching: str = "continuous",
+        refill_at: int | None = None,
         num_pages: int | None = None,
         tokenizer=None,
         compilation_cache: bool = True,
@@ -185,6 +191,8 @@ class Engine:
             raise ValueError(f"max_slots: expected a positive int or None, got {max_slots}")
         if batching not in ("continuous", "static"):
             raise ValueError(f"batching: expected 'continuous' or 'static', got {batching!r}")
+        if refill_at is not None and (isinstance(refill_at, bool) or not isinstance(refill_at, int) or refill_at < 1):
+            raise ValueError(f"refill_at: expected a positive int or None, got {refill_at!r}")
         self.data = data_size(getattr(model, "mesh", None))
         if max_slots is not None and max_slots % self.data:
             raise ValueError(
@@ -199,6 +207,7 @@ class Engine:
         self.prefill_chunk = prefill_chunk
         self.max_slots = max_slots
         self.batching = batching
+        self.refill_at = refill_at
         self.num_pages = num_pages
         self.tokenizer = tokenizer
         self.compilation_cache_dir = enable_compilation_cache() if compilation_cache else None
@@ -500,7 +509,10 @@ class Engine:
                 if pending:  # cannot happen: every request fits the cache alone (checked above)
                     raise RuntimeError("admission: no request could be admitted")
                 break
-            need = 1 if (self.batching == "continuous" and pending) else B + 1
+            if self.batching == "continuous" and pending:
+                need = min(len(pending), self.refill_at or max(1, B // 8))
+            else:
+                need = B + 1
             t0 = time.perf_counter()
             self.cache, st, steps = _decode_loop(
                 self.graphdef, self.state, self.cache, st, eos_arr,

@@ -410,7 +410,7 @@ a demo and test model, not a useful code model.
 | attention | MLA, {c["num_attention_heads"]} head, q LoRA rank {c["q_lora_rank"]}, kv latent {c["kv_lora_rank"]}, rope {c["qk_rope_head_dim"]}, nope {c["qk_nope_head_dim"]}, v {c["v_head_dim"]} (DeepSeek-R1's attention dims: the MLA kernels run it) |
 | MoE | {c["n_routed_experts"]} routed experts ({c["moe_intermediate_size"]} wide) in {c["n_group"]} groups, top-{c["num_experts_per_tok"]} in {c["topk_group"]} group, 1 shared expert; sigmoid `noaux_tc` router with correction bias |
 | context | {c["max_position_embeddings"]} tokens (the training length; RoPE theta {c["rope_theta"]:g}, no YaRN) |
-| tokenizer | byte-level BPE (HF `tokenizers`), `<\|bos\|>` = {c["bos_token_id"]}, `<\|eos\|>` = {c["eos_token_id"]}; `encode` prepends `<\|bos\|>` |
+| tokenizer | byte-level BPE (HF `tokenizers`), `<\\|bos\\|>` = {c["bos_token_id"]}, `<\\|eos\\|>` = {c["eos_token_id"]}; `encode` prepends `<\\|bos\\|>` |
 
 ## Training
 

@@ -64,6 +64,18 @@ def test_continuous_batching_equals_alone(model, alone):
     assert spec.draft_tokens > 0
 
 
+def test_refill_at_admits_in_groups(model, alone):
+    """``refill_at=2`` on 2 slots: the loop returns once both slots have finished while 2 or more requests are
+    pending (then once the last one's slot has), so fewer decode calls than one per finished request, and each
+    request's tokens are unchanged."""
+    one = engine(model, refill_at=1).generate(PROMPTS, LIMITS, eos_token_id=[])
+    two = engine(model, refill_at=2, shuffle_pages=True, seed=6).generate(PROMPTS, LIMITS, eos_token_id=[])
+    assert one.tokens == alone and two.tokens == alone
+    assert two.decode_calls < one.decode_calls, (two.decode_calls, one.decode_calls)
+    with pytest.raises(ValueError, match="refill_at"):
+        engine(model, refill_at=0)
+
+
 def cut(tokens, eos):
     for i, t in enumerate(tokens):
         if t in eos:
