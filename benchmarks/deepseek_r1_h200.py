@@ -183,6 +183,9 @@ def hlo_scopes(compiled_text: str) -> dict[str, str]:
     out = {}
     for m in re.finditer(r"%?([\w.\-]+) = [^\n]*?metadata=\{[^}]*op_name=\"([^\"]*)\"", compiled_text):
         out[m.group(1)] = m.group(2)
+        # a GPU kernel is named after its HLO instruction with "." and "-" made "_" (loop_convert_fusion.1 ->
+        # loop_convert_fusion_1), which is the name a profile event of a CUDA graph's kernel carries
+        out.setdefault(re.sub(r"[.\-]", "_", m.group(1)), m.group(2))
     return out
 
 
