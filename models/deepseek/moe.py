@@ -23,7 +23,10 @@ form has static shapes, drops nothing, equals the unsharded result, and at decod
 of a few MB per layer) is latency-bound either way.  Prefill at large T is where all-to-all would win.
 
 FP8 experts keep e4m3 ``[E, in, out]`` with ``*_scale_inv [E, in/128, out/128]``, dequantised inside the
-step (per local expert under EP).
+step (per local expert under EP).  When a step routes fewer (token, expert) pairs than there are local experts
+(decode at small batch), each pair's expert weights are gathered first and only those are dequantised and
+multiplied (``Experts._gathered``): the grouped matmul's dequantisation of every expert is what dominated the
+R1-width decode step on the H200 (``docs/model.md``).
 """
 
 from __future__ import annotations
@@ -106,6 +109,8 @@ class Experts(nnx.Module):
         T, D = x.shape
         K = idx.shape[1]
         El = w[0].shape[0]
+        if self.fp8 and T * K < El:
+            return self._gathered(x, weights, idx, w, s, e0)
         loc = idx.reshape(-1) - e0
         valid = (loc >= 0) & (loc < El)
         key = jnp.where(valid, loc, El)
@@ -120,6 +125,26 @@ class Experts(nnx.Module):
         wt = jnp.where(valid, weights.reshape(-1), 0.0)[order]
         y = jnp.where(valid[order][:, None], y.astype(jnp.float32) * wt[:, None], 0.0)
         return jnp.zeros((T, D), jnp.float32).at[tok].add(y)
+
+    def _gathered(self, x, weights, idx, w, s, e0):
+        """:meth:`_local` for FP8 experts when the step routes fewer (token, expert) pairs than there are local
+        experts (decode): each pair's expert weights are gathered (e4m3 and scales) and only those are
+        dequantised, instead of every local expert's (the grouped matmul dequantises all ``E`` whatever the
+        routing: R1's 256 experts at batch 1 would dequantise 32x the weights the step uses)."""
+        T, D = x.shape
+        K = idx.shape[1]
+        El = w[0].shape[0]
+        loc = idx.reshape(-1) - e0  # pair n = (token n // K, its k-th expert)
+        valid = (loc >= 0) & (loc < El)
+        e = jnp.clip(loc, 0, El - 1)
+        gw, uw, dw = (dequantize(a[e], b[e], self.dtype, self.fp8_block) for a, b in zip(w, s))
+        xs = jnp.repeat(x.astype(self.dtype), K, axis=0)  # [T * K, D]
+        g = jnp.einsum("nd,ndi->ni", xs, gw)
+        u = jnp.einsum("nd,ndi->ni", xs, uw)
+        y = jnp.einsum("ni,nid->nd", jax.nn.silu(g) * u, dw)
+        wt = jnp.where(valid, weights.reshape(-1), 0.0)
+        y = jnp.where(valid[:, None], y.astype(jnp.float32) * wt[:, None], 0.0)
+        return y.reshape(T, K, D).sum(axis=1)
 
     def __call__(self, x: jax.Array, weights: jax.Array, idx: jax.Array, mesh=None) -> jax.Array:
         w, s = self._params()
