@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import cutlass
 from cutlass import Float32, Int32, Int64, cute
+from cutlass._mlir.dialects import cute as _cute_ir
 from cutlass.cute.nvgpu import cpasync, warpgroup
 
 from tokenspeed_jax.kernels.sm90.helpers import LN_2, LOG2_E, Barrier, clamp, quad_max, quad_sum, row_ptr
@@ -307,6 +308,32 @@ class MlaDecodeSm90:
         mbarrier had then, bit ``k`` of :attr:`ph` for the ``k``-th mbarrier from :attr:`mbar_base`, flips it)."""
         k = (mbar_ptr.toint() - self.mbar_base.toint()) >> 3
         cute.arch.mbarrier_wait(mbar_ptr, phase ^ ((self.ph[0] >> k) & 1))
+
+    def fresh_smem(self, c, views):
+        """``views`` (shared-memory tensors and pointers of the kernel's storage; None passes through) re-derived from
+        a fresh copy of the storage's address, for one iteration of a main loop, which builds its MMA operands (the
+        wgmma descriptors) and shared-memory addresses from them.
+
+        The copy is the address of ``c.mbar`` passed through a warp shuffle (``make_warp_uniform``): the compiler
+        cannot move it out of the loop, so every address derived from it is computed inside the iteration, where
+        ptxas keeps it on the uniform datapath (its shuffle of a uniform value costs nothing).  Built once before the
+        loop instead, the ~30 64-bit descriptors of a loop are loop-invariant values that ptxas holds in vector
+        registers across the whole loop (more than the uniform registers can hold) and moves to the uniform registers
+        the wgmma reads by an ``R2UR`` before every one, recomputing their k-offsets on the vector ALUs.  Each
+        pointer keeps its type (swizzle, alignment): the offset from ``c.mbar`` is a constant."""
+        ref = c.mbar.toint()
+        fresh = cute.arch.make_warp_uniform(ref)
+        out = []
+        for v in views:
+            if v is None:
+                out.append(None)
+                continue
+            p = v.iterator if isinstance(v, cute.Tensor) else v
+            addr = Int64(fresh + (p.toint() - ref))
+            q = _cute_ir.inttoptr(p.type, _cute_ir.assume(_cute_ir.ConstrainedIntType.get(p.alignment, 64),
+                                                          addr.ir_value()))
+            out.append(cute.make_tensor(q, v.layout) if isinstance(v, cute.Tensor) else q)
+        return out
 
     @cute.jit
     def qk_chunks(self, qk_mma: cute.TiledMma, acc_s: cute.Tensor, tSrQ: cute.Tensor, tSrK: cute.Tensor,
