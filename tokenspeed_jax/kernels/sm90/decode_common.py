@@ -311,16 +311,17 @@ class MlaDecodeSm90:
 
     def fresh_smem(self, c, views):
         """``views`` (shared-memory tensors and pointers of the kernel's storage; None passes through) re-derived from
-        a fresh copy of the storage's address, for one iteration of a main loop, which builds its MMA operands (the
-        wgmma descriptors) and shared-memory addresses from them.
+        a fresh copy of the storage's address, where a main loop issues a wgmma: its MMA operands (the wgmma
+        descriptors) are built from them right there.
 
-        The copy is the address of ``c.mbar`` passed through a warp shuffle (``make_warp_uniform``): the compiler
-        cannot move it out of the loop, so every address derived from it is computed inside the iteration, where
-        ptxas keeps it on the uniform datapath (its shuffle of a uniform value costs nothing).  Built once before the
-        loop instead, the ~30 64-bit descriptors of a loop are loop-invariant values that ptxas holds in vector
-        registers across the whole loop (more than the uniform registers can hold) and moves to the uniform registers
-        the wgmma reads by an ``R2UR`` before every one, recomputing their k-offsets on the vector ALUs.  Each
-        pointer keeps its type (swizzle, alignment): the offset from ``c.mbar`` is a constant."""
+        The copy is the address of ``c.mbar`` passed through a warp shuffle (``make_warp_uniform``), which the compiler
+        cannot move out of the loop, so every descriptor derived from it is computed at its use, where ptxas keeps it
+        on the uniform datapath (and drops the shuffle of a uniform value).  With the operands built from the
+        kernel's tensors, ptxas moved the ~30 loop-invariant 64-bit descriptors of a loop out of it, held them in
+        vector registers across the loop and copied each to the uniform registers the wgmma reads by an ``R2UR``,
+        adding the k-offsets on the vector ALUs.  Built at the top of the iteration instead of at the issue, they stay
+        live across the softmax, in vector registers again.  Each pointer keeps its type (swizzle, alignment): its
+        offset from ``c.mbar`` is a constant."""
         ref = c.mbar.toint()
         fresh = cute.arch.make_warp_uniform(ref)
         out = []
