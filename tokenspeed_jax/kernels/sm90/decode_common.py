@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import cutlass
 from cutlass import Float32, Int32, Int64, cute
+from cutlass._mlir.dialects import cute as _cute_ir
 from cutlass.cute.nvgpu import cpasync, warpgroup
 
 from tokenspeed_jax.kernels.sm90.helpers import LN_2, LOG2_E, Barrier, clamp, quad_max, quad_sum, row_ptr
@@ -307,6 +308,33 @@ class MlaDecodeSm90:
         mbarrier had then, bit ``k`` of :attr:`ph` for the ``k``-th mbarrier from :attr:`mbar_base`, flips it)."""
         k = (mbar_ptr.toint() - self.mbar_base.toint()) >> 3
         cute.arch.mbarrier_wait(mbar_ptr, phase ^ ((self.ph[0] >> k) & 1))
+
+    def fresh_smem(self, c, views):
+        """``views`` (shared-memory tensors and pointers of the kernel's storage; None passes through) re-derived from
+        a fresh copy of the storage's address, where a main loop issues a wgmma: its MMA operands (the wgmma
+        descriptors) are built from them right there.
+
+        The copy is the address of ``c.mbar`` passed through a warp shuffle (``make_warp_uniform``), which the compiler
+        cannot move out of the loop, so every descriptor derived from it is computed at its use, where ptxas keeps it
+        on the uniform datapath (and drops the shuffle of a uniform value).  With the operands built from the
+        kernel's tensors, ptxas moved the ~30 loop-invariant 64-bit descriptors of a loop out of it, held them in
+        vector registers across the loop and copied each to the uniform registers the wgmma reads by an ``R2UR``,
+        adding the k-offsets on the vector ALUs.  Built at the top of the iteration instead of at the issue, they stay
+        live across the softmax, in vector registers again.  Each pointer keeps its type (swizzle, alignment): its
+        offset from ``c.mbar`` is a constant."""
+        ref = c.mbar.toint()
+        fresh = cute.arch.make_warp_uniform(ref)
+        out = []
+        for v in views:
+            if v is None:
+                out.append(None)
+                continue
+            p = v.iterator if isinstance(v, cute.Tensor) else v
+            addr = Int64(fresh + (p.toint() - ref))
+            q = _cute_ir.inttoptr(p.type, _cute_ir.assume(_cute_ir.ConstrainedIntType.get(p.alignment, 64),
+                                                          addr.ir_value()))
+            out.append(cute.make_tensor(q, v.layout) if isinstance(v, cute.Tensor) else q)
+        return out
 
     @cute.jit
     def qk_chunks(self, qk_mma: cute.TiledMma, acc_s: cute.Tensor, tSrQ: cute.Tensor, tSrK: cute.Tensor,

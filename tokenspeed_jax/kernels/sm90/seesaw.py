@@ -384,6 +384,37 @@ class MlaDecodeSeesawSm90(Fp8OperandsMixin, KvRefillMixin, DecodeTraceMixin, Mla
             self.refill(tAs1, tAg, tma_atom, mbar + 3, pg1, wtid, cg[3], None)
 
     @cute.jit
+    def mma_ops(self, c, wg: cutlass.Constexpr):
+        """The loop's MMA operands, built where a wgmma is issued from a fresh copy of the shared address
+        (:meth:`~.decode_common.MlaDecodeSm90.fresh_smem`; ``wg``: the issuing warpgroup, a constant in its own loop
+        so that the V descriptors stay uniform values): a namespace of ``tSrQ``, ``tSrK`` (per slot), ``tOsP`` (P of
+        each slot as the SS P V's A operand), ``tOrV`` (this warpgroup's V half of each slot) and, FP8, ``tOsP8`` and
+        ``tOrVt`` (the e4m3 P and V^T operands of the packed slots)."""
+        qk_mma, pv_ss, _, pv8 = c.mmas
+        bn = self.block_n
+        wtid = c.wtid
+        sQ, sK0, sK1, sSt0, sSt1, skp = self.fresh_smem(c, (c.sQ, c.sK0, c.sK1, c.sSt0, c.sSt1, c.st.sK.data_ptr()))
+        qk_thr = qk_mma.get_slice(wtid)
+        ss_thr = pv_ss.get_slice(wtid)
+        kq = (sSt0, sSt1) if cutlass.const_expr(self.fp8) else (sK0, sK1)  # the QK's B operand
+        p_layout = c.p_layout
+        sP = [cute.make_tensor(cute.recast_ptr(k.iterator + self.DV * bn, p_layout.inner), p_layout.outer)
+              for k in (sK0, sK1)]
+        o = SimpleNamespace(
+            tSrQ=qk_thr.make_fragment_A(qk_thr.partition_A(sQ[None, None, 0])),
+            tSrK=[qk_thr.make_fragment_B(qk_thr.partition_B(k)) for k in kq],
+            tOsP=[ss_thr.make_fragment_A(ss_thr.partition_A(x[None, None, 0])) for x in sP],
+            tOrV=[ss_thr.make_fragment_B(ss_thr.partition_B(self.v_half(k, c.v_layout, wg))) for k in (sK0, sK1)],
+            tOsP8=None, tOrVt=None)
+        if cutlass.const_expr(self.fp8):
+            (sVt0, sVt1), (sP80, sP81), _ = self.pv8_views(skp)
+            thr8 = pv8.get_slice(wtid)
+            o.tOsP8 = [thr8.make_fragment_A(thr8.partition_A(x)) for x in (sP80, sP81)]
+            o.tOrVt = [thr8.make_fragment_B(thr8.partition_B(cute.local_tile(x, (self.DV // 2, bn), (wg, 0))))
+                       for x in (sVt0, sVt1)]
+        return o
+
+    @cute.jit
     def consume(self, c, cta, b, seq, split_start, split_end, split, n_pairs):
         """The two computing warpgroups' part of a piece (:meth:`walk_pieces`, after the Q tile): the MMA partitions,
         the first QK, the seesaw loop and the epilogue.  ``c``: :meth:`seesaw_kernel`'s values."""
@@ -394,13 +425,9 @@ class MlaDecodeSeesawSm90(Fp8OperandsMixin, KvRefillMixin, DecodeTraceMixin, Mla
         zrow, scale_log2, p_layout = c.zrow, c.scale_log2, c.p_layout
         bn = self.block_n
         fp8 = self.fp8
-        # ---- MMA partitions (identical for both warpgroups; slot / column half picked by wg)
+        # ---- accumulators and P stores (the wgmma operands: mma_ops, at each issue)
         qk_thr = qk_mma.get_slice(wtid)
         ss_thr = pv_ss.get_slice(wtid)
-        tSrQ = qk_thr.make_fragment_A(qk_thr.partition_A(sQ[None, None, 0]))
-        kq0, kq1 = (c.sSt0, c.sSt1) if cutlass.const_expr(fp8) else (sK0, sK1)  # the QK's B operand
-        tSrK0 = qk_thr.make_fragment_B(qk_thr.partition_B(kq0))
-        tSrK1 = qk_thr.make_fragment_B(qk_thr.partition_B(kq1))
         acc_s = qk_thr.make_fragment_C(qk_thr.partition_shape_C((self.block_m, bn)))
         acc_o = ss_thr.make_fragment_C(ss_thr.partition_shape_C((self.block_m, self.DV // 2)))
         acc_o.fill(0.0)
@@ -410,26 +437,18 @@ class MlaDecodeSeesawSm90(Fp8OperandsMixin, KvRefillMixin, DecodeTraceMixin, Mla
         sP1 = cute.make_tensor(cute.recast_ptr(sK1.iterator + self.DV * bn, p_layout.inner), p_layout.outer)
         tSsP0 = qk_thr.partition_C(sP0[None, None, 0])
         tSsP1 = qk_thr.partition_C(sP1[None, None, 0])
-        tOsP0 = ss_thr.make_fragment_A(ss_thr.partition_A(sP0[None, None, 0]))
-        tOsP1 = ss_thr.make_fragment_A(ss_thr.partition_A(sP1[None, None, 0]))
-        tOrV0 = ss_thr.make_fragment_B(ss_thr.partition_B(self.v_half(sK0, c.v_layout, wg)))
-        tOrV1 = ss_thr.make_fragment_B(ss_thr.partition_B(self.v_half(sK1, c.v_layout, wg)))
-        # FP8 P V (pv8_views): e4m3 P tiles and V^T halves as QGMMA operands; O viewed in the QGMMA's (N = 64)
-        # accumulator layout, the same registers in the same order as pv_ss's
-        w32, acc_o8, tSsP8_0, tSsP8_1, tOsP8_0, tOsP8_1, tOrVt0, tOrVt1 = (None,) * 8
+        # FP8 P V (pv8_views): the e4m3 P stores; O viewed in the QGMMA's (N = 64) accumulator layout, the same
+        # registers in the same order as pv_ss's
+        w32, acc_o8, tSsP8_0, tSsP8_1 = (None,) * 4
         if cutlass.const_expr(fp8):
             w32 = cute.make_tensor(cute.recast_ptr(st.sK.data_ptr(), dtype=Int32), cute.make_layout(
                 cute.cosize(c.k_layout) * (self.mma_dtype.width // 8) // 4))
-            (sVt0, sVt1), (sP80, sP81), (sP8s0, sP8s1) = self.pv8_views(st.sK.data_ptr())
+            _, _, (sP8s0, sP8s1) = self.pv8_views(st.sK.data_ptr())
             thr8 = pv8.get_slice(wtid)
             acc_o8 = cute.make_tensor(acc_o.iterator,
                                       thr8.make_fragment_C(thr8.partition_shape_C((self.block_m, self.DV // 2))).layout)
             tSsP8_0 = qk_thr.partition_C(sP8s0)
             tSsP8_1 = qk_thr.partition_C(sP8s1)
-            tOsP8_0 = thr8.make_fragment_A(thr8.partition_A(sP80))
-            tOsP8_1 = thr8.make_fragment_A(thr8.partition_A(sP81))
-            tOrVt0 = thr8.make_fragment_B(thr8.partition_B(cute.local_tile(sVt0, (self.DV // 2, bn), (wg, 0))))
-            tOrVt1 = thr8.make_fragment_B(thr8.partition_B(cute.local_tile(sVt1, (self.DV // 2, bn), (wg, 0))))
             pv8.set(warpgroup.Field.ACCUMULATE, True)
         rP = cute.make_rmem_tensor_like(acc_s, self.mma_dtype)  # own P, the RS operand
         tOrP = cute.make_tensor(rP.iterator, acc_to_a_layout(rP.layout))
@@ -446,15 +465,19 @@ class MlaDecodeSeesawSm90(Fp8OperandsMixin, KvRefillMixin, DecodeTraceMixin, Mla
         sc = cute.make_rmem_tensor((2,), Float32)
 
         # ---- first QK of each warpgroup (pair 0)
+        # every wgmma's operands are built at its issue (mma_ops; one name per site: a name assigned in two dynamic
+        # branches must keep one type there)
         if n_pairs > 0:
             if wg == 0:
                 self.landed(mbar + 0, 0)
                 self.landed(mbar + 1, 0)
-                self.qk_chunks(qk_mma, acc_s, tSrQ, tSrK0, _ALL_CHUNKS, True)
+                o1 = self.mma_ops(c, 0)
+                self.qk_chunks(qk_mma, acc_s, o1.tSrQ, o1.tSrK[0], _ALL_CHUNKS, True)
             else:
                 self.landed(mbar + 2, 0)
                 self.landed(mbar + 3, 0)
-                self.qk_chunks(qk_mma, acc_s, tSrQ, tSrK1, _ALL_CHUNKS, True)
+                o2 = self.mma_ops(c, 1)
+                self.qk_chunks(qk_mma, acc_s, o2.tSrQ, o2.tSrK[1], _ALL_CHUNKS, True)
             warpgroup.commit_group()
             warpgroup.wait_group(0)
             if wg == 0:
@@ -483,11 +506,13 @@ class MlaDecodeSeesawSm90(Fp8OperandsMixin, KvRefillMixin, DecodeTraceMixin, Mla
                     store_p8(acc_s, tSsP8_0)
                     cute.arch.barrier(barrier_id=int(Barrier.TAIL) + wg, number_of_threads=128)
                     self.mark(mTrace, cta, wg, wtid, j, 2)
-                    self.pv(pv8, acc_o8, tOsP8_0, tOrVt0, _K32)
+                    o3 = self.mma_ops(c, 0)
+                    self.pv(pv8, acc_o8, o3.tOsP8[0], o3.tOrVt[0], _K32)
                 else:
                     rP.store(acc_s.load().to(self.mma_dtype))
                     self.mark(mTrace, cta, wg, wtid, j, 2)
-                    self.pv(pv_rs, acc_o, tOrP, tOrV0)
+                    o4 = self.mma_ops(c, 0)
+                    self.pv(pv_rs, acc_o, tOrP, o4.tOrV[0])
                 warpgroup.commit_group()
                 warpgroup.wait_group(0)
                 self.mark(mTrace, cta, wg, wtid, j, 3)
@@ -512,22 +537,26 @@ class MlaDecodeSeesawSm90(Fp8OperandsMixin, KvRefillMixin, DecodeTraceMixin, Mla
                 cute.arch.barrier(barrier_id=int(Barrier.P1_READY), number_of_threads=self.num_threads)
                 self.mark(mTrace, cta, wg, wtid, j, 6)
                 if cutlass.const_expr(fp8):
-                    self.pv(pv8, acc_o8, tOsP8_1, tOrVt1, _K32)
+                    o5 = self.mma_ops(c, 0)
+                    self.pv(pv8, acc_o8, o5.tOsP8[1], o5.tOrVt[1], _K32)
                 else:
-                    self.pv(pv_ss, acc_o, tOsP1, tOrV1)
+                    o6 = self.mma_ops(c, 0)
+                    self.pv(pv_ss, acc_o, o6.tOsP[1], o6.tOrV[1])
                 warpgroup.commit_group()
                 # 5. next QK on slot 0: own refill first, then (after the cross PV retired, refilling slot 1's
                 #    cols 0..255 + 512..575) WG1's refill of cols 256..575
                 if more:
                     self.landed(mbar + 0, ph)
                     self.mark(mTrace, cta, wg, wtid, j, 7)
-                    self.qk_chunks(qk_mma, acc_s, tSrQ, tSrK0, (0, 1, 2, 3), True)
+                    o7 = self.mma_ops(c, 0)
+                    self.qk_chunks(qk_mma, acc_s, o7.tSrQ, o7.tSrK[0], (0, 1, 2, 3), True)
                     warpgroup.commit_group()
                     warpgroup.wait_group(1)
                     self.mark(mTrace, cta, wg, wtid, j, 8)
                     self.refill(tAs1, tAg, tma_atom, mbar + 2, pgA1, wtid, (0, 1, 2, 3, 8), Barrier.REFILL_A1)
                     self.landed(mbar + 1, ph)
-                    self.qk_chunks(qk_mma, acc_s, tSrQ, tSrK0, (4, 5, 6, 7, 8), False)
+                    o8 = self.mma_ops(c, 0)
+                    self.qk_chunks(qk_mma, acc_s, o8.tSrQ, o8.tSrK[0], (4, 5, 6, 7, 8), False)
                     warpgroup.commit_group()
                 self.next_qk_retired(mTrace, cta, wg, wtid, j, 9, more, w32, zrow, 0, t0, split_end)
         else:
@@ -551,22 +580,26 @@ class MlaDecodeSeesawSm90(Fp8OperandsMixin, KvRefillMixin, DecodeTraceMixin, Mla
                     store_p8(acc_s, tSsP8_1)
                     cute.arch.barrier(barrier_id=int(Barrier.TAIL) + wg, number_of_threads=128)
                     self.mark(mTrace, cta, wg, wtid, j, 3)
-                    self.pv(pv8, acc_o8, tOsP8_1, tOrVt1, _K32)
+                    o9 = self.mma_ops(c, 1)
+                    self.pv(pv8, acc_o8, o9.tOsP8[1], o9.tOrVt[1], _K32)
                     warpgroup.commit_group()
                 else:
                     rP.store(acc_s.load().to(self.mma_dtype))
                     self.put_p(rP, tSsP1, stsm1)
                     self.mark(mTrace, cta, wg, wtid, j, 3)
-                    self.pv(pv_rs, acc_o, tOrP, tOrV1)
+                    o10 = self.mma_ops(c, 1)
+                    self.pv(pv_rs, acc_o, tOrP, o10.tOrV[1])
                     warpgroup.commit_group()
                     cute.arch.fence_view_async_shared()
                 # 3. O_R += P0 V0_R (SS; P0 from WG0's smem), then release P1 to WG0
                 cute.arch.barrier(barrier_id=int(Barrier.P0_READY), number_of_threads=self.num_threads)
                 self.mark(mTrace, cta, wg, wtid, j, 4)
                 if cutlass.const_expr(fp8):
-                    self.pv(pv8, acc_o8, tOsP8_0, tOrVt0, _K32)
+                    o11 = self.mma_ops(c, 1)
+                    self.pv(pv8, acc_o8, o11.tOsP8[0], o11.tOrVt[0], _K32)
                 else:
-                    self.pv(pv_ss, acc_o, tOsP0, tOrV0)
+                    o12 = self.mma_ops(c, 1)
+                    self.pv(pv_ss, acc_o, o12.tOsP[0], o12.tOrV[0])
                 warpgroup.commit_group()
                 cute.arch.barrier_arrive(barrier_id=int(Barrier.P1_READY), number_of_threads=self.num_threads)
                 self.mark(mTrace, cta, wg, wtid, j, 5)
@@ -582,9 +615,11 @@ class MlaDecodeSeesawSm90(Fp8OperandsMixin, KvRefillMixin, DecodeTraceMixin, Mla
                     # 5. next QK on slot 1: own columns first, then WG0's refill (cols 0..255 + rope)
                     self.landed(mbar + 3, ph)
                     self.mark(mTrace, cta, wg, wtid, j, 7)
-                    self.qk_chunks(qk_mma, acc_s, tSrQ, tSrK1, (4, 5, 6, 7), True)
+                    o13 = self.mma_ops(c, 1)
+                    self.qk_chunks(qk_mma, acc_s, o13.tSrQ, o13.tSrK[1], (4, 5, 6, 7), True)
                     self.landed(mbar + 2, ph)
-                    self.qk_chunks(qk_mma, acc_s, tSrQ, tSrK1, (0, 1, 2, 3, 8), False)
+                    o14 = self.mma_ops(c, 1)
+                    self.qk_chunks(qk_mma, acc_s, o14.tSrQ, o14.tSrK[1], (0, 1, 2, 3, 8), False)
                     warpgroup.commit_group()
                 self.next_qk_retired(mTrace, cta, wg, wtid, j, 8, more, w32, zrow, 1, t1, split_end)
 

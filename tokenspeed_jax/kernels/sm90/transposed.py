@@ -88,6 +88,53 @@ class MlaDecodeTransposedSm90(TransposedOutMixin, MlaDecodeSeesawSm90):
         self.qk_chunks(qk_mma, acc_s, tSrK, tSrQ, chunks, first)
 
     @cute.jit
+    def t16_views(self, c, sQ, sK0, sK1, wg):
+        """The MMA operands and P^T stores of the Q tile ``sQ`` and the slots ``sK0``, ``sK1`` (the kernel's, or one
+        iteration's :meth:`~.decode_common.MlaDecodeSm90.fresh_smem` copies): ``(tSrQ, tSrK0, tSrK1, tOrVt0, tOrVt1,
+        tOsPt0, tOsPt1, tSsP0, tSsP1)``.  S^T = K Q^T: the slot as A, q's first pv_n rows as B; O^T = V^T P^T: the
+        slot's (features, tokens) MN-major view (the seesaw loop's V operand layout), this warpgroup's 256 features,
+        P^T in the slot's rope columns, (pv_n rows, 64 tokens) K-major, stored through its (tokens, rows) transpose
+        from the S^T accumulators.  ``wg``: the warpgroup, a constant in its own loop (a runtime index there made the
+        V^T descriptors vector values)."""
+        qk_mma, pv_mma, _, _ = c.mmas
+        wtid = c.wtid
+        bn = self.block_n
+        dt = self.mma_dtype
+        qk_thr = qk_mma.get_slice(wtid)
+        pv_thr = pv_mma.get_slice(wtid)
+        tSrQ = qk_thr.make_fragment_B(qk_thr.partition_B(cute.local_tile(sQ[None, None, 0], (self.pv_n, self.D),
+                                                                         (0, 0))))
+        tSrK0 = qk_thr.make_fragment_A(qk_thr.partition_A(sK0))
+        tSrK1 = qk_thr.make_fragment_A(qk_thr.partition_A(sK1))
+        tOrVt0 = pv_thr.make_fragment_A(pv_thr.partition_A(self.v_half(sK0, c.v_layout, wg)))
+        tOrVt1 = pv_thr.make_fragment_A(pv_thr.partition_A(self.v_half(sK1, c.v_layout, wg)))
+        pt_layout = sm90_utils.make_smem_layout_b(LayoutEnum.ROW_MAJOR, (64, self.pv_n, bn), dt, 1)
+        pt_store = cute.select(pt_layout.outer, mode=[1, 0, 2])
+        pt0, pt1 = sK0.iterator + self.DV * bn, sK1.iterator + self.DV * bn  # the slots' rope columns
+        tOsPt0 = pv_thr.make_fragment_B(pv_thr.partition_B(cute.make_tensor(
+            cute.recast_ptr(pt0, pt_layout.inner), pt_layout.outer)[None, None, 0]))
+        tOsPt1 = pv_thr.make_fragment_B(pv_thr.partition_B(cute.make_tensor(
+            cute.recast_ptr(pt1, pt_layout.inner), pt_layout.outer)[None, None, 0]))
+        tSsP0 = qk_thr.partition_C(cute.make_tensor(cute.recast_ptr(pt0, pt_layout.inner), pt_store)[None, None, 0])
+        tSsP1 = qk_thr.partition_C(cute.make_tensor(cute.recast_ptr(pt1, pt_layout.inner), pt_store)[None, None, 0])
+        return tSrQ, tSrK0, tSrK1, tOrVt0, tOrVt1, tOsPt0, tOsPt1, tSsP0, tSsP1
+
+    @cute.jit
+    def qk_ops(self, c, slot: cutlass.Constexpr):
+        """``(tSrK, tSrQ)``: the QK's operands on slot ``slot``, built where the QK is issued from a fresh copy of the
+        shared address (:meth:`~.decode_common.MlaDecodeSm90.fresh_smem`)."""
+        sQ, sK0, sK1 = self.fresh_smem(c, (c.sQ, c.sK0, c.sK1))
+        tSrQ, tSrK0, tSrK1, _, _, _, _, _, _ = self.t16_views(c, sQ, sK0, sK1, 0)
+        return (tSrK0, tSrK1)[slot], tSrQ
+
+    @cute.jit
+    def pv_ops(self, c, slot: cutlass.Constexpr, wg: cutlass.Constexpr):
+        """``(tOrVt, tOsPt)``: warpgroup ``wg``'s PV operands on slot ``slot``, built as :meth:`qk_ops`."""
+        sQ, sK0, sK1 = self.fresh_smem(c, (c.sQ, c.sK0, c.sK1))
+        _, _, _, tOrVt0, tOrVt1, tOsPt0, tOsPt1, _, _ = self.t16_views(c, sQ, sK0, sK1, wg)
+        return ((tOrVt0, tOsPt0), (tOrVt1, tOsPt1))[slot]
+
+    @cute.jit
     def consume(self, c, cta, b, seq, split_start, split_end, split, n_pairs):
         """The two computing warpgroups: first QK, the loop (the seesaw loop's order, module docstring), epilogue.
         ``c``: the seesaw kernel's values (:meth:`~.seesaw.MlaDecodeSeesawSm90.seesaw_kernel`)."""
@@ -100,29 +147,11 @@ class MlaDecodeTransposedSm90(TransposedOutMixin, MlaDecodeSeesawSm90):
         qk_thr = qk_mma.get_slice(wtid)
         pv_thr = pv_mma.get_slice(wtid)
         sRed = st.red.get_tensor(cute.make_layout(2 * 4 * 32))
-        # S^T = K Q^T: the slot as A, q's first pv_n rows as B
-        tSrQ = qk_thr.make_fragment_B(qk_thr.partition_B(cute.local_tile(sQ[None, None, 0], (self.pv_n, self.D),
-                                                                         (0, 0))))
-        tSrK0 = qk_thr.make_fragment_A(qk_thr.partition_A(sK0))
-        tSrK1 = qk_thr.make_fragment_A(qk_thr.partition_A(sK1))
         acc_s = qk_thr.make_fragment_C(qk_thr.partition_shape_C((bn, self.pv_n)))
         tScS = qk_thr.partition_C(cute.make_identity_tensor((bn, self.pv_n)))
-        # O^T = V^T P^T: the slot's (features, tokens) MN-major view (the seesaw loop's V operand layout), this
-        # warpgroup's 256 features; P^T in the slot's rope columns, (pv_n rows, 64 tokens) K-major, stored through
-        # its (tokens, rows) transpose from the S^T accumulators
         acc = pv_thr.make_fragment_C(pv_thr.partition_shape_C((self.DV // 2, self.pv_n)))
         acc.fill(0.0)
-        tOrVt0 = pv_thr.make_fragment_A(pv_thr.partition_A(self.v_half(sK0, c.v_layout, wg)))
-        tOrVt1 = pv_thr.make_fragment_A(pv_thr.partition_A(self.v_half(sK1, c.v_layout, wg)))
-        pt_layout = sm90_utils.make_smem_layout_b(LayoutEnum.ROW_MAJOR, (64, self.pv_n, bn), dt, 1)
-        pt_store = cute.select(pt_layout.outer, mode=[1, 0, 2])
-        pt0, pt1 = sK0.iterator + self.DV * bn, sK1.iterator + self.DV * bn  # the slots' rope columns
-        tOsPt0 = pv_thr.make_fragment_B(pv_thr.partition_B(cute.make_tensor(
-            cute.recast_ptr(pt0, pt_layout.inner), pt_layout.outer)[None, None, 0]))
-        tOsPt1 = pv_thr.make_fragment_B(pv_thr.partition_B(cute.make_tensor(
-            cute.recast_ptr(pt1, pt_layout.inner), pt_layout.outer)[None, None, 0]))
-        tSsP0 = qk_thr.partition_C(cute.make_tensor(cute.recast_ptr(pt0, pt_layout.inner), pt_store)[None, None, 0])
-        tSsP1 = qk_thr.partition_C(cute.make_tensor(cute.recast_ptr(pt1, pt_layout.inner), pt_store)[None, None, 0])
+        _, _, _, _, _, _, _, tSsP0, tSsP1 = self.t16_views(c, sQ, sK0, sK1, wg)
         cg = self.col_groups  # A0, B0, A1, B1
         rP = cute.make_rmem_tensor_like(acc_s, dt)
         qk_mma.set(warpgroup.Field.ACCUMULATE, True)
@@ -139,9 +168,9 @@ class MlaDecodeTransposedSm90(TransposedOutMixin, MlaDecodeSeesawSm90):
         # ---- first QK of each warpgroup (pair 0; the producer loaded all four column groups, completion 0)
         if n_pairs > 0:
             if wg == 0:
-                self.qk_landed(qk_mma, acc_s, tSrK0, tSrQ, mbar, (0, 1), _ALL_CHUNKS, 0, True)
+                self.qk_landed(qk_mma, acc_s, *self.qk_ops(c, 0), mbar, (0, 1), _ALL_CHUNKS, 0, True)
             else:
-                self.qk_landed(qk_mma, acc_s, tSrK1, tSrQ, mbar, (2, 3), _ALL_CHUNKS, 0, True)
+                self.qk_landed(qk_mma, acc_s, *self.qk_ops(c, 1), mbar, (2, 3), _ALL_CHUNKS, 0, True)
             warpgroup.commit_group()
             warpgroup.wait_group(0)
 
@@ -163,7 +192,7 @@ class MlaDecodeTransposedSm90(TransposedOutMixin, MlaDecodeSeesawSm90):
                 cute.arch.barrier(barrier_id=int(Barrier.TAIL) + wg, number_of_threads=128)
                 self.scale_ot(acc, sSc0, None, wtid)
                 self.mark(mTrace, cta, wg, wtid, j, 2)
-                self.pv(pv_mma, acc, tOrVt0, tOsPt0)
+                self.pv(pv_mma, acc, *self.pv_ops(c, 0, 0))
                 warpgroup.commit_group()
                 warpgroup.wait_group(0)
                 self.mark(mTrace, cta, wg, wtid, j, 3)
@@ -184,18 +213,18 @@ class MlaDecodeTransposedSm90(TransposedOutMixin, MlaDecodeSeesawSm90):
                 # 4. O^T += V1^T P1^T (P1^T from WG1)
                 cute.arch.barrier(barrier_id=int(Barrier.P1_READY), number_of_threads=self.num_threads)
                 self.mark(mTrace, cta, wg, wtid, j, 6)
-                self.pv(pv_mma, acc, tOrVt1, tOsPt1)
+                self.pv(pv_mma, acc, *self.pv_ops(c, 1, 0))
                 warpgroup.commit_group()
                 # 5. next QK on slot 0: this warpgroup's refill first, then (after the cross PV retired, refilling
                 #    slot 1's cols 0..255, + rope unless pt_q) WG1's refill of the rest (col_groups)
                 if more:
                     self.mark(mTrace, cta, wg, wtid, j, 7)
-                    self.qk_landed(qk_mma, acc_s, tSrK0, tSrQ, mbar, (0,), cg[0], ph, True)
+                    self.qk_landed(qk_mma, acc_s, *self.qk_ops(c, 0), mbar, (0,), cg[0], ph, True)
                     warpgroup.commit_group()
                     warpgroup.wait_group(1)
                     self.mark(mTrace, cta, wg, wtid, j, 8)
                     self.refill(tAs1, tAg, tma_atom, mbar + 2, None, wtid, cg[2], Barrier.REFILL_A1)
-                    self.qk_landed(qk_mma, acc_s, tSrK0, tSrQ, mbar, (1,), cg[1], ph, False)
+                    self.qk_landed(qk_mma, acc_s, *self.qk_ops(c, 0), mbar, (1,), cg[1], ph, False)
                     warpgroup.commit_group()
                 warpgroup.wait_group(0)
                 self.mark(mTrace, cta, wg, wtid, j, 9)
@@ -218,12 +247,12 @@ class MlaDecodeTransposedSm90(TransposedOutMixin, MlaDecodeSeesawSm90):
                 cute.arch.barrier(barrier_id=int(Barrier.TAIL) + wg, number_of_threads=128)
                 self.scale_ot(acc, sSc0, sSc1, wtid)
                 self.mark(mTrace, cta, wg, wtid, j, 3)
-                self.pv(pv_mma, acc, tOrVt1, tOsPt1)
+                self.pv(pv_mma, acc, *self.pv_ops(c, 1, 1))
                 warpgroup.commit_group()
                 # 3. O^T += V0^T P0^T (P0^T from WG0), then release P1^T to WG0
                 cute.arch.barrier(barrier_id=int(Barrier.P0_READY), number_of_threads=self.num_threads)
                 self.mark(mTrace, cta, wg, wtid, j, 4)
-                self.pv(pv_mma, acc, tOrVt0, tOsPt0)
+                self.pv(pv_mma, acc, *self.pv_ops(c, 0, 1))
                 warpgroup.commit_group()
                 cute.arch.barrier_arrive(barrier_id=int(Barrier.P1_READY), number_of_threads=self.num_threads)
                 self.mark(mTrace, cta, wg, wtid, j, 5)
@@ -238,8 +267,8 @@ class MlaDecodeTransposedSm90(TransposedOutMixin, MlaDecodeSeesawSm90):
                     self.refill(tAs0, tAg, tma_atom, mbar + 1, None, wtid, cg[1], Barrier.REFILL_B0)
                     # 5. next QK on slot 1: own columns first, then WG0's refill (cols 0..255; + rope unless pt_q)
                     self.mark(mTrace, cta, wg, wtid, j, 7)
-                    self.qk_landed(qk_mma, acc_s, tSrK1, tSrQ, mbar, (3,), cg[3], ph, True)
-                    self.qk_landed(qk_mma, acc_s, tSrK1, tSrQ, mbar, (2,), cg[2], ph, False)
+                    self.qk_landed(qk_mma, acc_s, *self.qk_ops(c, 1), mbar, (3,), cg[3], ph, True)
+                    self.qk_landed(qk_mma, acc_s, *self.qk_ops(c, 1), mbar, (2,), cg[2], ph, False)
                     warpgroup.commit_group()
                 warpgroup.wait_group(0)
                 self.mark(mTrace, cta, wg, wtid, j, 8)
