@@ -49,7 +49,9 @@ Compilation and caching
       SHA-256 of the stable textual form of the key above plus the ``CUTE_DSL_*`` environment (less
     ``CUTE_DSL_ARCH``, already in the key, so an object cross-compiled on CPU serves the GPU), written
       atomically. A second process lowering the same configuration loads the object instead of tracing
-      and compiling it. Keys whose text contains a memory address (``at 0x``) are not stable across
+      and compiling it; with the launch function passed as a :class:`LaunchRef` it does not import the
+      kernel's module either (the key names the function and digests its source file without importing
+      it). Keys whose text contains a memory address (``at 0x``) are not stable across
       processes and are cached in memory only.
 
     CuTe DSL keeps its own file cache of compiled MLIR (``CUTE_DSL_CACHE_DIR``); it still requires
@@ -77,7 +79,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .call import custom_call, scalar_operand
+from .call import LaunchRef, custom_call, scalar_operand
 from .compile_cache import (
     CompileKey,
     cache_dir,
@@ -97,6 +99,7 @@ from .names import (
 __all__ = [
     "TARGET_PREFIX",
     "CompileKey",
+    "LaunchRef",
     "cache_dir",
     "cache_stats",
     "custom_call",

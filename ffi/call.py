@@ -1,8 +1,12 @@
 """The custom-call wrapper: :func:`custom_call` (see the package docstring: *Operand order*, *Runtime
-scalars are operands*, *Architecture*, *Transformations*) and :func:`scalar_operand`."""
+scalars are operands*, *Architecture*, *Transformations*), :class:`LaunchRef` and :func:`scalar_operand`."""
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+import importlib
+import importlib.util
 import inspect
 import os
 from collections.abc import Callable, Hashable, Mapping, Sequence
@@ -15,7 +19,7 @@ import numpy as np
 from .compile_cache import _BASE_VERSIONS, CompileKey, _file_digest, _install_disk_cache, _version
 from .names import register_target, target_name
 
-__all__ = ["custom_call", "scalar_operand"]
+__all__ = ["LaunchRef", "custom_call", "scalar_operand"]
 
 
 def scalar_operand(x: Any, dtype: Any = jnp.float32) -> jax.Array:
@@ -27,6 +31,48 @@ def scalar_operand(x: Any, dtype: Any = jnp.float32) -> jax.Array:
     if a.size != 1:
         raise ValueError(f"scalar_operand: expected one element, got shape {a.shape}")
     return a.reshape((1,))
+
+
+@dataclasses.dataclass(frozen=True)
+class LaunchRef:
+    """A ``@cute.jit`` launch function named by its import path: ``LaunchRef("pkg.kernels", "launch")``.
+
+    :func:`custom_call` accepts it in place of the function.  The compile key names the function as
+    ``module.name`` and digests the module's source file, located with ``importlib.util.find_spec`` (which
+    imports the parent packages, not the module), exactly as for the function itself; so the key, and
+    with it the in-memory and on-disk compile caches, are the same.  The module is imported only when
+    CuTe DSL compiles the call (a cache miss), which calls the reference like the function: a process
+    whose kernels are all cached never imports the kernel modules, nor what they import (FlashAttention-4
+    and torch for the Hopper prefill).
+    """
+
+    module: str
+    name: str
+
+    @property
+    def launch_id(self) -> str:
+        """``module.qualname`` of the function, as :func:`custom_call` names a function passed directly."""
+        return f"{self.module}.{self.name}"
+
+    def source_file(self) -> str | None:
+        """The module's source file, without importing the module."""
+        return _module_file(self.module)
+
+    def resolve(self) -> Callable[..., None]:
+        """The function (imports its module)."""
+        return getattr(importlib.import_module(self.module), self.name)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> None:
+        return self.resolve()(*args, **kwargs)
+
+
+@functools.cache
+def _module_file(module: str) -> str | None:
+    try:
+        spec = importlib.util.find_spec(module)
+    except (ImportError, ValueError):
+        return None
+    return spec.origin if spec is not None else None
 
 
 def _check_hashable(name: str, value: Any) -> None:
@@ -87,7 +133,8 @@ def custom_call(
 ) -> Callable[..., tuple[jax.Array, ...]]:
     """Return ``call(*inputs) -> tuple(outputs)`` running ``launch`` as custom call ``tokenspeed_{target}``.
 
-    ``launch``: a ``@cute.jit`` function ``launch(stream, *inputs, *outputs, **constexprs)``.
+    ``launch``: a ``@cute.jit`` function ``launch(stream, *inputs, *outputs, **constexprs)``, or a
+    :class:`LaunchRef` naming one (imported only when CuTe DSL compiles the call, not on a cache hit).
     ``outputs``: sequence of ``jax.ShapeDtypeStruct`` (workspace buffers are extra trailing outputs).
     ``compile_key``: hashable static config (frozen dataclass) identifying the generated code beyond
     operand shapes/dtypes and ``constexprs``; with arch + library versions it keys the compile caches.
@@ -150,12 +197,15 @@ def custom_call(
         *((d, _version(d)) for d in (*_BASE_VERSIONS, *library_versions)),
         ("cutlass_call_ffi", str(get_cutlass_call_ffi_version())),
     )
-    fn = inspect.unwrap(getattr(launch, "__wrapped__", launch))
-    launch_id = f"{getattr(launch, '__module__', '?')}.{getattr(launch, '__qualname__', repr(launch))}"
-    try:
-        src = inspect.getsourcefile(fn)
-    except TypeError:
-        src = None
+    if isinstance(launch, LaunchRef):
+        launch_id, src = launch.launch_id, launch.source_file()
+    else:
+        fn = inspect.unwrap(getattr(launch, "__wrapped__", launch))
+        launch_id = f"{getattr(launch, '__module__', '?')}.{getattr(launch, '__qualname__', repr(launch))}"
+        try:
+            src = inspect.getsourcefile(fn)
+        except TypeError:
+            src = None
 
     def call(*inputs: Any) -> tuple[jax.Array, ...]:
         for i, x in enumerate(inputs):

@@ -175,6 +175,38 @@ def test_sm90_shared_work_is_computed_once_outside_the_loop(monkeypatch):
     assert schedule_sites(program(False), G) == [1]
 
 
+def test_work_check_evaluates_the_schedule_once(monkeypatch):
+    """``mla_decode(work=)`` checks the work's arrays against the shapes of the backend's ``decode_work``, an
+    abstract evaluation of the schedule done once per backend and problem in a process: not again for every layer
+    of a step, nor when another step (or the same one in a new trace) checks a work of the same problem."""
+    pytest.importorskip("cutlass")
+    from tokenspeed_jax import decode as D
+    from tokenspeed_jax.backends import sm90 as S
+
+    _lowering_kernel(monkeypatch)
+    calls = []
+    orig = S.Sm90Backend.decode_work
+
+    def counting(self, problem, seq_lens):
+        calls.append(problem)
+        return orig(self, problem, seq_lens)
+
+    monkeypatch.setattr(S.Sm90Backend, "decode_work", counting)
+    D._work_shapes.cache_clear()
+    args = (sd((4, 2, 16, 576), jnp.bfloat16), sd((64, 64, 576), jnp.bfloat16), sd((4, 9), jnp.int32),
+            sd((4,), jnp.int32))
+
+    def step(q, kv, bt, sl):
+        w = tj.mla_decode_work(q, kv, bt, sl, backend="sm90")
+        return [tj.mla_decode(q, kv, bt, sl, softmax_scale=0.1, backend="sm90", work=w) for _ in range(3)]
+
+    with target_override("sm_90a"):
+        jax.jit(step).trace(*args)
+        assert len(calls) == 2  # the work, and the check's shapes (once for the three layers)
+        jax.jit(lambda *a: step(*a)).trace(*args)  # another traced step: its own work, the check remembered
+        assert len(calls) == 3
+
+
 def test_work_errors(monkeypatch, rng):
     pytest.importorskip("cutlass")
     _record_kernel(monkeypatch)

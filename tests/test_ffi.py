@@ -195,6 +195,52 @@ def test_compile_key_stability_and_cache_dir(monkeypatch, tmp_path):
     assert ffi.cache_dir() is None
 
 
+def test_launch_ref_names_without_importing(monkeypatch, tmp_path):
+    """A LaunchRef locates its module's source without importing it; calling it imports and forwards."""
+    (tmp_path / "ffi_ref_probe.py").write_text("CALLS = []\ndef launch(*a, **k):\n    CALLS.append((a, k))\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "ffi_ref_probe", raising=False)
+    ref = ffi.LaunchRef("ffi_ref_probe", "launch")
+    same = ffi.LaunchRef("ffi_ref_probe", "launch")
+    assert ref == same and hash(ref) == hash(same)
+    assert ref.launch_id == "ffi_ref_probe.launch"
+    assert Path(ref.source_file()) == tmp_path / "ffi_ref_probe.py"
+    assert "ffi_ref_probe" not in sys.modules
+    ref(1, block=2)
+    assert sys.modules["ffi_ref_probe"].CALLS == [((1,), {"block": 2})]
+    assert ref.resolve() is sys.modules["ffi_ref_probe"].launch
+    assert ffi.LaunchRef("ffi_ref_probe_missing", "launch").source_file() is None
+
+
+@needs_cute
+def test_launch_ref_keys_like_the_function(monkeypatch, tmp_path):
+    """custom_call with a LaunchRef hands cutlass.jax the compile key of the function itself (so both hit the
+    same in-memory and on-disk entries), and tracing the call does not import the function's module."""
+    import cutlass.jax as cjax
+
+    (tmp_path / "ffi_key_probe.py").write_text("def launch(*a, **k):\n    raise AssertionError('compiled')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "ffi_key_probe", raising=False)
+    seen = []
+
+    def fake_cutlass_call(fn, *, output_shape_dtype, compile_key, **kw):
+        seen.append((fn, compile_key))
+        return lambda *args: [jnp.zeros(o.shape, o.dtype) for o in output_shape_dtype]
+
+    monkeypatch.setattr(cjax, "cutlass_call", fake_cutlass_call)
+    out = [jax.ShapeDtypeStruct((4,), jnp.float32)]
+    x = jnp.zeros((4,), jnp.float32)
+    ref = ffi.LaunchRef("ffi_key_probe", "launch")
+    jax.jit(ffi.custom_call("key_probe", ref, outputs=out, compile_key=_Cfg(1))).trace(x)
+    assert "ffi_key_probe" not in sys.modules
+    import ffi_key_probe
+
+    ffi.custom_call("key_probe", ffi_key_probe.launch, outputs=out, compile_key=_Cfg(1))(x)
+    (fn_ref, key_ref), (fn, key) = seen
+    assert fn_ref is ref and fn is ffi_key_probe.launch
+    assert key_ref == key and key.launch == "ffi_key_probe.launch" and key.launch_source != "none"
+
+
 # ------------------------------------------------------------------------- subprocess, real kernel
 @needs_cute
 @pytest.mark.compile
@@ -252,6 +298,35 @@ def test_lowering_names_target_and_disk_cache(tmp_path):
     second = _run(body, env, tmp_path)  # a new process: everything comes from disk, nothing is compiled
     assert second["stats"]["disk_writes"] == 0 and second["stats"]["disk_hits"] == 4
     assert second["named"] and second["export"]
+
+
+@needs_cute
+@pytest.mark.compile
+def test_launch_ref_compiles_on_a_miss_and_is_not_imported_on_a_disk_hit(tmp_path):
+    """The kernel of a LaunchRef compiles in the first process (importing its module) and is loaded from
+    the disk cache in the second, which never imports the module."""
+    (tmp_path / "ffi_lazy_kernel.py").write_text(
+        _KERNEL.split("@dataclasses.dataclass(frozen=True)")[0]  # the kernel and its launch function
+    )
+    body = """
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    ref = ffi.LaunchRef("ffi_lazy_kernel", "launch")
+
+    def f(x, s):
+        return ffi.custom_call("ffi_lazy", ref, compile_key=Cfg(0), block=128,
+                               outputs=[jax.ShapeDtypeStruct(x.shape, x.dtype)] * 2)(x, s)[0]
+
+    txt = lower(f, x, s)
+    print(json.dumps({"named": "@tokenspeed_ffi_lazy(" in txt, "stats": ffi.cache_stats(),
+                      "imported": "ffi_lazy_kernel" in sys.modules}))
+    """
+    env = {"CUTE_DSL_ARCH": "sm_90a", "TOKENSPEED_JAX_CACHE_DIR": str(tmp_path / "c"),
+           "TOKENSPEED_JAX_DISK_CACHE": None}
+    first = _run(body, env, tmp_path)
+    assert first["named"] and first["imported"] and first["stats"]["disk_writes"] == 1, first
+    second = _run(body, env, tmp_path)
+    assert second["named"] and not second["imported"], second
+    assert second["stats"]["disk_hits"] == 1 and second["stats"]["disk_writes"] == 0, second
 
 
 @needs_cute

@@ -158,17 +158,26 @@ def _work_arrays(work, impl, problem: DecodeProblem) -> tuple:
     if work.key != key:
         raise ValueError(f"work: built for a different problem: its key is {work.key}, this call needs {key} "
                          f"({problem}); build it with the arguments of the calls that use it")
-    want = jax.eval_shape(lambda s: tuple(impl.decode_work(problem, s)),
-                          jax.ShapeDtypeStruct((problem.batch,), jnp.int32))
     got = tuple(work.arrays)
-
-    def shapes(xs):
-        return [(tuple(x.shape), jnp.dtype(x.dtype).name) if hasattr(x, "shape") and hasattr(x, "dtype")
-                else type(x).__name__ for x in xs]
-
-    if shapes(got) != shapes(want):
-        raise ValueError(f"work: expected arrays (shape, dtype) {shapes(want)} for this call, got {shapes(got)}")
+    want = _work_shapes(impl, problem, trace_switches(impl))
+    if _shapes(got) != list(want):
+        raise ValueError(f"work: expected arrays (shape, dtype) {list(want)} for this call, got {_shapes(got)}")
     return got
+
+
+def _shapes(xs) -> list:
+    return [(tuple(x.shape), jnp.dtype(x.dtype).name) if hasattr(x, "shape") and hasattr(x, "dtype")
+            else type(x).__name__ for x in xs]
+
+
+@functools.lru_cache(maxsize=256)
+def _work_shapes(impl, problem: DecodeProblem, switches: tuple) -> tuple:
+    """``(shape, dtype)`` of each array ``impl.decode_work(problem, seq_lens)`` returns: abstract evaluation
+    (a trace of the schedule), once per backend, problem and trace-time switches in a process, not once
+    per ``mla_decode`` call that checks its ``work`` (every layer of every traced step)."""
+    del switches  # part of the key
+    return tuple(_shapes(jax.eval_shape(lambda s: tuple(impl.decode_work(problem, s)),
+                                        jax.ShapeDtypeStruct((problem.batch,), jnp.int32))))
 
 
 def mla_decode(

@@ -218,7 +218,6 @@ def decode(problem: DecodeProblem, q, kv_cache, block_table, seq_lens, softmax_s
     ``work``: the schedule's ``(cta, req)`` arrays (:func:`schedule_of`), computed once per decode step and shared by
     every layer; None computes them here from ``seq_lens``."""
     from tokenspeed_jax import ffi
-    from tokenspeed_jax.kernels.sm90.decode import launch_decode
 
     why = supports(problem)
     if why:
@@ -243,7 +242,9 @@ def decode(problem: DecodeProblem, q, kv_cache, block_table, seq_lens, softmax_s
                jax.ShapeDtypeStruct((spec.max_slots, S * H), jnp.float32)]
     constexprs = {f.name: getattr(key, f.name) for f in dataclasses.fields(key) if f.name != "config"}
     input_specs, output_specs = operand_specs(problem, spec)
-    call = ffi.custom_call(TARGET, launch_decode, outputs=outputs, compile_key=key, input_specs=input_specs,
+    # the kernel modules are imported only when CuTe DSL compiles the kernel (not on a compile-cache hit)
+    launch = ffi.LaunchRef("tokenspeed_jax.kernels.sm90.decode", "launch_decode")
+    call = ffi.custom_call(TARGET, launch, outputs=outputs, compile_key=key, input_specs=input_specs,
                            output_specs=output_specs, dynamic_shapes=True, loop=config.loop, producer=config.producer,
                            **constexprs)
     res = call(q, kv_cache, block_table.astype(jnp.int32), seq_lens.astype(jnp.int32),

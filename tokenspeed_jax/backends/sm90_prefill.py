@@ -46,8 +46,10 @@ Decisions:
   Hopper varlen scheduler sizes its grid from the static token count and reads each request's length on
   the device, so results and speed do not depend on them. ``Tk == 0`` (static) returns 0 / -inf
   without a launch.
-* Packaging: ``flash-attn-4`` and ``quack-kernels`` import torch at module import, so they are imported
-  only when this backend traces a call; :func:`supports` checks them without importing them.
+* Packaging: ``flash-attn-4`` and ``quack-kernels`` import torch at module import (seconds), so they are
+  imported only when CuTe DSL compiles the kernel: the call names its launch function with
+  ``ffi.LaunchRef``, and a process whose kernel is in the compile cache (e.g. on disk from an earlier
+  process) never imports them; :func:`supports` checks them without importing them.
 """
 
 from __future__ import annotations
@@ -66,6 +68,9 @@ TARGET = "mla_prefill_sm90"
 INSTALL_HINT = "pip install 'tokenspeed-jax[hopper]'"
 # Rows past cu_seqlens_k[-1] that FA4 may read (tile_n - 1, tile_n <= 128); they must be finite.
 KV_TAIL_ROWS = 127
+# The @cute.jit launch function (module, name); its module imports flash_attn and torch, so the call names it
+# (ffi.LaunchRef) and it is imported only when CuTe DSL compiles the kernel: a warm process never imports them.
+_LAUNCH = ("tokenspeed_jax.kernels.sm90.fa4_prefill", "fa4_prefill_launch")
 # (Dqk, Dv) pairs compiled in CI (tests/test_compile_sm90_prefill.py) and checked on the H200.
 HEAD_DIMS = ((192, 128), (128, 128), (64, 64), (256, 256))
 _DTYPES = ("bfloat16", "float16", FP8_DTYPE)
@@ -168,7 +173,7 @@ def prefill(problem: PrefillProblem, q, k, v, cu_seqlens_q, cu_seqlens_k, softma
     input_specs, output_specs = _specs(problem)
     call = ffi.custom_call(
         TARGET,
-        _launch(),
+        ffi.LaunchRef(*_LAUNCH),
         outputs=outputs,
         compile_key=cfg,
         input_specs=input_specs,
@@ -199,8 +204,3 @@ def finite_v_tail(v, end):
     return jax.lax.dynamic_update_slice_in_dim(v, win, start, axis=0)
 
 
-def _launch():
-    """The @cute.jit launch function (imports flash_attn / torch on first use)."""
-    from tokenspeed_jax.kernels.sm90.fa4_prefill import fa4_prefill_launch
-
-    return fa4_prefill_launch
