@@ -220,6 +220,54 @@ def test_work_errors(monkeypatch, rng):
             tj.mla_decode_work(q, kv, bt, sl, kv_lora_rank=448, backend="sm90")
 
 
+def test_sm90_batch_invariant_work(monkeypatch, rng):
+    """``batch_invariant=True``: the work is the batch-invariant schedule (``schedule_of`` of the problem with
+    ``batch_invariant``), the kernel gets it with and without ``work``; a work of one mode is refused by a call of the
+    other, naming ``work``, on sm90 and on xla; a non-bool is refused naming ``batch_invariant``."""
+    pytest.importorskip("cutlass")
+    from tokenspeed_jax.backends import sm90_decode
+
+    seen = _record_kernel(monkeypatch)
+    B, S, H, page, max_pages = 6, 2, 16, 64, 200
+    cap = max_pages * page
+    sl = jnp.asarray(rng.integers(0, cap + 1, B).astype(np.int32))
+    q, kv, bt = _sm90_args(B, S, H, page, max_pages, "bfloat16")
+    kw = dict(softmax_scale=0.1, backend="sm90")
+    p = dataclasses.replace(_problem(B, S, H, page, max_pages, "bfloat16"), batch_invariant=True)
+    with target_override("sm_90a"):
+        w = tj.mla_decode_work(q, kv, bt, sl, backend="sm90", batch_invariant=True)
+        w0 = tj.mla_decode_work(q, kv, bt, sl, backend="sm90")
+        tj.mla_decode(q, kv, bt, sl, work=w, batch_invariant=True, **kw)
+        tj.mla_decode(q, kv, bt, sl, batch_invariant=True, **kw)
+        assert w.batch_invariant and not w0.batch_invariant
+        assert w.key == sm90_decode.work_key(p) and w.key[1].chunk == sm90_decode.invariant_chunk(p)
+        with pytest.raises(ValueError, match=r"^work: built with batch_invariant=True, this call has "
+                                             r"batch_invariant=False"):
+            tj.mla_decode(q, kv, bt, sl, work=w, **kw)
+        with pytest.raises(ValueError, match=r"^work: built with batch_invariant=False, this call has "
+                                             r"batch_invariant=True"):
+            tj.mla_decode(q, kv, bt, sl, work=w0, batch_invariant=True, **kw)
+        with pytest.raises(TypeError, match=r"batch_invariant"):
+            tj.mla_decode(q, kv, bt, sl, batch_invariant=1, **kw)
+        with pytest.raises(TypeError, match=r"batch_invariant"):
+            tj.mla_decode_work(q, kv, bt, sl, batch_invariant="yes")
+    want = sm90_decode.schedule_of(p, sl)
+    assert len(seen) == 2
+    for got in [w.arrays, *seen]:
+        np.testing.assert_array_equal(np.asarray(got[0]), np.asarray(want[0]))
+        np.testing.assert_array_equal(np.asarray(got[1]), np.asarray(want[1]))
+    assert (np.asarray(want[0])[:, 6] == -1).all()  # (the invariant schedule's mark: no work list)
+    # xla: accepted (the reference has no schedule), the work's mode checked all the same
+    qx, kvx, btx, slx = ref.make_decode_inputs(rng, seq_lens=[5, 40], S=1, H=2, L=L, R=R, page_size=16,
+                                               dtype="float32")
+    wx = tj.mla_decode_work(qx, kvx, btx, slx, kv_lora_rank=L, batch_invariant=True)
+    a = tj.mla_decode(qx, kvx, btx, slx, softmax_scale=0.2, kv_lora_rank=L, work=wx, batch_invariant=True)
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(tj.mla_decode(qx, kvx, btx, slx, softmax_scale=0.2,
+                                                                          kv_lora_rank=L)))
+    with pytest.raises(ValueError, match=r"^work: built with batch_invariant=True"):
+        tj.mla_decode(qx, kvx, btx, slx, softmax_scale=0.2, kv_lora_rank=L, work=wx)
+
+
 # --------------------------------------------------------------------------------------------- sharding
 needs8 = pytest.mark.skipif(len(jax.devices()) < 8, reason="needs 8 (virtual) devices")
 
