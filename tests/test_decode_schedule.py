@@ -212,7 +212,7 @@ def test_emulated_split_attention_is_exact(data):
     np.testing.assert_allclose(np.where(np.isinf(lse), 0, lse), np.where(np.isinf(lsee), 0, lsee), rtol=1e-10)
 
 
-# ------------------------------------------------------------------------------------------ the batch-invariant schedule
+# ------------------------------------------------------------------------------- the batch-invariant schedule
 
 def _request_pieces(seq, spec, cta, req, b):
     """``(piece count, [(start, end)], slots)`` of request ``b`` as the kernel's walk runs it."""
@@ -264,7 +264,8 @@ def test_invariant_balanced_and_slots_bound():
         cost[g] += -(-(e - s) // 64) + 5
     assert cost.max() <= cost.sum() / 132 + 4096 // 64 + 5
     assert int(np.max(req[:, 1] + req[:, 0])) <= spec.slots(64) == 64 * 20
-    spec, cta, req = _run([131072], num_ctas=132, capacity=131072, split_units=1, fixed_cost=5, unit=64, chunk=4096)
+    spec, cta, req = _run([131072], num_ctas=132, capacity=131072, split_units=1, fixed_cost=5, unit=64,
+                          chunk=4096)
     pieces = _check_cover([131072], spec, cta, req)
     assert len(pieces) == 32 and len({p[0] for p in pieces}) == 32
     assert ScheduleSpec(num_ctas=4, capacity=4096, split_units=1, chunk=4096).slots(100) == 1  # (never split)

@@ -216,8 +216,9 @@ def schedule_of(problem: DecodeProblem, seq_lens, config: Sm90DecodeConfig | Non
 
 def work_key(problem: DecodeProblem, config: Sm90DecodeConfig | None = None) -> tuple[int, ScheduleSpec]:
     """What the schedule of a call depends on besides the lengths: ``(batch, ScheduleSpec)`` (the grid, the table's
-    capacity, the per-request cut and the batch-invariant chunk).  Calls with equal keys and lengths have equal schedules, so one
-    ``mla_decode_work`` serves every layer of a decode step; a different key is another call's schedule."""
+    capacity, the per-request cut and the batch-invariant chunk).  Calls with equal keys and lengths have equal
+    schedules, so one ``mla_decode_work`` serves every layer of a decode step; a different key is another call's
+    schedule."""
     config = select_config(problem) if config is None else config
     return problem.batch, schedule_spec(problem, plan_for_config(problem, config))
 
