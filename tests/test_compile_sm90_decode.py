@@ -43,8 +43,10 @@ _SCRIPT = textwrap.dedent(
     CASES = json.loads(sys.argv[1])
     res = {}
     d = os.environ["CUTE_DSL_DUMP_DIR"]
-    own = lambda before, ext: "".join(  # text of the dump files a compile added since ``before``
-        open(p).read() for p in sorted(set(glob.glob(d + "/*")) - before) if p.endswith(ext))
+    import time
+    own = lambda before, ext: "".join(  # text of the dump files a compile wrote since time ``before`` (the
+        open(p).read() for p in sorted(glob.glob(d + "/*"))  # batch-invariant build rewrites its default's names)
+        if p.endswith(ext) and os.path.getmtime(p) >= before)
     PTX = dict(
         wgmma=r"wgmma\.mma_async\.sync\.aligned\.(m64n\d+k\d+)",
         tma=r"cp\.async\.bulk\.tensor\.3d\.shared::\w+\.global\.tile\.mbarrier",
@@ -76,7 +78,7 @@ _SCRIPT = textwrap.dedent(
     # every case twice: the length-balanced schedule's build and the batch-invariant one's (chunk > 0; ``name@inv``)
     for (name, (loop, producer, dtype, H, S, page, B)), chunk in [(c, 0) for c in CASES.items()] + [
             ((n + "@inv", c), INV_CHUNK) for n, c in CASES.items()]:
-        before = set(glob.glob(d + "/*"))
+        before = time.time() - 0.001
         k = build_decode_kernel(loop=loop, producer=producer, dtype=dtype, num_heads=H, q_len=S, page_size=page,
                                 causal=True, num_ctas=NUM_CTAS, max_slots=1 if chunk else MAX_SLOTS, chunk=chunk)
         cute.compile(k, *fake_args(k, S, H, page, B))

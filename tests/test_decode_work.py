@@ -348,3 +348,17 @@ def test_sharded_work_errors(rng):
         tsh.sharded_mla_decode_work(q[:3], kv, bt[:3], sl[:3], mesh=m, batch_axis="model", kv_lora_rank=L)
     with pytest.raises(TypeError, match=r"^seq_lens: expected the step's lengths as an array"):
         tsh.sharded_mla_decode_work(q, kv, bt, sd((4,), jnp.int32), mesh=m, batch_axis="data", kv_lora_rank=L)
+
+
+def test_batch_invariant_refused_without_the_mode(monkeypatch, rng):
+    """A backend without ``decode_batch_invariant`` (sm100) refuses ``batch_invariant=True`` naming it, in both
+    ``mla_decode`` and ``mla_decode_work``; the default mode is untouched."""
+    from tokenspeed_jax.backends import xla
+
+    q, kv, bt, sl = ref.make_decode_inputs(rng, seq_lens=[5, 40], S=1, H=2, L=L, R=R, page_size=16, dtype="float32")
+    monkeypatch.delattr(xla.XlaBackend, "decode_batch_invariant")
+    with pytest.raises(ValueError, match=r"^batch_invariant: backend 'xla' has no batch-invariant decode"):
+        tj.mla_decode(q, kv, bt, sl, softmax_scale=0.2, kv_lora_rank=L, batch_invariant=True)
+    with pytest.raises(ValueError, match=r"^batch_invariant: backend 'xla'"):
+        tj.mla_decode_work(q, kv, bt, sl, kv_lora_rank=L, batch_invariant=True)
+    tj.mla_decode(q, kv, bt, sl, softmax_scale=0.2, kv_lora_rank=L)

@@ -134,12 +134,20 @@ def mla_decode_work(
                         "values), got a jax.ShapeDtypeStruct")
     problem = _decode_problem(q, kv_cache, block_table, seq_lens, causal, kv_lora_rank, False, batch_invariant)
     impl = select_backend("decode", problem, backend)
+    _check_batch_invariant(impl, problem)
     if not has_decode_work(impl):
         return DecodeWork((), impl.name, batch_invariant=problem.batch_invariant)
     with jax.named_scope("tokenspeed_mla_decode_work"):
         seq_lens = C.clamp_index(seq_lens, 0, problem.max_kv_len)
         arrays = tuple(impl.decode_work(problem, seq_lens))
     return DecodeWork(arrays, impl.name, impl.decode_work_key(problem), batch_invariant=problem.batch_invariant)
+
+
+def _check_batch_invariant(impl, problem: DecodeProblem) -> None:
+    """A ``ValueError`` naming ``batch_invariant`` when it is asked of a backend without that mode (the backend's
+    ``decode_batch_invariant`` attribute: ``sm90`` runs it, ``xla`` accepts it)."""
+    if problem.batch_invariant and not getattr(impl, "decode_batch_invariant", False):
+        raise ValueError(f"batch_invariant: backend {impl.name!r} has no batch-invariant decode (backend='sm90' has)")
 
 
 def _work_arrays(work, impl, problem: DecodeProblem) -> tuple:
@@ -226,7 +234,8 @@ def mla_decode(
         computed the same way whatever CTA runs it, the pieces merged in an order fixed by the request's own piece
         count; its fp32 workspace grows with the batch size.  ``xla`` (the reference): accepted and ignored; its
         result is a batched XLA computation whose batch invariance is not guaranteed (XLA picks its matrix product
-        algorithms per shape).  ``sm100``: not implemented, ``ValueError``.
+        algorithms per shape).  Other backends (``sm100``) refuse it with a ``ValueError`` naming
+        ``batch_invariant``.
 
     Returns:
       ``out [B, S, H, kv_lora_rank]`` (bf16 for fp8 input, else the input dtype), or ``(out, lse)``.
@@ -237,6 +246,7 @@ def mla_decode(
     ss = C.f32_scalar(softmax_scale, "softmax_scale")
     os_ = C.f32_scalar(output_scale, "output_scale")
     impl = select_backend("decode", problem, backend)
+    _check_batch_invariant(impl, problem)
     work_arrays = _work_arrays(work, impl, problem)
     with jax.named_scope("tokenspeed_mla_decode"):
         if validate:
