@@ -362,3 +362,42 @@ def test_batch_invariant_refused_without_the_mode(monkeypatch, rng):
     with pytest.raises(ValueError, match=r"^batch_invariant: backend 'xla'"):
         tj.mla_decode_work(q, kv, bt, sl, kv_lora_rank=L, batch_invariant=True)
     tj.mla_decode(q, kv, bt, sl, softmax_scale=0.2, kv_lora_rank=L)
+
+
+@needs8
+def test_sharded_batch_invariant_work(monkeypatch, rng):
+    """``sharded_mla_decode_work(batch_invariant=True)``: shard ``d``'s work is the batch-invariant schedule of its
+    own requests; a sharded call of the other mode refuses it naming ``work``; xla runs it bitwise as without."""
+    pytest.importorskip("cutlass")
+    from tokenspeed_jax.backends import sm90_decode
+
+    B, S, H, page, maxp, n = 8, 1, 64, 64, 200, 4
+    m = _mesh((4, 2), ("data", "model"))
+    q, kv, bt = _sm90_args(B, S, H, page, maxp, "bfloat16", num_pages=16)
+    sl = jnp.asarray(rng.integers(0, maxp * page + 1, B).astype(np.int32))
+    kw = dict(mesh=m, head_axis="model", batch_axis="data", backend="sm90")
+    with target_override("sm_90a"):
+        w = tsh.sharded_mla_decode_work(q, kv, bt, sl, batch_invariant=True, **kw)
+    local = dataclasses.replace(_problem(B // n, S, H // 2, page, maxp, "bfloat16", num_pages=4),
+                                batch_invariant=True)
+    assert w.batch_invariant and w.key == sm90_decode.work_key(local) and w.key[1].chunk > 0
+    for d in range(n):
+        for a, b in zip(w.arrays, sm90_decode.schedule_of(local, sl[d * 2:(d + 1) * 2])):
+            np.testing.assert_array_equal(np.asarray(a[d]), np.asarray(b))
+    _lowering_kernel(monkeypatch)
+    with target_override("sm_90a"):
+        with pytest.raises(ValueError, match=r"^work: built with batch_invariant=True, this call has "
+                                             r"batch_invariant=False"):
+            tsh.sharded_mla_decode(q, kv, bt, sl, softmax_scale=0.1, work=w, **kw)
+        lo = jax.jit(lambda q, kv, bt, sl, w: tsh.sharded_mla_decode(
+            q, kv, bt, sl, softmax_scale=0.1, work=w, batch_invariant=True, **kw)).trace(q, kv, bt, sl, w).lower(
+            lowering_platforms=("cuda",))
+    assert "custom_call @tokenspeed_mla_decode_sm90" in lo.as_text()
+    # xla: the flag is carried and accepted
+    qx, kvx, btx, slx = ref.make_decode_inputs(rng, seq_lens=[5, 40, 0, 7], S=2, H=8, L=L, R=R, page_size=16,
+                                               dtype="float32")
+    kx = dict(mesh=m, head_axis="model", batch_axis="data", cache_sharding="replicated", kv_lora_rank=L)
+    wx = tsh.sharded_mla_decode_work(qx, kvx, btx, slx, batch_invariant=True, **kx)
+    got = tsh.sharded_mla_decode(qx, kvx, btx, slx, softmax_scale=0.2, work=wx, batch_invariant=True, **kx)
+    want = tsh.sharded_mla_decode(qx, kvx, btx, slx, softmax_scale=0.2, **kx)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
