@@ -25,9 +25,11 @@ own, so request ``b`` has exactly ``ceil(L_b / chunk)`` pieces (one, direct, whe
 the other requests are; its cost is ``n_b + fixed_cost * pieces_b``, and the ``num_ctas`` ranges are cut at
 piece boundaries only, each at the boundary nearest to cost position ``g * total / num_ctas``.  A CTA's range
 then holds whole pieces, several of them per request possibly; the kernel walks it chunk by chunk.  Piece ``j``
-of a request of ``k >= 2`` pieces writes slot ``first_slot + j``, so the combine merges a request's partials in
-an order that depends on its own piece count alone.  Slots: at most ``B * ceil(capacity / chunk)``
-(:meth:`ScheduleSpec.slots`), so this workspace grows with the batch size.
+of a request of ``k >= 2`` pieces writes slot ``b * P + j``, ``P = ceil(capacity / chunk)`` (computed by the
+kernel from the request alone), and the combine merges a request's partials in an order that depends on its own
+piece count alone.  Slots: ``B * P`` (:meth:`ScheduleSpec.slots`), so this workspace grows with the batch size.
+In ``cta`` the slot columns are -1 (the kernel computes the slots), ``split_k`` is -1 (the combine's work list is
+every request) and ``n_split`` the number of requests of two pieces or more.
 
 A request whose units all fall in one CTA is *direct*: that CTA writes its final output.  A request cut by
 ``k >= 2`` CTAs writes ``k`` fp32 partials into consecutive workspace *slots* and the combine kernel merges
@@ -199,19 +201,15 @@ def _invariant(n, L, spec: ScheduleSpec):
     tok_first = (lo - T[b_first]) * u
     tok_end = jnp.minimum((hi - T[b_last]) * u, L[b_last])
     split = pieces >= 2
-    used = jnp.where(split, pieces, 0)
-    before = (jnp.cumsum(used, dtype=jnp.int32) - used).astype(jnp.int32)  # slots of the requests before b
-    # the range's slot counter: the slot of its first piece of a split request, and the one past its last
-    slot0 = before[b_first] + jnp.where(split[b_first], tok_first // spec.chunk, 0)
-    slot1 = before[b_last] + jnp.where(split[b_last], (tok_end + spec.chunk - 1) // spec.chunk, 0)
+    first = jnp.arange(B, dtype=jnp.int32) * (-(-spec.capacity // spec.chunk))  # request b's slots: b * P + j
     n_split = jnp.sum(split, dtype=jnp.int32)
     cta = jnp.stack([
         jnp.where(nonempty, b_first, 1), jnp.where(nonempty, tok_first, 0),
         jnp.where(nonempty, b_last, 0), jnp.where(nonempty, tok_end, 0),
-        jnp.where(nonempty, slot0, -1), jnp.where(nonempty, slot1, -1),
+        jnp.full((G,), -1, jnp.int32), jnp.full((G,), -1, jnp.int32),
         jnp.full((G,), -1, jnp.int32), jnp.broadcast_to(n_split, (G,)),
     ], axis=1).astype(jnp.int32)
-    req = jnp.stack([pieces, jnp.where(split, before, -1)], axis=1).astype(jnp.int32)
+    req = jnp.stack([pieces, jnp.where(split, first, -1)], axis=1).astype(jnp.int32)
     return cta, req
 
 
@@ -257,18 +255,17 @@ def reference_pieces(cta: np.ndarray, req: np.ndarray, seq_lens: np.ndarray, cap
     """The pieces a kernel following ``cta`` runs, as ``[(g, b, tok_start, tok_end, slot)]`` (numpy;
     the walk of the kernel's CTA loop, for tests and the CPU emulation).  ``chunk``: the batch-invariant
     schedule's (:attr:`ScheduleSpec.chunk`): each request's part of a range is walked ``chunk`` tokens at a time,
-    a request longer than ``chunk`` taking the next slot of the range's counter (from ``cta[g, 4]``) per piece."""
+    piece ``j`` of a request ``b`` longer than ``chunk`` in slot ``b * ceil(capacity / chunk) + j``."""
     L = np.clip(np.asarray(seq_lens, np.int64), 0, capacity)
     out = []
     for g, (b0, t0, b1, t1, s0, s1, _, _) in enumerate(np.asarray(cta)):
-        ctr = int(s0)
         for b in range(int(b0), int(b1) + 1):
             start = int(t0) if b == b0 else 0
             end = int(t1) if b == b1 else int(L[b])
             if chunk:
+                per_req = -(-capacity // chunk)
                 for cs in range(start, end, chunk):
-                    out.append((g, b, cs, min(cs + chunk, end), ctr if L[b] > chunk else -1))
-                    ctr += int(L[b] > chunk)
+                    out.append((g, b, cs, min(cs + chunk, end), b * per_req + cs // chunk if L[b] > chunk else -1))
                 continue
             if end > start:
                 slot = int(s0) if b == b0 else (int(s1) if b == b1 else -1)

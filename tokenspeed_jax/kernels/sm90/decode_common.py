@@ -255,29 +255,27 @@ class MlaDecodeSm90:
     @cute.jit
     def walk_chunks(self, c, b_first: Int32, b_last: Int32, producer: cutlass.Constexpr):
         """The walk of the batch-invariant schedule (``tokenspeed_jax.decode_schedule``, ``chunk > 0``): the range's
-        part ``[start, end)`` of request ``b`` (:meth:`piece`; ``start`` a multiple of :attr:`chunk`) runs as the
-        pieces ``[start + i chunk, min(start + (i + 1) chunk, end))``, the pieces a request has in every batch.  A
-        request longer than ``chunk`` writes piece after piece into consecutive slots, counted from ``mCta[g, 4]``
-        (the slot of the range's first such piece); a shorter one is direct.  A piece's run depends on
-        ``(b, seq, start, end, slot < 0)`` only, so its result is the same whatever CTA runs it."""
+        part ``[start, end)`` of each request ``b`` (:meth:`piece`; ``start`` a multiple of :attr:`chunk`) runs as the
+        pieces ``[cs, min(cs + chunk, end))``, ``cs = start, start + chunk, ..``: the pieces the request has in every
+        batch.  A request longer than ``chunk`` writes piece ``cs / chunk`` into slot ``b * P + cs / chunk``, ``P =
+        ceil(capacity / chunk)`` (the workspace has ``B * P`` slots); a shorter one is direct.  The walk carries
+        ``(b, cs)`` only (one loop, so the piece's run keeps the registers it has in the default walk).  A piece's run
+        depends on ``(b, seq, cs, end, slot < 0)`` only, so its result is the same whatever CTA runs it."""
         mCta, mBT, mSeq, g = c.mCta, c.mBT, c.mSeq, c.g
-        ctr = mCta[g, 4]
-        for b in cutlass.range(b_first, b_last + 1, unroll=1):
-            seq, start, end, _ = self.piece(mCta, mBT, mSeq, g, b)
-            n_chunks = Int32(0)
-            if end > start:
-                n_chunks = (end - start + self.chunk - 1) // self.chunk
-            for i in cutlass.range(n_chunks, unroll=1):
-                cs = start + i * self.chunk
-                ce = cutlass.min(cs + self.chunk, end)
+        b = b_first
+        cs = mCta[g, 1]
+        while b <= b_last:
+            seq, _, end, _ = self.piece(mCta, mBT, mSeq, g, b)
+            if end > cs:
                 slot = Int32(-1)
                 if seq > self.chunk:
-                    slot = ctr + i
-                self.run_piece(c, b, seq, cs, ce, slot, producer)
-            used = Int32(0)
-            if seq > self.chunk:
-                used = n_chunks
-            ctr = ctr + used
+                    per_req = (mBT.shape[1] * self.page_size + self.chunk - 1) // self.chunk
+                    slot = b * per_req + cs // self.chunk
+                self.run_piece(c, b, seq, cs, cutlass.min(cs + self.chunk, end), slot, producer)
+            cs = cs + self.chunk
+            if cs >= end:
+                b = b + 1
+                cs = Int32(0)
 
     @cute.jit
     def run_piece(self, c, b: Int32, seq: Int32, start: Int32, end: Int32, slot: Int32, producer: cutlass.Constexpr):
