@@ -277,11 +277,13 @@ def test_batch_invariant_build_compiles(compiled, name):
         fp8 = CASES[name][2] == "float8_e4m3fn"
         for key in ("qgmma", "qgmma_r") if fp8 else ("hgmma", "hgmma_r"):
             assert x[key] == d[key], (name, key, x, d)
-        assert x["depbar"] <= 12 and x["spill"] <= want["spill"] + INV_SPILL_EXTRA, (name, x["spill"])
+        assert x["depbar"] <= 12 and x["spill"] <= INV_SPILL.get(name, want["spill"] + 4), (name, x["spill"])
     assert x["comb"]["wait"] == 1 and x["comb"]["v4"] >= 2, (name, x["comb"])
 
 
-INV_SPILL_EXTRA = 16  # the chunk walk's loop-carried values (counter, chunk bounds), spilled once per piece at most
+# the batch-invariant builds' spill bound where it differs from the default build's bound + 4: the FP8 O^T loop's walk
+# and epilogue reload a few more values per piece (its two main loops have none, against 6 in the default build)
+INV_SPILL = {"fp8_pv64": 30}
 
 
 @pytest.mark.compile
