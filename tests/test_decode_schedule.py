@@ -142,7 +142,7 @@ def _emulate(q, kv, seq, spec, cta, req, S, causal=True):
     out = np.zeros((B, S, H, D))
     lse = np.full((B, S, H), -np.inf)
     parts: dict[int, list] = {}
-    for _, b, s, e, slot in reference_pieces(cta, req, seq, spec.capacity):
+    for _, b, s, e, slot in reference_pieces(cta, req, seq, spec.capacity, spec.chunk):
         sc = np.einsum("shd,td->sht", q[b], kv[b, s:e])
         keys = np.arange(s, e)
         lim = (L[b] - S + 1 + np.arange(S)) if causal else np.full(S, L[b])
@@ -276,3 +276,26 @@ def test_invariant_spec_validation():
         ScheduleSpec(num_ctas=1, capacity=1, split_units=1, chunk=100)
     with pytest.raises(ValueError, match="chunk"):
         ScheduleSpec(num_ctas=1, capacity=1, split_units=1, chunk=-128)
+
+
+@pytest.mark.parametrize("G", [1, 3, 7, 40])
+def test_emulated_invariant_split_attention_is_exact(G):
+    """The batch-invariant schedule's split attention (pieces of 128 tokens, several per CTA range or several CTAs
+    per request) emulated as the kernel walks it and the combine merges it: the exact softmax; a request's output is
+    the same, in float64, alone and in the batch."""
+    rng = np.random.default_rng(G)
+    cap, S = 640, 2
+    seq = np.array([129, 0, 640, 1, 300, 700, 128, 255], np.int64)
+    spec, cta, req = _run(seq, num_ctas=G, capacity=cap, split_units=1, fixed_cost=2, chunk=128)
+    _check_cover(seq, spec, cta, req)
+    q = rng.standard_normal((len(seq), S, 2, 8))
+    kv = rng.standard_normal((len(seq), cap, 8))
+    o, lse = _emulate(q, kv, seq, spec, cta, req, S)
+    oe, lsee = _exact(q, kv, seq, S, cap)
+    np.testing.assert_allclose(o, oe, rtol=1e-10, atol=1e-12)
+    np.testing.assert_array_equal(np.isinf(lse), np.isinf(lsee))
+    for b in (0, 2, 5):
+        spec1, cta1, req1 = _run(seq[b:b + 1], num_ctas=G, capacity=cap, split_units=1, fixed_cost=2, chunk=128)
+        o1, l1 = _emulate(q[b:b + 1], kv[b:b + 1], seq[b:b + 1], spec1, cta1, req1, S)
+        np.testing.assert_array_equal(o1[0], o[b])
+        np.testing.assert_array_equal(l1[0], lse[b])
