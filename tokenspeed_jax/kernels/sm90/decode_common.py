@@ -599,6 +599,9 @@ class MlaDecodeSm90:
           warp with shuffles); the 4 warp sums go through shared memory and warp 0 adds them in warp order
           (deterministic, no atomics) and writes the output row and LSE.
         * Requests of length 0 (``mReq[b, 0] == 0``), ``b`` spread over the CTAs: exact zero rows, LSE -inf.
+        * The batch-invariant schedule (:attr:`chunk` > 0): the work items are ``(b, row, column quarter)`` over every
+          request (more than ``num_ctas - 1`` may be split), those of fewer than 2 pieces skipped, any number of
+          slots each (:meth:`combine_item`).
 
         A request of one piece was written by the main kernel.  Launched with programmatic dependent launch
         (PDL): the main kernel signals ``griddepcontrol.launch_dependents`` at its start, so this grid is launched
