@@ -160,7 +160,7 @@ def decode_fn(c: Case, backend: str, config: str | None = None):
     return jax.jit(f)
 
 
-def _prewarm_one(c: Case, configs: tuple[str, ...] = ()) -> str:
+def _prewarm_one(c: Case, configs: tuple[str, ...] = (), invariant: bool = False) -> str:
     import jax
     import jax.numpy as jnp
 
@@ -173,6 +173,12 @@ def _prewarm_one(c: Case, configs: tuple[str, ...] = ()) -> str:
         for name in configs:
             if config_applies(c, name):
                 decode_fn(c, "sm90", name).trace(*shapes(c), scale).lower(lowering_platforms=("cuda",))
+        if invariant:  # the batch-invariant build (its own compile key)
+            from tokenspeed_jax import mla_decode
+
+            jax.jit(lambda q, kv, bt, sl, s: mla_decode(q, kv, bt, sl, softmax_scale=s, causal=c.causal,
+                                                        return_lse=True, backend="sm90", batch_invariant=True)).trace(
+                *shapes(c), scale).lower(lowering_platforms=("cuda",))
     return f"{c.name}: {time.time() - t:.1f}s"
 
 
@@ -180,7 +186,7 @@ def _worker_init():
     os.environ["JAX_PLATFORMS"] = "cpu"
 
 
-def prewarm(cases, workers: int, configs: tuple[str, ...] = ()) -> None:
+def prewarm(cases, workers: int, configs: tuple[str, ...] = (), invariant: bool = False) -> None:
     import functools
     import multiprocessing as mp
 
@@ -190,7 +196,8 @@ def prewarm(cases, workers: int, configs: tuple[str, ...] = ()) -> None:
 
     ctx = mp.get_context("spawn")
     with scoped_env("JAX_PLATFORMS", "cpu"), ctx.Pool(workers, initializer=_worker_init) as pool:  # (inherited)
-        for msg in pool.imap_unordered(functools.partial(_prewarm_one, configs=tuple(configs)), cases):
+        for msg in pool.imap_unordered(functools.partial(_prewarm_one, configs=tuple(configs), invariant=invariant),
+                                       cases):
             print("prewarm", msg, flush=True)
     print(f"prewarm: {len(cases)} configs in {time.time() - t:.0f}s", flush=True)
 

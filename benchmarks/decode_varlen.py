@@ -89,6 +89,36 @@ def flashmla_calls(fm, q, kv, bt, sl):
     return run, run8
 
 
+def our_contenders(q, kv, q8, kv8, bt, sl, scale) -> dict:
+    """Our contenders on one case's inputs: name -> ``(jitted f, args, fp8)``.
+
+    * ``ours {dt}``: ``mla_decode`` computing its schedule in the call;
+    * ``ours {dt} kernel``: the kernels alone on a schedule computed once outside (``mla_decode_work``, as a model
+      step shares it across its layers, and as FlashMLA's metadata is timed);
+    * ``ours {dt} invariant``: the same with ``batch_invariant=True`` (its own shared work): the cost of batch
+      invariance is its time over ``ours {dt} kernel``'s;
+    * ``schedule {dt}``: the schedule alone (``mla_decode_work``)."""
+    import jax
+
+    import tokenspeed_jax as tj
+
+    out = {}
+    for dt, qq, kk, fp8 in (("bf16", q, kv, False), ("fp8", q8, kv8, True)):
+        plain = jax.jit(lambda q_, kv_, bt_, sl_, s_: tj.mla_decode(q_, kv_, bt_, sl_, softmax_scale=s_,
+                                                                    return_lse=True, backend="sm90"))
+        out[f"ours {dt}"] = (plain, (qq, kk, bt, sl, scale), fp8)
+        for suffix, inv in (("kernel", False), ("invariant", True)):
+            sched_f = jax.jit(lambda q_, kv_, bt_, sl_, inv=inv: tj.mla_decode_work(q_, kv_, bt_, sl_, backend="sm90",
+                                                                                  batch_invariant=inv))
+            work = tj.mla_decode_work(qq, kk, bt, sl, backend="sm90", batch_invariant=inv)  # (shapes of q, kv)
+            kf = jax.jit(lambda q_, kv_, bt_, sl_, s_, w_, inv=inv: tj.mla_decode(
+                q_, kv_, bt_, sl_, softmax_scale=s_, return_lse=True, backend="sm90", work=w_, batch_invariant=inv))
+            out[f"ours {dt} {suffix}"] = (kf, (qq, kk, bt, sl, scale, work), fp8)
+            if not inv:
+                out[f"schedule {dt}"] = (sched_f, (qq, kk, bt, sl), False)
+    return out
+
+
 def bench_case(report, fm, spec, seed: int, rounds: int, calls: int) -> None:
     import jax
     import jax.numpy as jnp
@@ -98,36 +128,31 @@ def bench_case(report, fm, spec, seed: int, rounds: int, calls: int) -> None:
     dist, B, cap, H, S = spec
     lens = lengths(dist, B, cap, seed)
     c = case_of(dist, B, cap, H, S)
-    c8 = dataclasses.replace(c, dtype="float8_e4m3fn")
     q, kv, bt, sl, scale = inputs(c, lens, seed)
     q8, kv8 = q.astype(jnp.float8_e4m3fn), kv.astype(jnp.float8_e4m3fn)
     nb, nb8, fl = read_bytes(lens, S, H, 2), read_bytes(lens, S, H, 1), flops_of(lens, S, H)
-    ours, ours8 = decode_fn(c, "sm90"), decode_fn(c8, "sm90")
-    fns = {"ours bf16": (_jax_calls(ours, (q, kv, bt, sl, scale), calls), nb, False),
-           "ours fp8": (_jax_calls(ours8, (q8, kv8, bt, sl, scale), calls), nb8, True)}
-    # the kernels alone, the schedule computed once outside (`mla_decode_work`, as a model step shares it across its
-    # layers, and as FlashMLA's metadata is timed)
-    import tokenspeed_jax as tj
-
-    for name, qq, kk, b, fp8 in (("ours bf16 kernel", q, kv, nb, False), ("ours fp8 kernel", q8, kv8, nb8, True)):
-        sched_f = jax.jit(lambda q_, kv_, bt_, sl_: tj.mla_decode_work(q_, kv_, bt_, sl_, backend="sm90"))
-        work = sched_f(qq, kk, bt, sl)
-        kf = jax.jit(lambda q_, kv_, bt_, sl_, s_, w_: tj.mla_decode(q_, kv_, bt_, sl_, softmax_scale=s_,
-                                                                    return_lse=True, backend="sm90", work=w_))
-        fns[name] = (_jax_calls(kf, (qq, kk, bt, sl, scale, work), calls), b, fp8)
-        fns[f"schedule {'fp8' if fp8 else 'bf16'}"] = (lambda sched_f=sched_f, qq=qq, kk=kk: sched_f(qq, kk, bt, sl),
-                                                       0.0, False)
+    fns = {}
+    contenders = our_contenders(q, kv, q8, kv8, bt, sl, scale)
+    for name, (f, args, fp8) in contenders.items():
+        fns[name] = ((lambda f=f, args=args: f(*args)) if name.startswith("schedule") else _jax_calls(f, args, calls),
+                     0.0 if name.startswith("schedule") else (nb8 if fp8 else nb), fp8)
     diffs = {}
     if fm is not None:
         run, run8 = flashmla_calls(fm, q, kv, bt, sl)
         fns["FlashMLA bf16"] = (run, nb, False)
         ref = np.asarray(jax.dlpack.from_dlpack(run()[0]).astype(jnp.float32))
-        diffs["ours bf16"] = float(np.max(np.abs(np.asarray(ours(q, kv, bt, sl, scale)[0].astype(jnp.float32)) - ref)))
+
+        def out_of(name):
+            f, args, _ = contenders[name]
+            return np.asarray(f(*args)[0].astype(jnp.float32))
+
+        for name in ("ours bf16", "ours bf16 invariant"):
+            diffs[name] = float(np.max(np.abs(out_of(name) - ref)))
         try:
             ref8 = np.asarray(jax.dlpack.from_dlpack(run8()[0]).astype(jnp.float32))
             fns["FlashMLA fp8"] = (run8, nb8, True)
-            o8 = np.asarray(ours8(q8, kv8, bt, sl, scale)[0].astype(jnp.float32))
-            diffs["ours fp8"] = float(np.max(np.abs(o8 - ref8)))
+            for name in ("ours fp8", "ours fp8 invariant"):
+                diffs[name] = float(np.max(np.abs(out_of(name) - ref8)))
         except Exception as e:  # noqa: BLE001
             print(f"{c.name}: FlashMLA fp8 failed: {str(e)[:100]}", flush=True)
     est = max(nb / 4e12, fl / 6e14) * 1e6 * calls
@@ -144,7 +169,9 @@ def bench_case(report, fm, spec, seed: int, rounds: int, calls: int) -> None:
 def summary(rows: list[dict]) -> dict:
     """Geometric means of ours / FlashMLA time ratios (speed-ups) per dtype and distribution: ``{dt}_{dist}`` with
     the schedule computed in every call (``mla_decode`` without ``work``), ``{dt}_{dist}_shared`` with it computed
-    once per step and shared by the layers (the kernels alone, as FlashMLA's metadata is timed: computed once)."""
+    once per step and shared by the layers (the kernels alone, as FlashMLA's metadata is timed: computed once);
+    ``{dt}_{dist}_invariant_cost``: the batch-invariant kernels' time over the default ones' (both on a shared
+    work), geometric mean, the largest, and per case."""
     out: dict = {}
     by = {}
     for r in rows:
@@ -159,7 +186,42 @@ def summary(rows: list[dict]) -> dict:
                 if xs:
                     out[f"{dt}_{dist}{suffix}"] = {"geomean_speedup": float(np.exp(np.mean(np.log(xs)))),
                                                    "min": float(min(xs)), "n": len(xs)}
+            # the cost of batch invariance: the invariant kernels' time over the default kernels' (shared works)
+            xs = {case: by[(case, f"ours {dt} invariant")] / by[(case, f"ours {dt} kernel")] for (case, cont) in by
+                  if cont == f"ours {dt} invariant" and (case, f"ours {dt} kernel") in by
+                  and (dist == "all" or case.startswith(dist + "_"))}
+            if xs:
+                v = list(xs.values())
+                out[f"{dt}_{dist}_invariant_cost"] = {"geomean_time_ratio": float(np.exp(np.mean(np.log(v)))),
+                                                      "max": float(max(v)), "n": len(v), "per_case": xs}
     return out
+
+
+def smoke(specs, seed: int) -> None:
+    """``--smoke``: each case's contenders of :func:`our_contenders` lowered for sm_90a on this machine (the CuTe DSL
+    kernels compiled), on shape-only inputs; nothing runs."""
+    import jax
+    import jax.numpy as jnp
+
+    from tokenspeed_jax.runtime import target_override
+
+    sd = jax.ShapeDtypeStruct
+    t = time.time()
+    for i, spec in enumerate(specs):
+        dist, B, cap, H, S = spec
+        c = case_of(dist, B, cap, H, S)
+        lens = lengths(dist, B, cap, seed + i)
+        bt = jnp.zeros((B, c.max_pages), jnp.int32)
+        sl = jnp.asarray(lens, jnp.int32)
+        with target_override("sm_90a", num_sms=132):
+            q, kv = sd((B, S, H, 576), jnp.bfloat16), sd((c.num_pages, c.page, 576), jnp.bfloat16)
+            q8, kv8 = sd(q.shape, jnp.float8_e4m3fn), sd(kv.shape, jnp.float8_e4m3fn)
+            # (the works are computed here on the CPU: the schedule is jnp)
+            for name, (f, args, _) in our_contenders(q, kv, q8, kv8, bt, sl, jnp.float32(576 ** -0.5)).items():
+                args = tuple(sd(a.shape, a.dtype) if isinstance(a, jax.Array) and a.ndim == 4 else a for a in args)
+                f.trace(*args).lower(lowering_platforms=("cuda",))
+                print(f"smoke {c.name} {name}: lowered", flush=True)
+    print(f"smoke: {len(specs)} cases in {time.time() - t:.0f}s")
 
 
 def main(argv=None):
@@ -172,17 +234,25 @@ def main(argv=None):
     ap.add_argument("--no-flashmla", action="store_true")
     ap.add_argument("--out", default="/tmp/decode_varlen.json")
     ap.add_argument("--png", default=None)
-    a = ap.parse_args(argv)
+    ap.add_argument("--smoke", action="store_true",
+                    help="CPU: lower every one of our contenders (default, shared work, batch-invariant; BF16 and FP8) "
+                         "of the cases for sm_90a, compiling the kernels, and time nothing")
+    from benchmarks.runinfo import parse_with_smoke
+
+    a = parse_with_smoke(ap, {"cases": ["uniform,4,4096,16,1"], "no_flashmla": True}, argv)
     specs = DEFAULT if not a.cases else [
         (d, int(b), int(k), int(h), int(s)) for d, b, k, h, s in (x.split(",") for x in a.cases)]
     for s in specs:
         if s[0] not in DISTS:
             ap.error(f"--cases: distribution must be one of {DISTS}, got {s[0]!r}")
+    if a.smoke:
+        smoke(specs, a.seed)
+        return
     from benchmarks.harness import Report, measure_ceilings
 
     if a.prewarm:
         cs = [case_of(*s, dtype=dt) for s in specs for dt in ("bfloat16", "float8_e4m3fn")]
-        prewarm(cs, a.prewarm)
+        prewarm(cs, a.prewarm, invariant=True)
     fm = None
     if not a.no_flashmla:
         try:

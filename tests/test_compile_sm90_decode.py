@@ -33,6 +33,7 @@ CASES = {
     "fp8_t16": ("fp8_transposed", True, "float8_e4m3fn", 16, 1, 64, 1),  # 16 rows
 }
 NUM_CTAS, MAX_SLOTS = 66, 130  # (any: the grid and the workspace are launch parameters of the same code)
+INV_CHUNK = 4096  # the batch-invariant builds' piece length (any multiple of 128: a constant of the walk)
 
 _SCRIPT = textwrap.dedent(
     r"""
@@ -42,8 +43,10 @@ _SCRIPT = textwrap.dedent(
     CASES = json.loads(sys.argv[1])
     res = {}
     d = os.environ["CUTE_DSL_DUMP_DIR"]
-    own = lambda before, ext: "".join(  # text of the dump files a compile added since ``before``
-        open(p).read() for p in sorted(set(glob.glob(d + "/*")) - before) if p.endswith(ext))
+    import time
+    own = lambda before, ext: "".join(  # text of the dump files a compile wrote since time ``before`` (the
+        open(p).read() for p in sorted(glob.glob(d + "/*"))  # batch-invariant build rewrites its default's names)
+        if p.endswith(ext) and os.path.getmtime(p) >= before)
     PTX = dict(
         wgmma=r"wgmma\.mma_async\.sync\.aligned\.(m64n\d+k\d+)",
         tma=r"cp\.async\.bulk\.tensor\.3d\.shared::\w+\.global\.tile\.mbarrier",
@@ -72,10 +75,12 @@ _SCRIPT = textwrap.dedent(
                 f(cutlass.Float32, (MAX_SLOTS, R, 512), assumed_align=16), f(cutlass.Float32, (MAX_SLOTS, R))]
 
     NUM_CTAS, MAX_SLOTS = NCTAS, NSLOTS
-    for name, (loop, producer, dtype, H, S, page, B) in CASES.items():
-        before = set(glob.glob(d + "/*"))
+    # every case twice: the length-balanced schedule's build and the batch-invariant one's (chunk > 0; ``name@inv``)
+    for (name, (loop, producer, dtype, H, S, page, B)), chunk in [(c, 0) for c in CASES.items()] + [
+            ((n + "@inv", c), INV_CHUNK) for n, c in CASES.items()]:
+        before = time.time() - 0.001
         k = build_decode_kernel(loop=loop, producer=producer, dtype=dtype, num_heads=H, q_len=S, page_size=page,
-                                causal=True, num_ctas=NUM_CTAS, max_slots=MAX_SLOTS)
+                                causal=True, num_ctas=NUM_CTAS, max_slots=1 if chunk else MAX_SLOTS, chunk=chunk)
         cute.compile(k, *fake_args(k, S, H, page, B))
         ptx, sass = own(before, ".ptx"), own(before, ".sass")
         main = ptx[:ptx.index(".entry kernel_cutlass_combine")]
@@ -121,6 +126,16 @@ _SCRIPT = textwrap.dedent(
                                  sd((B, width), jnp.int32), sd((B,), jnp.int32), sd((), jnp.float32),
                                  sd((), jnp.float32)).lower(lowering_platforms=("cuda",)).as_text()
         res["invariance"].append(embedded(t) + [cache_stats()["misses"]])
+    # the batch-invariant mode: one more object (its own key), then none for other batch sizes and tables
+    fi = lambda q, kv, bt, sl, s, o: mla_decode(q, kv, bt, sl, softmax_scale=s, output_scale=o, backend="sm90",
+                                               return_lse=True, batch_invariant=True)
+    res["invariance_inv"] = []
+    for B, pages, width in ((3, 200, 40), (1, 9, 7), (64, 2000, 300), (5, 200, 40)):
+        with target_override("sm_90a"):
+            t = jax.jit(fi).trace(sd((B, 2, 16, 576), jnp.bfloat16), sd((pages, 64, 576), jnp.bfloat16),
+                                  sd((B, width), jnp.int32), sd((B,), jnp.int32), sd((), jnp.float32),
+                                  sd((), jnp.float32)).lower(lowering_platforms=("cuda",)).as_text()
+        res["invariance_inv"].append(embedded(t) + [cache_stats()["misses"]])
     print("RESULT " + json.dumps(res))
     """
 )
@@ -135,7 +150,8 @@ def compiled(tmp_path_factory):
                JAX_PLATFORMS="cpu", PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     have_nvdisasm = shutil.which("nvdisasm") is not None or _nvdisasm_wheel()
     env["CUTE_DSL_KEEP"] = "ptx,sass" if have_nvdisasm else "ptx"
-    script = _SCRIPT.replace("NCTAS", str(NUM_CTAS)).replace("NSLOTS", str(MAX_SLOTS))
+    script = _SCRIPT.replace("NCTAS", str(NUM_CTAS)).replace("NSLOTS", str(MAX_SLOTS)).replace("INV_CHUNK",
+                                                                                             str(INV_CHUNK))
     p = subprocess.run([sys.executable, "-c", script, json.dumps(CASES)], env=env, capture_output=True, text=True,
                        timeout=1200, cwd=ROOT, check=False)
     line = [ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")]
@@ -245,6 +261,41 @@ def test_new_batch_size_or_table_width_costs_no_compile(compiled):
     assert len(inv) == 4
     assert {tuple(x[:2]) for x in inv} == {tuple(inv[0][:2])}, inv
     assert [x[2] for x in inv] == [inv[0][2]] * 4 and inv[0][2] >= 1, inv
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("name", list(CASES))
+def test_batch_invariant_build_compiles(compiled, name):
+    """The batch-invariant build of every config (``chunk`` > 0: the walk runs a range chunk by chunk, the combine
+    takes any number of slots): the same main loops (MMA, TMA, barrier counts) as the default build, no serialized
+    wgmma, spills within the default build's bound plus the walk's few extra values, PDL, and a combine that waits
+    for the main grid and loads the partials 16 bytes at a time."""
+    x, d, want = compiled[name + "@inv"], compiled[name], EXPECT[name]
+    for key in ("wgmma", "tma", "maxnreg", "bar160", "stsm", "ldsm", "sts32", "lds32", "expect", "waits", "clock",
+                "local", "cpasync", "l2pf", "gdc_launch", "gdc_wait", "tiles"):
+        assert x[key] == d[key], (name, key, x[key], d[key])
+    if x["sass"]:
+        fp8 = CASES[name][2] == "float8_e4m3fn"
+        for key in ("qgmma", "qgmma_r") if fp8 else ("hgmma", "hgmma_r"):
+            assert x[key] == d[key], (name, key, x, d)
+        assert x["depbar"] <= 12 and x["spill"] <= INV_SPILL.get(name, want["spill"] + 4), (name, x["spill"])
+    assert x["comb"]["wait"] == 1 and x["comb"]["v4"] >= 2, (name, x["comb"])
+
+
+# the batch-invariant builds' spill bound where it differs from the default build's bound + 4: the FP8 O^T loop's walk
+# and epilogue reload a few more values per piece (its two main loops have none, against 6 in the default build)
+INV_SPILL = {"fp8_pv64": 30}
+
+
+@pytest.mark.compile
+def test_batch_invariant_new_batch_size_costs_no_compile(compiled):
+    """``batch_invariant=True``: one object of its own (another key than the default mode's), embedded unchanged
+    for other batch sizes, cache sizes and table widths with no further compile (its workspace extent, ``B *
+    ceil(capacity / chunk)`` slots, is read at run time too)."""
+    inv, base = compiled["invariance_inv"], compiled["invariance"]
+    assert {tuple(x[:2]) for x in inv} == {tuple(inv[0][:2])}, inv
+    assert inv[0][:2] != base[0][:2]
+    assert [x[2] for x in inv] == [base[-1][2] + 1] * 4, (inv, base)
 
 
 @pytest.mark.compile

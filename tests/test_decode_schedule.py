@@ -22,7 +22,7 @@ def _run(seq, **kw):
 def _check_cover(seq, spec, cta, req):
     """Every request's tokens [0, L) covered once by its pieces, in CTA order; slots consistent with req."""
     L = np.clip(np.asarray(seq, np.int64), 0, spec.capacity)
-    pieces = reference_pieces(cta, req, seq, spec.capacity)
+    pieces = reference_pieces(cta, req, seq, spec.capacity, spec.chunk)
     by_req: dict[int, list] = {}
     for g, b, s, e, slot in pieces:
         by_req.setdefault(b, []).append((g, s, e, slot))
@@ -44,14 +44,26 @@ def _check_cover(seq, spec, cta, req):
         else:
             assert [p[3] for p in ps] == list(range(req[b, 1], req[b, 1] + len(ps)))
             used_slots.update(p[3] for p in ps)
-    # the combine's work list: the requests cut into pieces, in order, then -1 (at most num_ctas - 1 of them)
     split = [b for b in range(len(L)) if req[b, 0] >= 2]
+    if spec.chunk:  # the batch-invariant schedule: the pieces [j chunk, (j + 1) chunk) of every request
+        for b in range(len(L)):
+            assert [(s, e) for _, s, e, _ in by_req.get(b, [])] == _own_pieces(L[b], spec.chunk), b
+        assert (cta[:, 6] == -1).all() and list(cta[:, 7]) == [len(split)] * spec.num_ctas
+        assert all(0 <= s < spec.slots(len(L)) for s in used_slots)
+        assert len(used_slots) == sum(int(r[0]) for r in req if r[0] >= 2)
+        return pieces
+    # the combine's work list: the requests cut into pieces, in order, then -1 (at most num_ctas - 1 of them)
     assert len(split) <= max(spec.num_ctas - 1, 0)
     assert list(cta[:, 6]) == split + [-1] * (spec.num_ctas - len(split)), (cta[:, 6], split)
     assert list(cta[:, 7]) == [len(split)] * spec.num_ctas
     assert all(0 <= s < spec.max_slots for s in used_slots)
     assert len(used_slots) == sum(int(r[0]) for r in req if r[0] >= 2)
     return pieces
+
+
+def _own_pieces(length, chunk):
+    """The batch-invariant schedule's pieces of a request of ``length`` tokens: every multiple of ``chunk``."""
+    return [(s, min(s + chunk, int(length))) for s in range(0, int(length), chunk)]
 
 
 def _cta_costs(pieces, spec):
@@ -130,7 +142,7 @@ def _emulate(q, kv, seq, spec, cta, req, S, causal=True):
     out = np.zeros((B, S, H, D))
     lse = np.full((B, S, H), -np.inf)
     parts: dict[int, list] = {}
-    for _, b, s, e, slot in reference_pieces(cta, req, seq, spec.capacity):
+    for _, b, s, e, slot in reference_pieces(cta, req, seq, spec.capacity, spec.chunk):
         sc = np.einsum("shd,td->sht", q[b], kv[b, s:e])
         keys = np.arange(s, e)
         lim = (L[b] - S + 1 + np.arange(S)) if causal else np.full(S, L[b])
@@ -183,10 +195,12 @@ def test_emulated_split_attention_is_exact(data):
     G = data.draw(st.integers(1, 12))
     cap = UNIT * data.draw(st.integers(1, 6))
     seq = np.array(data.draw(st.lists(st.integers(-3, cap + 300), min_size=B, max_size=B)), np.int64)
-    mode = data.draw(st.sampled_from(["balanced", "per_request", "choose"]))
+    mode = data.draw(st.sampled_from(["balanced", "per_request", "choose", "invariant"]))
     split_units = data.draw(st.integers(1, cap // UNIT))
     fixed = data.draw(st.integers(0, 4))
-    spec, cta, req = _run(seq, num_ctas=G, capacity=cap, split_units=split_units, mode=mode, fixed_cost=fixed)
+    chunk = UNIT * data.draw(st.integers(1, 3)) if mode == "invariant" else 0
+    spec, cta, req = _run(seq, num_ctas=G, capacity=cap, split_units=split_units, mode="choose" if chunk else mode,
+                          fixed_cost=fixed, chunk=chunk)
     _check_cover(seq, spec, cta, req)
     rng = np.random.default_rng(int(seq.sum()) % 1000)
     q = rng.standard_normal((B, S, 2, 8))
@@ -196,3 +210,92 @@ def test_emulated_split_attention_is_exact(data):
     np.testing.assert_allclose(o, oe, rtol=1e-10, atol=1e-12)
     np.testing.assert_array_equal(np.isinf(lse), np.isinf(lsee))
     np.testing.assert_allclose(np.where(np.isinf(lse), 0, lse), np.where(np.isinf(lsee), 0, lsee), rtol=1e-10)
+
+
+# ------------------------------------------------------------------------------- the batch-invariant schedule
+
+def _request_pieces(seq, spec, cta, req, b):
+    """``(piece count, [(start, end)], slots)`` of request ``b`` as the kernel's walk runs it."""
+    ps = sorted((s, e, slot) for _, bb, s, e, slot in reference_pieces(cta, req, seq, spec.capacity, spec.chunk)
+                if bb == b)
+    return int(req[b, 0]), [(s, e) for s, e, _ in ps], [slot for _, _, slot in ps]
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.data())
+def test_invariant_pieces_depend_on_own_length(data):
+    """The batch-invariant schedule: a request's pieces ``(start, end)`` and their count depend on its own length
+    alone: the same request inside random batches (other lengths, sizes, positions, zeros, lengths past the
+    capacity) gets the pieces ``[j chunk, (j + 1) chunk)``, its slots consecutive (none when it has one piece); every
+    batch is covered once and balanced to within one piece of the even cost share."""
+    G = data.draw(st.integers(1, 24))
+    cap = UNIT * data.draw(st.integers(1, 40))
+    chunk = UNIT * data.draw(st.integers(1, 8))
+    fixed = data.draw(st.integers(0, 5))
+    L0 = data.draw(st.integers(0, cap + 200))
+    seen = set()
+    for _ in range(3):
+        others = data.draw(st.lists(st.integers(-3, cap + 200), min_size=0, max_size=40))
+        pos = data.draw(st.integers(0, len(others)))
+        seq = np.array(others[:pos] + [L0] + others[pos:], np.int64)
+        spec, cta, req = _run(seq, num_ctas=G, capacity=cap, split_units=1, fixed_cost=fixed, chunk=chunk)
+        pieces = _check_cover(seq, spec, cta, req)
+        n, own, slots = _request_pieces(seq, spec, cta, req, pos)
+        want = _own_pieces(min(max(L0, 0), cap), chunk)
+        assert own == want and n == len(want)
+        assert slots == ([-1] if n == 1 else list(range(req[pos, 1], req[pos, 1] + n)) if n else [])
+        seen.add((n, tuple(own)))
+        # balance: each cut within half a piece of the even share, so no CTA above it by more than one piece
+        cost = _cta_costs(pieces, spec)
+        total = sum(-(-(e - s) // UNIT) + fixed for _, _, s, e, _ in pieces)
+        assert cost.max() <= total / G + chunk // UNIT + fixed + 1
+    assert len(seen) == 1
+
+
+def test_invariant_balanced_and_slots_bound():
+    """B=64 varied lengths over 132 CTAs: balanced to within one piece, slots within ``B * ceil(capacity / chunk)``;
+    one long request alone is spread over ``ceil(L / chunk)`` CTAs."""
+    rng = np.random.default_rng(5)
+    seq = rng.integers(0, 81921, 64)
+    spec, cta, req = _run(seq, num_ctas=132, capacity=81920, split_units=1, fixed_cost=5, unit=64, chunk=4096)
+    pieces = _check_cover(seq, spec, cta, req)
+    cost = np.zeros(132)
+    for g, _, s, e, _ in pieces:
+        cost[g] += -(-(e - s) // 64) + 5
+    assert cost.max() <= cost.sum() / 132 + 4096 // 64 + 5
+    assert int(np.max(req[:, 1] + req[:, 0])) <= spec.slots(64) == 64 * 20
+    spec, cta, req = _run([131072], num_ctas=132, capacity=131072, split_units=1, fixed_cost=5, unit=64,
+                          chunk=4096)
+    pieces = _check_cover([131072], spec, cta, req)
+    assert len(pieces) == 32 and len({p[0] for p in pieces}) == 32
+    assert ScheduleSpec(num_ctas=4, capacity=4096, split_units=1, chunk=4096).slots(100) == 1  # (never split)
+
+
+def test_invariant_spec_validation():
+    with pytest.raises(ValueError, match="chunk"):
+        ScheduleSpec(num_ctas=1, capacity=1, split_units=1, chunk=100)
+    with pytest.raises(ValueError, match="chunk"):
+        ScheduleSpec(num_ctas=1, capacity=1, split_units=1, chunk=-128)
+
+
+@pytest.mark.parametrize("G", [1, 3, 7, 40])
+def test_emulated_invariant_split_attention_is_exact(G):
+    """The batch-invariant schedule's split attention (pieces of 128 tokens, several per CTA range or several CTAs
+    per request) emulated as the kernel walks it and the combine merges it: the exact softmax; a request's output is
+    the same, in float64, alone and in the batch."""
+    rng = np.random.default_rng(G)
+    cap, S = 640, 2
+    seq = np.array([129, 0, 640, 1, 300, 700, 128, 255], np.int64)
+    spec, cta, req = _run(seq, num_ctas=G, capacity=cap, split_units=1, fixed_cost=2, chunk=128)
+    _check_cover(seq, spec, cta, req)
+    q = rng.standard_normal((len(seq), S, 2, 8))
+    kv = rng.standard_normal((len(seq), cap, 8))
+    o, lse = _emulate(q, kv, seq, spec, cta, req, S)
+    oe, lsee = _exact(q, kv, seq, S, cap)
+    np.testing.assert_allclose(o, oe, rtol=1e-10, atol=1e-12)
+    np.testing.assert_array_equal(np.isinf(lse), np.isinf(lsee))
+    for b in (0, 2, 5):
+        spec1, cta1, req1 = _run(seq[b:b + 1], num_ctas=G, capacity=cap, split_units=1, fixed_cost=2, chunk=128)
+        o1, l1 = _emulate(q[b:b + 1], kv[b:b + 1], seq[b:b + 1], spec1, cta1, req1, S)
+        np.testing.assert_array_equal(o1[0], o[b])
+        np.testing.assert_array_equal(l1[0], lse[b])

@@ -252,6 +252,54 @@ def test_work_errors(monkeypatch, rng):
             tj.mla_decode_work(q, kv, bt, sl, kv_lora_rank=448, backend="sm90")
 
 
+def test_sm90_batch_invariant_work(monkeypatch, rng):
+    """``batch_invariant=True``: the work is the batch-invariant schedule (``schedule_of`` of the problem with
+    ``batch_invariant``), the kernel gets it with and without ``work``; a work of one mode is refused by a call of the
+    other, naming ``work``, on sm90 and on xla; a non-bool is refused naming ``batch_invariant``."""
+    pytest.importorskip("cutlass")
+    from tokenspeed_jax.backends import sm90_decode
+
+    seen = _record_kernel(monkeypatch)
+    B, S, H, page, max_pages = 6, 2, 16, 64, 200
+    cap = max_pages * page
+    sl = jnp.asarray(rng.integers(0, cap + 1, B).astype(np.int32))
+    q, kv, bt = _sm90_args(B, S, H, page, max_pages, "bfloat16")
+    kw = dict(softmax_scale=0.1, backend="sm90")
+    p = dataclasses.replace(_problem(B, S, H, page, max_pages, "bfloat16"), batch_invariant=True)
+    with target_override("sm_90a"):
+        w = tj.mla_decode_work(q, kv, bt, sl, backend="sm90", batch_invariant=True)
+        w0 = tj.mla_decode_work(q, kv, bt, sl, backend="sm90")
+        tj.mla_decode(q, kv, bt, sl, work=w, batch_invariant=True, **kw)
+        tj.mla_decode(q, kv, bt, sl, batch_invariant=True, **kw)
+        assert w.batch_invariant and not w0.batch_invariant
+        assert w.key == sm90_decode.work_key(p) and w.key[1].chunk == sm90_decode.invariant_chunk(p)
+        with pytest.raises(ValueError, match=r"^work: built with batch_invariant=True, this call has "
+                                             r"batch_invariant=False"):
+            tj.mla_decode(q, kv, bt, sl, work=w, **kw)
+        with pytest.raises(ValueError, match=r"^work: built with batch_invariant=False, this call has "
+                                             r"batch_invariant=True"):
+            tj.mla_decode(q, kv, bt, sl, work=w0, batch_invariant=True, **kw)
+        with pytest.raises(TypeError, match=r"batch_invariant"):
+            tj.mla_decode(q, kv, bt, sl, batch_invariant=1, **kw)
+        with pytest.raises(TypeError, match=r"batch_invariant"):
+            tj.mla_decode_work(q, kv, bt, sl, batch_invariant="yes")
+    want = sm90_decode.schedule_of(p, sl)
+    assert len(seen) == 2
+    for got in [w.arrays, *seen]:
+        np.testing.assert_array_equal(np.asarray(got[0]), np.asarray(want[0]))
+        np.testing.assert_array_equal(np.asarray(got[1]), np.asarray(want[1]))
+    assert (np.asarray(want[0])[:, 6] == -1).all()  # (the invariant schedule's mark: no work list)
+    # xla: accepted (the reference has no schedule), the work's mode checked all the same
+    qx, kvx, btx, slx = ref.make_decode_inputs(rng, seq_lens=[5, 40], S=1, H=2, L=L, R=R, page_size=16,
+                                               dtype="float32")
+    wx = tj.mla_decode_work(qx, kvx, btx, slx, kv_lora_rank=L, batch_invariant=True)
+    a = tj.mla_decode(qx, kvx, btx, slx, softmax_scale=0.2, kv_lora_rank=L, work=wx, batch_invariant=True)
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(tj.mla_decode(qx, kvx, btx, slx, softmax_scale=0.2,
+                                                                          kv_lora_rank=L)))
+    with pytest.raises(ValueError, match=r"^work: built with batch_invariant=True"):
+        tj.mla_decode(qx, kvx, btx, slx, softmax_scale=0.2, kv_lora_rank=L, work=wx)
+
+
 # --------------------------------------------------------------------------------------------- sharding
 needs8 = pytest.mark.skipif(len(jax.devices()) < 8, reason="needs 8 (virtual) devices")
 
@@ -332,3 +380,56 @@ def test_sharded_work_errors(rng):
         tsh.sharded_mla_decode_work(q[:3], kv, bt[:3], sl[:3], mesh=m, batch_axis="model", kv_lora_rank=L)
     with pytest.raises(TypeError, match=r"^seq_lens: expected the step's lengths as an array"):
         tsh.sharded_mla_decode_work(q, kv, bt, sd((4,), jnp.int32), mesh=m, batch_axis="data", kv_lora_rank=L)
+
+
+def test_batch_invariant_refused_without_the_mode(monkeypatch, rng):
+    """A backend without ``decode_batch_invariant`` (sm100) refuses ``batch_invariant=True`` naming it, in both
+    ``mla_decode`` and ``mla_decode_work``; the default mode is untouched."""
+    from tokenspeed_jax.backends import xla
+
+    q, kv, bt, sl = ref.make_decode_inputs(rng, seq_lens=[5, 40], S=1, H=2, L=L, R=R, page_size=16, dtype="float32")
+    monkeypatch.delattr(xla.XlaBackend, "decode_batch_invariant")
+    with pytest.raises(ValueError, match=r"^batch_invariant: backend 'xla' has no batch-invariant decode"):
+        tj.mla_decode(q, kv, bt, sl, softmax_scale=0.2, kv_lora_rank=L, batch_invariant=True)
+    with pytest.raises(ValueError, match=r"^batch_invariant: backend 'xla'"):
+        tj.mla_decode_work(q, kv, bt, sl, kv_lora_rank=L, batch_invariant=True)
+    tj.mla_decode(q, kv, bt, sl, softmax_scale=0.2, kv_lora_rank=L)
+
+
+@needs8
+def test_sharded_batch_invariant_work(monkeypatch, rng):
+    """``sharded_mla_decode_work(batch_invariant=True)``: shard ``d``'s work is the batch-invariant schedule of its
+    own requests; a sharded call of the other mode refuses it naming ``work``; xla runs it bitwise as without."""
+    pytest.importorskip("cutlass")
+    from tokenspeed_jax.backends import sm90_decode
+
+    B, S, H, page, maxp, n = 8, 1, 64, 64, 200, 4
+    m = _mesh((4, 2), ("data", "model"))
+    q, kv, bt = _sm90_args(B, S, H, page, maxp, "bfloat16", num_pages=16)
+    sl = jnp.asarray(rng.integers(0, maxp * page + 1, B).astype(np.int32))
+    kw = dict(mesh=m, head_axis="model", batch_axis="data", backend="sm90")
+    with target_override("sm_90a"):
+        w = tsh.sharded_mla_decode_work(q, kv, bt, sl, batch_invariant=True, **kw)
+    local = dataclasses.replace(_problem(B // n, S, H // 2, page, maxp, "bfloat16", num_pages=4),
+                                batch_invariant=True)
+    assert w.batch_invariant and w.key == sm90_decode.work_key(local) and w.key[1].chunk > 0
+    for d in range(n):
+        for a, b in zip(w.arrays, sm90_decode.schedule_of(local, sl[d * 2:(d + 1) * 2])):
+            np.testing.assert_array_equal(np.asarray(a[d]), np.asarray(b))
+    _lowering_kernel(monkeypatch)
+    with target_override("sm_90a"):
+        with pytest.raises(ValueError, match=r"^work: built with batch_invariant=True, this call has "
+                                             r"batch_invariant=False"):
+            tsh.sharded_mla_decode(q, kv, bt, sl, softmax_scale=0.1, work=w, **kw)
+        lo = jax.jit(lambda q, kv, bt, sl, w: tsh.sharded_mla_decode(
+            q, kv, bt, sl, softmax_scale=0.1, work=w, batch_invariant=True, **kw)).trace(q, kv, bt, sl, w).lower(
+            lowering_platforms=("cuda",))
+    assert "custom_call @tokenspeed_mla_decode_sm90" in lo.as_text()
+    # xla: the flag is carried and accepted
+    qx, kvx, btx, slx = ref.make_decode_inputs(rng, seq_lens=[5, 40, 0, 7], S=2, H=8, L=L, R=R, page_size=16,
+                                               dtype="float32")
+    kx = dict(mesh=m, head_axis="model", batch_axis="data", cache_sharding="replicated", kv_lora_rank=L)
+    wx = tsh.sharded_mla_decode_work(qx, kvx, btx, slx, batch_invariant=True, **kx)
+    got = tsh.sharded_mla_decode(qx, kvx, btx, slx, softmax_scale=0.2, work=wx, batch_invariant=True, **kx)
+    want = tsh.sharded_mla_decode(qx, kvx, btx, slx, softmax_scale=0.2, **kx)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))

@@ -134,7 +134,7 @@ def test_decode_launches_the_config(monkeypatch, dtype, S, H, page, loop, produc
     assert (kw.pop("input_specs"), kw.pop("output_specs")) == m.operand_specs(p, spec)
     assert kw.pop("dynamic_shapes") is True  # one compiled object for every B, cache size and table width
     assert kw == dict(loop=loop, producer=producer, dtype=dtype, num_heads=H, q_len=S, page_size=page, causal=True,
-                      num_ctas=spec.num_ctas, max_slots=spec.max_slots)
+                      num_ctas=spec.num_ctas, max_slots=spec.max_slots, chunk=0)
     # out, lse and the schedule's fp32 partials, whose size is the plan's workspace (not the batch's)
     assert len(seen["outputs"]) == 4
     assert [tuple(o.shape) for o in seen["outputs"][2:]] == [w.shape for w in plan.workspace]
@@ -162,7 +162,8 @@ def test_kernel_key_fields():
     from tokenspeed_jax.backends import sm90_decode as m
 
     names = [f.name for f in dataclasses.fields(m.DecodeKernelKey)]
-    assert names == ["config", "dtype", "num_heads", "q_len", "page_size", "causal", "num_ctas", "max_slots"]
+    assert names == ["config", "dtype", "num_heads", "q_len", "page_size", "causal", "num_ctas", "max_slots",
+                     "chunk"]
     keys = {m.kernel_key(q, m.select_config(q), m.plan_for_config(q, m.select_config(q)))
             for q in (_problem(batch=1), _problem(batch=64), _problem(batch=255))}
     assert len(keys) == 1
@@ -197,6 +198,57 @@ def test_operand_specs_are_the_keys(dtype, S, H, page):
         assert [t.divisibility for t in outs] == [(1, S, H, 512), (1, S, H), (slots, R, 512), (slots, R)]
         assert all(t.static is None and t.layout is None and t.mode is None for t in ins + outs)
     assert len(specs) == 1
+
+
+@pytest.mark.parametrize("dtype,S,H,page", [("bfloat16", 1, 16, 64), ("float8_e4m3fn", 4, 128, 16)])
+def test_batch_invariant_key_and_workspace(monkeypatch, dtype, S, H, page):
+    """``batch_invariant``: the key carries the chunk (one compile for every batch size, table width and cache size,
+    another than the default mode's), the chunk depends on the dtype and S x H only, the fp32 workspace has
+    ``B * ceil(capacity / chunk)`` slots (hint 1: a runtime extent), the schedule its chunk."""
+    pytest.importorskip("cutlass")
+    import jax.numpy as jnp
+
+    from tokenspeed_jax.backends import sm90_decode as m
+
+    seen = _record_custom_calls(monkeypatch)
+    keys, chunks = set(), set()
+    for B, num_pages, max_pages in ((1, 16, 8), (7, 100, 300), (256, 5, 2048)):
+        p = _problem(batch=B, q_len=S, num_heads=H, page_size=page, num_pages=num_pages, max_pages=max_pages,
+                     dtype=dtype, batch_invariant=True)
+        cfg = m.select_config(p)
+        plan = m.plan_for_config(p, cfg)
+        spec = m.schedule_spec(p, plan)
+        chunk = m.invariant_chunk(p)
+        assert spec.chunk == chunk and chunk % 128 == 0 and chunk >= 2048
+        key = m.kernel_key(p, cfg, plan)
+        assert key.chunk == chunk and key.max_slots == 1
+        assert key != m.kernel_key(dataclasses.replace(p, batch_invariant=False), cfg, plan)
+        keys.add(key)
+        chunks.add(chunk)
+        _, outs = m.operand_specs(p, spec)
+        assert [t.divisibility for t in outs][2:] == [(1, S * H, 512), (1, S * H)]
+        cap = max_pages * page
+        slots = B * -(-cap // chunk) if cap > chunk else 1
+        assert spec.slots(B) == slots
+        m.decode(p, jnp.zeros((B, S, H, 576), dtype), jnp.zeros((num_pages, page, 576), dtype),
+                 jnp.zeros((B, max_pages), jnp.int32), jnp.full((B,), 100, jnp.int32), 0.1, 1.0)
+        assert seen["key"] == key and seen["kw"]["chunk"] == chunk
+        assert [tuple(o.shape) for o in seen["outputs"][2:]] == [(slots, S * H, 512), (slots, S * H)]
+    assert len(keys) == 1 and len(chunks) == 1
+
+
+def test_invariant_chunk_rule():
+    """The chunk: a power of two >= 2048 from the dtype and S x H (never the batch, lengths or table), the larger the
+    more a piece's partial costs against its KV bytes (FP8, more rows)."""
+    from tokenspeed_jax.backends import sm90_decode as m
+
+    def chunk(dtype, H, S, **kw):
+        return m.invariant_chunk(_problem(dtype=dtype, num_heads=H, q_len=S, batch_invariant=True, **kw))
+
+    assert chunk("bfloat16", 16, 1) == chunk("bfloat16", 32, 1) == chunk("float8_e4m3fn", 16, 1) == 4096
+    assert chunk("bfloat16", 128, 1) == chunk("bfloat16", 32, 4) == chunk("float8_e4m3fn", 32, 1) == 8192
+    assert chunk("float8_e4m3fn", 128, 4) == 8192
+    assert chunk("bfloat16", 16, 1, batch=1) == chunk("bfloat16", 16, 1, batch=500, max_pages=4000, page_size=16)
 
 
 def test_no_environment_switch(monkeypatch):

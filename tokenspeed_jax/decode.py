@@ -65,7 +65,7 @@ PAGE_SIZES = (16, 32, 64, 128, 256)
 
 
 @functools.partial(jax.tree_util.register_dataclass, data_fields=["arrays"],
-                   meta_fields=["backend", "key", "sharding"])
+                   meta_fields=["backend", "key", "sharding", "batch_invariant"])
 @dataclasses.dataclass(frozen=True)
 class DecodeWork:
     """What a decode backend derives from ``seq_lens`` and the static problem alone, computed once per decode step
@@ -83,12 +83,15 @@ class DecodeWork:
       ``mla_decode`` refuses a work whose key differs from its own call's.
     * ``sharding``: ``None``, or for :func:`tokenspeed_jax.sharding.sharded_mla_decode_work` the
       ``(mesh, head_axis, batch_axis)`` it was computed for (per shard).
+    * ``batch_invariant``: the ``batch_invariant`` it was built with (``mla_decode`` refuses a work of the other
+      mode, on every backend).
     """
 
     arrays: tuple[jax.Array, ...]
     backend: str
     key: Hashable = None
     sharding: tuple | None = None
+    batch_invariant: bool = False
 
 
 def mla_decode_work(
@@ -100,6 +103,7 @@ def mla_decode_work(
     causal: bool = True,
     kv_lora_rank: int = 512,
     backend: str = "auto",
+    batch_invariant: bool = False,
 ) -> DecodeWork:
     """The per-step work of :func:`mla_decode`: compute it once per decode step and pass it to every layer's call
     as ``mla_decode(..., work=...)``.
@@ -116,8 +120,9 @@ def mla_decode_work(
         (batch, query tokens, heads, page size, table width, dtype), not on the number of cache pages.
       seq_lens: int ``[B]`` the lengths of the step (values are read: clamped to the table's capacity, as
         ``mla_decode`` clamps them).
-      causal, kv_lora_rank, backend: as the calls that will use it pass them (``backend="auto"`` picks the
-        backend the calls pick).
+      causal, kv_lora_rank, backend, batch_invariant: as the calls that will use it pass them
+        (``backend="auto"`` picks the backend the calls pick); a work of one ``batch_invariant`` mode is refused
+        by calls of the other.
 
     Returns:
       A :class:`DecodeWork`.  Inside ``jax.jit`` it is computed on the device with no host sync.  Results of
@@ -127,14 +132,22 @@ def mla_decode_work(
     if isinstance(seq_lens, jax.ShapeDtypeStruct):
         raise TypeError("seq_lens: expected the step's lengths as an array (the work is computed from their "
                         "values), got a jax.ShapeDtypeStruct")
-    problem = _decode_problem(q, kv_cache, block_table, seq_lens, causal, kv_lora_rank, False)
+    problem = _decode_problem(q, kv_cache, block_table, seq_lens, causal, kv_lora_rank, False, batch_invariant)
     impl = select_backend("decode", problem, backend)
+    _check_batch_invariant(impl, problem)
     if not has_decode_work(impl):
-        return DecodeWork((), impl.name)
+        return DecodeWork((), impl.name, batch_invariant=problem.batch_invariant)
     with jax.named_scope("tokenspeed_mla_decode_work"):
         seq_lens = C.clamp_index(seq_lens, 0, problem.max_kv_len)
         arrays = tuple(impl.decode_work(problem, seq_lens))
-    return DecodeWork(arrays, impl.name, impl.decode_work_key(problem))
+    return DecodeWork(arrays, impl.name, impl.decode_work_key(problem), batch_invariant=problem.batch_invariant)
+
+
+def _check_batch_invariant(impl, problem: DecodeProblem) -> None:
+    """A ``ValueError`` naming ``batch_invariant`` when it is asked of a backend without that mode (the backend's
+    ``decode_batch_invariant`` attribute: ``sm90`` runs it, ``xla`` accepts it)."""
+    if problem.batch_invariant and not getattr(impl, "decode_batch_invariant", False):
+        raise ValueError(f"batch_invariant: backend {impl.name!r} has no batch-invariant decode (backend='sm90' has)")
 
 
 def _work_arrays(work, impl, problem: DecodeProblem) -> tuple:
@@ -147,6 +160,9 @@ def _work_arrays(work, impl, problem: DecodeProblem) -> tuple:
     if work.sharding is not None:
         raise ValueError("work: built by tokenspeed_jax.sharding.sharded_mla_decode_work for a mesh; pass it to "
                          "sharded_mla_decode (mla_decode takes the work of mla_decode_work)")
+    if work.batch_invariant != problem.batch_invariant:
+        raise ValueError(f"work: built with batch_invariant={work.batch_invariant}, this call has batch_invariant="
+                         f"{problem.batch_invariant}; build it with the batch_invariant of the calls that use it")
     if work.backend != impl.name:
         raise ValueError(f"work: built for backend {work.backend!r}, this call runs on backend {impl.name!r}; build "
                          "it with the arguments of the calls that use it (the same shapes, dtypes and backend=)")
@@ -194,6 +210,7 @@ def mla_decode(
     backend: str = "auto",
     validate: bool = False,
     work: DecodeWork | None = None,
+    batch_invariant: bool = False,
 ) -> jax.Array | tuple[jax.Array, jax.Array]:
     """Multi-head latent attention decode (S = 1) and MTP decode (S = 2..16) over a paged cache.
 
@@ -218,16 +235,27 @@ def mla_decode(
         ``None`` computes it inside this call.  The result is bitwise identical either way.  A work built for
         another backend or another problem raises ``ValueError`` naming ``work``; its lengths are not checked.
         Under ``jax.vmap`` the call folds the mapped axis into its batch and computes its own work.
+      batch_invariant: make a request's output and LSE bitwise identical whatever batch it is in (its other
+        requests, their number and lengths, its position, the table width; not the backend, the shapes S, H,
+        page size, dtype, nor the device).  ``sm90``: the batch-invariant schedule
+        (``docs/sm90_decode_schedule.md``, "Batch invariance"): every request is cut into pieces of a fixed
+        number of its own tokens (``sm90_decode.invariant_chunk``: from the dtype and S x H only), each piece
+        computed the same way whatever CTA runs it, the pieces merged in an order fixed by the request's own piece
+        count; its fp32 workspace grows with the batch size.  ``xla`` (the reference): accepted and ignored; its
+        result is a batched XLA computation whose batch invariance is not guaranteed (XLA picks its matrix product
+        algorithms per shape).  Other backends (``sm100``) refuse it with a ``ValueError`` naming
+        ``batch_invariant``.
 
     Returns:
       ``out [B, S, H, kv_lora_rank]`` (bf16 for fp8 input, else the input dtype), or ``(out, lse)``.
     """
-    problem = _decode_problem(q, kv_cache, block_table, seq_lens, causal, kv_lora_rank, return_lse)
+    problem = _decode_problem(q, kv_cache, block_table, seq_lens, causal, kv_lora_rank, return_lse, batch_invariant)
     if not isinstance(validate, bool):
         raise TypeError(f"validate: expected a Python bool, got {validate!r}")
     ss = C.f32_scalar(softmax_scale, "softmax_scale")
     os_ = C.f32_scalar(output_scale, "output_scale")
     impl = select_backend("decode", problem, backend)
+    _check_batch_invariant(impl, problem)
     work_arrays = _work_arrays(work, impl, problem)
     with jax.named_scope("tokenspeed_mla_decode"):
         if validate:
@@ -237,7 +265,7 @@ def mla_decode(
         block_table = C.clamp_index(block_table, 0, problem.num_pages - 1)
         seq_lens = C.clamp_index(seq_lens, 0, problem.max_kv_len)
         call = _vmappable_decode(impl.name, problem.causal, problem.kv_lora_rank, problem.return_lse,
-                                 problem.target, trace_switches(impl))
+                                 problem.target, trace_switches(impl), problem.batch_invariant)
         out, lse = defer_to_lowering_platform("decode", problem, backend, call, q, kv_cache, block_table, seq_lens,
                                               ss, os_, work_arrays)
     return (out, lse) if return_lse else out
@@ -264,7 +292,8 @@ def contract_reason(problem: DecodeProblem) -> str | None:
     return None
 
 
-def _decode_problem(q, kv_cache, block_table, seq_lens, causal, kv_lora_rank, return_lse) -> DecodeProblem:
+def _decode_problem(q, kv_cache, block_table, seq_lens, causal, kv_lora_rank, return_lse,
+                    batch_invariant=False) -> DecodeProblem:
     C.array(q, "q")
     C.array(kv_cache, "kv_cache")
     C.array(block_table, "block_table")
@@ -275,6 +304,7 @@ def _decode_problem(q, kv_cache, block_table, seq_lens, causal, kv_lora_rank, re
     C.rank(seq_lens, "seq_lens", 1, "[B]")
     causal = C.static_bool(causal, "causal")
     return_lse = C.static_bool(return_lse, "return_lse")
+    batch_invariant = C.static_bool(batch_invariant, "batch_invariant")
     kv_lora_rank = C.static_pos_int(kv_lora_rank, "kv_lora_rank")
     dtype = C.float_dtype(q, "q", ALL_DTYPES)
     C.same_dtype(q, "q", kv_cache, "kv_cache")
@@ -304,7 +334,7 @@ def _decode_problem(q, kv_cache, block_table, seq_lens, causal, kv_lora_rank, re
     return DecodeProblem(
         batch=B, q_len=S, num_heads=H, head_dim=D, kv_lora_rank=kv_lora_rank, page_size=page_size,
         num_pages=num_pages, max_pages=block_table.shape[1], dtype=dtype, causal=causal,
-        return_lse=return_lse, target=current_target(),
+        return_lse=return_lse, target=current_target(), batch_invariant=batch_invariant,
     )
 
 
@@ -329,7 +359,7 @@ def check_decode_inputs(block_table, seq_lens, *, num_pages: int, page_size: int
 
 @functools.lru_cache(maxsize=64)
 def _vmappable_decode(backend_name: str, causal: bool, kv_lora_rank: int, return_lse: bool, target,
-                      switches: tuple = ()):
+                      switches: tuple = (), batch_invariant: bool = False):
     """The backend call wrapped in a ``custom_vmap`` that folds a vmapped axis into the batch.
 
     Cached on the static flags only, never on shapes (batch, pages and table width vary per call in a
@@ -351,7 +381,7 @@ def _vmappable_decode(backend_name: str, causal: bool, kv_lora_rank: int, return
 
     @jax.custom_batching.custom_vmap
     def call(q, kv_cache, block_table, seq_lens, ss, os_, work=()):
-        p = _decode_problem(q, kv_cache, block_table, seq_lens, causal, kv_lora_rank, return_lse)
+        p = _decode_problem(q, kv_cache, block_table, seq_lens, causal, kv_lora_rank, return_lse, batch_invariant)
         p = DecodeProblem(**{**p.__dict__, "target": target})
         if has_decode_work(impl):
             out, lse = impl.decode(p, q, kv_cache, block_table, seq_lens, ss, os_, work=tuple(work) or None)

@@ -20,6 +20,17 @@ Work model (all in units of ``unit`` = 128 KV tokens, one tile pair of the main 
   ``prefer`` times the busiest balanced CTA's cost (balanced cuts cost a Q reload, a pipeline restart and
   an fp32 partial per extra piece, which a bandwidth-bound full-length batch does not win back).
 
+**Batch-invariant** schedule (``chunk > 0``): every request is cut at every multiple of ``chunk`` tokens of its
+own, so request ``b`` has exactly ``ceil(L_b / chunk)`` pieces (one, direct, when ``L_b <= chunk``) whatever
+the other requests are; its cost is ``n_b + fixed_cost * pieces_b``, and the ``num_ctas`` ranges are cut at
+piece boundaries only, each at the boundary nearest to cost position ``g * total / num_ctas``.  A CTA's range
+then holds whole pieces, several of them per request possibly; the kernel walks it chunk by chunk.  Piece ``j``
+of a request of ``k >= 2`` pieces writes slot ``b * P + j``, ``P = ceil(capacity / chunk)`` (computed by the
+kernel from the request alone), and the combine merges a request's partials in an order that depends on its own
+piece count alone.  Slots: ``B * P`` (:meth:`ScheduleSpec.slots`), so this workspace grows with the batch size.
+In ``cta`` the slot columns are -1 (the kernel computes the slots), ``split_k`` is -1 (the combine's work list is
+every request) and ``n_split`` the number of requests of two pieces or more.
+
 A request whose units all fall in one CTA is *direct*: that CTA writes its final output.  A request cut by
 ``k >= 2`` CTAs writes ``k`` fp32 partials into consecutive workspace *slots* and the combine kernel merges
 them in order (deterministic).  Each interior cut splits at most one request in two, so at most
@@ -64,6 +75,8 @@ class ScheduleSpec:
     fixed_cost: start/drain cost of a piece, in units (FlashMLA: 5 blocks of 64 tokens).
     mode: ``"choose"`` (per call, on the device), ``"balanced"`` or ``"per_request"``.
     prefer: the per-request cut is kept while its busiest CTA costs at most ``prefer`` x the balanced one's.
+    chunk: ``0``, or the batch-invariant schedule's piece length in tokens (a multiple of ``unit``; ``mode``,
+      ``split_units`` and ``prefer`` are then unused).
     """
 
     num_ctas: int
@@ -73,6 +86,7 @@ class ScheduleSpec:
     mode: str = "choose"
     prefer: float = 1.08
     unit: int = UNIT
+    chunk: int = 0
 
     def __post_init__(self):
         for name in ("num_ctas", "capacity", "split_units", "unit"):
@@ -85,6 +99,9 @@ class ScheduleSpec:
             raise ValueError(f"mode: expected one of {MODES}, got {self.mode!r}")
         if not self.prefer >= 1.0:
             raise ValueError(f"prefer: expected a float >= 1, got {self.prefer!r}")
+        if (isinstance(self.chunk, bool) or not isinstance(self.chunk, int) or self.chunk < 0
+                or self.chunk % self.unit):
+            raise ValueError(f"chunk: expected 0 or a positive multiple of unit={self.unit}, got {self.chunk!r}")
 
     @property
     def max_slots(self) -> int:
@@ -92,6 +109,15 @@ class ScheduleSpec:
         from tokenspeed_jax.planner import schedule_slots
 
         return schedule_slots(self.num_ctas)
+
+    def slots(self, batch: int) -> int:
+        """Workspace slots of a schedule of ``batch`` requests: :attr:`max_slots`, or for the batch-invariant
+        schedule ``batch * ceil(capacity / chunk)`` when a request can have two pieces (``capacity > chunk``), at
+        least 1."""
+        if not self.chunk:
+            return self.max_slots
+        per_req = -(-self.capacity // self.chunk)
+        return max(1, batch * per_req) if per_req >= 2 else 1
 
 
 def _cuts(n, K, T, x, fixed_cost, split_units):
@@ -131,6 +157,8 @@ def _schedule(seq_lens, spec: ScheduleSpec):
     u, G, c = spec.unit, spec.num_ctas, spec.fixed_cost
     L = jnp.clip(seq_lens.astype(jnp.int32), 0, spec.capacity)
     n = (L + (u - 1)) // u
+    if spec.chunk:
+        return _invariant(n, L, spec)
     cost = jnp.where(n > 0, n + c, 0)
     zero = jnp.zeros((1,), jnp.int32)
     K = jnp.concatenate([zero, jnp.cumsum(cost, dtype=jnp.int32)])  # cost prefix [B+1]
@@ -149,6 +177,40 @@ def _schedule(seq_lens, spec: ScheduleSpec):
         ls = jnp.max(_cta_load(Ps, T, c))
         P = jnp.where(ls.astype(jnp.float32) <= spec.prefer * lb.astype(jnp.float32), Ps, Pb)
     return _metadata(P, n, L, T, spec)
+
+
+def _invariant(n, L, spec: ScheduleSpec):
+    """The batch-invariant schedule (module docstring): pieces of ``chunk`` tokens of each request, the CTA ranges
+    cut at the piece boundaries nearest to the even cost shares."""
+    B, G, u, c = n.shape[0], spec.num_ctas, spec.unit, spec.fixed_cost
+    cu = spec.chunk // u  # units per piece
+    pieces = (n + (cu - 1)) // cu
+    zero = jnp.zeros((1,), jnp.int32)
+    K = jnp.concatenate([zero, jnp.cumsum(n + c * pieces, dtype=jnp.int32)])  # cost prefix
+    T = jnp.concatenate([zero, jnp.cumsum(n, dtype=jnp.int32)])  # unit prefix
+    x = jnp.arange(G + 1, dtype=jnp.int32) * K[-1] // G
+    b = jnp.searchsorted(K[1:], x, side="right", method="compare_all")
+    bc = jnp.minimum(b, B - 1)
+    j = jnp.clip((x - K[bc] + (cu + c) // 2) // (cu + c), 0, pieces[bc])  # the nearest piece boundary
+    P = jnp.where(b < B, T[bc] + jnp.minimum(j * cu, n[bc]), T[B])
+
+    lo, hi = P[:-1], P[1:]
+    nonempty = hi > lo
+    b_first = jnp.minimum(jnp.searchsorted(T[1:], lo, side="right", method="compare_all"), B - 1)
+    b_last = jnp.minimum(jnp.searchsorted(T[1:], hi - 1, side="right", method="compare_all"), B - 1)
+    tok_first = (lo - T[b_first]) * u
+    tok_end = jnp.minimum((hi - T[b_last]) * u, L[b_last])
+    split = pieces >= 2
+    first = jnp.arange(B, dtype=jnp.int32) * (-(-spec.capacity // spec.chunk))  # request b's slots: b * P + j
+    n_split = jnp.sum(split, dtype=jnp.int32)
+    cta = jnp.stack([
+        jnp.where(nonempty, b_first, 1), jnp.where(nonempty, tok_first, 0),
+        jnp.where(nonempty, b_last, 0), jnp.where(nonempty, tok_end, 0),
+        jnp.full((G,), -1, jnp.int32), jnp.full((G,), -1, jnp.int32),
+        jnp.full((G,), -1, jnp.int32), jnp.broadcast_to(n_split, (G,)),
+    ], axis=1).astype(jnp.int32)
+    req = jnp.stack([pieces, jnp.where(split, first, -1)], axis=1).astype(jnp.int32)
+    return cta, req
 
 
 def _metadata(P, n, L, T, spec: ScheduleSpec):
@@ -189,15 +251,22 @@ def _metadata(P, n, L, T, spec: ScheduleSpec):
     return cta, req
 
 
-def reference_pieces(cta: np.ndarray, req: np.ndarray, seq_lens: np.ndarray, capacity: int):
+def reference_pieces(cta: np.ndarray, req: np.ndarray, seq_lens: np.ndarray, capacity: int, chunk: int = 0):
     """The pieces a kernel following ``cta`` runs, as ``[(g, b, tok_start, tok_end, slot)]`` (numpy;
-    the walk of the kernel's CTA loop, for tests and the CPU emulation)."""
+    the walk of the kernel's CTA loop, for tests and the CPU emulation).  ``chunk``: the batch-invariant
+    schedule's (:attr:`ScheduleSpec.chunk`): each request's part of a range is walked ``chunk`` tokens at a time,
+    piece ``j`` of a request ``b`` longer than ``chunk`` in slot ``b * ceil(capacity / chunk) + j``."""
     L = np.clip(np.asarray(seq_lens, np.int64), 0, capacity)
     out = []
     for g, (b0, t0, b1, t1, s0, s1, _, _) in enumerate(np.asarray(cta)):
         for b in range(int(b0), int(b1) + 1):
             start = int(t0) if b == b0 else 0
             end = int(t1) if b == b1 else int(L[b])
+            if chunk:
+                per_req = -(-capacity // chunk)
+                for cs in range(start, end, chunk):
+                    out.append((g, b, cs, min(cs + chunk, end), b * per_req + cs // chunk if L[b] > chunk else -1))
+                continue
             if end > start:
                 slot = int(s0) if b == b0 else (int(s1) if b == b1 else -1)
                 out.append((g, b, start, end, slot))

@@ -63,6 +63,7 @@ class DecodeProblem:
     causal: bool
     return_lse: bool
     target: Target
+    batch_invariant: bool = False  # mla_decode(batch_invariant=): a request's result independent of its batch
 
     @property
     def rope_dim(self) -> int:

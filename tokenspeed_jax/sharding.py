@@ -55,7 +55,7 @@ from jax.sharding import PartitionSpec as P
 
 from tokenspeed_jax import _checks as C
 from tokenspeed_jax.backends import has_decode_work, select_backend
-from tokenspeed_jax.decode import DecodeWork, _decode_problem, mla_decode, mla_decode_work
+from tokenspeed_jax.decode import DecodeWork, _check_batch_invariant, _decode_problem, mla_decode, mla_decode_work
 from tokenspeed_jax.prefill import mla_prefill
 
 __all__ = ["localize_block_table", "sharded_mla_decode", "sharded_mla_decode_work", "sharded_mla_prefill",
@@ -134,6 +134,7 @@ def sharded_mla_decode_work(
     causal: bool = True,
     kv_lora_rank: int = 512,
     backend: str = "auto",
+    batch_invariant: bool = False,
 ) -> DecodeWork:
     """The per-step work of :func:`sharded_mla_decode` (module docstring): each shard's
     :func:`~tokenspeed_jax.mla_decode_work` of its local call, computed under ``shard_map`` once per decode
@@ -159,26 +160,29 @@ def sharded_mla_decode_work(
     P_, ps, Dk = kv_cache.shape
     local = (sd((B // nb, S, H // nh, D), q.dtype), sd((P_ // nb if pages else P_, ps, Dk), kv_cache.dtype),
              sd((B // nb, block_table.shape[1]), block_table.dtype))
-    problem = _decode_problem(*local, sd((B // nb,), seq_lens.dtype), causal, kv_lora_rank, False)
+    problem = _decode_problem(*local, sd((B // nb,), seq_lens.dtype), causal, kv_lora_rank, False, batch_invariant)
     impl = select_backend("decode", problem, backend)
+    _check_batch_invariant(impl, problem)
     layout = (mesh, head_axis, batch_axis)
     if not has_decode_work(impl):
-        return DecodeWork((), impl.name, None, layout)
-    fn = _work_fn(mesh, batch_axis, local, causal, kv_lora_rank, impl.name)
-    return DecodeWork(tuple(fn(seq_lens)), impl.name, impl.decode_work_key(problem), layout)
+        return DecodeWork((), impl.name, None, layout, problem.batch_invariant)
+    fn = _work_fn(mesh, batch_axis, local, causal, kv_lora_rank, impl.name, problem.batch_invariant)
+    return DecodeWork(tuple(fn(seq_lens)), impl.name, impl.decode_work_key(problem), layout, problem.batch_invariant)
 
 
 @functools.lru_cache(maxsize=256)
-def _work_fn(mesh, batch_axis, local, causal, kv_lora_rank, backend):
+def _work_fn(mesh, batch_axis, local, causal, kv_lora_rank, backend, batch_invariant=False):
     """One jitted shard_map computing each shard's work from its lengths (leading axis over ``batch_axis``)."""
     spec = P(batch_axis)
 
     def per_shard(sl):
-        w = mla_decode_work(*local, sl, causal=causal, kv_lora_rank=kv_lora_rank, backend=backend)
+        w = mla_decode_work(*local, sl, causal=causal, kv_lora_rank=kv_lora_rank, backend=backend,
+                            batch_invariant=batch_invariant)
         return tuple(a[None] for a in w.arrays) if batch_axis is not None else w.arrays
 
     out_shapes = jax.eval_shape(
-        lambda sl: mla_decode_work(*local, sl, causal=causal, kv_lora_rank=kv_lora_rank, backend=backend).arrays,
+        lambda sl: mla_decode_work(*local, sl, causal=causal, kv_lora_rank=kv_lora_rank, backend=backend,
+                                   batch_invariant=batch_invariant).arrays,
         jax.ShapeDtypeStruct(local[2].shape[:1], jax.numpy.int32))
     mapped = _shard_map(per_shard, mesh, (spec,), tuple(spec if batch_axis is not None else P() for _ in out_shapes))
 
@@ -190,7 +194,7 @@ def _work_fn(mesh, batch_axis, local, causal, kv_lora_rank, backend):
     return run
 
 
-def _sharded_work(work, mesh, head_axis, batch_axis, nb):
+def _sharded_work(work, mesh, head_axis, batch_axis, nb, batch_invariant=False):
     """``(arrays, (backend, key, count))`` of ``work`` for a sharded call, or ``((), None)`` without one; a
     ``TypeError`` / ``ValueError`` naming ``work`` when it was built for another layout."""
     if work is None:
@@ -206,6 +210,9 @@ def _sharded_work(work, mesh, head_axis, batch_axis, nb):
         raise ValueError(f"work: built for head_axis={wh!r}, batch_axis={wb!r} on its mesh, this call has "
                          f"head_axis={head_axis!r}, batch_axis={batch_axis!r} on mesh {dict(mesh.shape)}; build it "
                          "with sharded_mla_decode_work and this call's mesh and axes")
+    if work.batch_invariant != batch_invariant:
+        raise ValueError(f"work: built with batch_invariant={work.batch_invariant}, this call has batch_invariant="
+                         f"{batch_invariant}; build it with the batch_invariant of the calls that use it")
     arrays = tuple(work.arrays)
     if batch_axis is not None:
         for a in arrays:
@@ -232,6 +239,7 @@ def sharded_mla_decode(
     return_lse: bool = False,
     backend: str = "auto",
     work: DecodeWork | None = None,
+    batch_invariant: bool = False,
 ) -> jax.Array | tuple[jax.Array, jax.Array]:
     """:func:`~tokenspeed_jax.mla_decode` with heads split over ``head_axis`` (tensor parallel) and/or
     requests split over ``batch_axis`` (data parallel); see the module docstring for the layouts.
@@ -242,7 +250,8 @@ def sharded_mla_decode(
       mesh: the device mesh.  head_axis / batch_axis: mesh axis names, or None.
       cache_sharding: ``"pages"`` (split the cache along pages over ``batch_axis``) or ``"replicated"``.
         Ignored without ``batch_axis`` (tensor parallel always replicates the latent cache).
-      softmax_scale, output_scale, causal, kv_lora_rank, return_lse, backend: as in ``mla_decode``.
+      softmax_scale, output_scale, causal, kv_lora_rank, return_lse, backend, batch_invariant: as in
+        ``mla_decode`` (``batch_invariant``: each shard's call is batch-invariant over its own requests).
       work: the step's work from :func:`sharded_mla_decode_work` (same mesh, axes and arguments), shared by
         every layer; None computes it inside each shard's call.  Bitwise the same result either way.
 
@@ -259,13 +268,16 @@ def sharded_mla_decode(
     kv_lora_rank = C.static_pos_int(kv_lora_rank, "kv_lora_rank")
     if not isinstance(backend, str):
         raise TypeError(f"backend: expected a backend name or 'auto', got {type(backend).__name__}")
-    arrays, meta = _sharded_work(work, mesh, head_axis, batch_axis, nb)
-    fn = _decode_fn(mesh, head_axis, batch_axis, pages, causal, kv_lora_rank, bool(return_lse), backend, meta)
+    batch_invariant = C.static_bool(batch_invariant, "batch_invariant")
+    arrays, meta = _sharded_work(work, mesh, head_axis, batch_axis, nb, batch_invariant)
+    fn = _decode_fn(mesh, head_axis, batch_axis, pages, causal, kv_lora_rank, bool(return_lse), backend, meta,
+                    batch_invariant)
     return fn(q, kv_cache, block_table, seq_lens, ss, os_, arrays)
 
 
 @functools.lru_cache(maxsize=256)
-def _decode_fn(mesh, head_axis, batch_axis, pages, causal, kv_lora_rank, return_lse, backend, work_meta=None):
+def _decode_fn(mesh, head_axis, batch_axis, pages, causal, kv_lora_rank, return_lse, backend, work_meta=None,
+               batch_invariant=False):
     """One jitted shard_map per static configuration (eager shard_map would dispatch op by op); ``work_meta``:
     ``(backend, key, number of arrays)`` of the work passed in, or None."""
     q_spec = P(batch_axis, None, head_axis, None)
@@ -280,9 +292,10 @@ def _decode_fn(mesh, head_axis, batch_axis, pages, causal, kv_lora_rank, return_
         if work_meta is not None:
             if batch_axis is not None:
                 arrays = tuple(a[0] for a in arrays)
-            work = DecodeWork(tuple(arrays), work_meta[0], work_meta[1])
+            work = DecodeWork(tuple(arrays), work_meta[0], work_meta[1], batch_invariant=batch_invariant)
         return mla_decode(q, kv, bt, sl, softmax_scale=ss, output_scale=os_, causal=causal,
-                          kv_lora_rank=kv_lora_rank, return_lse=return_lse, backend=backend, work=work)
+                          kv_lora_rank=kv_lora_rank, return_lse=return_lse, backend=backend, work=work,
+                          batch_invariant=batch_invariant)
 
     mapped = _shard_map(local, mesh, in_specs, out_specs)
 

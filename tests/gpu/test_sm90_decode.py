@@ -233,3 +233,97 @@ def test_shared_work_bitwise_and_one_object_for_every_batch(rng):
         if misses is None:
             misses = cache_stats()["misses"]
         assert cache_stats()["misses"] == misses, (B, max_pages, cache_stats())
+
+
+# (dtype, S, H, page): the batch-invariant mode on the 16-bit and FP8 loops, S = 1 and S = 4 causal, pages 64 and 16
+_INVARIANT_CASES = [("bfloat16", 1, 16, 64), ("bfloat16", 4, 32, 64), ("float8_e4m3fn", 1, 16, 64),
+                    ("float8_e4m3fn", 4, 32, 64), ("bfloat16", 1, 128, 16)]
+# the requests followed through the batches: empty, shorter than S, inside one piece, at and around the piece length
+# of either chunk (4096, 8192), several pieces, and one long request
+_INVARIANT_TARGETS = (0, 3, 100, 4095, 4096, 4097, 8192, 8193, 3 * 8192 + 77, 50000)
+
+
+@pytest.mark.parametrize("dtype,S,H,page", _INVARIANT_CASES, ids=lambda x: str(x))
+def test_batch_invariant_bitwise(dtype, S, H, page, rng):
+    """``mla_decode(batch_invariant=True)``: each followed request's output and LSE are bitwise the same alone (a
+    batch of the targets alone) and inside batches of 2 / 8 / 64 / 128 requests with random other lengths (0 to
+    40k, empty ones included), at random positions, with other table widths and its pages at other page ids (the
+    cache permuted); and they match the fp32 reference at the check matrix's tolerances."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from types import SimpleNamespace
+
+    import tokenspeed_jax as tj
+    from benchmarks.decode import FP8_P_ROUND, fp8_qk_lse_slack, p_round_spread
+
+    scale = jnp.float32(576 ** -0.5)
+    targets = np.array(_INVARIANT_TARGETS, np.int64)
+    T = len(targets)
+    num_pages = (262144 // page) + 8
+    width0 = -(-int(targets.max()) // page) + 3
+    key = jax.random.PRNGKey(int(rng.integers(0, 2**31 - 1)))
+    kv = jax.random.normal(key, (num_pages, page, 576), jnp.float32).astype(dtype)
+    qt = jnp.asarray(rng.standard_normal((T, S, H, 576)), jnp.float32).astype(dtype)
+    bt_t = rng.integers(0, num_pages, (T, width0))  # the targets' pages (random, shared pages allowed)
+
+    @jax.jit
+    def run(q, kv, bt, sl):
+        return tj.mla_decode(q, kv, bt, sl, softmax_scale=scale, backend="sm90", return_lse=True,
+                             batch_invariant=True, work=tj.mla_decode_work(q, kv, bt, sl, backend="sm90",
+                                                                           batch_invariant=True))
+
+    def batch(B, width, perm=None):
+        """A batch of ``B`` requests holding the targets (all of them, or the first ``B // 2`` when fewer fit) at
+        random positions among random others; ``width`` >= width0 table columns; ``perm``: page ids relabelled."""
+        n_t = min(T, max(1, B // 2))
+        pick = rng.permutation(T)[:n_t]
+        pos = rng.permutation(B)[:n_t]
+        lens = rng.integers(0, 40001, B)
+        lens[rng.random(B) < 0.1] = 0
+        lens = np.minimum(lens, width * page)
+        bt = rng.integers(0, num_pages, (B, width))
+        q = jnp.asarray(rng.standard_normal((B, S, H, 576)), jnp.float32).astype(dtype)
+        lens[pos] = targets[pick]
+        bt[pos, :width0] = bt_t[pick]
+        q = q.at[pos].set(qt[pick])
+        kvb = kv
+        if perm is not None:  # page p's content now at id perm[p]
+            inv = np.argsort(perm)
+            kvb = kv[jnp.asarray(inv)]
+            bt = perm[bt]
+        out, lse = run(q, kvb, jnp.asarray(bt, jnp.int32), jnp.asarray(lens, jnp.int32))
+        return pick, np.asarray(out[pos].astype(jnp.float32)), np.asarray(lse[pos])
+
+    alone_o, alone_l = run(qt, kv, jnp.asarray(bt_t, jnp.int32), jnp.asarray(targets, jnp.int32))
+    alone_o, alone_l = np.asarray(alone_o.astype(jnp.float32)), np.asarray(alone_l)
+    for i in range(T):  # each target alone, B = 1
+        o1, l1 = run(qt[i:i + 1], kv, jnp.asarray(bt_t[i:i + 1], jnp.int32),
+                     jnp.asarray(targets[i:i + 1], jnp.int32))
+        assert np.array_equal(np.asarray(o1.astype(jnp.float32))[0], alone_o[i], equal_nan=True), (i, targets[i])
+        assert np.array_equal(np.asarray(l1)[0], alone_l[i], equal_nan=True), (i, targets[i])
+    runs = [(2, width0, None), (8, width0 + 5, None), (64, width0 + 40, rng.permutation(num_pages)),
+            (128, width0, None), (128, width0 + 1, rng.permutation(num_pages))]
+    for B, width, perm in runs:
+        pick, o, lse = batch(B, width, perm)
+        for j, i in enumerate(pick):
+            assert np.array_equal(o[j], alone_o[i], equal_nan=True), (B, width, targets[i])
+            assert np.array_equal(lse[j], alone_l[i], equal_nan=True), (B, width, targets[i])
+
+    # the fp32 reference, at the tolerances of benchmarks.decode.check
+    f32 = jnp.float32
+    bt_j, sl_j = jnp.asarray(bt_t, jnp.int32), jnp.asarray(targets, jnp.int32)
+    ro, rl = tj.mla_decode(qt.astype(f32), kv.astype(f32), bt_j, sl_j, softmax_scale=scale, backend="xla",
+                           return_lse=True)
+    ro, rl = np.asarray(ro), np.asarray(rl)
+    xo = np.asarray(jnp.asarray(ro).astype("bfloat16" if dtype == "float8_e4m3fn" else dtype).astype(f32))
+    tol_o = 2 * float(np.nanmax(np.abs(xo - ro))) + 1e-3
+    c = SimpleNamespace(dtype=dtype, causal=True)
+    if dtype == "float8_e4m3fn":
+        tol_o = tol_o + FP8_P_ROUND * p_round_spread(c, qt, kv, bt_j, sl_j, scale)
+    assert np.all(np.abs(alone_o - ro) <= tol_o), float(np.max(np.abs(alone_o - ro)))
+    assert np.array_equal(np.isneginf(alone_l), np.isneginf(rl))
+    fin = np.isfinite(rl)
+    ltol = 1e-3 + 1e-4 * float(np.max(np.abs(rl[fin]), initial=0)) + fp8_qk_lse_slack(c, qt, kv, scale)
+    assert np.all(np.abs(alone_l[fin] - rl[fin]) <= (ltol[fin] if np.ndim(ltol) else ltol))
+    assert np.all(alone_o[np.isneginf(rl)] == 0) and np.all(np.isfinite(alone_o))

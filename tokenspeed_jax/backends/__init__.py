@@ -16,6 +16,9 @@ A backend is an object with
   result; the key is what the arrays depend on (two problems with equal keys share them) and is how
   ``mla_decode`` tells a ``work`` built for another call.  Backends without these methods have no per-step work
   (their ``mla_decode_work`` is empty).
+* optionally ``decode_batch_invariant = True``: the backend takes ``problem.batch_invariant``
+  (``mla_decode(batch_invariant=True)``: ``sm90`` runs its batch-invariant schedule, ``xla`` accepts it unchanged);
+  ``mla_decode`` refuses the flag on the others.
 
 where the scales are float32 scalar arrays (runtime operands).  ``supports_*`` must be cheap and must not
 import torch or compile anything; availability checks that need an import are cached.

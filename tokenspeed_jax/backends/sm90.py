@@ -23,6 +23,7 @@ def _half(module: str):
 class Sm90Backend:
     name = "sm90"
     priority = 90
+    decode_batch_invariant = True  # mla_decode(batch_invariant=True): the batch-invariant schedule
 
     @staticmethod
     def _decode_mod():

@@ -75,7 +75,9 @@ CONFIGS = {
 @dataclasses.dataclass(frozen=True)
 class DecodeKernelKey:
     """What the generated code depends on beyond operand shapes and dtypes: the problem's static fields, the
-    persistent grid and workspace of the schedule and the config (built by :func:`kernel_key`)."""
+    persistent grid and workspace of the schedule and the config (built by :func:`kernel_key`).  ``chunk``: 0, or
+    the batch-invariant schedule's piece length (:func:`invariant_chunk`), whose workspace is sized per call
+    (``max_slots`` is then 1, unused by the kernels)."""
 
     config: Sm90DecodeConfig
     dtype: str
@@ -85,6 +87,7 @@ class DecodeKernelKey:
     causal: bool
     num_ctas: int
     max_slots: int
+    chunk: int = 0
 
 
 def supports(problem: DecodeProblem) -> str | None:
@@ -163,19 +166,46 @@ def plan_for_config(problem: DecodeProblem, config: Sm90DecodeConfig):
     return plan_for_problem(problem, block_m=32 if config.loop == "fp8_transposed" else 64)
 
 
+# the batch-invariant schedule: a piece's overhead (fixed start/drain cost and its fp32 partial's write and read) is
+# held to at most 1/INVARIANT_OVERHEAD of the piece's own KV work, by the schedule's cost model (invariant_chunk)
+INVARIANT_OVERHEAD = 8
+_FIXED_COST = 5  # the schedule's start/drain cost of a piece, in 64-token tiles (FlashMLA's constant)
+
+
+def invariant_chunk(problem: DecodeProblem) -> int:
+    """The piece length (tokens) of the batch-invariant schedule: a function of the dtype and ``S x H`` only (never
+    of the batch size, the lengths or the table width, so a request's pieces are the same in every batch of a model).
+
+    A piece costs, beyond its KV tokens, the schedule's fixed start/drain cost (``5 x 64`` tokens) and the write and
+    read of its fp32 partial by each row block (``2 x min(S x H, 64) x 513 x 4`` bytes), counted in KV tokens of the
+    row block's stream (576 bytes a token in FP8, 1152 in 16-bit).  The chunk is the smallest power of two, at least
+    2048, of at least :data:`INVARIANT_OVERHEAD` times that overhead: 4096 for 16-bit S x H <= 32 and FP8 S x H <= 16,
+    8192 above.  Smaller chunks cost every large batch more (more pieces, partials and combine work); larger
+    ones leave a small batch of long requests fewer pieces than CTAs (``ceil(L / chunk)`` CTAs busy for one request)."""
+    kv_bytes = problem.head_dim * (1 if problem.dtype == "float8_e4m3fn" else 2)
+    partial = 2 * min(problem.rows, 64) * (problem.kv_lora_rank + 1) * 4
+    overhead = _FIXED_COST * 64 + partial / kv_bytes
+    chunk = 2048
+    while chunk < INVARIANT_OVERHEAD * overhead:
+        chunk *= 2
+    return chunk
+
+
 def schedule_spec(problem: DecodeProblem, plan) -> ScheduleSpec:
     """The schedule of a call (:mod:`tokenspeed_jax.decode_schedule`): ``num_sms // m_blocks`` persistent CTAs per
     row block, the block table's capacity, and the static plan's tokens per split as the per-request cut (the one a
-    full-length batch keeps), in 64-token units (the kernels' KV tile) with FlashMLA's start/drain cost of 5 tiles."""
+    full-length batch keeps), in 64-token units (the kernels' KV tile) with FlashMLA's start/drain cost of 5 tiles;
+    with ``problem.batch_invariant`` the batch-invariant schedule of :func:`invariant_chunk` pieces."""
     return ScheduleSpec(num_ctas=max(1, plan.num_sms // plan.num_m_blocks), capacity=problem.max_kv_len,
-                        split_units=max(1, plan.tokens_per_split // 64), fixed_cost=5, unit=64)
+                        split_units=max(1, plan.tokens_per_split // 64), fixed_cost=_FIXED_COST, unit=64,
+                        chunk=invariant_chunk(problem) if problem.batch_invariant else 0)
 
 
 def kernel_key(problem: DecodeProblem, config: Sm90DecodeConfig, plan) -> DecodeKernelKey:
     """The compile key: the problem's static fields, the schedule's grid and workspace, and the config."""
     spec = schedule_spec(problem, plan)
     return DecodeKernelKey(config, problem.dtype, problem.num_heads, problem.q_len, problem.page_size,
-                           problem.causal, spec.num_ctas, spec.max_slots)
+                           problem.causal, spec.num_ctas, 1 if spec.chunk else spec.max_slots, spec.chunk)
 
 
 def schedule_of(problem: DecodeProblem, seq_lens, config: Sm90DecodeConfig | None = None):
@@ -186,8 +216,9 @@ def schedule_of(problem: DecodeProblem, seq_lens, config: Sm90DecodeConfig | Non
 
 def work_key(problem: DecodeProblem, config: Sm90DecodeConfig | None = None) -> tuple[int, ScheduleSpec]:
     """What the schedule of a call depends on besides the lengths: ``(batch, ScheduleSpec)`` (the grid, the table's
-    capacity and the per-request cut).  Calls with equal keys and lengths have equal schedules, so one
-    ``mla_decode_work`` serves every layer of a decode step; a different key is another call's schedule."""
+    capacity, the per-request cut and the batch-invariant chunk).  Calls with equal keys and lengths have equal
+    schedules, so one ``mla_decode_work`` serves every layer of a decode step; a different key is another call's
+    schedule."""
     config = select_config(problem) if config is None else config
     return problem.batch, schedule_spec(problem, plan_for_config(problem, config))
 
@@ -206,7 +237,8 @@ def operand_specs(problem: DecodeProblem, spec: ScheduleSpec):
         return TensorSpec(divisibility=divisibility)
 
     inputs = (t(1, S, H, D), t(1, problem.page_size, D), t(1, 1), t(1), t(1), t(1), t(spec.num_ctas, 8), t(1, 2))
-    outputs = (t(1, S, H, L), t(1, S, H), t(spec.max_slots, R, L), t(spec.max_slots, R))
+    slots = 1 if spec.chunk else spec.max_slots  # (the batch-invariant workspace: B * ceil(capacity / chunk) slots)
+    outputs = (t(1, S, H, L), t(1, S, H), t(slots, R, L), t(slots, R))
     return inputs, outputs
 
 
@@ -238,8 +270,8 @@ def decode(problem: DecodeProblem, q, kv_cache, block_table, seq_lens, softmax_s
                              f"{(B, 2)}, got {tuple(sched_cta.shape)} and {tuple(sched_req.shape)}")
     outputs = [jax.ShapeDtypeStruct((B, S, H, problem.kv_lora_rank), jnp.dtype(problem.out_dtype)),
                jax.ShapeDtypeStruct((B, S, H), jnp.float32),
-               jax.ShapeDtypeStruct((spec.max_slots, S * H, problem.kv_lora_rank), jnp.float32),
-               jax.ShapeDtypeStruct((spec.max_slots, S * H), jnp.float32)]
+               jax.ShapeDtypeStruct((spec.slots(B), S * H, problem.kv_lora_rank), jnp.float32),
+               jax.ShapeDtypeStruct((spec.slots(B), S * H), jnp.float32)]
     constexprs = {f.name: getattr(key, f.name) for f in dataclasses.fields(key) if f.name != "config"}
     input_specs, output_specs = operand_specs(problem, spec)
     # the kernel modules are imported only when CuTe DSL compiles the kernel (not on a compile-cache hit)

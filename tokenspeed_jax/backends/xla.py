@@ -118,6 +118,7 @@ def _decode_parts(p: DecodeProblem, q, kv_cache, block_table, seq_lens, softmax_
 class XlaBackend:
     name = "xla"
     priority = 0
+    decode_batch_invariant = True  # accepted, nothing changes (mla_decode's docstring: no guarantee)
 
     def supports_decode(self, problem: DecodeProblem) -> str | None:
         if problem.dtype not in ALL_DTYPES:

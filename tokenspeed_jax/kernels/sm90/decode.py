@@ -25,12 +25,13 @@ LOOPS = ("seesaw", "transposed", "fp8_transposed_pv", "fp8_transposed")
 
 
 def build_decode_kernel(*, loop: str, producer: bool, dtype: str, num_heads: int, q_len: int, page_size: int,
-                        causal: bool, num_ctas: int, max_slots: int, trace: int = 0):
+                        causal: bool, num_ctas: int, max_slots: int, trace: int = 0, chunk: int = 0):
     """The kernel object of ``loop`` for one problem class (the backend's config, resolved): ``num_ctas`` persistent
     CTAs per row block, ``max_slots`` fp32 partial slots; ``trace`` > 0: a debug build with ``clock64`` marks
-    (benchmarks/trace_decode.py; not the transposed 16-bit loop)."""
+    (benchmarks/trace_decode.py; not the transposed 16-bit loop); ``chunk`` > 0: the batch-invariant schedule's
+    piece length (``decode_common.MlaDecodeSm90``)."""
     kw = dict(dtype=dtype, num_heads=num_heads, q_len=q_len, page_size=page_size, causal=causal,
-              num_ctas=num_ctas, max_slots=max_slots)
+              num_ctas=num_ctas, max_slots=max_slots, chunk=chunk)
     if loop == "seesaw":
         return MlaDecodeSeesawSm90(producer=producer, trace=trace, **kw)
     if not producer:
@@ -52,13 +53,15 @@ def launch_decode(stream, q: cute.Tensor, kv: cute.Tensor, block_table: cute.Ten
                   out: cute.Tensor, lse: cute.Tensor, o_accum: cute.Tensor, lse_accum: cute.Tensor, *,
                   loop: cutlass.Constexpr, producer: cutlass.Constexpr, dtype: cutlass.Constexpr,
                   num_heads: cutlass.Constexpr, q_len: cutlass.Constexpr, page_size: cutlass.Constexpr,
-                  causal: cutlass.Constexpr, num_ctas: cutlass.Constexpr, max_slots: cutlass.Constexpr):
+                  causal: cutlass.Constexpr, num_ctas: cutlass.Constexpr, max_slots: cutlass.Constexpr,
+                  chunk: cutlass.Constexpr = 0):
     """FFI launch function of the sm90 decode (ABI: ``tokenspeed_jax.backends.sm90_decode.decode``): q, cache, block
     table, lengths, the (1,)-shaped scales, the schedule's ``cta [num_ctas, 8]`` and ``req [B, 2]``
     (``tokenspeed_jax.decode_schedule``), then the outputs out, lse and the fp32 partials
-    ``o_accum [max_slots, rows, 512]`` and ``lse_accum [max_slots, rows]``."""
+    ``o_accum [max_slots, rows, 512]`` and ``lse_accum [max_slots, rows]`` (``chunk`` > 0, the batch-invariant
+    schedule: ``[B * ceil(capacity / chunk), ..]``)."""
     build_decode_kernel(loop=loop, producer=producer, dtype=dtype, num_heads=num_heads, q_len=q_len,
-                        page_size=page_size, causal=causal, num_ctas=num_ctas, max_slots=max_slots)(
+                        page_size=page_size, causal=causal, num_ctas=num_ctas, max_slots=max_slots, chunk=chunk)(
         stream, q, kv, block_table, seq_lens, softmax_scale, output_scale, sched_cta, sched_req, out, lse, o_accum,
         lse_accum)
 
@@ -71,12 +74,13 @@ def launch_decode_traced(stream, q: cute.Tensor, kv: cute.Tensor, block_table: c
                          loop: cutlass.Constexpr, producer: cutlass.Constexpr, dtype: cutlass.Constexpr,
                          num_heads: cutlass.Constexpr, q_len: cutlass.Constexpr, page_size: cutlass.Constexpr,
                          causal: cutlass.Constexpr, num_ctas: cutlass.Constexpr, max_slots: cutlass.Constexpr,
-                         trace: cutlass.Constexpr):
+                         trace: cutlass.Constexpr, chunk: cutlass.Constexpr = 0):
     """Debug build of :func:`launch_decode` with ``clock64`` marks (:class:`~.decode_trace.DecodeTraceMixin`) in
     ``trace_buf`` (int64 ``(ctas, 2, trace, len(TRACE_EVENTS))``, the first ``ctas`` CTAs in ``(g, row block)``
     order), an extra output after ``lse`` (benchmarks/trace_decode.py)."""
     build_decode_kernel(loop=loop, producer=producer, dtype=dtype, num_heads=num_heads, q_len=q_len,
-                        page_size=page_size, causal=causal, num_ctas=num_ctas, max_slots=max_slots, trace=trace)(
+                        page_size=page_size, causal=causal, num_ctas=num_ctas, max_slots=max_slots, trace=trace,
+                        chunk=chunk)(
         stream, q, kv, block_table, seq_lens, softmax_scale, output_scale, sched_cta, sched_req, out, lse, o_accum,
         lse_accum, trace_buf)
 

@@ -40,7 +40,8 @@ class MlaDecodeSm90:
 
     Args: dtype ("bfloat16" | "float16" | "float8_e4m3fn"), num_heads H, q_len S, page_size (a power of two >= 16),
     causal, num_ctas (the persistent CTAs per row block), max_slots (the workspace's fp32 partial slots), ``pad_zero``: the query rows past R of a 64-row block are
-    zeros with every key masked (else no row past R is read: a block without padding, or a loop on the real rows).
+    zeros with every key masked (else no row past R is read: a block without padding, or a loop on the real rows),
+    ``chunk``: 0, or the batch-invariant schedule's piece length in tokens (a multiple of 128).
     """
 
     block_m = 64
@@ -48,7 +49,7 @@ class MlaDecodeSm90:
     num_threads = 256  # the two computing warpgroups
 
     def __init__(self, *, dtype: str, num_heads: int, q_len: int, page_size: int, causal: bool,
-                 num_ctas: int, max_slots: int, pad_zero: bool = False):
+                 num_ctas: int, max_slots: int, pad_zero: bool = False, chunk: int = 0):
         why = self.can_implement(dtype=dtype, num_heads=num_heads, q_len=q_len, page_size=page_size)
         if why:
             raise ValueError(why)
@@ -65,6 +66,11 @@ class MlaDecodeSm90:
         self.causal = causal
         self.num_ctas = num_ctas
         self.max_slots = max_slots
+        if chunk < 0 or chunk % (2 * self.block_n):
+            raise ValueError(f"chunk: expected 0 or a positive multiple of {2 * self.block_n}, got {chunk}")
+        # the batch-invariant schedule's piece length (0: the length-balanced schedule): the walk runs a range's
+        # requests chunk by chunk (walk_chunks), the workspace has max_slots unused and the combine any slot count
+        self.chunk = chunk
         self.D, self.DV = 576, 512
         self.num_m_blocks = -(-self.R // self.block_m)
         # the rows past R of a row block (R % 64 != 0) load zeros and mask every key, so the padded rows of both
@@ -236,32 +242,66 @@ class MlaDecodeSm90:
     @cute.jit
     def walk_pieces(self, c, b_first: Int32, b_last: Int32, producer: cutlass.Constexpr):
         """One warpgroup's walk over requests ``b_first..b_last`` (:meth:`piece`), each non-empty piece a whole run
-        of the loop between CTA barriers.  The loop's hooks: ``produce_piece(c, b, start, end, n_pairs)`` (the
-        producer warpgroup: its refills and the barrier the Q tile waits on), :meth:`load_piece_q`,
-        ``consume(c, cta, b, seq, start, end, slot, n_pairs)`` (the computing warpgroups: the loop and the epilogue,
-        whose first step is a CTA barrier) and ``advance_phases(n_pairs)`` (the mbarriers' completions of the piece
-        into :attr:`ph`)."""
+        of the loop between CTA barriers (:meth:`run_piece`).  The batch-invariant schedule (:attr:`chunk` > 0):
+        each request's part of the range is run ``chunk`` tokens at a time (:meth:`walk_chunks`)."""
+        if cutlass.const_expr(self.chunk > 0):
+            self.walk_chunks(c, b_first, b_last, producer)
+        else:
+            mCta, mBT, mSeq, g = c.mCta, c.mBT, c.mSeq, c.g
+            for b in cutlass.range(b_first, b_last + 1, unroll=1):
+                seq, start, end, slot = self.piece(mCta, mBT, mSeq, g, b)
+                if end > start:
+                    self.run_piece(c, b, seq, start, end, slot, producer)
+
+    @cute.jit
+    def walk_chunks(self, c, b_first: Int32, b_last: Int32, producer: cutlass.Constexpr):
+        """The walk of the batch-invariant schedule (``tokenspeed_jax.decode_schedule``, ``chunk > 0``): the range's
+        part ``[start, end)`` of each request ``b`` (:meth:`piece`; ``start`` a multiple of :attr:`chunk`) runs as the
+        pieces ``[cs, min(cs + chunk, end))``, ``cs = start, start + chunk, ..``: the pieces the request has in every
+        batch.  A request longer than ``chunk`` writes piece ``cs / chunk`` into slot ``b * P + cs / chunk``, ``P =
+        ceil(capacity / chunk)`` (the workspace has ``B * P`` slots); a shorter one is direct.  The walk carries
+        ``(b, cs)`` only (one loop, so the piece's run keeps the registers it has in the default walk).  A piece's run
+        depends on ``(b, seq, cs, end, slot < 0)`` only, so its result is the same whatever CTA runs it."""
         mCta, mBT, mSeq, g = c.mCta, c.mBT, c.mSeq, c.g
-        tid, sM = c.tid, c.sM
-        for b in cutlass.range(b_first, b_last + 1, unroll=1):
-            seq, start, end, slot = self.piece(mCta, mBT, mSeq, g, b)
-            if end > start:
-                n_pairs = self.num_pairs(start, end)
-                if cutlass.const_expr(producer):
-                    self.produce_piece(c, b, start, end, n_pairs)
-                    cute.arch.barrier()  # the consumers' barrier before their epilogue
-                else:
-                    if tid < 64:
-                        sM[tid] = -Float32.inf
-                    self.load_piece_q(c, b, start, end)
-                    cute.arch.fence_view_async_shared()  # q (generic stores) before the wgmmas read it
-                    cute.arch.barrier()
-                    cta = g * self.num_m_blocks + c.mblk  # (debug traces: mark)
-                    self.clear_trace(c.mTrace, cta, c.wg, c.wtid)
-                    self.consume(c, cta, b, seq, start, end, slot, n_pairs)
-                cute.arch.barrier()  # the piece's epilogue done: its buffers are free
-                if cutlass.const_expr(not producer):
-                    self.advance_phases(n_pairs)
+        b = b_first
+        cs = mCta[g, 1]
+        while b <= b_last:
+            seq, _, end, _ = self.piece(mCta, mBT, mSeq, g, b)
+            if end > cs:
+                slot = Int32(-1)
+                if seq > self.chunk:
+                    per_req = (mBT.shape[1] * self.page_size + self.chunk - 1) // self.chunk
+                    slot = b * per_req + cs // self.chunk
+                self.run_piece(c, b, seq, cs, cutlass.min(cs + self.chunk, end), slot, producer)
+            cs = cs + self.chunk
+            if cs >= end:
+                b = b + 1
+                cs = Int32(0)
+
+    @cute.jit
+    def run_piece(self, c, b: Int32, seq: Int32, start: Int32, end: Int32, slot: Int32, producer: cutlass.Constexpr):
+        """One non-empty piece ``[start, end)`` of request ``b``, a whole run of the loop between CTA barriers.  The
+        loop's hooks: ``produce_piece(c, b, start, end, n_pairs)`` (the producer warpgroup: its refills and the
+        barrier the Q tile waits on), :meth:`load_piece_q`, ``consume(c, cta, b, seq, start, end, slot, n_pairs)``
+        (the computing warpgroups: the loop and the epilogue, whose first step is a CTA barrier) and
+        ``advance_phases(n_pairs)`` (the mbarriers' completions of the piece into :attr:`ph`)."""
+        tid, sM, g = c.tid, c.sM, c.g
+        n_pairs = self.num_pairs(start, end)
+        if cutlass.const_expr(producer):
+            self.produce_piece(c, b, start, end, n_pairs)
+            cute.arch.barrier()  # the consumers' barrier before their epilogue
+        else:
+            if tid < 64:
+                sM[tid] = -Float32.inf
+            self.load_piece_q(c, b, start, end)
+            cute.arch.fence_view_async_shared()  # q (generic stores) before the wgmmas read it
+            cute.arch.barrier()
+            cta = g * self.num_m_blocks + c.mblk  # (debug traces: mark)
+            self.clear_trace(c.mTrace, cta, c.wg, c.wtid)
+            self.consume(c, cta, b, seq, start, end, slot, n_pairs)
+        cute.arch.barrier()  # the piece's epilogue done: its buffers are free
+        if cutlass.const_expr(not producer):
+            self.advance_phases(n_pairs)
 
     @cute.jit
     def load_piece_q(self, c, b: Int32, split_start: Int32, split_end: Int32):
@@ -587,6 +627,9 @@ class MlaDecodeSm90:
           warp with shuffles); the 4 warp sums go through shared memory and warp 0 adds them in warp order
           (deterministic, no atomics) and writes the output row and LSE.
         * Requests of length 0 (``mReq[b, 0] == 0``), ``b`` spread over the CTAs: exact zero rows, LSE -inf.
+        * The batch-invariant schedule (:attr:`chunk` > 0): the work items are ``(b, row, column quarter)`` over every
+          request (more than ``num_ctas - 1`` may be split), those of fewer than 2 pieces skipped, any number of
+          slots each (:meth:`combine_item`).
 
         A request of one piece was written by the main kernel.  Launched with programmatic dependent launch
         (PDL): the main kernel signals ``griddepcontrol.launch_dependents`` at its start, so this grid is launched
@@ -614,13 +657,51 @@ class MlaDecodeSm90:
                     if lane == 0:
                         cute.make_tensor(mLse.iterator + obase, cute.make_layout(1))[0] = -Float32.inf
         n_items = mCta[0, 7] * (self.R * 4)
+        if cutlass.const_expr(self.chunk > 0):
+            n_items = mReq.shape[0] * (self.R * 4)  # (the batch-invariant schedule: every request, split or not)
         for item in cutlass.range(cta, n_items, n_cta, unroll=1):
-            k = item // (self.R * 4)
-            r = (item // 4) % self.R
-            col = (item % 4) * 128 + lane * 4
-            b = mCta[k, 6]
-            ns = mReq[b, 0]
-            lbase = Int64(mReq[b, 1]) * self.R + r
+            if cutlass.const_expr(self.chunk > 0):
+                self.combine_item(mOacc, mLacc, mOS, mReq, mOut, mLse, sAcc, sW, res, item, item // (self.R * 4),
+                                  warp, lane)
+            else:
+                self.combine_item(mOacc, mLacc, mOS, mReq, mOut, mLse, sAcc, sW, res, item,
+                                  mCta[item // (self.R * 4), 6], warp, lane)
+
+    @cute.jit
+    def combine_item(self, mOacc, mLacc, mOS, mReq, mOut, mLse, sAcc, sW, res, item, b, warp, lane):
+        """One work item of :meth:`combine_kernel`: row ``(item // 4) % R``, column quarter ``item % 4`` of the
+        split request ``b``.  The batch-invariant schedule (:attr:`chunk` > 0) passes every request (one of fewer
+        than 2 pieces is skipped) and merges any number of slots: each lane takes the slots ``lane, lane + 32, ..``
+        in order for the max and the sum (the same order for a request's piece count whatever the batch), and every
+        slot's weight is recomputed from its LSE where it is added."""
+        ns = mReq[b, 0]
+        if cutlass.const_expr(self.chunk > 0):
+            if ns >= 2:
+                self.combine_row(mOacc, mLacc, mOS, mReq, mOut, mLse, sAcc, sW, res, item, b, ns, warp, lane)
+        else:
+            self.combine_row(mOacc, mLacc, mOS, mReq, mOut, mLse, sAcc, sW, res, item, b, ns, warp, lane)
+
+    @cute.jit
+    def combine_row(self, mOacc, mLacc, mOS, mReq, mOut, mLse, sAcc, sW, res, item, b, ns, warp, lane):
+        """The merge of :meth:`combine_item` (``ns`` >= 2 slots from ``mReq[b, 1]``)."""
+        NL = self.combine_lse_regs
+        r = (item // 4) % self.R
+        col = (item % 4) * 128 + lane * 4
+        lbase = Int64(mReq[b, 1]) * self.R + r
+        if cutlass.const_expr(self.chunk > 0):
+            gL = cute.make_tensor(mLacc.iterator + lbase, cute.make_layout(mLacc.shape[0], stride=self.R))
+            m = -Float32.inf
+            for s in cutlass.range(lane, ns, 32, unroll=1):
+                m = cute.arch.fmax(m, gL[s])
+            m = self.warp_allreduce(m, True)
+            ref = m
+            if m == -Float32.inf:
+                ref = Float32(0.0)
+            part = Float32(0.0)
+            for s in cutlass.range(lane, ns, 32, unroll=1):
+                part = part + cute.arch.exp2((gL[s] - ref) * LOG2_E)
+            total = self.warp_allreduce(part, False)
+        else:
             gL = cute.make_tensor(mLacc.iterator + lbase, cute.make_layout(self.max_slots, stride=self.R))
             lv = cute.make_rmem_tensor((NL,), Float32)  # slot lane + 32 j's LSE, all loads in flight
             m = -Float32.inf
@@ -639,41 +720,44 @@ class MlaDecodeSm90:
                 sW[warp * NL * 32 + lane + 32 * j] = w  # (each warp its own copy: no CTA barrier)
                 part = part + w
             total = self.warp_allreduce(part, False)
-            cute.arch.sync_warp()
-            acc = cute.make_rmem_tensor((4,), Float32)
-            acc.fill(0.0)
-            # the warp's slots warp, warp + 4, ..: each one's partial loaded an iteration ahead (the load of slot
-            # s + 4 is in flight while slot s is added; past the last slot a valid row is loaded and not used)
-            vc = cute.make_rmem_tensor((4,), Float32)
-            vc.store(cute.make_tensor(row_ptr(mOacc, lbase + Int64(cutlass.min(warp, ns - 1)) * self.R, col,
-                                              self.DV, 16), cute.make_layout(4)).load())
-            for s in cutlass.range(warp, ns, 4, unroll=2):
-                vn = cute.make_tensor(row_ptr(mOacc, lbase + Int64(cutlass.min(s + 4, ns - 1)) * self.R, col,
-                                              self.DV, 16), cute.make_layout(4)).load()
+        cute.arch.sync_warp()
+        acc = cute.make_rmem_tensor((4,), Float32)
+        acc.fill(0.0)
+        # the warp's slots warp, warp + 4, ..: each one's partial loaded an iteration ahead (the load of slot
+        # s + 4 is in flight while slot s is added; past the last slot a valid row is loaded and not used)
+        vc = cute.make_rmem_tensor((4,), Float32)
+        vc.store(cute.make_tensor(row_ptr(mOacc, lbase + Int64(cutlass.min(warp, ns - 1)) * self.R, col,
+                                          self.DV, 16), cute.make_layout(4)).load())
+        for s in cutlass.range(warp, ns, 4, unroll=2):
+            vn = cute.make_tensor(row_ptr(mOacc, lbase + Int64(cutlass.min(s + 4, ns - 1)) * self.R, col,
+                                          self.DV, 16), cute.make_layout(4)).load()
+            if cutlass.const_expr(self.chunk > 0):
+                ws = cute.arch.exp2((gL[s] - ref) * LOG2_E)
+            else:
                 ws = sW[warp * NL * 32 + s]
+            for j in cutlass.range_constexpr(4):
+                acc[j] = acc[j] + ws * vc[j]
+            vc.store(vn)
+        if warp > 0:
+            for j in cutlass.range_constexpr(4):
+                sAcc[(warp - 1) * 128 + lane * 4 + j] = acc[j]
+        cute.arch.barrier()
+        if warp == 0:
+            for o in cutlass.range_constexpr(3):
                 for j in cutlass.range_constexpr(4):
-                    acc[j] = acc[j] + ws * vc[j]
-                vc.store(vn)
-            if warp > 0:
-                for j in cutlass.range_constexpr(4):
-                    sAcc[(warp - 1) * 128 + lane * 4 + j] = acc[j]
-            cute.arch.barrier()
-            if warp == 0:
-                for o in cutlass.range_constexpr(3):
-                    for j in cutlass.range_constexpr(4):
-                        acc[j] = acc[j] + sAcc[o * 128 + lane * 4 + j]
-                inv = Float32(0.0)
-                lse = -Float32.inf
-                if total > 0.0:
-                    inv = mOS[0] / total
-                    lse = m + cute.math.log(total, fastmath=False)
-                for j in cutlass.range_constexpr(4):
-                    res[j] = (acc[j] * inv).to(self.out_dtype)
-                obase = Int64(b) * self.R + r
-                cute.make_tensor(row_ptr(mOut, obase, col, self.DV, 8), cute.make_layout(4)).store(res.load())
-                if lane == 0 and col == 0:
-                    cute.make_tensor(mLse.iterator + obase, cute.make_layout(1))[0] = lse
-            cute.arch.barrier()  # sAcc is free for the next item
+                    acc[j] = acc[j] + sAcc[o * 128 + lane * 4 + j]
+            inv = Float32(0.0)
+            lse = -Float32.inf
+            if total > 0.0:
+                inv = mOS[0] / total
+                lse = m + cute.math.log(total, fastmath=False)
+            for j in cutlass.range_constexpr(4):
+                res[j] = (acc[j] * inv).to(self.out_dtype)
+            obase = Int64(b) * self.R + r
+            cute.make_tensor(row_ptr(mOut, obase, col, self.DV, 8), cute.make_layout(4)).store(res.load())
+            if lane == 0 and col == 0:
+                cute.make_tensor(mLse.iterator + obase, cute.make_layout(1))[0] = lse
+        cute.arch.barrier()  # sAcc is free for the next item
 
 
 def staged_pass_features(elem_bytes: int, stage_bytes: int) -> int:
