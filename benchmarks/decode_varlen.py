@@ -263,6 +263,8 @@ def main(argv=None):
     t = time.time()
     for i, s in enumerate(specs):
         bench_case(report, fm, s, a.seed + i, a.rounds, a.calls)
+        if i + 1 < len(specs):
+            report.write(a.out, None)  # the cases so far (a call cut short keeps them)
     doc_extra = summary(report.rows)
     report.write(a.out, a.png)
     import json

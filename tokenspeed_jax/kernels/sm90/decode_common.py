@@ -267,6 +267,10 @@ class MlaDecodeSm90:
         cs = mCta[g, 1]
         while b <= b_last:
             seq, _, end, _ = self.piece(mCta, mBT, mSeq, g, b)
+            # (warp-uniform by a shuffle: without it ptxas treats the piece's run as a divergent path and serializes
+            # the 16-bit S x H 16 loop's wgmmas, a WARPGROUP.DEPBAR after each)
+            seq = cute.arch.make_warp_uniform(seq)
+            end = cute.arch.make_warp_uniform(end)
             if end > cs:
                 slot = Int32(-1)
                 if seq > self.chunk:
