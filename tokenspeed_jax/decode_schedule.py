@@ -194,12 +194,7 @@ def _invariant(n, L, spec: ScheduleSpec):
     j = jnp.clip((x - K[bc] + (cu + c) // 2) // (cu + c), 0, pieces[bc])  # the nearest piece boundary
     P = jnp.where(b < B, T[bc] + jnp.minimum(j * cu, n[bc]), T[B])
 
-    lo, hi = P[:-1], P[1:]
-    nonempty = hi > lo
-    b_first = jnp.minimum(jnp.searchsorted(T[1:], lo, side="right", method="compare_all"), B - 1)
-    b_last = jnp.minimum(jnp.searchsorted(T[1:], hi - 1, side="right", method="compare_all"), B - 1)
-    tok_first = (lo - T[b_first]) * u
-    tok_end = jnp.minimum((hi - T[b_last]) * u, L[b_last])
+    lo, hi, nonempty, b_first, b_last, tok_first, tok_end = _ranges(P, T, L, B, u)
     split = pieces >= 2
     first = jnp.arange(B, dtype=jnp.int32) * (-(-spec.capacity // spec.chunk))  # request b's slots: b * P + j
     n_split = jnp.sum(split, dtype=jnp.int32)
@@ -213,14 +208,21 @@ def _invariant(n, L, spec: ScheduleSpec):
     return cta, req
 
 
-def _metadata(P, n, L, T, spec: ScheduleSpec):
-    B, G, u = n.shape[0], spec.num_ctas, spec.unit
+def _ranges(P, T, L, B, u):
+    """The CTA ranges of the unit cuts ``P [G+1]``: ``(lo, hi, nonempty, b_first, b_last, tok_first, tok_end)``
+    (the first and last request each range meets, the first's start and the last's end in KV tokens)."""
     lo, hi = P[:-1], P[1:]
     nonempty = hi > lo
     b_first = jnp.minimum(jnp.searchsorted(T[1:], lo, side="right", method="compare_all"), B - 1)
     b_last = jnp.minimum(jnp.searchsorted(T[1:], hi - 1, side="right", method="compare_all"), B - 1)
     tok_first = (lo - T[b_first]) * u
     tok_end = jnp.minimum((hi - T[b_last]) * u, L[b_last])
+    return lo, hi, nonempty, b_first, b_last, tok_first, tok_end
+
+
+def _metadata(P, n, L, T, spec: ScheduleSpec):
+    B, G, u = n.shape[0], spec.num_ctas, spec.unit
+    lo, hi, nonempty, b_first, b_last, tok_first, tok_end = _ranges(P, T, L, B, u)
     # per request: the CTAs whose range meets its units, and its slots
     f = jnp.searchsorted(hi, T[:-1], side="right", method="compare_all")  # first g with P[g+1] > T[b]
     last = jnp.searchsorted(lo, T[1:], side="left", method="compare_all") - 1  # last g with P[g] < T[b] + n[b]
