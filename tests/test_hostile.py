@@ -413,3 +413,112 @@ def test_sm90_finite_v_tail(end, T):
     np.testing.assert_array_equal(out[:end], v[:end].astype(jnp.bfloat16).astype(np.float32))
     assert (out[end:end + KV_TAIL_ROWS] == 0).all()
     np.testing.assert_array_equal(out[end + KV_TAIL_ROWS:], v[end + KV_TAIL_ROWS:])
+
+
+# -------------------------------------- re-run (issue 34): merges, cache writes, host metadata, vmap
+def test_merge_keeps_a_nan_lse():
+    """A NaN LSE (a row that saw a NaN score) merges into NaN output *and* NaN LSE; a -inf LSE there would
+    mark the row as seeing no key and the next merge would drop its NaN (forward_mha merges chunk by chunk)."""
+    one, nan = jnp.ones((1, 1, 2)), jnp.full((1, 1, 2), jnp.nan)
+    for la, lb in ((0.5, NAN), (-INF, NAN), (NAN, -INF), (NAN, NAN), (100.0, NAN)):
+        o, lse = tj.merge_attn_states(one, jnp.array([[la]], jnp.float32), nan, jnp.array([[lb]], jnp.float32))
+        assert np.isnan(np.asarray(o)).all() and np.isnan(np.asarray(lse)).all(), (la, lb, o, lse)
+    o, lse = tj.merge_attn_states(one, jnp.array([[0.3]], jnp.float32), nan, jnp.array([[NAN]], jnp.float32))
+    o, lse = tj.merge_attn_states(2 * one, jnp.array([[0.1]], jnp.float32), o, lse)  # a later chunk
+    assert np.isnan(np.asarray(o)).all() and np.isnan(np.asarray(lse)).all()
+    o, lse = tj.merge_attn_states(one, jnp.array([[-INF]], jnp.float32), nan, jnp.array([[-INF]], jnp.float32))
+    assert (np.asarray(o) == 0).all() and np.isneginf(np.asarray(lse)).all()  # both dead: still 0 / -inf
+
+
+def test_forward_mha_chunked_context_keeps_a_nan(rng):
+    """Two context chunks: a NaN key of request 0's new tokens makes all of its rows NaN (the NaN LSE of
+    the new-token attention used to become -inf in the first merge and be dropped by the second, leaving
+    the last chunk's finite output); a NaN context row of request 1, whose context fits in chunk 0, makes
+    its rows NaN (they used to come out 0)."""
+    from tests.vllm.utils import BatchSpec, make_batch
+
+    b = make_batch(rng, BatchSpec((32, 16), (4, 4)), heads=2, workspace=32)
+    assert len(b.md.mla.prefill.chunked_context) == 2
+    kv_c = np.array(b.new_kv_c)
+    kv_c[0] = NAN  # request 0's first new token: every new row of request 0 sees it
+    cache = np.array(b.kv_cache)
+    cache[int(b.block_table[1, 0]), 3] = NAN  # request 1's context token 3 (chunk 0)
+    run = jax.jit(lambda kv_c, cache: b.impl.forward_mha(jnp.asarray(b.q), kv_c, jnp.asarray(b.new_k_pe), cache,
+                                                         b.md.mla, 1.0).astype(jnp.float32))
+    out = np.asarray(run(kv_c, cache))
+    assert np.isnan(out).all(), np.isfinite(out).all(axis=1)
+    assert np.isfinite(np.asarray(run(b.new_kv_c, b.kv_cache))).all()  # the same batch without the NaNs
+
+
+@pytest.mark.parametrize("slots", [np.array([2**32 + 3, -1], np.int64), np.array([2**63 - 1, 2**32], np.int64),
+                                   np.array([2**64 - 1, 2**32 + 1], np.uint64),
+                                   jnp.array([2**32 - 1, 2**31 + 3], jnp.uint32)], ids=str)
+def test_cache_write_past_the_cache_in_any_width_writes_nothing(slots):
+    """concat_and_cache_mla: a slot past the cache writes nothing; an int64 2**32 + 3 used to wrap to slot 3."""
+    cache = jnp.zeros((4, 16, 8), jnp.float32)
+    out = np.asarray(tj.concat_and_cache_mla(jnp.ones((2, 6)), jnp.ones((2, 2)), cache, slots))
+    assert (out == 0).all()
+    out = np.asarray(tj.concat_and_cache_mla(jnp.ones((2, 6)), jnp.ones((2, 2)), cache, np.array([63, 2**40], np.int64)))
+    assert out.reshape(64, 8)[63].all() and out.reshape(64, 8)[:63].sum() == 0
+
+
+def test_vllm_host_metadata_never_wraps_or_reads_the_table_backwards():
+    from tokenspeed_jax.vllm import CommonAttentionMetadata, TokenspeedMLAMetadataBuilder, build_attention_metadata
+
+    builder = TokenspeedMLAMetadataBuilder(block_size=16)
+    with pytest.raises(ValueError, match=r"^seq_lens: expected values in the int32 range, got 4294967317"):
+        build_attention_metadata(np.array([20]), [1], np.array([2**32 + 21], np.int64), np.array([[0, 1]]), builder=builder)
+    with pytest.raises(ValueError, match=r"^seq_lens: expected values in the int32 range"):
+        CommonAttentionMetadata.from_numpy(np.array([0, 1]), np.array([2**32 - 1], np.uint32), np.zeros((1, 2)), np.zeros(1))
+    with pytest.raises(ValueError, match=r"^block_table: expected values in the int32 range"):
+        CommonAttentionMetadata.from_numpy(np.array([0, 1]), np.array([5]), np.array([[2**31, 0]]), np.zeros(1))
+    # position -1 would take block -1, i.e. the table's last column (another request's page 7 here)
+    with pytest.raises(ValueError, match=r"^input_positions: expected non-negative positions"):
+        build_attention_metadata(np.array([-1]), [1], [1], np.array([[3, 7]]), builder=builder)
+
+
+@pytest.mark.parametrize("arg", ["softmax_scale", "output_scale"])
+def test_scale_too_large_for_a_float_names_the_argument(rng, arg):
+    q, kv, bt, sl = _decode_case(rng)
+    with pytest.raises(ValueError, match=rf"^{arg}: expected a float32 scalar, got a value too large for a float"):
+        tj.mla_decode(q, kv, bt, sl, kv_lora_rank=16, **{"softmax_scale": 0.2, arg: 10**400})
+    with pytest.raises(ValueError, match=r"^softmax_scale: expected a float32 scalar"):
+        tj.mla_prefill(*_prefill_case(rng), softmax_scale=-(10**400))
+
+
+@pytest.mark.parametrize("return_lse", [False, True])
+def test_decode_under_an_empty_vmap(rng, return_lse):
+    """vmap over an axis of size 0 returns empty results (it used to fold into a batch of 0 and raise
+    "q: expected batch B >= 1, got 0" for a q of batch 4); prefill's vmap already did."""
+    q, kv, bt, sl = _decode_case(rng, dtype="bfloat16")
+    f = lambda q, kv, s: tj.mla_decode(q, kv, bt, s, softmax_scale=0.2, kv_lora_rank=16, return_lse=return_lse)  # noqa: E731
+    for axes, args in (((0, None, None), (np.zeros((0,) + q.shape, q.dtype), kv, sl)),
+                       ((None, 0, None), (q, np.zeros((0,) + kv.shape, kv.dtype), sl)),
+                       ((None, None, 0), (q, kv, np.zeros((0, 4), np.uint32)))):
+        res = jax.jit(jax.vmap(f, in_axes=axes))(*args)
+        out, lse = res if return_lse else (res, None)
+        assert out.shape == (0, 4, 3, 2, 16) and out.dtype == jnp.bfloat16
+        assert lse is None or lse.shape == (0, 4, 3, 2)
+
+
+@pytest.mark.parametrize("bad", ["0.5", b"1", 10**400, 1 + 2j], ids=["str", "bytes", "huge-int", "complex"])
+def test_vllm_scale_of_a_wrong_type_names_it(bad):
+    """A string scale was parsed by jnp.asarray ("0.5" -> 0.5); a huge int raised OverflowError."""
+    from tokenspeed_jax.vllm import TokenspeedMLAImpl
+
+    impl = TokenspeedMLAImpl(2, 24, 0.1, 1, None, None, "fp8", None, "decoder", None, kv_lora_rank=16,
+                             qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=8, kv_b_proj=jnp.zeros((16, 32)))
+    cache = jnp.zeros((2, 16, 24), jnp.float8_e4m3fn)
+    with pytest.raises(TypeError, match=r"^k_scale: expected a float or a float32 scalar array"):
+        impl.do_kv_cache_update(jnp.ones((1, 16)), jnp.ones((1, 8)), cache, jnp.array([0]), "fp8", bad)
+
+
+@pytest.mark.parametrize("cq,ck,arg", [([0, 6, 3], [0, 5, 10], "cu_seqlens_q"), ([0, 3, 6], [0, 5, 11], "cu_seqlens_k"),
+                                       ([0, 3, 6], [-1, 5, 10], "cu_seqlens_k"), ([0, 3, 6], [0, 5], "cu_seqlens_k")])
+def test_split_varlen_batch_refuses_offsets_that_are_not_rows(cq, ck, arg):
+    """The host re-layout slices rows by the offsets: decreasing ones raised a NumPy broadcast error."""
+    from tokenspeed_jax.sharding import split_varlen_batch
+
+    q, k = np.zeros((10, 2, 4), np.float32), np.zeros((10, 1, 4), np.float32)
+    with pytest.raises(ValueError, match=rf"^{arg}: expected"):
+        split_varlen_batch(q, k, k, np.array(cq), np.array(ck), num_shards=2)

@@ -74,7 +74,11 @@ def f32_scalar(v, name: str):
     if isinstance(v, bool):
         raise TypeError(f"{name}: expected a float or a float32 scalar array, got bool")
     if isinstance(v, numbers.Real):
-        return jnp.asarray(v, jnp.float32)
+        try:
+            return jnp.asarray(float(v), jnp.float32)  # float(): an int beyond a double raises here
+        except OverflowError:
+            raise ValueError(f"{name}: expected a float32 scalar, got a value too large for a float "
+                             f"({type(v).__name__})") from None
     if hasattr(v, "shape") and hasattr(v, "dtype"):
         if int(np.prod(v.shape)) != 1:
             raise ValueError(f"{name}: expected a scalar, got shape {tuple(v.shape)}")

@@ -37,7 +37,8 @@ def concat_and_cache_mla(
       kv_cache: ``[num_pages, page_size, kv_lora_rank + rope_dim]`` (row layout: see
         :mod:`tokenspeed_jax.decode`).
       slot_mapping: int ``[T]``; token t goes to page ``slot // page_size``, row ``slot % page_size``.
-        A negative slot (vLLM's -1 padding) writes nothing; a slot past the cache writes nothing.
+        A negative slot (vLLM's -1 padding) writes nothing; a slot past the cache writes nothing, whatever
+        the integer dtype (uint32 / int64 values are compared in their own dtype, never wrapped).
       scale: required for a float8_e4m3fn cache (stores ``x / scale`` saturated, see module docstring);
         must be None for other caches.  May be a traced float32 scalar.
 
@@ -69,8 +70,10 @@ def concat_and_cache_mla(
             rows = quantize_e4m3(rows, C.f32_scalar(scale, "scale"))
         else:
             rows = rows.astype(kv_cache.dtype)
-        slots = slot_mapping.astype(jnp.int32)
-        # Negative slots map past the end and are dropped, like slots beyond the cache.
+        # Clamped to [-1, P * ps] in the slots' own dtype first (an int32 cast would wrap an int64 slot past
+        # the cache, 2**32 + r, onto slot r); negative slots then map past the end and are dropped, like
+        # slots beyond the cache.
+        slots = C.clamp_index(slot_mapping, -1, P * ps)
         slots = jnp.where(slots < 0, P * ps, slots)
         flat = jnp.asarray(kv_cache).reshape(P * ps, D)  # asarray: a NumPy cache has no .at
         flat = flat.at[slots].set(rows, mode="drop", unique_indices=False)

@@ -16,6 +16,8 @@ Scores and mask
     ``s_j = softmax_scale * <q, kv_j>`` over all D dims in fp32.  With ``causal=True`` query token ``i``
     (0-based, of ``S``) sees keys ``j < seq_len - S + 1 + i`` (bottom-right aligned MTP mask); with
     ``causal=False`` it sees ``j < seq_len``.  ``out = output_scale * sum_j softmax(s)_j * kv_j[:kv_lora_rank]``.
+    A score past float32's range is +-inf (fp32 arithmetic, not a wider reference's): a visible +inf score
+    makes its row NaN, as an infinite key does.
 
 LSE
     ``[B, S, H]`` float32, natural log of ``sum_j exp(s_j)``, independent of ``output_scale``.  A row that
@@ -56,7 +58,7 @@ from jax.experimental import checkify
 
 from tokenspeed_jax import _checks as C
 from tokenspeed_jax.backends import defer_to_lowering_platform, has_decode_work, select_backend, trace_switches
-from tokenspeed_jax.problems import ALL_DTYPES, DecodeProblem
+from tokenspeed_jax.problems import ALL_DTYPES, DecodeProblem, out_dtype_name
 from tokenspeed_jax.runtime import current_target
 
 MAX_Q_LEN = 16
@@ -400,6 +402,11 @@ def _vmappable_decode(backend_name: str, causal: bool, kv_lora_rank: int, return
             out = jax.lax.map(lambda a: call(*a), tuple(args))
             return out, (True, True)
         V = axis_size
+        if V == 0:  # an empty vmap: nothing to run (the folded batch would be B = 0, which the op refuses)
+            _, B, S, H, _ = q.shape if qb else (0,) + q.shape
+            out = jnp.zeros((0, B, S, H, kv_lora_rank), out_dtype_name(jnp.dtype(q.dtype).name))
+            lse = jnp.zeros((0, B, S, H), jnp.float32) if return_lse else jnp.zeros((), jnp.float32)
+            return (out, lse), (True, return_lse)
         q = q if qb else jnp.broadcast_to(q, (V,) + q.shape)
         block_table = block_table if bb else jnp.broadcast_to(block_table, (V,) + block_table.shape)
         seq_lens = seq_lens if sb else jnp.broadcast_to(seq_lens, (V,) + seq_lens.shape)

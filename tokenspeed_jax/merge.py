@@ -17,7 +17,9 @@ def merge_attn_states(
     float32 their natural-log LSEs.  Returns ``out = (e^{lse_a} out_a + e^{lse_b} out_b) / (e^{lse_a} +
     e^{lse_b})`` in ``out_a``'s dtype (computed in fp32) and ``lse = log(e^{lse_a} + e^{lse_b})``.  A side
     with LSE ``-inf`` contributes nothing (its output is not read, so it may be NaN); both ``-inf`` gives 0
-    and ``-inf``.
+    and ``-inf``.  A NaN LSE on either side (a row that saw a NaN score) gives NaN output and a NaN LSE, so a
+    NaN survives any chain of merges (a ``-inf`` there would mark the row as seeing no key, and the next
+    merge would drop it).
     """
     for x, n in ((out_a, "out_a"), (lse_a, "lse_a"), (out_b, "out_b"), (lse_b, "lse_b")):
         C.array(x, n)
@@ -44,5 +46,6 @@ def merge_attn_states(
         oa = jnp.where(fa > 0, out_a.astype(jnp.float32), 0.0)
         ob = jnp.where(fb > 0, out_b.astype(jnp.float32), 0.0)
         out = (oa * fa + ob * fb).astype(out_a.dtype)
-        lse = jnp.where(total > 0, m_safe + jnp.log(jnp.where(total > 0, total, 1.0)), -jnp.inf)
+        dead = jnp.where(jnp.isnan(total), jnp.nan, -jnp.inf)  # NaN total: an input LSE is NaN
+        lse = jnp.where(total > 0, m_safe + jnp.log(jnp.where(total > 0, total, 1.0)), dead)
     return out, lse.astype(jnp.float32)

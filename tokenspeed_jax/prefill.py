@@ -6,9 +6,10 @@ Contract (normative)
     ``cu_seqlens_k[b]:cu_seqlens_k[b+1]``.  ``Hq`` is a multiple of ``Hk``; query head ``h`` uses KV head
     ``h // (Hq / Hk)``.  With ``causal=True`` the mask is bottom-right aligned: query ``i`` of a request with
     ``Lq`` queries and ``Lk`` keys sees keys ``j <= i + Lk - Lq``.  Scores are ``softmax_scale * q.k`` in
-    fp32.  Output ``[Tq, Hq, Dv]`` (bf16 for fp8 input, else the input dtype); LSE ``[Tq, Hq]`` float32 natural
-    log.  A row that sees no key, and any q row outside every request (past ``cu_seqlens_q[-1]``), gives 0
-    output and LSE ``-inf``.
+    fp32 (one past float32's range is +-inf; a visible +inf score makes its row NaN).  Output
+    ``[Tq, Hq, Dv]`` (bf16 for fp8 input, else the input dtype); LSE ``[Tq, Hq]`` float32 natural log.  A
+    row that sees no key, and any q row outside every request (past ``cu_seqlens_q[-1]``), gives 0 output
+    and LSE ``-inf``.
 
     K/V rows past the last request (``cu_seqlens_k[-1] <= row < Tk``; padding the caller may leave as
     garbage, NaN included): the ``xla`` backend never reads them; the ``sm90`` backend's kernel reads

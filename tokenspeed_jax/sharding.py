@@ -427,6 +427,13 @@ def split_varlen_batch(q, k, v, cu_seqlens_q, cu_seqlens_k, *, num_shards: int):
     """
     q, k, v = np.asarray(q), np.asarray(k), np.asarray(v)
     cq, ck = np.asarray(cu_seqlens_q).astype(np.int64), np.asarray(cu_seqlens_k).astype(np.int64)
+    for cu, name, rows in ((cq, "cu_seqlens_q", q.shape[0]), (ck, "cu_seqlens_k", k.shape[0])):
+        # host-side slicing: offsets must be real row ranges (the ops clamp; this copy would misplace rows)
+        if cu.ndim != 1 or cu.shape[0] < 2 or cu[0] < 0 or np.any(np.diff(cu) < 0) or cu[-1] > rows:
+            raise ValueError(f"{name}: expected [B + 1] non-decreasing offsets in [0, {rows}] (the array's "
+                             f"rows), got {cu.tolist()[:16]}")
+    if ck.shape != cq.shape:
+        raise ValueError(f"cu_seqlens_k: expected the shape of cu_seqlens_q {cq.shape}, got {ck.shape}")
     B = len(cq) - 1
     n = int(num_shards)
     if n < 1:

@@ -13,10 +13,13 @@ Presets (``DeepseekV3Config.preset(name)``):
 
 Reading config.json (:meth:`DeepseekV3Config.from_dict`): the file is untrusted input.  It must be a JSON
 object, and every known key must have its field's JSON type (ints, numbers, bools, strings, objects for
-``rope_scaling`` / ``rope_parameters`` / ``quantization_config``); a wrong one raises ``ValueError``
-naming the key.  A missing ``rope_scaling`` (and no ``rope_parameters``) means **no RoPE scaling**, as in
-transformers (the published R1 config spells its YaRN out; only the ``deepseek-r1`` preset has it built
-in).  Unknown keys are ignored.
+``rope_scaling`` / ``rope_parameters`` / ``quantization_config``) and a value in its range (sizes and
+counts positive or non-negative, ``rope_theta > 1``, YaRN factors, betas and mscales finite and
+non-negative); a wrong one raises ``ValueError`` naming the key.  Features the model does not implement
+(``attention_bias``, ``tie_word_embeddings``) are refused, never ignored.  A missing (or null)
+``rope_scaling`` and no ``rope_parameters`` means **no RoPE scaling**, as in transformers (the published R1
+config spells its YaRN out; only the ``deepseek-r1`` preset has it built in); a null ``rope_scaling`` next to
+``rope_parameters`` takes the latter, as transformers does.  Unknown keys are ignored.
 
 Every preset keeps the attention dims of the real model (kv_lora_rank 512, qk_rope_head_dim 64,
 qk_nope_head_dim 128, v_head_dim 128), which are what the MLA kernels are specialised for.
@@ -53,6 +56,9 @@ class RopeScaling:
     def __post_init__(self):
         for name in ("factor", "beta_fast", "beta_slow", "mscale", "mscale_all_dim"):
             _check_number(f"rope_scaling.{name}", getattr(self, name))
+            if getattr(self, name) < 0:  # the YaRN correction range takes log(beta); 0 means the default
+                raise ValueError(f"rope_scaling.{name}: expected a non-negative number, "
+                                 f"got {getattr(self, name)!r}")
         if not _is_int(self.original_max_position_embeddings) or self.original_max_position_embeddings < 1:
             raise ValueError(f"rope_scaling.original_max_position_embeddings: expected a positive int, "
                              f"got {self.original_max_position_embeddings!r}")
@@ -70,6 +76,9 @@ class QuantizationConfig:
     weight_block_size: tuple[int, int] = (128, 128)
 
     def __post_init__(self):
+        if not isinstance(self.activation_scheme, str):
+            raise ValueError(f"quantization_config.activation_scheme: expected a string, "
+                             f"got {self.activation_scheme!r:.80}")
         b = self.weight_block_size
         if not isinstance(b, (tuple, list)) or len(b) != 2 or not all(_is_int(x) and x >= 1 for x in b):
             raise ValueError(
@@ -155,6 +164,19 @@ class DeepseekV3Config:
             v = getattr(self, name)
             if not isinstance(v, int) or v < 1:
                 raise ValueError(f"{name}: expected a positive int, got {v!r}")
+        for name, low in (("intermediate_size", 1), ("moe_intermediate_size", 1), ("n_routed_experts", 1),
+                          ("n_group", 1), ("num_experts_per_tok", 1), ("max_position_embeddings", 1),
+                          ("n_shared_experts", 0), ("first_k_dense_replace", 0),
+                          ("num_nextn_predict_layers", 0)):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < low:
+                raise ValueError(f"{name}: expected an int >= {low}, got {v!r:.80}")
+        if self.q_lora_rank is not None and (not _is_int(self.q_lora_rank) or self.q_lora_rank < 1):
+            raise ValueError(f"q_lora_rank: expected a positive int or null, got {self.q_lora_rank!r:.80}")
+        for name in ("attention_bias", "tie_word_embeddings"):  # not implemented: refused, never ignored
+            if getattr(self, name) is not False:
+                raise ValueError(f"{name}: expected false (not implemented by this model), "
+                                 f"got {getattr(self, name)!r}")
         if self.qk_rope_head_dim % 2:
             raise ValueError(f"qk_rope_head_dim: expected an even number, got {self.qk_rope_head_dim}")
         if self.num_key_value_heads != self.num_attention_heads:
@@ -190,6 +212,8 @@ class DeepseekV3Config:
             _check_number(name, getattr(self, name))
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name}: expected a positive number, got {getattr(self, name)!r}")
+        if not self.rope_theta > 1:  # RoPE frequencies base ** (-2i / d); YaRN divides by log(base)
+            raise ValueError(f"rope_theta: expected a number > 1, got {self.rope_theta!r}")
         if self.rope_scaling is not None and not isinstance(self.rope_scaling, RopeScaling):
             raise ValueError(f"rope_scaling: expected a RopeScaling or None, got {self.rope_scaling!r:.80}")
         if self.rope_scaling is not None and self.rope_scaling.type != "yarn":
@@ -239,10 +263,12 @@ class DeepseekV3Config:
         rp = d.get("rope_parameters")
         if rp is not None and not isinstance(rp, dict):
             raise ValueError(f"rope_parameters: expected an object or null, got {rp!r:.80}")
-        if rp and "rope_scaling" not in d:  # transformers >= 5 spelling
+        src = "rope_scaling"  # the key errors name: where the scaling came from
+        if rp and d.get("rope_scaling") is None:  # transformers >= 5 spelling (null rope_scaling = absent)
             kw["rope_theta"] = rp.get("rope_theta", kw.get("rope_theta", 10000.0))
             rtype = rp.get("rope_type", rp.get("type", "default"))
             kw["rope_scaling"] = None if rtype == "default" else rp
+            src = "rope_parameters"
         rs = kw.get("rope_scaling")  # missing: no scaling (transformers' default), not R1's YaRN
         if rs is not None and not isinstance(rs, dict):
             raise ValueError(f"rope_scaling: expected an object or null, got {rs!r:.80}")
@@ -251,10 +277,15 @@ class DeepseekV3Config:
             rtype = rs.pop("rope_type", None) or rs.pop("type", "yarn")
             rs.pop("type", None)
             if not isinstance(rtype, str):
-                raise ValueError(f"rope_scaling.type: expected a string, got {rtype!r:.80}")
+                raise ValueError(f"{src}.type: expected a string, got {rtype!r:.80}")
+            if rtype not in ("yarn", "default"):
+                raise ValueError(f"{src}.type: expected 'yarn' or 'default' (no scaling), got {rtype!r:.80}")
             rf = {f.name for f in dataclasses.fields(RopeScaling)}
-            rs = None if rtype == "default" else RopeScaling(
-                type=rtype, **{k: v for k, v in rs.items() if k in rf and v is not None})
+            try:
+                rs = None if rtype == "default" else RopeScaling(
+                    type=rtype, **{k: v for k, v in rs.items() if k in rf and v is not None})
+            except ValueError as e:  # RopeScaling names its fields rope_scaling.*
+                raise ValueError(str(e).replace("rope_scaling.", f"{src}.", 1)) from None
         kw["rope_scaling"] = rs
         qc = kw.get("quantization_config")
         if qc is not None and not isinstance(qc, dict):

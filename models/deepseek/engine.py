@@ -81,6 +81,10 @@ from tokenspeed_jax.models.deepseek.steps import (  # noqa: F401  (_decode_step 
 )
 
 
+def _is_int(x) -> bool:
+    """A Python or NumPy integer, not a bool (True is not a token id or a count)."""
+    return isinstance(x, int | np.integer) and not isinstance(x, bool | np.bool_)
+
 
 # ------------------------------------------------------------------------------------------- engine
 @dataclasses.dataclass
@@ -383,19 +387,37 @@ class Engine:
                     "prompts: text prompts need a tokenizer (Engine(..., tokenizer=load_tokenizer(dir)))"
                 )
             prompts = [self.tokenizer.encode(p) if isinstance(p, str) else p for p in prompts]
-        prompts = [[int(t) for t in p] for p in prompts]
         V = self.config.vocab_size
+        checked = []
         for i, p in enumerate(prompts):
+            p = list(np.asarray(p)) if hasattr(p, "shape") else list(p)  # arrays: NumPy scalars
             if not p:
                 raise ValueError(
                     f"prompts: expected every prompt to have at least one token, prompt {i} is empty"
                 )
-            check_token_ids(np.asarray(p, np.int64), V, f"prompts[{i}]")
-        limits = [max_new_tokens] * len(prompts) if isinstance(max_new_tokens, int) else list(max_new_tokens)
-        if len(limits) != len(prompts) or any(not isinstance(m, int | np.integer) or m < 1 for m in limits):
+            # Ints only (a float, bool or string id is refused, never truncated or parsed), range-checked
+            # as Python ints first: an id past int64 must name the prompt, not overflow in NumPy.
+            for j, t in enumerate(p):
+                if not _is_int(t):
+                    raise ValueError(f"prompts[{i}]: expected integer token ids, got {t!r:.40} at index {j}")
+                if not 0 <= t < V:  # check_token_ids' message, for ids of any size
+                    raise ValueError(f"prompts[{i}]: token id {int(t)} at index {j} is outside the vocabulary "
+                                     f"[0, {V})")
+            checked.append([int(t) for t in p])
+        prompts = checked
+        if _is_int(max_new_tokens):
+            limits = [max_new_tokens] * len(prompts)
+        else:
+            try:
+                limits = list(max_new_tokens)
+            except TypeError:
+                limits = None
+        if limits is None or len(limits) != len(prompts) or any(not _is_int(m) or m < 1 for m in limits):
             raise ValueError(
-                f"max_new_tokens: expected an int >= 1 or one per prompt, got {max_new_tokens!r}"
+                f"max_new_tokens: expected an int >= 1 or one per prompt, got {max_new_tokens!r:.80}"
             )
+        if not _is_int(num_speculative_tokens):
+            raise ValueError(f"num_speculative_tokens: expected an int, got {num_speculative_tokens!r:.40}")
         k = int(num_speculative_tokens)
         if k < 0 or k + 1 > 16:
             raise ValueError(f"num_speculative_tokens: expected 0..15 (mla_decode takes S <= 16), got {k}")
@@ -405,13 +427,17 @@ class Engine:
             )
         if eos_token_id is None:
             eos_token_id = self.config.eos_token_id
-        eos = (
-            []
-            if eos_token_id is None
-            else [eos_token_id]
-            if isinstance(eos_token_id, int)
-            else list(eos_token_id)
-        )
+        if eos_token_id is None:
+            eos = []
+        elif _is_int(eos_token_id):
+            eos = [eos_token_id]
+        else:
+            try:
+                eos = list(eos_token_id)
+            except TypeError:
+                eos = [eos_token_id]  # not iterable: reported just below
+        if isinstance(eos_token_id, str | bytes) or not all(_is_int(e) for e in eos):
+            raise ValueError(f"eos_token_id: expected an int, a list of ints or None, got {eos_token_id!r:.80}")
         return prompts, [int(m) for m in limits], k, [int(e) for e in eos]
 
     def stream(

@@ -23,7 +23,7 @@ def dequantize(w: jax.Array, scale_inv: jax.Array | None, dtype, block=(128, 128
     if scale_inv is None:
         return w.astype(dtype)
     din, dout = w.shape[-2:]
-    bo, bi = block
+    bo, bi = min(block[0], max(dout, 1)), min(block[1], max(din, 1))  # a block past the weight is the weight
     s = jnp.repeat(jnp.repeat(scale_inv.astype(jnp.float32), bi, axis=-2), bo, axis=-1)[..., :din, :dout]
     return (w.astype(jnp.float32) * s).astype(dtype)
 

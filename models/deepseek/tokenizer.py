@@ -43,10 +43,18 @@ class Tokenizer:
 
 
 def load_tokenizer(checkpoint_dir: str | os.PathLike) -> Tokenizer | None:
-    """The ``tokenizer.json`` of a checkpoint directory (or the file itself), None when there is none."""
+    """The ``tokenizer.json`` of a checkpoint directory (or the file itself), None when there is none.
+
+    In a directory, ``tokenizer.json`` follows the checkpoint's link policy
+    (:func:`tokenspeed_jax.models.deepseek.weights.checkpoint_file`): a link resolving outside the directory
+    (or its Hugging Face cache repository) raises ``CheckpointError``."""
     path = os.fspath(checkpoint_dir)
     if os.path.isdir(path):
-        path = os.path.join(path, "tokenizer.json")
+        from tokenspeed_jax.models.deepseek.weights import checkpoint_file
+
+        if not os.path.lexists(os.path.join(path, "tokenizer.json")):
+            return None
+        path = checkpoint_file(path, "tokenizer.json")
     if not os.path.isfile(path):
         return None
     return Tokenizer.from_file(path)

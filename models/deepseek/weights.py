@@ -21,7 +21,8 @@ Decisions (written down here once):
 * Safetensors headers are untrusted: every entry is checked when a shard is opened
   (:class:`SafetensorsFile`), so a corrupt header is a ``CheckpointError``, never header bytes read as
   weights.
-* Symbolic links (:func:`checkpoint_file`): ``config.json``, the index and every shard may be links (Hugging
+* Symbolic links (:func:`checkpoint_file`): ``config.json``, the index, every shard and ``tokenizer.json``
+  (:func:`~tokenspeed_jax.models.deepseek.tokenizer.load_tokenizer`) may be links (Hugging
   Face cache snapshots are made of them: ``models--ORG--NAME/snapshots/REV/x -> ../../blobs/SHA``) as long
   as the file they resolve to lies inside the checkpoint directory (after resolving the directory's own
   links), or, for a directory that is a cache snapshot (``.../models--*/snapshots/REV``), inside that
@@ -88,7 +89,8 @@ class SafetensorsFile:
     object with ``dtype`` a known safetensors dtype name, ``shape`` a list of non-negative ints and
     ``data_offsets`` two ints ``0 <= start <= end <= data bytes`` (offsets count from the end of the
     header, so none can point into it) with ``end - start = prod(shape) * itemsize``; no two tensors'
-    byte ranges overlap."""
+    byte ranges overlap; no key appears twice in any JSON object of the header.  A path that cannot be
+    read (a directory, no permission) is a ``CheckpointError`` too."""
 
     MAX_HEADER_BYTES = 100 << 20  # the safetensors format's own limit
 
@@ -108,10 +110,12 @@ class SafetensorsFile:
                         f"{path}: corrupt safetensors header (length {n} > file size {size} or "
                         f"> {self.MAX_HEADER_BYTES})"
                     )
-                header = json.loads(f.read(n))
+                header = json.loads(f.read(n), object_pairs_hook=_unique_keys)
         except FileNotFoundError:
             raise CheckpointError(f"{path}: shard file not found") from None
-        except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
+        except OSError as e:  # a directory, no permission, an I/O error
+            raise CheckpointError(f"{path}: cannot read the shard ({e.strerror or e})") from None
+        except (json.JSONDecodeError, UnicodeDecodeError, RecursionError, _DuplicateKey) as e:
             raise CheckpointError(f"{path}: corrupt safetensors header ({e})") from None
         if not isinstance(header, dict):
             raise CheckpointError(
@@ -191,6 +195,21 @@ def _is_int(x) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
 
+class _DuplicateKey(ValueError):
+    pass
+
+
+def _unique_keys(pairs):
+    """``json.loads`` object hook: a key given twice is corrupt (``json`` would keep the last one silently, so
+    the first entry would never be checked, and another reader may keep the first)."""
+    out = {}
+    for k, v in pairs:
+        if k in out:
+            raise _DuplicateKey(f"key {k!r:.80} appears twice")
+        out[k] = v
+    return out
+
+
 def save_safetensors(
     tensors: dict[str, np.ndarray], path: str, metadata: dict[str, str] | None = None
 ) -> None:
@@ -229,6 +248,7 @@ def dequantize_fp8_block(
             f"weight_scale_inv: expected shape {exp} for a {w.shape} weight with "
             f"{bo}x{bi} blocks, got {tuple(scale_inv.shape)}"
         )
+    bo, bi = min(bo, max(o, 1)), min(bi, max(i, 1))  # a block larger than the weight covers the weight
     s = np.repeat(np.repeat(np.asarray(scale_inv, np.float32), bo, axis=0), bi, axis=1)[:o, :i]
     return np.asarray(w).astype(np.float32) * s
 
@@ -236,9 +256,9 @@ def dequantize_fp8_block(
 def quantize_fp8_block(w: np.ndarray, block: tuple[int, int] = (128, 128)) -> tuple[np.ndarray, np.ndarray]:
     """DeepSeek's block quantisation: per ``block`` tile ``scale = amax / 448``, ``q = e4m3(w / scale)``;
     returns ``(q [out, in] float8_e4m3fn, scale_inv [ceil(out/bo), ceil(in/bi)] float32)``."""
-    bo, bi = block
     w = np.asarray(w, np.float32)
     o, i = w.shape
+    bo, bi = min(block[0], max(o, 1)), min(block[1], max(i, 1))  # a block past the weight: one scale for it
     no, ni = -(-o // bo), -(-i // bi)
     pad = np.zeros((no * bo, ni * bi), np.float32)
     pad[:o, :i] = w

@@ -20,7 +20,9 @@ from tokenspeed_jax.models.deepseek.weights import (
     CheckpointError,
     SafetensorsFile,
     checkpoint_file,
+    dequantize_fp8_block,
     load_checkpoint,
+    quantize_fp8_block,
     save_checkpoint,
     save_safetensors,
 )
@@ -94,6 +96,10 @@ def test_offsets_overlapping_the_header_never_load(tmp_path):
     ("header not JSON", lambda p: raw_file(p, None, DATA, header_bytes=b"{'w': 1}"), r"corrupt safetensors header \("),
     ("deeply nested header", lambda p: raw_file(p, None, DATA, header_bytes=b"[" * 100000 + b"]" * 100000), r"corrupt safetensors header"),
     ("truncated data", lambda p: raw_file(p, {"a": W, "b": {**W, "data_offsets": [16, 32]}}, DATA[:20]), r"^b in .*: data offsets 16..32 do not match"),
+    # a name given twice: json keeps the last entry, so the first (here into the header) was never checked
+    ("duplicate tensor name", lambda p: raw_file(p, None, DATA, header_bytes=b'{"w": {"dtype": "F32", "shape": [2, 2], "data_offsets": [-8, 8]}, "w": {"dtype": "F32", "shape": [2, 2], "data_offsets": [0, 16]}}'), r"corrupt safetensors header \(key 'w' appears twice\)"),
+    ("duplicate key inside an entry", lambda p: raw_file(p, None, DATA, header_bytes=b'{"w": {"dtype": "F32", "dtype": "F8_E4M3", "shape": [2, 2], "data_offsets": [0, 16]}}'), r"key 'dtype' appears twice"),
+    ("a directory", lambda p: os.makedirs(p), r"cannot read the shard"),
 ])
 def test_corrupt_files(tmp_path, case, build, pattern):
     path = str(tmp_path / "x.safetensors")
@@ -145,6 +151,27 @@ def test_zero_block_size_is_a_clear_error(tiny_dir, tmp_path):
             _load(path)
 
 
+def test_block_larger_than_the_weight(tiny_dir, tmp_path):
+    """A ``weight_block_size`` past a weight's dims is one block (one scale) for it; the FP8 helpers used to
+    allocate arrays of the block's size (``[2**40, 2**40]``: numpy "array is too big")."""
+    from tokenspeed_jax.models.deepseek.layers import dequantize
+
+    w = np.random.default_rng(0).standard_normal((5, 7)).astype(np.float32)
+    q, s = quantize_fp8_block(w, (2**40, 2**40))
+    q2, s2 = quantize_fp8_block(w, (5, 7))
+    np.testing.assert_array_equal(q.view(np.uint8), q2.view(np.uint8))
+    np.testing.assert_array_equal(s, s2)
+    np.testing.assert_array_equal(dequantize_fp8_block(q, s, (2**40, 2**40)), dequantize_fp8_block(q, s, (5, 7)))
+    np.testing.assert_array_equal(np.asarray(dequantize(jnp.asarray(q.T), jnp.asarray(s.T), jnp.float32, (2**40, 2**40))),
+                                  dequantize_fp8_block(q, s, (5, 7)).T)
+    path = _copy(tiny_dir, tmp_path / "c")
+    cfg = json.loads((path / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [2**40, 2**40]}
+    (path / "config.json").write_text(json.dumps(cfg))
+    m = load_checkpoint(path, dtype=jnp.float32, progress=False, fp8_weights=True)  # quantises on load
+    assert m.config.fp8_block_size == (2**40, 2**40)
+
+
 CONFIG_ATTACKS = [
     ("a list", lambda d: [d], r"config.json: expected a JSON object, got list"),
     ("a string", lambda d: "x", r"config.json: expected a JSON object, got str"),
@@ -162,6 +189,22 @@ CONFIG_ATTACKS = [
     ("norm_topk_prob a string", lambda d: {**d, "norm_topk_prob": "yes"}, r"norm_topk_prob: expected a bool"),
     ("hidden_act a list", lambda d: {**d, "hidden_act": ["silu"]}, r"hidden_act: expected a string"),
     ("quantization_config a list", lambda d: {**d, "quantization_config": [128, 128]}, r"quantization_config: expected an object or null"),
+    # values (re-run): these raised ZeroDivisionError / a math domain error building the model, or loaded
+    ("n_group 0", lambda d: {**d, "n_group": 0}, r"n_group: expected an int >= 1, got 0"),
+    ("rope_theta 1 with YaRN", lambda d: {**d, "rope_theta": 1.0, "rope_scaling": {"type": "yarn", "factor": 8}}, r"rope_theta: expected a number > 1, got 1.0"),
+    ("rope_scaling beta_fast negative", lambda d: {**d, "rope_scaling": {"type": "yarn", "factor": 8, "beta_fast": -1}}, r"rope_scaling.beta_fast: expected a non-negative number, got -1"),
+    ("rope_scaling mscale_all_dim negative", lambda d: {**d, "rope_scaling": {"type": "yarn", "factor": 8, "mscale_all_dim": -4.8}}, r"rope_scaling.mscale_all_dim: expected a non-negative"),
+    ("rope_parameters factor a string", lambda d: {**{k: v for k, v in d.items() if k != "rope_scaling"}, "rope_parameters": {"rope_type": "yarn", "factor": "8"}}, r"rope_parameters.factor: expected a finite number, got '8'"),
+    ("rope_parameters type linear", lambda d: {**{k: v for k, v in d.items() if k != "rope_scaling"}, "rope_parameters": {"rope_type": "linear", "factor": 8}}, r"rope_parameters.type: expected 'yarn' or 'default'"),
+    ("num_experts_per_tok 0", lambda d: {**d, "num_experts_per_tok": 0}, r"num_experts_per_tok: expected an int >= 1, got 0"),
+    ("intermediate_size negative", lambda d: {**d, "intermediate_size": -128}, r"intermediate_size: expected an int >= 1, got -128"),
+    ("first_k_dense_replace negative", lambda d: {**d, "first_k_dense_replace": -1}, r"first_k_dense_replace: expected an int >= 0, got -1"),
+    ("num_nextn_predict_layers negative", lambda d: {**d, "num_nextn_predict_layers": -1}, r"num_nextn_predict_layers: expected an int >= 0"),
+    ("max_position_embeddings 0", lambda d: {**d, "max_position_embeddings": 0}, r"max_position_embeddings: expected an int >= 1"),
+    ("q_lora_rank 0", lambda d: {**d, "q_lora_rank": 0}, r"q_lora_rank: expected a positive int or null, got 0"),
+    ("attention_bias true (not implemented)", lambda d: {**d, "attention_bias": True}, r"attention_bias: expected false \(not implemented"),
+    ("tie_word_embeddings true (not implemented)", lambda d: {**d, "tie_word_embeddings": True}, r"tie_word_embeddings: expected false"),
+    ("activation_scheme an int", lambda d: {**d, "quantization_config": {"quant_method": "fp8", "activation_scheme": 5}}, r"quantization_config.activation_scheme: expected a string"),
 ]
 
 
@@ -172,6 +215,22 @@ def test_config_json_types(tmp_path, case, mutate, pattern):
     with pytest.raises(ValueError, match=pattern) as e:
         DeepseekV3Config.from_json(tmp_path)
     assert str(tmp_path) in str(e.value)
+
+
+def test_null_rope_scaling_next_to_rope_parameters_takes_them():
+    """transformers reads ``rope_scaling: null`` as absent and takes ``rope_parameters`` (here YaRN); it used
+    to be read as "no scaling", a silently different model."""
+    base = DeepseekV3Config.preset("tiny").to_dict()
+    yarn = {"factor": 8.0, "original_max_position_embeddings": 64, "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0,
+            "mscale_all_dim": 1.0}
+    want = DeepseekV3Config.from_dict({**base, "rope_scaling": {"type": "yarn", **yarn}})
+    got = DeepseekV3Config.from_dict({**base, "rope_scaling": None, "rope_theta": None,
+                                      "rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0, **yarn}})
+    assert got.rope_scaling == want.rope_scaling and got.rope_theta == want.rope_theta
+    assert got.softmax_scale == want.softmax_scale != DeepseekV3Config.from_dict({**base, "rope_scaling": None}).softmax_scale
+    # a non-null rope_scaling wins over rope_parameters, as in transformers
+    both = DeepseekV3Config.from_dict({**base, "rope_scaling": {"type": "yarn", **yarn}, "rope_parameters": {"rope_type": "default"}})
+    assert both.rope_scaling == want.rope_scaling
 
 
 def test_config_json_not_json(tmp_path):
@@ -246,6 +305,25 @@ def test_hugging_face_cache_layout_loads(tiny_dir, tmp_path):
         _load(snap)
 
 
+def test_tokenizer_link_follows_the_checkpoint_policy(tiny_dir, tmp_path):
+    """``load_tokenizer(dir)`` reads ``tokenizer.json`` under the same link policy as the shards: a link
+    resolving outside the checkpoint was followed (and the file parsed)."""
+    from tokenspeed_jax.models.deepseek.tokenizer import load_tokenizer
+
+    path = _copy(tiny_dir, tmp_path / "c")
+    secret = tmp_path / "secret.json"
+    secret.write_text('{"not": "a tokenizer"}')
+    os.symlink(secret, path / "tokenizer.json")
+    with pytest.raises(CheckpointError, match=r"tokenizer.json: resolves to .*secret.json, outside the checkpoint"):
+        load_tokenizer(path)
+    os.remove(path / "tokenizer.json")
+    assert load_tokenizer(path) is None
+    shutil.copy(secret, path / "tok.json")
+    os.symlink("tok.json", path / "tokenizer.json")  # inside: followed (then refused as a tokenizer)
+    with pytest.raises(ValueError, match=r"tokenizer.json: cannot load"):
+        load_tokenizer(path)
+
+
 def test_index_cannot_name_a_path(tiny_dir, tmp_path):
     path = _copy(tiny_dir, tmp_path / "c")
     idx = path / "model.safetensors.index.json"
@@ -289,3 +367,42 @@ def test_missing_rope_scaling_means_no_scaling_as_in_transformers():
         assert factor == pytest.approx(float(rot.attention_scaling), rel=1e-6)
     assert DeepseekV3Config.from_dict(without).rope_scaling is None
     assert DeepseekV3Config.from_dict(without).softmax_scale == pytest.approx(192**-0.5)
+
+
+# ------------------------------------------------------------------- token ids and generate's arguments
+@pytest.fixture(scope="module")
+def tiny_engine():
+    from tokenspeed_jax.models.deepseek.engine import Engine
+    from tokenspeed_jax.models.deepseek.model import DeepseekV3
+
+    return Engine(DeepseekV3.random(DeepseekV3Config.preset("tiny"), seed=1), backend="xla")
+
+
+@pytest.mark.parametrize("kwargs,pattern", [
+    # ids were int()-converted: 1.7 -> 1, "12" -> 12, True -> 1 loaded silently; 2**64 / inf raised OverflowError
+    ({"prompts": [[1.7, 2]]}, r"^prompts\[0\]: expected integer token ids, got 1.7 at index 0"),
+    ({"prompts": [[3, "12"]]}, r"^prompts\[0\]: expected integer token ids, got '12' at index 1"),
+    ({"prompts": [[5], [True, 3]]}, r"^prompts\[1\]: expected integer token ids, got True"),
+    ({"prompts": [np.array([1.0, 2.0])]}, r"^prompts\[0\]: expected integer token ids"),
+    ({"prompts": [[2**64]]}, r"^prompts\[0\]: token id 18446744073709551616 at index 0 is outside the vocabulary \[0, 256\)"),
+    ({"prompts": [[float("inf")]]}, r"^prompts\[0\]: expected integer token ids, got inf"),
+    ({"prompts": [[float("nan")]]}, r"^prompts\[0\]: expected integer token ids, got nan"),
+    ({"max_new_tokens": True}, r"^max_new_tokens: expected an int >= 1 or one per prompt, got True"),
+    ({"max_new_tokens": 2.5}, r"^max_new_tokens: expected an int >= 1"),
+    ({"num_speculative_tokens": 1.9}, r"^num_speculative_tokens: expected an int, got 1.9"),
+    ({"num_speculative_tokens": "x"}, r"^num_speculative_tokens: expected an int"),
+    ({"eos_token_id": 1.5}, r"^eos_token_id: expected an int, a list of ints or None, got 1.5"),
+    ({"eos_token_id": "x"}, r"^eos_token_id: expected an int"),
+    ({"eos_token_id": [1.5]}, r"^eos_token_id: expected an int"),
+])
+def test_generate_refuses_non_integer_ids_and_counts(tiny_engine, kwargs, pattern):
+    args = {"prompts": [[1, 2]], "max_new_tokens": 4, **kwargs}
+    with pytest.raises(ValueError, match=pattern):
+        tiny_engine.generate(args.pop("prompts"), args.pop("max_new_tokens"), **args)
+
+
+def test_generate_accepts_numpy_ints(tiny_engine):
+    """NumPy / JAX integer arrays and scalars stay valid prompts, counts and EOS ids (only _check runs)."""
+    prompts, limits, k, eos = tiny_engine._check([np.array([1, 2], np.int32), jnp.array([3], jnp.int32)],
+                                                 np.int64(3), np.int32(0), np.array([1, 2]))
+    assert prompts == [[1, 2], [3]] and limits == [3, 3] and k == 0 and eos == [1, 2]

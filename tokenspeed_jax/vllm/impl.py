@@ -63,9 +63,12 @@ def lse_base2_to_natural(lse: jax.Array) -> jax.Array:
 
 
 def _scalar(v, name: str) -> jax.Array:
-    if isinstance(v, bool) or v is None:
-        raise TypeError(f"{name}: expected a float or a float32 scalar array, got {v!r}")
-    a = jnp.asarray(v, jnp.float32)
+    if isinstance(v, bool | str | bytes) or v is None:  # jnp.asarray would parse a string scale silently
+        raise TypeError(f"{name}: expected a float or a float32 scalar array, got {v!r:.40}")
+    try:
+        a = jnp.asarray(v, jnp.float32)
+    except (TypeError, ValueError, OverflowError) as e:  # complex, a huge int, ragged lists
+        raise TypeError(f"{name}: expected a float or a float32 scalar array, got {v!r:.40} ({e})") from None
     if a.size != 1:
         raise ValueError(f"{name}: expected a scalar, got shape {tuple(a.shape)}")
     return a.reshape(())

@@ -38,6 +38,17 @@ def _pytree(*, meta: tuple[str, ...]):
     return wrap
 
 
+def _int32(x, name: str) -> np.ndarray:
+    """``x`` as an int32 host array, or a ``ValueError`` naming ``name`` when a value lies outside int32: a
+    cast would wrap it silently (int64 ``2**32 + 21`` -> 21, uint32 ``2**32 - 1`` -> -1)."""
+    a = np.asarray(x)
+    if a.size and ((a < np.iinfo(np.int32).min).any() or (a > np.iinfo(np.int32).max).any()):
+        bad = a[(a < np.iinfo(np.int32).min) | (a > np.iinfo(np.int32).max)][0]
+        raise ValueError(f"{name}: expected values in the int32 range, got {bad.item()!r} (a cast would "
+                         "wrap it)")
+    return a.astype(np.int32)
+
+
 @_pytree(meta=("num_reqs", "num_actual_tokens", "max_query_len", "max_seq_len", "causal"))
 class CommonAttentionMetadata:
     """Per-batch metadata shared by every layer (vLLM's ``CommonAttentionMetadata``).
@@ -70,10 +81,10 @@ class CommonAttentionMetadata:
     def from_numpy(cls, query_start_loc, seq_lens, block_table, slot_mapping, *, num_actual_tokens=None,
                    causal: bool = True) -> CommonAttentionMetadata:
         """Build from host arrays (the counts are derived from them)."""
-        qsl = np.asarray(query_start_loc, np.int32)
-        sl = np.asarray(seq_lens, np.int32)
-        bt = np.asarray(block_table, np.int32)
-        sm = np.asarray(slot_mapping, np.int32)
+        qsl = _int32(query_start_loc, "query_start_loc")
+        sl = _int32(seq_lens, "seq_lens")
+        bt = _int32(block_table, "block_table")
+        sm = _int32(slot_mapping, "slot_mapping")
         if qsl.ndim != 1 or qsl.shape[0] < 1:
             raise ValueError(f"query_start_loc: expected shape [num_reqs + 1], got {qsl.shape}")
         num_reqs = qsl.shape[0] - 1

@@ -66,6 +66,9 @@ def build_attention_metadata(input_positions, query_lens, seq_lens, block_tables
     slot = np.full(T, -1, np.int64)
     req = np.repeat(np.arange(ql.shape[0]), ql)
     p = pos[: qsl[-1]]
+    if np.any(p < 0):
+        raise ValueError(f"input_positions: expected non-negative positions for the request tokens, got "
+                         f"{int(p.min())} (a negative block index would pick a page from the table's end)")
     if np.any(p // bs >= bt.shape[1]):
         raise ValueError(f"input_positions: a position needs block {int((p // bs).max())} but block_tables has "
                          f"{bt.shape[1]} columns")
