@@ -347,6 +347,8 @@ class Engine:
         MTP hidden [B, hidden])`` (greedy draft); :meth:`reset` must have been called."""
         if min(len(p) for p in prompts) < 1:
             raise ValueError("prompts: expected every prompt to have at least one token")
+        for i, p in enumerate(prompts):
+            check_token_ids(np.asarray(p, np.int64), self.config.vocab_size, f"prompts[{i}]")
         if len(prompts) != self.block_table.shape[0]:
             raise ValueError(
                 f"prompts: expected the {self.block_table.shape[0]} requests of reset(), got {len(prompts)}"

@@ -210,7 +210,10 @@ class DeepseekV3(nnx.Module):
     def __call__(self, input_ids: jax.Array, batch: AttentionBatch, cache: KVCache | None = None):
         """Main model over packed tokens ``input_ids [T]`` -> ``(hidden [T, hidden] after the final norm,
         new cache)``; ``cache=None`` runs attention without any cache (prefill mode only).  A decode batch
-        gets its decode work here, before the layer scans (:meth:`with_decode_work`)."""
+        gets its decode work here, before the layer scans (:meth:`with_decode_work`).  Concrete (untraced)
+        ids outside the vocabulary raise ``ValueError`` (:func:`check_token_ids`)."""
+        if not isinstance(input_ids, jax.core.Tracer):
+            check_token_ids(input_ids, self.config.vocab_size, "input_ids")
         batch = self.with_decode_work(batch, cache)
         h = self.embed_tokens(input_ids)
         if self.dense_layers is not None:
@@ -235,6 +238,8 @@ class DeepseekV3(nnx.Module):
         position ahead, ``prev_hidden [T, hidden]`` the hidden states of the previous depth (the main
         model's final-norm output for the first draft).  Returns ``(mtp hidden [T, hidden], logits [T, V],
         new cache)``; the layer uses cache ``num_hidden_layers + depth``."""
+        if not isinstance(next_ids, jax.core.Tracer):
+            check_token_ids(next_ids, self.config.vocab_size, "next_ids")
         li = self.config.num_hidden_layers + depth
         batch = self.with_decode_work(batch, cache)
         emb = self.embed_tokens(next_ids)
