@@ -135,6 +135,10 @@ def test_top_k_top_p_masks():
         SamplingParams(1.0, top_p=1.5)
     with pytest.raises(ValueError, match="top_k"):
         SamplingParams(1.0, top_k=-1)
+    for t in (-0.5, float("inf"), float("nan")):  # not silently greedy / uniform
+        with pytest.raises(ValueError, match="^temperature: expected a finite number >= 0"):
+            SamplingParams(t)
+    assert SamplingParams(1.0, top_k=np.int64(3)) == SamplingParams(1.0, top_k=3)
 
 
 def test_sampling_reproducible_under_a_seed(model):
