@@ -398,6 +398,14 @@ class Engine:
             raise ValueError(
                 f"max_new_tokens: expected an int >= 1 or one per prompt, got {max_new_tokens!r}"
             )
+        ctx = self.config.max_position_embeddings  # a sequence (prompt + output) fits the context
+        for i, p in enumerate(prompts):
+            if len(p) >= ctx:
+                raise ValueError(
+                    f"prompts[{i}]: {len(p)} tokens, the model's context (max_position_embeddings) is {ctx}: "
+                    f"expected a prompt of at most {ctx - 1} tokens"
+                )
+        limits = [min(m, ctx - len(p)) for p, m in zip(prompts, limits)]
         k = int(num_speculative_tokens)
         if k < 0 or k + 1 > 16:
             raise ValueError(f"num_speculative_tokens: expected 0..15 (mla_decode takes S <= 16), got {k}")
@@ -585,6 +593,10 @@ class Engine:
         stream: Callable[[TokenEvent], None] | None = None,
     ) -> GenerateOutput:
         """Generate up to ``max_new_tokens`` (an int, or one per prompt) tokens per prompt.
+
+        A request stops at the model's context, ``max_position_embeddings`` tokens of prompt and output
+        (stop reason ``"length"``, as vLLM caps a request at its maximum model length); a prompt of
+        ``max_position_embeddings`` tokens or more raises ``ValueError``.
 
         Args:
           prompts: token-id lists, or strings (encoded by the engine's tokenizer).

@@ -259,6 +259,19 @@ def test_text_round_trip(model, tmp_path):
         generate(model, ["hello"], 2, backend="xla", compilation_cache=False)
 
 
+def test_requests_stop_at_the_context_length():
+    """Prompt + output stop at max_position_embeddings (stop reason "length"); a prompt that fills the
+    context is refused, naming it."""
+    ctx = 12
+    m = DeepseekV3.random(CFG.replace(max_position_embeddings=ctx), dtype=jnp.float32, seed=3)
+    eng = engine(m)
+    out = eng.generate(PROMPTS[:2], [20, 4], eos_token_id=[])  # 6 + 20 > 12: 6 new tokens
+    assert [len(t) for t in out.tokens] == [ctx - 6, 4] and out.stop_reasons == ["length"] * 2
+    assert out.tokens == eng.generate(PROMPTS[:2], [6, 4], eos_token_id=[]).tokens
+    with pytest.raises(ValueError, match=r"^prompts\[1\]: 12 tokens, the model's context \(max_position_embeddings\) is 12"):
+        eng.generate([[1], [2] * 12], 2)
+
+
 def test_generate_argument_errors(model):
     eng = engine(model)
     for bad, what in (
