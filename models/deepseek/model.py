@@ -165,9 +165,11 @@ class DeepseekV3(nnx.Module):
 
         Weights come from numpy (documented decision): initialising through ``jax.random`` compiles one
         threefry kernel per distinct shape, which costs tens of seconds on a small CPU."""
-        from tokenspeed_jax.models.deepseek.parallel import param_sharding
+        from tokenspeed_jax.models.deepseek.parallel import check_mesh, param_sharding
         from tokenspeed_jax.models.deepseek.weights import quantize_fp8_block
 
+        if mesh is not None:
+            check_mesh(config, mesh)
         param_dtype = dtype if param_dtype is None else param_dtype
         model = nnx.eval_shape(lambda: cls(config, dtype=dtype, param_dtype=param_dtype, rngs=nnx.Rngs(0)))
         rng = np.random.default_rng(seed)

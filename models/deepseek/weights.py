@@ -429,13 +429,15 @@ def load_checkpoint(
     """
     from tokenspeed_jax.models.deepseek.config import QuantizationConfig
     from tokenspeed_jax.models.deepseek.model import DeepseekV3
-    from tokenspeed_jax.models.deepseek.parallel import param_sharding
+    from tokenspeed_jax.models.deepseek.parallel import check_mesh, param_sharding
 
     path = os.fspath(path)
     if not os.path.isdir(path):
         raise CheckpointError(f"path: expected a checkpoint directory, got {path!r}")
     param_dtype = dtype if param_dtype is None else param_dtype
     config = DeepseekV3Config.from_json(checkpoint_file(path, "config.json")) if config is None else config
+    if mesh is not None:
+        check_mesh(config, mesh)
     weight_map = _open_index(path)
     shards = {s: SafetensorsFile(os.path.join(path, s)) for s in sorted(set(weight_map.values()))}
     for name, shard in weight_map.items():
