@@ -377,7 +377,7 @@ class Engine:
 
     # --------------------------------------------------------------------------- generate
     def _check(self, prompts, max_new_tokens, num_speculative_tokens, eos_token_id):
-        if isinstance(prompts, str | bytes) or not prompts:
+        if isinstance(prompts, str | bytes) or len(prompts) == 0:
             raise ValueError("prompts: expected a non-empty list of prompts (token-id lists or strings)")
         if any(isinstance(p, str) for p in prompts):
             if self.tokenizer is None:
@@ -385,19 +385,34 @@ class Engine:
                     "prompts: text prompts need a tokenizer (Engine(..., tokenizer=load_tokenizer(dir)))"
                 )
             prompts = [self.tokenizer.encode(p) if isinstance(p, str) else p for p in prompts]
-        prompts = [[int(t) for t in p] for p in prompts]
         V = self.config.vocab_size
+        ids = []
         for i, p in enumerate(prompts):
-            if not p:
+            a = np.asarray(p)
+            if a.size == 0:
                 raise ValueError(
                     f"prompts: expected every prompt to have at least one token, prompt {i} is empty"
                 )
-            check_token_ids(np.asarray(p, np.int64), V, f"prompts[{i}]")
-        limits = [max_new_tokens] * len(prompts) if isinstance(max_new_tokens, int) else list(max_new_tokens)
-        if len(limits) != len(prompts) or any(not isinstance(m, int | np.integer) or m < 1 for m in limits):
+            if a.ndim != 1:
+                raise ValueError(f"prompts[{i}]: expected a list of token ids, got shape {a.shape}")
+            check_token_ids(a, V, f"prompts[{i}]")  # integer ids (1.7 is not truncated to 1) in the vocabulary
+            ids.append(a.astype(np.int64).tolist())
+        prompts = ids
+
+        def is_int(m):
+            return isinstance(m, int | np.integer) and not isinstance(m, bool)
+
+        try:
+            limits = [max_new_tokens] * len(prompts) if is_int(max_new_tokens) else list(max_new_tokens)
+        except TypeError:
+            limits = []
+        if len(limits) != len(prompts) or any(not is_int(m) or m < 1 for m in limits):
             raise ValueError(
                 f"max_new_tokens: expected an int >= 1 or one per prompt, got {max_new_tokens!r}"
             )
+        limits = [int(m) for m in limits]
+        if not is_int(num_speculative_tokens):
+            raise ValueError(f"num_speculative_tokens: expected an int in 0..15, got {num_speculative_tokens!r}")
         ctx = self.config.max_position_embeddings  # a sequence (prompt + output) fits the context
         for i, p in enumerate(prompts):
             if len(p) >= ctx:

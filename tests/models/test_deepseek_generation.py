@@ -283,6 +283,19 @@ def test_generate_argument_errors(model):
         kw = {"max_new_tokens": 2, **bad}
         with pytest.raises(ValueError, match=what):
             eng.generate(PROMPTS[:2], kw.pop("max_new_tokens"), **kw)
+    for bad, what in (
+        ({"max_new_tokens": True}, "max_new_tokens"),
+        ({"max_new_tokens": 2.0}, "max_new_tokens"),
+        ({"num_speculative_tokens": 1.5}, "num_speculative_tokens"),
+    ):
+        kw = {"max_new_tokens": 2, **bad}
+        with pytest.raises(ValueError, match=f"^{what}: expected"):
+            eng.generate(PROMPTS[:2], kw.pop("max_new_tokens"), **kw)
+    with pytest.raises(ValueError, match=r"^prompts\[1\]: expected integer token ids, got dtype float64"):
+        eng.generate([[1, 2], [3.7, 4.0]], 2)  # not truncated to 3
+    # NumPy prompts and counts are ints like any other
+    two = [PROMPTS[0][:3], PROMPTS[1][:3]]
+    assert eng.generate(np.array(two), np.int64(2)).tokens == eng.generate(two, 2).tokens
     with pytest.raises(ValueError, match="prompts"):
         eng.generate([[1, V]], 2)
     with pytest.raises(ValueError, match="prompts"):
