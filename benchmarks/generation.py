@@ -124,9 +124,13 @@ def _pair(s: str) -> tuple[int, int]:
     return a, b
 
 
-def _workload(args, vocab: int):
+def _workload(args, vocab: int, context: int):
+    """Random prompts and output lengths; prompts longer than half the model's context are cut to it (the
+    engine stops a request at the context, so a trained checkpoint's short context caps the outputs too)."""
     rng = np.random.default_rng(args.seed)
     lo, hi = _pair(args.prompt_lens)
+    hi = min(hi, context // 2)
+    lo = min(lo, hi)
     olo, ohi = _pair(args.output_lens)
     lens = rng.integers(lo, hi + 1, args.num_prompts)
     outs = rng.integers(olo, ohi + 1, args.num_prompts).tolist()
@@ -221,7 +225,7 @@ def run(args, res: Results) -> None:
         try:
             if section in ("batching", "mtp"):
                 m = get_model()
-                prompts, outs = _workload(args, m.config.vocab_size)
+                prompts, outs = _workload(args, m.config.vocab_size, m.config.max_position_embeddings)
                 res.set(
                     "workload",
                     {
@@ -229,6 +233,7 @@ def run(args, res: Results) -> None:
                         "prompt_tokens": sum(map(len, prompts)),
                         "max_new_tokens_total": sum(outs),
                         "prompt_lens": args.prompt_lens,
+                        "context": m.config.max_position_embeddings,
                         "output_lens": args.output_lens,
                         "max_slots": args.max_slots,
                         "eos": "ignored (every request runs its length)",

@@ -31,9 +31,9 @@ TOKENSPEED_SCOPES = (
     "tokenspeed_merge_attn_states",
 )
 BACKENDS = ("auto", "xla", "sm90", "sm100")
-PAGE_SIZES = (16, 32, 64, 128, 256)
+PAGE_SIZES = (16, 32, 64, 128, 256)  # mla_decode's page sizes
 # the text prompts of the default run (the shipped checkpoint was trained on the Python standard library)
-DEFAULT_PROMPTS = ("    def __init__(self, name", "        if not isinstance(", "import ")  # mla_decode's page sizes
+DEFAULT_PROMPTS = ("    def __init__(self, name", "        if not isinstance(", "import ")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -79,7 +79,12 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--prompts-file", default=None, metavar="FILE", help="text prompts, one per line")
     p.add_argument("--batch", type=int, default=4, help="number of random prompts (without text prompts)")
     p.add_argument("--prompt-len", type=int, default=64, help="longest random prompt (others are shorter)")
-    p.add_argument("--max-new-tokens", type=int, default=32)
+    p.add_argument(
+        "--max-new-tokens",
+        type=int,
+        default=32,
+        help="new tokens per prompt, at most (EOS and the model's context stop a request earlier)",
+    )
     p.add_argument(
         "--num-speculative-tokens",
         type=int,
@@ -90,9 +95,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--temperature", type=float, default=0.0, help="0: greedy; > 0 samples")
     p.add_argument("--top-k", type=int, default=None, help="sample among the k most likely tokens")
     p.add_argument("--top-p", type=float, default=None, help="nucleus sampling probability in (0, 1]")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seed of the random prompts, generated weights and sampling")
     p.add_argument("--ignore-eos", action="store_true", help="run every request to --max-new-tokens")
-    p.add_argument("--page-size", type=int, default=64, choices=PAGE_SIZES)
+    p.add_argument("--page-size", type=int, default=64, choices=PAGE_SIZES, help="tokens per KV cache page")
     p.add_argument("--prefill-chunk", type=int, default=None, help="chunked context prefill chunk size")
     p.add_argument(
         "--max-slots", type=int, default=None, help="decode slots (continuous batching; default: all prompts)"
@@ -142,14 +147,19 @@ def _validate(p: argparse.ArgumentParser, args) -> None:
         ("--prefill-chunk", args.prefill_chunk, 1),
         ("--max-slots", args.max_slots, 1),
         ("--top-k", args.top_k, 0),
+        ("--seed", args.seed, 0),
+        ("--context", args.context, 1),
+        ("--prefill-tokens", args.prefill_tokens, 1),
     ):
         if v is not None and v < lo:
             p.error(f"{flag}: expected an integer >= {lo}, got {v}")
+    if args.device_memory_gib is not None and not 0 < args.device_memory_gib < float("inf"):
+        p.error(f"--device-memory-gib: expected a positive number, got {args.device_memory_gib}")
     k = args.num_speculative_tokens
     if k is not None and not 0 <= k <= 15:
         p.error(f"--num-speculative-tokens: expected 0..15 (mla_decode verifies at most 16 tokens), got {k}")
-    if not args.temperature >= 0:
-        p.error(f"--temperature: expected a number >= 0, got {args.temperature}")
+    if not 0 <= args.temperature < float("inf"):
+        p.error(f"--temperature: expected a finite number >= 0, got {args.temperature}")
     if args.top_p is not None and not 0 < args.top_p <= 1:
         p.error(f"--top-p: expected a number in (0, 1], got {args.top_p}")
     if args.checkpoint is not None and not os.path.isdir(args.checkpoint):
@@ -158,11 +168,11 @@ def _validate(p: argparse.ArgumentParser, args) -> None:
         p.error(f"--prompts-file: no such file {args.prompts_file!r}")
     if args.preset is not None and args.checkpoint is not None:
         p.error("--preset: give either --preset (generated weights) or --checkpoint, not both")
-    if args.preset is None and args.checkpoint is None and not args.plan:
+    if args.preset is None and args.checkpoint is None:  # the shipped checkpoint (its config for --plan)
         from tokenspeed_jax.models.deepseek.checkpoints import default_checkpoint
 
         args.checkpoint = default_checkpoint()
-        if args.prompt is None and args.prompts_file is None:
+        if args.prompt is None and args.prompts_file is None and not args.plan:
             args.prompt = list(DEFAULT_PROMPTS)
     if args.mesh is not None:
         from tokenspeed_jax.models.deepseek.parallel import parse_mesh
@@ -183,36 +193,53 @@ def _validate(p: argparse.ArgumentParser, args) -> None:
         p.error(f"{flag}: text prompts need a tokenizer: pass --checkpoint DIR with a tokenizer.json")
 
 
-def _plan_main(args) -> int:
+def _config(parser: argparse.ArgumentParser, args):
+    """The config of ``--checkpoint`` (its config.json) or ``--preset``; a bad config.json is a parser error."""
+    from tokenspeed_jax.models.deepseek.config import DeepseekV3Config
+
+    if args.checkpoint is None:
+        return DeepseekV3Config.preset(args.preset)
+    try:
+        return DeepseekV3Config.from_json(args.checkpoint)
+    except (ValueError, OSError) as e:
+        parser.error(f"--checkpoint: {e}".splitlines()[0])
+
+
+def _model_name(checkpoint: str) -> str:
+    return os.path.basename(os.path.normpath(checkpoint))
+
+
+def _plan_main(parser: argparse.ArgumentParser, args) -> int:
     import jax.numpy as jnp
 
-    from tokenspeed_jax.models.deepseek.config import DeepseekV3Config
     from tokenspeed_jax.models.deepseek.parallel import parse_mesh
     from tokenspeed_jax.models.deepseek.plan import H200_BYTES, plan
 
-    if args.checkpoint:
-        cfg = DeepseekV3Config.from_json(args.checkpoint)
-    else:
-        cfg = DeepseekV3Config.preset(args.preset or "small")
+    cfg = _config(parser, args)
     dtype = jnp.float32 if args.dtype == "float32" else jnp.bfloat16
     kv = None if args.kv_dtype == "auto" else jnp.dtype(args.kv_dtype)
     k = args.num_speculative_tokens if args.num_speculative_tokens is not None else 1
-    p = plan(
-        cfg,
-        parse_mesh(args.mesh or ""),
-        batch=args.batch,
-        context=args.context or args.prompt_len + args.max_new_tokens,
-        prefill_tokens=args.prefill_tokens,
-        num_speculative_tokens=k,
-        dtype=dtype,
-        kv_dtype=kv,
-        page_size=args.page_size,
-        device_bytes=int(args.device_memory_gib * 1024**3) if args.device_memory_gib else H200_BYTES,
-    )
+    try:
+        p = plan(
+            cfg,
+            parse_mesh(args.mesh or ""),
+            batch=args.batch,
+            context=args.context or args.prompt_len + args.max_new_tokens,
+            prefill_tokens=args.prefill_tokens,
+            num_speculative_tokens=k,
+            dtype=dtype,
+            kv_dtype=kv,
+            page_size=args.page_size,
+            device_bytes=int(args.device_memory_gib * 1024**3) if args.device_memory_gib else H200_BYTES,
+        )
+    except ValueError as e:  # a mesh the model cannot run on (parallel.check_mesh)
+        parser.error(f"--mesh: {str(e).removeprefix('mesh: ')}")
+    model_name = f"preset:{args.preset}" if args.checkpoint is None else _model_name(args.checkpoint)
+    print(f"model: {model_name}")
     print(p.text())
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(p.to_dict(), f, indent=1)
+            json.dump({"model": model_name, **p.to_dict()}, f, indent=1)
     if not p.fits:
         print(f"refused: {p.advice()}", file=sys.stderr)
         return 2
@@ -339,7 +366,7 @@ def main(argv: list[str] | None = None) -> int:
     import jax.numpy as jnp
     import numpy as np
     if args.plan:
-        return _plan_main(args)
+        return _plan_main(parser, args)
     from tokenspeed_jax.models.deepseek.config import DeepseekV3Config
     from tokenspeed_jax.models.deepseek.compile_cache import CompileClock
     from tokenspeed_jax.models.deepseek.engine import Engine, enable_compilation_cache
@@ -347,6 +374,16 @@ def main(argv: list[str] | None = None) -> int:
     from tokenspeed_jax.models.deepseek.tokenizer import load_tokenizer
     from tokenspeed_jax.models.deepseek.weights import load_checkpoint
 
+    mesh = None
+    if args.mesh:  # before loading: enough devices, and a layout the model can run on
+        from tokenspeed_jax.models.deepseek.parallel import check_mesh, make_mesh
+
+        config = _config(parser, args)
+        try:
+            mesh = make_mesh(args.mesh)
+            check_mesh(config, mesh)
+        except ValueError as e:
+            parser.error(f"--mesh: {str(e).removeprefix('mesh: ')}")
     cache_dir = None if args.no_compilation_cache else enable_compilation_cache()
     platform = jax.default_backend()
     dtype = {
@@ -355,11 +392,6 @@ def main(argv: list[str] | None = None) -> int:
         "bfloat16": jnp.bfloat16,
     }[args.dtype]
     kv_dtype = None if args.kv_dtype == "auto" else jnp.dtype(args.kv_dtype)
-    mesh = None
-    if args.mesh:
-        from tokenspeed_jax.models.deepseek.parallel import make_mesh
-
-        mesh = make_mesh(args.mesh)
     t0 = time.perf_counter()
     tokenizer = None
     if args.checkpoint:
@@ -369,7 +401,7 @@ def main(argv: list[str] | None = None) -> int:
         except (ValueError, OSError) as e:
             parser.error(f"--checkpoint: {e}".splitlines()[0])
         source = args.checkpoint
-        model_name = os.path.basename(os.path.normpath(args.checkpoint))
+        model_name = _model_name(args.checkpoint)
     else:
         config = DeepseekV3Config.preset(args.preset)
         model = DeepseekV3.random(config, dtype=dtype, seed=args.seed, mesh=mesh)
@@ -383,9 +415,9 @@ def main(argv: list[str] | None = None) -> int:
     if k and not c.num_nextn_predict_layers:
         parser.error("--num-speculative-tokens: the model has no MTP layer (num_nextn_predict_layers = 0)")
     texts_in = None
+    flag = "--prompt" if args.prompt else "--prompts-file" if args.prompts_file else "--prompt-len"
     if args.prompt or args.prompts_file:
         if tokenizer is None:
-            flag = "--prompt" if args.prompt else "--prompts-file"
             parser.error(f"{flag}: {args.checkpoint!r} has no tokenizer.json")
         if args.prompt:
             texts_in = list(args.prompt)
@@ -396,12 +428,17 @@ def main(argv: list[str] | None = None) -> int:
                 parser.error(f"--prompts-file: {args.prompts_file!r} has no prompt")
         prompts = [tokenizer.encode(t) for t in texts_in]
         if any(max(p, default=0) >= c.vocab_size for p in prompts):
-            parser.error(f"--prompt: the tokenizer produced ids >= the model's vocab_size {c.vocab_size}")
+            parser.error(f"{flag}: the tokenizer produced ids >= the model's vocab_size {c.vocab_size}")
     else:
         rng = np.random.default_rng(args.seed)
         lens = [max(1, args.prompt_len - 7 * i) for i in range(args.batch)]
         prompts = [rng.integers(0, c.vocab_size, n).tolist() for n in lens]
     lens = [len(p) for p in prompts]
+    if max(lens) >= c.max_position_embeddings:
+        parser.error(
+            f"{flag}: a prompt of {max(lens)} tokens does not fit the model's context of "
+            f"{c.max_position_embeddings} tokens (max_position_embeddings)"
+        )
     engine = Engine(
         model,
         page_size=args.page_size,

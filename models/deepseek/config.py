@@ -19,7 +19,11 @@ non-negative); a wrong one raises ``ValueError`` naming the key.  Features the m
 (``attention_bias``, ``tie_word_embeddings``) are refused, never ignored.  A missing (or null)
 ``rope_scaling`` and no ``rope_parameters`` means **no RoPE scaling**, as in transformers (the published R1
 config spells its YaRN out; only the ``deepseek-r1`` preset has it built in); a null ``rope_scaling`` next to
-``rope_parameters`` takes the latter, as transformers does.  Unknown keys are ignored.
+``rope_parameters`` takes the latter, as transformers does.  Inside a YaRN ``rope_scaling`` a missing key
+also means what it means to transformers, never R1's value: no ``mscale`` / ``mscale_all_dim`` (cos/sin
+scaled by ``yarn_get_mscale(factor)``, softmax scale unchanged), ``original_max_position_embeddings`` =
+``max_position_embeddings``; ``attention_factor`` and ``truncate`` are honoured, and a missing ``factor`` is
+refused.  Unknown keys are ignored.
 
 Every preset keeps the attention dims of the real model (kv_lora_rank 512, qk_rope_head_dim 64,
 qk_nope_head_dim 128, v_head_dim 128), which are what the MLA kernels are specialised for.
@@ -43,22 +47,32 @@ def yarn_get_mscale(scale: float = 1.0, mscale: float = 1.0) -> float:
 
 @dataclasses.dataclass(frozen=True)
 class RopeScaling:
-    """``rope_scaling`` of config.json; only ``type = "yarn"`` (DeepSeek-V3/R1) is supported."""
+    """``rope_scaling`` of config.json; only ``type = "yarn"`` (DeepSeek-V3/R1) is supported.
+
+    The defaults are DeepSeek-R1's values (the ``deepseek-r1`` preset).  A config.json is read with
+    transformers' meaning of a missing key instead (:meth:`DeepseekV3Config.from_dict`): ``mscale`` /
+    ``mscale_all_dim`` / ``attention_factor`` ``None`` (cos/sin scaled by ``yarn_get_mscale(factor)``, softmax
+    scale unchanged), ``original_max_position_embeddings`` the config's ``max_position_embeddings``."""
 
     type: str = "yarn"
     factor: float = 40.0
     original_max_position_embeddings: int = 4096
     beta_fast: float = 32.0
     beta_slow: float = 1.0
-    mscale: float = 1.0
-    mscale_all_dim: float = 1.0
+    mscale: float | None = 1.0
+    mscale_all_dim: float | None = 1.0
+    attention_factor: float | None = None
+    truncate: bool = True
 
     def __post_init__(self):
-        for name in ("factor", "beta_fast", "beta_slow", "mscale", "mscale_all_dim"):
-            _check_number(f"rope_scaling.{name}", getattr(self, name))
-            if getattr(self, name) < 0:  # the YaRN correction range takes log(beta); 0 means the default
-                raise ValueError(f"rope_scaling.{name}: expected a non-negative number, "
-                                 f"got {getattr(self, name)!r}")
+        for name in ("factor", "beta_fast", "beta_slow", "mscale", "mscale_all_dim", "attention_factor"):
+            v = getattr(self, name)
+            if v is not None or name in ("factor", "beta_fast", "beta_slow"):
+                _check_number(f"rope_scaling.{name}", v)
+                if v < 0:  # the YaRN correction range takes log(beta); 0 means the default
+                    raise ValueError(f"rope_scaling.{name}: expected a non-negative number, got {v!r}")
+        if not isinstance(self.truncate, bool):
+            raise ValueError(f"rope_scaling.truncate: expected a bool (true/false), got {self.truncate!r:.80}")
         if not _is_int(self.original_max_position_embeddings) or self.original_max_position_embeddings < 1:
             raise ValueError(f"rope_scaling.original_max_position_embeddings: expected a positive int, "
                              f"got {self.original_max_position_embeddings!r}")
@@ -94,6 +108,34 @@ def _is_int(v) -> bool:
 def _check_number(key: str, v) -> None:
     if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
         raise ValueError(f"{key}: expected a finite number, got {v!r}")
+
+
+def _rope_scaling_from_json(rtype: str, rs: dict[str, Any], max_position_embeddings) -> RopeScaling:
+    """A config.json ``rope_scaling`` object read as transformers reads it: a missing (or null) key is
+    absent, not DeepSeek-R1's value.  ``factor`` is required (null: ``max_position_embeddings /
+    original_max_position_embeddings``); ``original_max_position_embeddings`` defaults to
+    ``max_position_embeddings``; ``mscale`` / ``mscale_all_dim`` / ``attention_factor`` stay ``None``;
+    ``beta_fast`` / ``beta_slow`` default to 32 / 1."""
+    if rtype != "yarn":
+        raise ValueError(f"rope_scaling: expected type 'yarn' or no scaling, got {rtype!r:.80}")
+    if "factor" not in rs:
+        raise ValueError("rope_scaling.factor: missing (YaRN needs its factor, as transformers does)")
+    orig = rs.get("original_max_position_embeddings")
+    orig = max_position_embeddings if orig is None else orig
+    factor = rs.get("factor")
+    if factor is None and _is_int(orig) and orig > 0 and _is_int(max_position_embeddings):
+        factor = max_position_embeddings / orig
+    return RopeScaling(
+        type=rtype,
+        factor=factor,
+        original_max_position_embeddings=orig,
+        beta_fast=rs.get("beta_fast") or 32.0,
+        beta_slow=rs.get("beta_slow") or 1.0,
+        mscale=rs.get("mscale"),
+        mscale_all_dim=rs.get("mscale_all_dim"),
+        attention_factor=rs.get("attention_factor"),
+        truncate=rs.get("truncate", True),
+    )
 
 
 # The JSON type of each DeepseekV3Config field (checked by from_dict before construction).
@@ -280,12 +322,11 @@ class DeepseekV3Config:
                 raise ValueError(f"{src}.type: expected a string, got {rtype!r:.80}")
             if rtype not in ("yarn", "default"):
                 raise ValueError(f"{src}.type: expected 'yarn' or 'default' (no scaling), got {rtype!r:.80}")
-            rf = {f.name for f in dataclasses.fields(RopeScaling)}
             try:
-                rs = None if rtype == "default" else RopeScaling(
-                    type=rtype, **{k: v for k, v in rs.items() if k in rf and v is not None})
+                rs = None if rtype == "default" else _rope_scaling_from_json(
+                    rtype, rs, kw.get("max_position_embeddings", cls.max_position_embeddings))
             except ValueError as e:  # RopeScaling names its fields rope_scaling.*
-                raise ValueError(str(e).replace("rope_scaling.", f"{src}.", 1)) from None
+                raise ValueError(str(e).replace("rope_scaling", src, 1)) from None
         kw["rope_scaling"] = rs
         qc = kw.get("quantization_config")
         if qc is not None and not isinstance(qc, dict):
@@ -332,8 +373,12 @@ class DeepseekV3Config:
     def to_dict(self) -> dict[str, Any]:
         """A ``config.json`` dict (published field names, loadable by transformers' DeepseekV3Config)."""
         d = dataclasses.asdict(self)
-        if self.rope_scaling is not None:
-            d["rope_scaling"] = dataclasses.asdict(self.rope_scaling)
+        if self.rope_scaling is not None:  # absent keys stay absent (transformers reads them the same way)
+            d["rope_scaling"] = {
+                k: v
+                for k, v in dataclasses.asdict(self.rope_scaling).items()
+                if v is not None and not (k == "truncate" and v)
+            }
         if self.quantization_config is not None:
             d["quantization_config"] = {
                 **dataclasses.asdict(self.quantization_config),

@@ -351,6 +351,8 @@ class Engine:
         MTP hidden [B, hidden])`` (greedy draft); :meth:`reset` must have been called."""
         if min(len(p) for p in prompts) < 1:
             raise ValueError("prompts: expected every prompt to have at least one token")
+        for i, p in enumerate(prompts):
+            check_token_ids(np.asarray(p, np.int64), self.config.vocab_size, f"prompts[{i}]")
         if len(prompts) != self.block_table.shape[0]:
             raise ValueError(
                 f"prompts: expected the {self.block_table.shape[0]} requests of reset(), got {len(prompts)}"
@@ -379,7 +381,7 @@ class Engine:
 
     # --------------------------------------------------------------------------- generate
     def _check(self, prompts, max_new_tokens, num_speculative_tokens, eos_token_id):
-        if isinstance(prompts, str | bytes) or not prompts:
+        if isinstance(prompts, str | bytes) or len(prompts) == 0:
             raise ValueError("prompts: expected a non-empty list of prompts (token-id lists or strings)")
         if any(isinstance(p, str) for p in prompts):
             if self.tokenizer is None:
@@ -416,8 +418,17 @@ class Engine:
             raise ValueError(
                 f"max_new_tokens: expected an int >= 1 or one per prompt, got {max_new_tokens!r:.80}"
             )
+        limits = [int(m) for m in limits]
         if not _is_int(num_speculative_tokens):
             raise ValueError(f"num_speculative_tokens: expected an int, got {num_speculative_tokens!r:.40}")
+        ctx = self.config.max_position_embeddings  # a sequence (prompt + output) fits the context
+        for i, p in enumerate(prompts):
+            if len(p) >= ctx:
+                raise ValueError(
+                    f"prompts[{i}]: {len(p)} tokens, the model's context (max_position_embeddings) is {ctx}: "
+                    f"expected a prompt of at most {ctx - 1} tokens"
+                )
+        limits = [min(m, ctx - len(p)) for p, m in zip(prompts, limits)]
         k = int(num_speculative_tokens)
         if k < 0 or k + 1 > 16:
             raise ValueError(f"num_speculative_tokens: expected 0..15 (mla_decode takes S <= 16), got {k}")
@@ -609,6 +620,10 @@ class Engine:
         stream: Callable[[TokenEvent], None] | None = None,
     ) -> GenerateOutput:
         """Generate up to ``max_new_tokens`` (an int, or one per prompt) tokens per prompt.
+
+        A request stops at the model's context, ``max_position_embeddings`` tokens of prompt and output
+        (stop reason ``"length"``, as vLLM caps a request at its maximum model length); a prompt of
+        ``max_position_embeddings`` tokens or more raises ``ValueError``.
 
         Args:
           prompts: token-id lists, or strings (encoded by the engine's tokenizer).

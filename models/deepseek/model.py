@@ -165,9 +165,11 @@ class DeepseekV3(nnx.Module):
 
         Weights come from numpy (documented decision): initialising through ``jax.random`` compiles one
         threefry kernel per distinct shape, which costs tens of seconds on a small CPU."""
-        from tokenspeed_jax.models.deepseek.parallel import param_sharding
+        from tokenspeed_jax.models.deepseek.parallel import check_mesh, param_sharding
         from tokenspeed_jax.models.deepseek.weights import quantize_fp8_block
 
+        if mesh is not None:
+            check_mesh(config, mesh)
         param_dtype = dtype if param_dtype is None else param_dtype
         model = nnx.eval_shape(lambda: cls(config, dtype=dtype, param_dtype=param_dtype, rngs=nnx.Rngs(0)))
         rng = np.random.default_rng(seed)
@@ -210,7 +212,10 @@ class DeepseekV3(nnx.Module):
     def __call__(self, input_ids: jax.Array, batch: AttentionBatch, cache: KVCache | None = None):
         """Main model over packed tokens ``input_ids [T]`` -> ``(hidden [T, hidden] after the final norm,
         new cache)``; ``cache=None`` runs attention without any cache (prefill mode only).  A decode batch
-        gets its decode work here, before the layer scans (:meth:`with_decode_work`)."""
+        gets its decode work here, before the layer scans (:meth:`with_decode_work`).  Concrete (untraced)
+        ids outside the vocabulary raise ``ValueError`` (:func:`check_token_ids`)."""
+        if not isinstance(input_ids, jax.core.Tracer):
+            check_token_ids(input_ids, self.config.vocab_size, "input_ids")
         batch = self.with_decode_work(batch, cache)
         h = self.embed_tokens(input_ids)
         if self.dense_layers is not None:
@@ -235,6 +240,8 @@ class DeepseekV3(nnx.Module):
         position ahead, ``prev_hidden [T, hidden]`` the hidden states of the previous depth (the main
         model's final-norm output for the first draft).  Returns ``(mtp hidden [T, hidden], logits [T, V],
         new cache)``; the layer uses cache ``num_hidden_layers + depth``."""
+        if not isinstance(next_ids, jax.core.Tracer):
+            check_token_ids(next_ids, self.config.vocab_size, "next_ids")
         li = self.config.num_hidden_layers + depth
         batch = self.with_decode_work(batch, cache)
         emb = self.embed_tokens(next_ids)

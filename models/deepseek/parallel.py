@@ -37,6 +37,7 @@ EXPERT_AXES = ("data", "tensor", "expert")
 def parse_mesh(spec: str) -> dict[str, int]:
     """``"data=1,tensor=2,expert=4"`` -> ``{"data": 1, "tensor": 2, "expert": 4}`` (missing axes are 1)."""
     out = dict.fromkeys(AXES, 1)
+    seen: set[str] = set()
     for part in filter(None, (p.strip() for p in spec.split(","))):
         if "=" not in part:
             raise ValueError(
@@ -45,6 +46,9 @@ def parse_mesh(spec: str) -> dict[str, int]:
         k, v = (x.strip() for x in part.split("=", 1))
         if k not in AXES:
             raise ValueError(f"mesh: expected axes among {AXES}, got {k!r} in {spec!r}")
+        if k in seen:
+            raise ValueError(f"mesh: axis {k!r} given twice in {spec!r}")
+        seen.add(k)
         try:
             n = int(v)
         except ValueError:
@@ -65,6 +69,25 @@ def make_mesh(shape: dict[str, int] | str, devices=None) -> Mesh:
     if n > len(devices):
         raise ValueError(f"mesh: {dict(zip(AXES, sizes))} needs {n} devices, {len(devices)} are available")
     return Mesh(np.array(devices[:n]).reshape(sizes), AXES)
+
+
+def check_mesh(config, mesh_shape) -> None:
+    """Raise ``ValueError`` (``"mesh: ..."``) when the model cannot run on a mesh of this shape (a ``Mesh`` or
+    a ``{axis: size}`` dict): ``tensor`` must divide the attention heads (attention is split by heads) and
+    ``data x tensor x expert`` the routed experts (every device holds its own experts)."""
+    shape = dict(getattr(mesh_shape, "shape", mesh_shape))
+    t = int(shape.get("tensor", 1))
+    if config.num_attention_heads % t:
+        raise ValueError(
+            f"mesh: tensor = {t} must divide num_attention_heads = {config.num_attention_heads} (attention "
+            "is split by heads over tensor)"
+        )
+    n = int(np.prod([shape.get(a, 1) for a in EXPERT_AXES]))
+    if config.n_routed_experts and config.n_routed_experts % n:
+        raise ValueError(
+            f"mesh: data x tensor x expert = {n} devices must divide n_routed_experts = "
+            f"{config.n_routed_experts} (the routed experts are split over all {n} devices)"
+        )
 
 
 def param_spec(path: tuple, shape: tuple[int, ...], mesh: Mesh) -> P:
@@ -115,6 +138,7 @@ def shard_model(model, mesh: Mesh):
     """Place every parameter of ``model`` with its NamedSharding (in place); returns ``model``."""
     from flax import nnx
 
+    check_mesh(model.config, mesh)
     for p, v in nnx.to_flat_state(nnx.state(model, nnx.Param)):
         v.set_value(jax.device_put(v.get_value(), param_sharding(p, tuple(v.shape), mesh)))
     return model

@@ -179,10 +179,12 @@ def plan(
     usable_fraction: float = 0.95,
 ) -> Plan:
     """Bytes per device (module docstring).  ``prefill_tokens`` (per data rank, default
-    ``min(ceil(batch / data) * context, 8192)``) is the size of one prefill step."""
-    from tokenspeed_jax.models.deepseek.parallel import AXES, param_spec
+    ``min(ceil(batch / data) * context, 8192)``) is the size of one prefill step.  A mesh the model cannot
+    run on raises ``ValueError`` (:func:`~.parallel.check_mesh`)."""
+    from tokenspeed_jax.models.deepseek.parallel import AXES, check_mesh, param_spec
 
     ms = {a: int(mesh_shape.get(a, 1)) for a in AXES}
+    check_mesh(config, ms)  # a layout the model cannot run on is refused, whatever its bytes
     fake = _FakeMesh(ms)
     n_dev = math.prod(ms.values())
     c = config

@@ -1,9 +1,11 @@
 """YaRN rotary position embedding with DeepSeek's interleaved pair layout.
 
 Frequencies follow transformers' ``_compute_yarn_parameters`` (itself DeepSeek-V3's reference): the
-correction range is ``floor/ceil`` of the YaRN dims for ``beta_fast``/``beta_slow``, inverse frequencies
-blend interpolation (``/ factor``) and extrapolation with a linear ramp, and cos/sin are multiplied by the
-attention factor ``yarn_get_mscale(factor, mscale) / yarn_get_mscale(factor, mscale_all_dim)`` (1.0 for R1).
+correction range is ``floor/ceil`` of the YaRN dims for ``beta_fast``/``beta_slow`` (unrounded with
+``truncate: false``), inverse frequencies blend interpolation (``/ factor``) and extrapolation with a linear
+ramp, and cos/sin are multiplied by the attention factor: ``attention_factor`` when the config gives it,
+else ``yarn_get_mscale(factor, mscale) / yarn_get_mscale(factor, mscale_all_dim)`` when both are set (1.0
+for R1), else ``yarn_get_mscale(factor)``.
 
 Layout (documented decision): with ``rope_interleave`` the rotary dims are pairs ``(x0, x1), (x2, x3), ...``
 and the rotated output is written de-interleaved, ``[even' | odd']``, exactly as transformers'
@@ -31,7 +33,9 @@ def rope_frequencies(config: DeepseekV3Config) -> tuple[np.ndarray, float]:
     if rs is None:
         return inv_extra, 1.0
     factor = float(rs.factor)
-    if rs.mscale and rs.mscale_all_dim:
+    if rs.attention_factor is not None:
+        attention_factor = float(rs.attention_factor)
+    elif rs.mscale and rs.mscale_all_dim:
         attention_factor = float(
             yarn_get_mscale(factor, rs.mscale) / yarn_get_mscale(factor, rs.mscale_all_dim)
         )
@@ -44,8 +48,10 @@ def rope_frequencies(config: DeepseekV3Config) -> tuple[np.ndarray, float]:
             2 * math.log(base)
         )
 
-    low = max(math.floor(correction_dim(rs.beta_fast or 32)), 0)
-    high = min(math.ceil(correction_dim(rs.beta_slow or 1)), dim - 1)
+    low, high = correction_dim(rs.beta_fast or 32), correction_dim(rs.beta_slow or 1)
+    if rs.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
     if low == high:
         high += 0.001
     ramp = np.clip((np.arange(dim // 2, dtype=np.float32) - low) / (high - low), 0, 1).astype(np.float32)

@@ -6,7 +6,7 @@ jitted steps.
 
 * **Filtering order** (as transformers' logits processors): divide by ``temperature``, keep the
   ``top_k`` largest logits (ties at the k-th value are kept), then keep the smallest set of most likely
-  tokens whose probability reaches ``top_p`` (the most likely token is always kept).  ``temperature <= 0``
+  tokens whose probability reaches ``top_p`` (the most likely token is always kept).  ``temperature = 0``
   is greedy (argmax, no key used).
 * **Keys are per request and per position**: the token at position ``p + 1`` sampled from the logits at
   position ``p`` uses ``fold_in(fold_in(request_key, p), tag)``, with ``request_key =
@@ -25,6 +25,7 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 # Tags folded into a (request, position) key: one independent stream per use.
 TAG_SAMPLE = 0  # plain sampling of the next token
@@ -38,7 +39,7 @@ class SamplingParams:
     """Static sampling configuration (part of the jit key: each distinct value compiles once).
 
     Args:
-      temperature: ``<= 0`` greedy; otherwise logits are divided by it.
+      temperature: ``0`` greedy; otherwise logits are divided by it (negative or non-finite: ``ValueError``).
       top_k: keep the k most likely tokens (``None`` or 0: all).
       top_p: nucleus filtering with this cumulative probability (``None`` or 1.0: all).
     """
@@ -48,10 +49,14 @@ class SamplingParams:
     top_p: float | None = None
 
     def __post_init__(self):
-        if not isinstance(self.temperature, int | float) or self.temperature != self.temperature:
-            raise ValueError(f"temperature: expected a number >= 0, got {self.temperature!r}")
-        if self.top_k is not None and (not isinstance(self.top_k, int) or self.top_k < 0):
-            raise ValueError(f"top_k: expected None or an int >= 0, got {self.top_k!r}")
+        t = self.temperature
+        if isinstance(t, bool) or not isinstance(t, int | float) or not 0 <= t < float("inf"):
+            raise ValueError(f"temperature: expected a finite number >= 0 (0: greedy), got {t!r}")
+        k = self.top_k
+        if k is not None and (isinstance(k, bool) or not isinstance(k, int | np.integer) or k < 0):
+            raise ValueError(f"top_k: expected None or an int >= 0, got {k!r}")
+        if k is not None:
+            object.__setattr__(self, "top_k", int(k))  # a NumPy int hashes as the same jit key
         if self.top_p is not None and not (0.0 < self.top_p <= 1.0):
             raise ValueError(f"top_p: expected None or a number in (0, 1], got {self.top_p!r}")
 

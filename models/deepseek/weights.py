@@ -449,13 +449,15 @@ def load_checkpoint(
     """
     from tokenspeed_jax.models.deepseek.config import QuantizationConfig
     from tokenspeed_jax.models.deepseek.model import DeepseekV3
-    from tokenspeed_jax.models.deepseek.parallel import param_sharding
+    from tokenspeed_jax.models.deepseek.parallel import check_mesh, param_sharding
 
     path = os.fspath(path)
     if not os.path.isdir(path):
         raise CheckpointError(f"path: expected a checkpoint directory, got {path!r}")
     param_dtype = dtype if param_dtype is None else param_dtype
     config = DeepseekV3Config.from_json(checkpoint_file(path, "config.json")) if config is None else config
+    if mesh is not None:
+        check_mesh(config, mesh)
     weight_map = _open_index(path)
     shards = {s: SafetensorsFile(os.path.join(path, s)) for s in sorted(set(weight_map.values()))}
     for name, shard in weight_map.items():
@@ -574,6 +576,21 @@ def load_checkpoint(
 
 
 # ------------------------------------------------------------------------------------------ writing
+def _save_dtype(dtype) -> np.dtype:
+    """``save_checkpoint``'s ``dtype``: a float dtype the loader reads back (FP8 goes through ``fp8=True``,
+    which writes the block scales with it)."""
+    try:
+        dt = np.dtype(jnp.dtype(dtype))
+    except TypeError:
+        dt = None
+    if dt is None or dt.name not in ("float32", "bfloat16", "float16"):
+        raise ValueError(
+            "dtype: expected float32, bfloat16 or float16 (fp8=True writes DeepSeek's e4m3 blocks with their "
+            f"scales), got {dtype!r}"
+        )
+    return dt
+
+
 def model_to_hf_tensors(model, *, fp8: bool = False, dtype=None) -> dict[str, np.ndarray]:
     """Our parameters as a ``{published name: array (or e4m3 + scale)}`` dict.
 
@@ -581,6 +598,8 @@ def model_to_hf_tensors(model, *, fp8: bool = False, dtype=None) -> dict[str, np
     model writes its e4m3 weights and scales as they are) unless ``dtype`` is given, which converts every
     floating tensor that is not FP8 to it.  With ``fp8`` every linear weight except embeddings, heads and
     the router is block-quantised as DeepSeek ships them (``F8_E4M3`` + ``weight_scale_inv``)."""
+    if dtype is not None:
+        dtype = _save_dtype(dtype)
     config = model.config
     out: dict[str, np.ndarray] = {}
     block = config.fp8_block_size or (128, 128)
@@ -619,10 +638,13 @@ def save_checkpoint(
     """Write ``config.json``, sharded safetensors and ``model.safetensors.index.json`` (published names).
 
     Tensors keep the model's parameter dtypes (bf16 stays bf16) unless ``dtype`` names another one
-    (e.g. ``jnp.float32``); ``fp8=True`` writes DeepSeek's e4m3 + 128x128 ``weight_scale_inv`` format."""
+    (float32, bfloat16 or float16; anything else raises ``ValueError`` before writing); ``fp8=True`` writes
+    DeepSeek's e4m3 + 128x128 ``weight_scale_inv`` format."""
     from tokenspeed_jax.models.deepseek.config import QuantizationConfig
 
     path = os.fspath(path)
+    if dtype is not None:
+        _save_dtype(dtype)  # refuse before creating the directory
     os.makedirs(path, exist_ok=True)
     tensors = model_to_hf_tensors(model, fp8=fp8, dtype=dtype)
     quantized = fp8 or model.config.quantization_config is not None

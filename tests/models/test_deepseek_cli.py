@@ -69,6 +69,16 @@ def test_cli_tiny_with_profile(tmp_path, capsys):
         (["--prompts-file", "/nonexistent/file"], "--prompts-file"),
         (["--preset", "tiny", "--mesh", "model=2"], "--mesh"),
         (["--preset", "tiny", "--mesh", "data=2", "--max-slots", "3"], "--max-slots"),
+        (["--preset", "tiny", "--mesh", "data=3,tensor=3"], "--mesh"),  # 9 devices, 8 (or 1) available
+        (["--preset", "tiny", "--mesh", "tensor=2,tensor=2"], "--mesh"),
+        (["--preset", "tiny", "--mesh", "tensor=4"], "--mesh"),  # tiny has 2 heads
+        (["--plan", "--preset", "deepseek-r1", "--mesh", "data=3,tensor=2"], "--mesh"),  # 256 experts / 6
+        (["--prompt", "a", "--prompts-file", __file__], "--prompts-file"),
+        (["--preset", "tiny", "--seed", "-1"], "--seed"),
+        (["--temperature", "inf"], "--temperature"),
+        (["--plan", "--context", "0"], "--context"),
+        (["--plan", "--prefill-tokens", "-1"], "--prefill-tokens"),
+        (["--plan", "--device-memory-gib", "-1"], "--device-memory-gib"),
     ],
 )
 def test_cli_bad_flags_end_in_one_line_errors(argv, flag, capsys):
@@ -94,6 +104,27 @@ def test_cli_help_shows_choices_and_defaults(capsys):
         "--prompt TEXT",
     ):
         assert s in text, s
+    for flag, default in (("--max-new-tokens", 32), ("--seed", 0), ("--page-size", 64), ("--batch", 4)):
+        assert text.split(flag, 2)[2].split("--", 1)[0].rstrip().endswith(f"(default: {default})"), flag
+
+
+def test_cli_prompt_longer_than_the_context(tmp_path, capsys):
+    """A prompt that does not fit the model's context (max_position_embeddings) is a parser error naming the
+    flag, before anything compiles; --plan without --preset plans the default (shipped) checkpoint."""
+    import jax.numpy as jnp
+    from tokenspeed_jax.models.deepseek import DeepseekV3, save_checkpoint
+
+    ckpt = tmp_path / "ctx16"
+    save_checkpoint(DeepseekV3.random(DeepseekV3Config.preset("tiny").replace(max_position_embeddings=16)), ckpt)
+    with pytest.raises(SystemExit) as e:
+        main(["--checkpoint", str(ckpt), "--prompt-len", "20", "--backend", "xla", "--no-compilation-cache"])
+    assert e.value.code == 2
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert last.startswith("tokenspeed-deepseek: error: --prompt-len: a prompt of 20 tokens does not fit"), last
+    out_json = tmp_path / "plan.json"
+    assert main(["--plan", "--json", str(out_json)]) == 0
+    assert "model: pystdlib-tiny" in capsys.readouterr().out
+    assert json.loads(out_json.read_text())["model"] == "pystdlib-tiny"
 
 
 def test_cli_text_in_and_out(tmp_path, capsys):

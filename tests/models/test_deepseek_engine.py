@@ -155,3 +155,14 @@ def test_token_ids_outside_vocabulary(model, prompts):
     eng.reset([8])
     with pytest.raises(ValueError, match=r"^tokens: token id -3 at index \(0, 0\)"):
         eng.decode([[-3]], [[0]])
+    with pytest.raises(ValueError, match=rf"^prompts\[0\]: token id {V + 1} at index 1 is outside"):
+        eng.prefill([[2, V + 1]])
+    # the model called directly (eagerly) on concrete ids checks them too; traced ids cannot be checked
+    from tokenspeed_jax.models.deepseek.attention import AttentionBatch
+
+    batch = AttentionBatch(positions=jnp.arange(2, dtype=jnp.int32), cu_seqlens_q=jnp.array([0, 2], jnp.int32),
+                           mode="prefill", max_seqlen_q=2)
+    with pytest.raises(ValueError, match=rf"^input_ids: token id {V} at index 1 is outside"):
+        model(jnp.array([1, V], jnp.int32), batch)
+    with pytest.raises(ValueError, match=r"^next_ids: token id -2 at index 0 is outside"):
+        model.mtp_forward(jnp.array([-2, 1], jnp.int32), jnp.zeros((2, model.config.hidden_size)), batch, eng.cache)

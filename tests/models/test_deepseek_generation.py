@@ -135,6 +135,10 @@ def test_top_k_top_p_masks():
         SamplingParams(1.0, top_p=1.5)
     with pytest.raises(ValueError, match="top_k"):
         SamplingParams(1.0, top_k=-1)
+    for t in (-0.5, float("inf"), float("nan")):  # not silently greedy / uniform
+        with pytest.raises(ValueError, match="^temperature: expected a finite number >= 0"):
+            SamplingParams(t)
+    assert SamplingParams(1.0, top_k=np.int64(3)) == SamplingParams(1.0, top_k=3)
 
 
 def test_sampling_reproducible_under_a_seed(model):
@@ -255,6 +259,19 @@ def test_text_round_trip(model, tmp_path):
         generate(model, ["hello"], 2, backend="xla", compilation_cache=False)
 
 
+def test_requests_stop_at_the_context_length():
+    """Prompt + output stop at max_position_embeddings (stop reason "length"); a prompt that fills the
+    context is refused, naming it."""
+    ctx = 12
+    m = DeepseekV3.random(CFG.replace(max_position_embeddings=ctx), dtype=jnp.float32, seed=3)
+    eng = engine(m)
+    out = eng.generate(PROMPTS[:2], [20, 4], eos_token_id=[])  # 6 + 20 > 12: 6 new tokens
+    assert [len(t) for t in out.tokens] == [ctx - 6, 4] and out.stop_reasons == ["length"] * 2
+    assert out.tokens == eng.generate(PROMPTS[:2], [6, 4], eos_token_id=[]).tokens
+    with pytest.raises(ValueError, match=r"^prompts\[1\]: 12 tokens, the model's context \(max_position_embeddings\) is 12"):
+        eng.generate([[1], [2] * 12], 2)
+
+
 def test_generate_argument_errors(model):
     eng = engine(model)
     for bad, what in (
@@ -266,6 +283,19 @@ def test_generate_argument_errors(model):
         kw = {"max_new_tokens": 2, **bad}
         with pytest.raises(ValueError, match=what):
             eng.generate(PROMPTS[:2], kw.pop("max_new_tokens"), **kw)
+    for bad, what in (
+        ({"max_new_tokens": True}, "max_new_tokens"),
+        ({"max_new_tokens": 2.0}, "max_new_tokens"),
+        ({"num_speculative_tokens": 1.5}, "num_speculative_tokens"),
+    ):
+        kw = {"max_new_tokens": 2, **bad}
+        with pytest.raises(ValueError, match=f"^{what}: expected"):
+            eng.generate(PROMPTS[:2], kw.pop("max_new_tokens"), **kw)
+    with pytest.raises(ValueError, match=r"^prompts\[1\]: expected integer token ids, got 3.7 at index 0"):
+        eng.generate([[1, 2], [3.7, 4.0]], 2)  # not truncated to 3
+    # NumPy prompts and counts are ints like any other
+    two = [PROMPTS[0][:3], PROMPTS[1][:3]]
+    assert eng.generate(np.array(two), np.int64(2)).tokens == eng.generate(two, 2).tokens
     with pytest.raises(ValueError, match="prompts"):
         eng.generate([[1, V]], 2)
     with pytest.raises(ValueError, match="prompts"):

@@ -222,3 +222,27 @@ def test_mesh_spec_errors():
         parse_mesh("tensor=0")
     with pytest.raises(ValueError, match=r"needs 16 devices, 8 are available"):
         make_mesh("data=2,expert=8")
+    with pytest.raises(ValueError, match=r"^mesh: axis 'data' given twice in 'data=2,data=4'"):
+        parse_mesh("data=2,data=4")
+
+
+def test_mesh_the_model_cannot_run_on_is_refused(tmp_path):
+    """tensor must divide the heads, data x tensor x expert the routed experts: refused when the model is
+    placed (random, load_checkpoint), planned, or sharded, before anything is built or read."""
+    from tokenspeed_jax.models.deepseek import load_checkpoint
+    from tokenspeed_jax.models.deepseek.parallel import shard_model
+    from tokenspeed_jax.models.deepseek.plan import plan
+
+    heads = r"^mesh: tensor = 3 must divide num_attention_heads = 8"
+    experts = r"^mesh: data x tensor x expert = 6 devices must divide n_routed_experts = 16"
+    with pytest.raises(ValueError, match=heads):
+        plan(CFG, {"tensor": 3}, batch=1, context=8)
+    with pytest.raises(ValueError, match=experts):
+        plan(CFG, {"data": 3, "tensor": 2}, batch=1, context=8)
+    with pytest.raises(ValueError, match=heads):
+        DeepseekV3.random(CFG, mesh=make_mesh("tensor=3"))
+    with pytest.raises(ValueError, match=experts):
+        shard_model(unsharded_model(), make_mesh("data=2,expert=3"))
+    (tmp_path / "config.json").write_text(__import__("json").dumps(CFG.to_dict()))
+    with pytest.raises(ValueError, match=experts):  # before the (absent) weights are looked at
+        load_checkpoint(tmp_path, mesh=make_mesh("tensor=2,expert=3"))

@@ -224,3 +224,8 @@ def test_save_keeps_dtype_or_converts(tmp_path):
     save_checkpoint(m, tmp_path / "f32", num_shards=1, dtype=jnp.float32)
     f = SafetensorsFile(str(tmp_path / "f32" / "model-00001-of-00001.safetensors"))
     assert f.dtype_name("model.layers.0.self_attn.q_a_proj.weight") == "F32"
+    # a dtype the loader cannot read back (or raw e4m3 without block scales) is refused before writing
+    for bad in (jnp.int8, jnp.float8_e4m3fn, "float64"):
+        with pytest.raises(ValueError, match=r"^dtype: expected float32, bfloat16 or float16 .*fp8=True"):
+            save_checkpoint(m, tmp_path / "bad", dtype=bad)
+    assert not (tmp_path / "bad").exists()

@@ -345,26 +345,32 @@ def test_checkpoint_file_names(tmp_path):
 
 
 # --------------------------------------------------------------- 11. no rope_scaling = no scaling
-def test_missing_rope_scaling_means_no_scaling_as_in_transformers():
+def _rope_as_in_transformers(d):
+    """Our cos/sin frequencies, cos/sin factor and softmax scale for config dict ``d`` equal transformers'."""
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
     from tokenspeed_jax.models.deepseek.rope import rope_frequencies
     from transformers.models.deepseek_v3 import modeling_deepseek_v3 as M
 
+    ours = DeepseekV3Config.from_dict(d)
+    hf = transformers.DeepseekV3Config(**{k: v for k, v in d.items() if k not in ("architectures", "model_type")})
+    attn = M.DeepseekV3Attention(hf, layer_idx=0)
+    rot = M.DeepseekV3RotaryEmbedding(hf)
+    inv, factor = rope_frequencies(ours)
+    assert ours.softmax_scale == pytest.approx(attn.scaling, rel=1e-6)
+    np.testing.assert_allclose(inv, rot.inv_freq.to(torch.float64).numpy(), rtol=1e-6)
+    assert factor == pytest.approx(float(rot.attention_scaling), rel=1e-6)
+    return ours
+
+
+def test_missing_rope_scaling_means_no_scaling_as_in_transformers():
     base = DeepseekV3Config.preset("tiny").to_dict()
     with_yarn = {**base, "rope_scaling": {"type": "yarn", "factor": 8.0, "original_max_position_embeddings": 64,
                                           "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0},
                  "max_position_embeddings": 512}
     without = {k: v for k, v in with_yarn.items() if k != "rope_scaling"}
     for d in (without, with_yarn):  # the yarn one is the control: both spellings must agree with transformers
-        ours = DeepseekV3Config.from_dict(d)
-        hf = transformers.DeepseekV3Config(**{k: v for k, v in d.items() if k not in ("architectures", "model_type")})
-        attn = M.DeepseekV3Attention(hf, layer_idx=0)
-        rot = M.DeepseekV3RotaryEmbedding(hf)
-        inv, factor = rope_frequencies(ours)
-        assert ours.softmax_scale == pytest.approx(attn.scaling, rel=1e-6)
-        np.testing.assert_allclose(inv, rot.inv_freq.to(torch.float64).numpy(), rtol=1e-6)
-        assert factor == pytest.approx(float(rot.attention_scaling), rel=1e-6)
+        _rope_as_in_transformers(d)
     assert DeepseekV3Config.from_dict(without).rope_scaling is None
     assert DeepseekV3Config.from_dict(without).softmax_scale == pytest.approx(192**-0.5)
 
@@ -406,3 +412,28 @@ def test_generate_accepts_numpy_ints(tiny_engine):
     prompts, limits, k, eos = tiny_engine._check([np.array([1, 2], np.int32), jnp.array([3], jnp.int32)],
                                                  np.int64(3), np.int32(0), np.array([1, 2]))
     assert prompts == [[1, 2], [3]] and limits == [3, 3] and k == 0 and eos == [1, 2]
+
+
+@pytest.mark.parametrize(
+    "rope_scaling",
+    [
+        {"type": "yarn", "factor": 8.0, "original_max_position_embeddings": 64},  # no mscale keys
+        {"type": "yarn", "factor": 8.0, "original_max_position_embeddings": 64, "mscale_all_dim": 0.707},
+        {"type": "yarn", "factor": 8.0, "mscale": 1.0, "mscale_all_dim": 1.0},  # no original length
+        {"type": "yarn", "factor": 8.0, "original_max_position_embeddings": 64, "attention_factor": 1.5},
+        {"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 64, "truncate": False,
+         "mscale": 1.0, "mscale_all_dim": 0.8},
+    ],
+)
+def test_yarn_keys_missing_mean_what_they_mean_in_transformers(rope_scaling):
+    """A YaRN ``rope_scaling`` without some keys reads them as transformers does (absent), not as R1's values;
+    ``attention_factor`` and ``truncate`` are honoured; config.json written back reads the same."""
+    d = {**DeepseekV3Config.preset("tiny").to_dict(), "rope_scaling": rope_scaling, "max_position_embeddings": 512}
+    ours = _rope_as_in_transformers(d)
+    assert DeepseekV3Config.from_dict(ours.to_dict()) == ours
+
+
+def test_yarn_without_factor_is_refused():
+    d = {**DeepseekV3Config.preset("tiny").to_dict(), "rope_scaling": {"type": "yarn", "mscale": 1.0}}
+    with pytest.raises(ValueError, match="rope_scaling.factor: missing"):
+        DeepseekV3Config.from_dict(d)
