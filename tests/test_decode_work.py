@@ -319,6 +319,15 @@ def test_sharded_work_xla_bitwise(rng, head_axis, batch_axis):
         np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
 
 
+def _sharded_sm90_case(rng, B, S, H, page, maxp):
+    """A (data 4 x model 2) mesh, bf16 sm90 decode inputs of 16 pages with random lengths up to the capacity,
+    and the sharded call's keywords (heads over ``model``, requests over ``data``)."""
+    m = _mesh((4, 2), ("data", "model"))
+    q, kv, bt = _sm90_args(B, S, H, page, maxp, "bfloat16", num_pages=16)
+    sl = jnp.asarray(rng.integers(0, maxp * page + 1, B).astype(np.int32))
+    return m, q, kv, bt, sl, dict(mesh=m, head_axis="model", batch_axis="data", backend="sm90")
+
+
 @needs8
 def test_sharded_work_sm90_is_each_shards_schedule(monkeypatch, rng):
     """Data parallel: shard ``d`` of the work is the schedule of its own requests (leading axis split over the batch
@@ -328,10 +337,7 @@ def test_sharded_work_sm90_is_each_shards_schedule(monkeypatch, rng):
     from tokenspeed_jax.backends import sm90_decode
 
     B, S, H, page, maxp, n = 8, 1, 64, 64, 6, 4
-    m = _mesh((4, 2), ("data", "model"))
-    q, kv, bt = _sm90_args(B, S, H, page, maxp, "bfloat16", num_pages=16)
-    sl = jnp.asarray(rng.integers(0, maxp * page + 1, B).astype(np.int32))
-    kw = dict(mesh=m, head_axis="model", batch_axis="data", backend="sm90")
+    m, q, kv, bt, sl, kw = _sharded_sm90_case(rng, B, S, H, page, maxp)
     with target_override("sm_90a"):
         w = tsh.sharded_mla_decode_work(q, kv, bt, sl, **kw)
         w_tp = tsh.sharded_mla_decode_work(q, kv, bt, sl, mesh=m, head_axis="model", backend="sm90")
@@ -404,10 +410,7 @@ def test_sharded_batch_invariant_work(monkeypatch, rng):
     from tokenspeed_jax.backends import sm90_decode
 
     B, S, H, page, maxp, n = 8, 1, 64, 64, 200, 4
-    m = _mesh((4, 2), ("data", "model"))
-    q, kv, bt = _sm90_args(B, S, H, page, maxp, "bfloat16", num_pages=16)
-    sl = jnp.asarray(rng.integers(0, maxp * page + 1, B).astype(np.int32))
-    kw = dict(mesh=m, head_axis="model", batch_axis="data", backend="sm90")
+    m, q, kv, bt, sl, kw = _sharded_sm90_case(rng, B, S, H, page, maxp)
     with target_override("sm_90a"):
         w = tsh.sharded_mla_decode_work(q, kv, bt, sl, batch_invariant=True, **kw)
     local = dataclasses.replace(_problem(B // n, S, H // 2, page, maxp, "bfloat16", num_pages=4),

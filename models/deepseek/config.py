@@ -37,6 +37,8 @@ import math
 import os
 from typing import Any
 
+import numpy as np
+
 
 def yarn_get_mscale(scale: float = 1.0, mscale: float = 1.0) -> float:
     """YaRN's attention-magnitude correction ``0.1 * mscale * ln(scale) + 1`` (1 for ``scale <= 1``)."""
@@ -73,7 +75,7 @@ class RopeScaling:
                     raise ValueError(f"rope_scaling.{name}: expected a non-negative number, got {v!r}")
         if not isinstance(self.truncate, bool):
             raise ValueError(f"rope_scaling.truncate: expected a bool (true/false), got {self.truncate!r:.80}")
-        if not _is_int(self.original_max_position_embeddings) or self.original_max_position_embeddings < 1:
+        if not is_int(self.original_max_position_embeddings) or self.original_max_position_embeddings < 1:
             raise ValueError(f"rope_scaling.original_max_position_embeddings: expected a positive int, "
                              f"got {self.original_max_position_embeddings!r}")
         if not self.factor > 0:
@@ -94,15 +96,16 @@ class QuantizationConfig:
             raise ValueError(f"quantization_config.activation_scheme: expected a string, "
                              f"got {self.activation_scheme!r:.80}")
         b = self.weight_block_size
-        if not isinstance(b, (tuple, list)) or len(b) != 2 or not all(_is_int(x) and x >= 1 for x in b):
+        if not isinstance(b, (tuple, list)) or len(b) != 2 or not all(is_int(x) and x >= 1 for x in b):
             raise ValueError(
                 f"quantization_config.weight_block_size: expected two positive ints [out, in], got {b!r}"
             )
         object.__setattr__(self, "weight_block_size", tuple(b))
 
 
-def _is_int(v) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
+def is_int(x) -> bool:
+    """A Python or NumPy integer, not a bool (True is not a size, a count or a token id)."""
+    return isinstance(x, int | np.integer) and not isinstance(x, bool)
 
 
 def _check_number(key: str, v) -> None:
@@ -123,7 +126,7 @@ def _rope_scaling_from_json(rtype: str, rs: dict[str, Any], max_position_embeddi
     orig = rs.get("original_max_position_embeddings")
     orig = max_position_embeddings if orig is None else orig
     factor = rs.get("factor")
-    if factor is None and _is_int(orig) and orig > 0 and _is_int(max_position_embeddings):
+    if factor is None and is_int(orig) and orig > 0 and is_int(max_position_embeddings):
         factor = max_position_embeddings / orig
     return RopeScaling(
         type=rtype,
@@ -145,8 +148,8 @@ _JSON_TYPES = {"int": "an int", "float": "a number", "bool": "a bool (true/false
 
 def _check_json_type(key: str, annotation: str, v) -> None:
     ok = {
-        "int": lambda: _is_int(v),
-        "int | None": lambda: v is None or _is_int(v),
+        "int": lambda: is_int(v),
+        "int | None": lambda: v is None or is_int(v),
         "float": lambda: not isinstance(v, bool) and isinstance(v, (int, float)),
         "bool": lambda: isinstance(v, bool),
         "str": lambda: isinstance(v, str),
@@ -213,7 +216,7 @@ class DeepseekV3Config:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < low:
                 raise ValueError(f"{name}: expected an int >= {low}, got {v!r:.80}")
-        if self.q_lora_rank is not None and (not _is_int(self.q_lora_rank) or self.q_lora_rank < 1):
+        if self.q_lora_rank is not None and (not is_int(self.q_lora_rank) or self.q_lora_rank < 1):
             raise ValueError(f"q_lora_rank: expected a positive int or null, got {self.q_lora_rank!r:.80}")
         for name in ("attention_bias", "tie_word_embeddings"):  # not implemented: refused, never ignored
             if getattr(self, name) is not False:

@@ -67,6 +67,7 @@ import numpy as np
 from flax import nnx
 from tokenspeed_jax.models.deepseek import sampling as smp
 from tokenspeed_jax.models.deepseek.cache import KVCache
+from tokenspeed_jax.models.deepseek.config import is_int
 from tokenspeed_jax.models.deepseek.model import check_token_ids
 from tokenspeed_jax.models.deepseek.parallel import ShardedPages, data_size
 from tokenspeed_jax.models.deepseek.sampling import SamplingParams
@@ -79,11 +80,6 @@ from tokenspeed_jax.models.deepseek.steps import (  # noqa: F401  (_decode_step 
     _prefill_step,
     init_slot_state,
 )
-
-
-def _is_int(x) -> bool:
-    """A Python or NumPy integer, not a bool (True is not a token id or a count)."""
-    return isinstance(x, int | np.integer) and not isinstance(x, bool | np.bool_)
 
 
 # ------------------------------------------------------------------------------------------- engine
@@ -400,26 +396,26 @@ class Engine:
             # Ints only (a float, bool or string id is refused, never truncated or parsed), range-checked
             # as Python ints first: an id past int64 must name the prompt, not overflow in NumPy.
             for j, t in enumerate(p):
-                if not _is_int(t):
+                if not is_int(t):
                     raise ValueError(f"prompts[{i}]: expected integer token ids, got {t!r:.40} at index {j}")
                 if not 0 <= t < V:  # check_token_ids' message, for ids of any size
                     raise ValueError(f"prompts[{i}]: token id {int(t)} at index {j} is outside the vocabulary "
                                      f"[0, {V})")
             checked.append([int(t) for t in p])
         prompts = checked
-        if _is_int(max_new_tokens):
+        if is_int(max_new_tokens):
             limits = [max_new_tokens] * len(prompts)
         else:
             try:
                 limits = list(max_new_tokens)
             except TypeError:
                 limits = None
-        if limits is None or len(limits) != len(prompts) or any(not _is_int(m) or m < 1 for m in limits):
+        if limits is None or len(limits) != len(prompts) or any(not is_int(m) or m < 1 for m in limits):
             raise ValueError(
                 f"max_new_tokens: expected an int >= 1 or one per prompt, got {max_new_tokens!r:.80}"
             )
         limits = [int(m) for m in limits]
-        if not _is_int(num_speculative_tokens):
+        if not is_int(num_speculative_tokens):
             raise ValueError(f"num_speculative_tokens: expected an int, got {num_speculative_tokens!r:.40}")
         ctx = self.config.max_position_embeddings  # a sequence (prompt + output) fits the context
         for i, p in enumerate(prompts):
@@ -440,14 +436,14 @@ class Engine:
             eos_token_id = self.config.eos_token_id
         if eos_token_id is None:
             eos = []
-        elif _is_int(eos_token_id):
+        elif is_int(eos_token_id):
             eos = [eos_token_id]
         else:
             try:
                 eos = list(eos_token_id)
             except TypeError:
                 eos = [eos_token_id]  # not iterable: reported just below
-        if isinstance(eos_token_id, str | bytes) or not all(_is_int(e) for e in eos):
+        if isinstance(eos_token_id, str | bytes) or not all(is_int(e) for e in eos):
             raise ValueError(f"eos_token_id: expected an int, a list of ints or None, got {eos_token_id!r:.80}")
         return prompts, [int(m) for m in limits], k, [int(e) for e in eos]
 

@@ -47,7 +47,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 from flax import nnx
-from tokenspeed_jax.models.deepseek.config import DeepseekV3Config
+from tokenspeed_jax.models.deepseek.config import DeepseekV3Config, is_int
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -150,11 +150,11 @@ class SafetensorsFile:
                 f"{where}: unsupported safetensors dtype {dt!r:.40} (known: {sorted(_DTYPES)})"
             )
         shape, offs = info["shape"], info["data_offsets"]
-        if not isinstance(shape, list) or not all(_is_int(d) and d >= 0 for d in shape):
+        if not isinstance(shape, list) or not all(is_int(d) and d >= 0 for d in shape):
             raise CheckpointError(
                 f"{where}: corrupt shape {shape!r:.80}, expected a list of non-negative ints"
             )
-        if not isinstance(offs, list) or len(offs) != 2 or not all(_is_int(o) for o in offs):
+        if not isinstance(offs, list) or len(offs) != 2 or not all(is_int(o) for o in offs):
             raise CheckpointError(f"{where}: corrupt data_offsets {offs!r:.80}, expected [start, end] ints")
         start, end = offs
         nbytes = math.prod(shape) * _DTYPES[dt].itemsize
@@ -189,10 +189,6 @@ class SafetensorsFile:
         if math.prod(shape) == 0:
             return np.zeros(shape, dt)
         return np.memmap(self.path, dtype=dt, mode="r", offset=self.data_start + start, shape=shape)
-
-
-def _is_int(x) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
 
 
 class _DuplicateKey(ValueError):

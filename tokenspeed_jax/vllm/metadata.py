@@ -42,9 +42,10 @@ def _int32(x, name: str) -> np.ndarray:
     """``x`` as an int32 host array, or a ``ValueError`` naming ``name`` when a value lies outside int32: a
     cast would wrap it silently (int64 ``2**32 + 21`` -> 21, uint32 ``2**32 - 1`` -> -1)."""
     a = np.asarray(x)
-    if a.size and ((a < np.iinfo(np.int32).min).any() or (a > np.iinfo(np.int32).max).any()):
-        bad = a[(a < np.iinfo(np.int32).min) | (a > np.iinfo(np.int32).max)][0]
-        raise ValueError(f"{name}: expected values in the int32 range, got {bad.item()!r} (a cast would "
+    i32 = np.iinfo(np.int32)
+    bad = a[(a < i32.min) | (a > i32.max)]
+    if bad.size:
+        raise ValueError(f"{name}: expected values in the int32 range, got {bad.flat[0].item()!r} (a cast would "
                          "wrap it)")
     return a.astype(np.int32)
 
