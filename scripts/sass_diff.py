@@ -12,6 +12,8 @@ instructions give identical files.
     # SASS of another tree (e.g. an exported tag: git archive sm90-decode-experiments | tar -x -C /tmp/base)
     python scripts/sass_diff.py dump /tmp/sass_base --src /tmp/base
     python scripts/sass_diff.py diff /tmp/sass_base /tmp/sass_new
+    # the main loops of both, side by side (instructions, spills, R2UR)
+    python scripts/sass_diff.py loops /tmp/sass_base /tmp/sass_new
 
 ``--case dtype:H:S:page[:B[:pages[:config]]]`` (repeatable) replaces the default cases; ``--only SUBSTR`` filters
 them.  ``config``: a name of the backend's ``CONFIGS`` (forced in place of ``select_config``'s choice; e.g.
@@ -145,6 +147,64 @@ def diff(a: str, b: str) -> int:
     return 1 if bad else 0
 
 
+# constants of the causal-tail cleaning (kernels/sm90/helpers.py): a basic block holding one is cleaning code, which
+# runs on a piece's last tiles only
+_CLEAN = ("0x7f7f7f7f", "0x7f807f80", "0x7c007c00")
+
+
+def _loops(fn: str) -> list[tuple[int, int, int, int]]:
+    """The main loops of one SASS function: backward branches whose body holds wgmmas and is under 2500 instructions
+    (``(instructions, of them outside the cleaning blocks, spill instructions there, R2UR there)``)."""
+    insts, labels = [], {}
+    for ln in fn.splitlines():
+        m = re.match(r"^(\.L_x_\d+):", ln.strip())
+        if m:
+            labels[m.group(1)] = len(insts)
+            insts.append(m.group(1) + ":")
+            continue
+        m = re.match(r"\s*/\*[0-9a-f]{4,}\*/\s+(.*?);", ln)
+        if m:
+            insts.append(m.group(1))
+    out = []
+    for k, ins in enumerate(insts):
+        m = re.search(r"BRA\s+`\((\.L_x_\d+)\)", ins)
+        if not (m and m.group(1) in labels and labels[m.group(1)] <= k):
+            continue
+        body = insts[labels[m.group(1)]:k + 1]
+        if not any("GMMA" in x for x in body) or len(body) >= 2500:
+            continue
+        blocks, cur = [], []
+        for x in body:  # basic blocks: split at labels and after branches
+            if x.endswith(":") and cur:
+                blocks.append(cur)
+                cur = []
+            cur.append(x)
+            if "BRA" in x:
+                blocks.append(cur)
+                cur = []
+        blocks.append(cur)
+        hot = [x for b in blocks if not any(c in y for y in b for c in _CLEAN) for x in b if not x.endswith(":")]
+        out.append((sum(1 for x in body if not x.endswith(":")), len(hot),
+                    sum(1 for x in hot if re.search(r"\b(STL|LDL)\b", x)), sum(1 for x in hot if "R2UR" in x)))
+    return sorted(out, reverse=True)
+
+
+def loops(dirs: list[str]) -> int:
+    """Per case of the dumps in ``dirs`` (the first is the reference): each main loop's instruction count, the count
+    outside the cleaning blocks, spill and R2UR instructions there, WARPGROUP.DEPBAR of the whole case."""
+    for name in sorted({os.path.basename(p) for d in dirs for p in glob.glob(d + "/*.sass")}):
+        for d in dirs:
+            path = os.path.join(d, name)
+            if not os.path.exists(path):
+                continue
+            text = open(path).read()
+            fns = _normalise(text)
+            main = max(fns, key=len) if fns else ""
+            print(f"{name:45s} {d}: loops (insts, outside cleaning, spills, R2UR) {_loops(main)}, "
+                  f"depbar {text.count('WARPGROUP.DEPBAR')}")
+    return 0
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -157,9 +217,13 @@ def main() -> int:
     c = sub.add_parser("diff")
     c.add_argument("a")
     c.add_argument("b")
+    lp = sub.add_parser("loops", help="main-loop statistics of dumps (the first directory is the reference)")
+    lp.add_argument("dirs", nargs="+")
     args = ap.parse_args()
     if args.cmd == "diff":
         return diff(args.a, args.b)
+    if args.cmd == "loops":
+        return loops(args.dirs)
     cases = DEFAULT_CASES
     if args.case:
         cases = []

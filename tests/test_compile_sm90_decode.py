@@ -25,12 +25,14 @@ CASES = {
     "seesaw16_prod": ("seesaw", True, "float16", 32, 2, 32, 3),  # 64 rows, 2 boxes per chunk
     "seesaw16_h128": ("seesaw", True, "bfloat16", 128, 1, 64, 1),  # 2 row blocks
     "seesaw16_page16": ("seesaw", False, "bfloat16", 16, 1, 16, 16),  # padded rows, 4 boxes
+    "seesaw16_page16_s2": ("seesaw", False, "bfloat16", 16, 2, 16, 4),  # the same, causal MTP (hidden keys)
     "seesaw8_page16": ("seesaw", False, "float8_e4m3fn", 32, 4, 16, 3),  # FP8, 4 boxes per chunk
     "transposed16": ("transposed", True, "bfloat16", 16, 1, 64, 2),  # pv_n 16
     "transposed32": ("transposed", True, "float16", 16, 2, 32, 1),  # pv_n 32
     "fp8_pv64": ("fp8_transposed_pv", True, "float8_e4m3fn", 32, 4, 64, 8),  # two 64-row blocks
     "fp8_t32": ("fp8_transposed", True, "float8_e4m3fn", 32, 1, 64, 3),  # 32 rows
     "fp8_t16": ("fp8_transposed", True, "float8_e4m3fn", 16, 1, 64, 1),  # 16 rows
+    "fp8_t32_s2": ("fp8_transposed", True, "float8_e4m3fn", 16, 2, 64, 2),  # 32 rows, causal MTP (hidden keys)
 }
 NUM_CTAS, MAX_SLOTS = 66, 130  # (any: the grid and the workspace are launch parameters of the same code)
 INV_CHUNK = 4096  # the batch-invariant builds' piece length (any multiple of 128: a constant of the walk)
@@ -58,7 +60,10 @@ _SCRIPT = textwrap.dedent(
         sts32=r"begin inline asm\n\s*st\.shared\.b32", lds32=r"begin inline asm\n\s*ld\.shared\.b32",
         clock=r"%clock64", local=r"\.local", cpasync=r"cp\.async\.ca|cp\.async\.cg",
         l2pf=r"cp\.async\.bulk\.prefetch", gdc_wait=r"griddepcontrol\.wait",
-        gdc_launch=r"griddepcontrol\.launch_dependents")
+        gdc_launch=r"griddepcontrol\.launch_dependents",
+        # the masks of helpers.clear_nan_e4m3x4 / clear_nonfinite_16x2 (0x7F7F7F7F, 0x7F807F80, 0x7C007C00)
+        clean=r"\b(?:2139062143|2139127680|2080406528)\b"
+              r"|0[xX]7[fF]7[fF]7[fF]7[fF]|0[xX]7[fF]807[fF]80|0[xX]7[cC]007[cC]00")
     SASS = dict(hgmma=r"HGMMA\.64x(?!8x16\.F16)", hgmma_r=r"HGMMA\.\w+\.F32(?:\.BF16)? R\d+, R\d+", qgmma=r"QGMMA\.",
                 qgmma_r=r"QGMMA\.\w+\.F32\.E4M3\.E4M3 R\d+, R\d+", spill=r"\b(STL|LDL)\b",
                 depbar=r"WARPGROUP\.DEPBAR", stg128=r"STG\.E\.128")
@@ -179,8 +184,11 @@ EXPECT = {
                             mma_r=8, stsm=8, spill=0),
     # FP8 seesaw (16-token pages): QK on FP8 tensor cores (4 x 18 m64n64k32), each PV one m64n256k32 per k32 step
     # (4 PVs x 2), V^T built by 2 chunks x 2 halves of ldmatrix.x4.trans / stmatrix.x4 per loop iteration at 4 sites
+    "seesaw16_page16_s2": dict(wgmma={"m64n256k16": 16, "m64n64k16": 144}, tma=144, maxnreg=0, bar160=0, mma=160,
+                               mma_r=8, stsm=8, spill=0),
+    # (S 4: the transpose twice, with and without the cleaning of a causal tail's V: 32 ldmatrix / stmatrix)
     "seesaw8_page16": dict(wgmma={"m64n256k32": 8, "m64n64k32": 72}, tma=144, maxnreg=0, bar160=0, mma=80, mma_r=0,
-                           stsm=16, ldsm=16, spill=0),
+                           stsm=32, ldsm=32, spill=0),
     # transposed 16-bit: only m64nNk16 (N = the rows rounded up to 16 / 32): 36 per QK (2 prologue sites, 2 loop
     # sites), 16 per PV (4 m-blocks x 4 k16 steps, 4 sites); the seesaw's TMA copies, refill barriers and mbarriers
     "transposed16": dict(wgmma={"m64n16k16": 208}, tma=36, maxnreg=2, bar160=8, mma=208, mma_r=0, expect=8, waits=8,
@@ -190,7 +198,8 @@ EXPECT = {
     # FP8 O^T on 64-row blocks: 54 QK + 32 PV m64n64k32 (the PVs with V^T from registers, 8 ldmatrix.x4.trans per
     # PV); P as 8 32-bit shared stores per store site and warpgroup 0's rescale of P0 from its words (8 + 8); the TMA
     # of 4 tiles in the prologue and 2 per pair in the producer's loop x 9 chunks; at most a few loop-invariant reloads
-    "fp8_pv64": dict(wgmma={"m64n64k32": 86}, tma=54, maxnreg=2, bar160=4, mma=86, mma_r=32, ldsm=32, sts32=24,
+    # (S 4: each V^T load twice, with and without the cleaning of a causal tail's V: 64 ldmatrix)
+    "fp8_pv64": dict(wgmma={"m64n64k32": 86}, tma=54, maxnreg=2, bar160=4, mma=86, mma_r=32, ldsm=64, sts32=24,
                      lds32=8, spill=11),
     # FP8 transposed, each warpgroup its own tiles over all 512 features: the first QK and the loop's next QK (18 each)
     # and the PV over 8 m-blocks x 2 k32 steps with V^T from registers, all N = the rows; one SLOT*_FREE arrive site
@@ -198,6 +207,7 @@ EXPECT = {
     # prologue and the epilogue's merge)
     "fp8_t32": dict(wgmma={"m64n32k32": 52}, tma=54, maxnreg=2, bar160=3, mma=52, mma_r=16, ldsm=16, spill=10),
     "fp8_t16": dict(wgmma={"m64n16k32": 52}, tma=54, maxnreg=2, bar160=3, mma=52, mma_r=16, ldsm=16, spill=4),
+    "fp8_t32_s2": dict(wgmma={"m64n32k32": 52}, tma=54, maxnreg=2, bar160=3, mma=52, mma_r=16, ldsm=16, spill=10),
 }
 
 
@@ -221,6 +231,49 @@ def test_selected_config_compiles(compiled, name):
         assert x["qgmma" if fp8 else "hgmma"] == want["mma"], (name, x)
         assert x["qgmma_r" if fp8 else "hgmma_r"] == want["mma_r"], (name, x)
         assert x["depbar"] <= 12 and x["spill"] <= want["spill"], (name, x)
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("name", list(CASES))
+def test_causal_hidden_keys_cleaned(compiled, name):
+    """A causal build with S > 1 cleans the V of the keys its later query tokens add (``MlaDecodeSm90.hidden_keys``:
+    the masks of ``helpers.clear_nonfinite_16x2`` / ``clear_nan_e4m3x4`` are in its main kernel); an S = 1 build has
+    none of that code, in both schedules' builds."""
+    S = CASES[name][4]
+    for n in (name, name + "@inv"):
+        assert (compiled[n]["clean"] > 0) == (S > 1), (n, compiled[n]["clean"])
+
+
+def test_nonfinite_cleaning_expressions():
+    """The word expressions the loops clean the hidden keys' V with, run here on numpy int32 (the DSL's Int32 has the
+    same wrapping + / - and arithmetic >>) over every 16-bit half in both positions and every byte in every position:
+    exactly the non-finite values (bf16 / fp16 Inf and NaN, e4m3fn NaN) become +0, every other bit stays."""
+    pytest.importorskip("cutlass")
+    import ml_dtypes
+    import numpy as np
+
+    from tokenspeed_jax.kernels.sm90.helpers import clear_nan_e4m3x4, clear_nonfinite_16x2
+
+    rng = np.random.default_rng(0)
+    halves = np.arange(1 << 16, dtype=np.uint32)
+    for exp_mask, dt in ((0x7F80, ml_dtypes.bfloat16), (0x7C00, np.float16)):
+        for other in [int(x) for x in rng.integers(0, 1 << 16, 4)] + [0x7F80, 0xFFFF, 0x7C01, 0x8000]:
+            for pos in (0, 1):
+                words = (halves << (16 * pos)) | np.uint32(other << (16 * (1 - pos)))
+                with np.errstate(over="ignore"):
+                    got = clear_nonfinite_16x2(words.view(np.int32), exp_mask).view(np.uint32)
+                h16 = words.view(np.uint16).reshape(-1, 2)
+                want = np.where(np.isfinite(h16.view(dt).astype(np.float32)), h16, 0).astype(np.uint16)
+                np.testing.assert_array_equal(got, want.reshape(-1).view(np.uint32))
+    byte = np.arange(256, dtype=np.uint32)
+    for other in [int(x) for x in rng.integers(0, 1 << 32, 6, dtype=np.uint64)] + [0x7F7F7F7F, 0xFFFFFFFF, 0]:
+        for pos in range(4):
+            words = (np.uint32(other) & np.uint32(~(0xFF << (8 * pos)) & 0xFFFFFFFF)) | (byte << (8 * pos))
+            with np.errstate(over="ignore"):
+                got = clear_nan_e4m3x4(words.view(np.int32)).view(np.uint32)
+            b8 = words.view(np.uint8).reshape(-1, 4)
+            want = np.where(np.isnan(b8.view(ml_dtypes.float8_e4m3fn).astype(np.float32)), 0, b8).astype(np.uint8)
+            np.testing.assert_array_equal(got, want.reshape(-1).view(np.uint32))
 
 
 @pytest.mark.compile

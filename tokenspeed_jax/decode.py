@@ -39,11 +39,13 @@ Non-finite values
     cannot see yet (token ``j >= seq_len - S + 1 + i``) may hold anything.  A row that sees no key is
     exactly 0 (LSE ``-inf``) whatever the scales hold, a NaN or infinite ``output_scale`` included.  The
     ``xla`` backend holds all of it by construction (``backends/xla.py``).  The ``sm90`` kernels hold rows
-    past ``seq_len``, unowned pages and non-finite scales (checked on the GPU by
-    ``tests/gpu/test_hostile_sm90.py``), with one documented exception: the causally masked keys of an MTP
-    step (``seq_len - S + 1 + i <= j < seq_len``) lie inside the request's own length and are read by all of
-    its query rows in one P V matrix product, so a NaN written there reaches the rows that mask it
-    (``0 * NaN``); those keys are the step's own new tokens, which the model has just written.
+    past ``seq_len``, unowned pages and non-finite scales (``tests/gpu/test_hostile_sm90.py``).  The
+    causally masked keys of an MTP step (``seq_len - S + 1 + i <= j < seq_len``) lie inside the request's
+    own length and are read by all of its query rows in one P V matrix product; the kernels replace the
+    non-finite values of those keys' V by 0 after the scores and before P V (V is part of the key row, so a
+    row that sees such a key gets a NaN score anyway).  The one difference from the ``xla`` backend left:
+    a key there that a row sees, whose score is exactly ``-inf`` and whose V holds an infinity, adds 0 to
+    that row where ``xla`` makes it NaN (``0 * inf``).
 """
 
 from __future__ import annotations

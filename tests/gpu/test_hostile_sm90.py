@@ -1,19 +1,19 @@
-"""Hostile NaN / Inf placement on the sm90 backend (issue 34), H100/H200: the CPU cases of
-``tests/test_hostile.py`` that the kernels must hold, against the float64 visible-keys-only reference
-(:mod:`tests.hostile_ref`); NaN / Inf positions must match exactly, values within a loose bound (the
-kernels round P to 16 bits, or to FP8 in some FP8 P V modes; values are O(1)).
+"""Hostile NaN / Inf placement on the sm90 backend (issue 34), H100/H200: the CPU cases of ``tests/test_hostile.py``
+that the kernels must hold, against the float64 visible-keys-only reference (:mod:`tests.hostile_ref`); NaN / Inf
+positions must match exactly, values within a loose bound (the kernels round P to 16 bits, or to FP8 in some FP8 P V
+modes; values are O(1)).
 
-Decode (bf16 and fp8, pages 16 and 64, MTP S = 3, H = 16, R1 dims 512 + 64): NaN in unowned pages, past
-``seq_len`` in owned pages, in the causally masked keys of an MTP step (tokens 0 and 1 cannot see the last
-key), a non-finite ``output_scale`` (empty rows exactly 0), a uint32 ``2**32 - 1`` length (clamped to the
-capacity, never wrapped to 0).  Prefill (bf16, Dqk 192 / Dv 128, 16 heads): NaN / Inf in every k and v row
-past ``cu_seqlens_k[-1]`` (the 127 rows FA4 reads there included: finite by construction, the backend
-zeroes them), NaN q rows outside every request (0 / LSE -inf), and a NaN v row 200 rows into a request
-(other requests exact; the rows that see it NaN; its own request's rows that do not see it may follow it,
-the documented kernel contract of ``tokenspeed_jax.prefill``).
+Decode (bf16 and fp8, pages 16 and 64, MTP S = 3, H = 16, R1 dims 512 + 64): NaN in unowned pages, past ``seq_len``
+in owned pages, in the causally masked keys of an MTP step (tokens 0 and 1 cannot see the last key; S = 2 and 3 for
+every loop, the hidden keys straddling a tile boundary), a non-finite ``output_scale`` (empty rows exactly 0), a
+uint32 ``2**32 - 1`` length (clamped to the capacity, never wrapped to 0). Prefill (bf16, Dqk 192 / Dv 128, 16
+heads): NaN / Inf in every k and v row past ``cu_seqlens_k[-1]`` (the 127 rows FA4 reads there included: finite by
+construction, the backend zeroes them), NaN q rows outside every request (0 / LSE -inf), and a NaN v row 200 rows
+into a request (other requests exact; the rows that see it NaN; its own request's rows that do not see it may follow
+it, the documented kernel contract of ``tokenspeed_jax.prefill``).
 
-Few compiles: decode 4 (2 dtypes x 2 page sizes), prefill 2 (causal, full); every case reuses them.
-Run: ``pytest -q tests/gpu/test_hostile_sm90.py``."""
+Few compiles: decode 8 (2 dtypes x 2 page sizes x S = 3 and S = 2), prefill 2 (causal, full); every case reuses
+them. Run: ``pytest -q tests/gpu/test_hostile_sm90.py``."""
 
 from __future__ import annotations
 
@@ -63,11 +63,11 @@ def _decode_fn():
         backend="sm90"))
 
 
-def _decode_inputs(seed, page, dtype):
+def _decode_inputs(seed, page, dtype, lens=LENS, s=S, h=H):
     from tests import reference as ref
 
     rng = np.random.default_rng(seed)
-    q, kv, bt, sl = ref.make_decode_inputs(rng, seq_lens=list(LENS), S=S, H=H, L=L, R=R, page_size=page,
+    q, kv, bt, sl = ref.make_decode_inputs(rng, seq_lens=list(lens), S=s, H=h, L=L, R=R, page_size=page,
                                            dtype=dtype)
     return np.array(q), np.array(kv), bt, sl
 
@@ -104,9 +104,6 @@ def test_decode_nan_unowned_and_past_seq_len(page, dtype, rng):
     assert np.isfinite(np.asarray(got[0], np.float32)).all()
 
 
-@pytest.mark.xfail(strict=True, reason="sm90 decode kernel limitation (tokenspeed_jax.decode docstring): a key inside a "
-                   "request's own length is read by all of its query rows in one P V MMA, so a NaN there reaches the "
-                   "rows that mask it (0 * NaN); the xla backend confines it")
 @pytest.mark.parametrize("page,dtype", CONFIGS, ids=[f"p{p}-{d[:4]}" for p, d in CONFIGS])
 def test_decode_nan_in_causally_masked_keys(page, dtype, rng):
     """MTP S = 3: the last key of a request is visible to token 2 only, the one before to tokens 1 and 2.
@@ -119,6 +116,26 @@ def test_decode_nan_in_causally_masked_keys(page, dtype, rng):
     out = np.asarray(got[0], np.float32)
     assert np.isfinite(out[1, :2]).all() and np.isnan(out[1, 2]).all()
     assert np.isfinite(out[3, 0]).all() and np.isnan(out[3, 1:]).all()
+
+
+HIDDEN_LENS = (129, 64, 3, 200, 70)  # 129: the hidden keys straddle the tiles at 128; 3: as short as S
+
+
+@pytest.mark.parametrize("s,h", [(2, 16), (3, 16)], ids=["S2-H16", "S3-H16"])
+@pytest.mark.parametrize("page,dtype", CONFIGS, ids=[f"p{p}-{d[:4]}" for p, d in CONFIGS])
+def test_decode_nan_in_hidden_keys_every_loop(page, dtype, s, h, rng):
+    """NaN in the first key requests 0-3 hide from their token 0 (``seq_len - S + 1``; 32 rows run the transposed
+    loops, 48 the seesaw / 64-row O^T ones), and in request 4's last key: token 0 stays finite (request 4's tokens
+    before the last too), every token that sees a NaN key is NaN, the rest match the reference."""
+    q, kv, bt, sl = _decode_inputs(int(rng.integers(2**31)), page, dtype, HIDDEN_LENS, s, h)
+    for b, n in enumerate(HIDDEN_LENS[:4]):
+        kv[_row(bt, b, n - s + 1, page)] = NAN
+    kv[_row(bt, 4, HIDDEN_LENS[4] - 1, page)] = NAN
+    got, want = _run_decode(q, kv, bt, sl)
+    check(got, want, atol=DECODE_ATOL[dtype])
+    out = np.asarray(got[0], np.float32)
+    assert np.isfinite(out[:4, 0]).all() and np.isnan(out[:4, 1:]).all()
+    assert np.isfinite(out[4, :s - 1]).all() and np.isnan(out[4, s - 1]).all()
 
 
 @pytest.mark.parametrize("page,dtype", CONFIGS, ids=[f"p{p}-{d[:4]}" for p, d in CONFIGS])

@@ -80,6 +80,16 @@ class MlaDecodeSm90:
         # FP8: P is computed as 2^8 p (max 256 < 448, e4m3's largest finite), so p down to 2^-14 stays a normal e4m3
         # number (3 mantissa bits) and down to 2^-17 a subnormal; O and l carry the factor, the LSE takes it out
         self.p8_bias = 8.0 if self.fp8 else 0.0
+        # causal S > 1: the last S - 1 keys are hidden from some query rows but multiplied (by P = 0) in their tile's
+        # P V; the loops zero their non-finite V values after the QK (:meth:`tail_from`; docs/sm90_decode.md,
+        # "Causally hidden keys": V is part of the key row, so a row that sees such a key has a NaN P anyway)
+        self.hidden_keys = q_len - 1 if causal else 0
+
+    def tail_from(self, split_end):
+        """The first key of a piece ending at ``split_end`` whose tile cleans its V: ``split_end`` (the rows past the
+        piece, zeroed), or with :attr:`hidden_keys` the first of those keys (a superset of the hidden ones, which
+        start at ``seq - S + 1 >= split_end - S + 1``)."""
+        return split_end - self.hidden_keys if self.hidden_keys else split_end
 
     @staticmethod
     def can_implement(*, dtype, num_heads, q_len, page_size):

@@ -16,7 +16,7 @@ import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import Float32, Int32, cute
 from cutlass.tensor_utils import LayoutEnum
 
-from tokenspeed_jax.kernels.sm90.helpers import Barrier
+from tokenspeed_jax.kernels.sm90.helpers import Barrier, clear_nan_e4m3x4
 
 _F8 = cutlass.Float8E4M3FN
 _CHUNK = 64  # columns per 128-byte swizzle atom row (16-bit); one 64-byte e4m3 staging row
@@ -140,8 +140,9 @@ class Fp8OperandsMixin:
         :func:`p8_selectors`, checked with a model of the instructions in tests/test_compile_sm90_decode.py
         (no bank conflicts).  A lane whose ldmatrix row is a token at or past ``split_end`` points it at a 16-byte
         zero row instead (``zero_row``): those V rows may hold anything (page tails, unowned NaN pages) and P is 0
-        there.  A proxy fence and a warpgroup barrier publish ``V^T`` to the PVs (the other warpgroup's behind the
-        P0_READY / P1_READY barrier its owner arrives at later)."""
+        there.  A tile that holds keys :attr:`hidden_keys` covers (``tail_from``) has its NaN bytes replaced by 0 on
+        the way (:meth:`transpose_chunks`).  A proxy fence and a warpgroup barrier publish ``V^T`` to the PVs (the
+        other warpgroup's behind the P0_READY / P1_READY barrier its owner arrives at later)."""
         slot_bytes = self.block_n * self.D * (self.mma_dtype.width // 8)
         base = w32.iterator.toint() + slot * slot_bytes
         stg = base + self._packed_staging_offset()
@@ -157,6 +158,20 @@ class Fp8OperandsMixin:
             cstep, ld0, ld1 = Int32(0), z, z
         st0 = base + stsm_row_offset(lane, warp, 0)
         st1 = base + stsm_row_offset(lane, warp, 1)
+        if cutlass.const_expr(self.hidden_keys > 0):
+            if tile_start + self.block_n > self.tail_from(split_end):
+                self.transpose_chunks(ld0, ld1, cstep, st0, st1, sel0, sel1, True)
+            else:
+                self.transpose_chunks(ld0, ld1, cstep, st0, st1, sel0, sel1, False)
+        else:
+            self.transpose_chunks(ld0, ld1, cstep, st0, st1, sel0, sel1, False)
+        cute.arch.fence_view_async_shared()
+        cute.arch.barrier(barrier_id=int(Barrier.TAIL) + wg, number_of_threads=128)
+
+    @cute.jit
+    def transpose_chunks(self, ld0, ld1, cstep, st0, st1, sel0, sel1, clean: cutlass.Constexpr):
+        """:meth:`transpose_v_packed`'s loop over the 512 features; ``clean``: the NaN bytes of the loaded words -> 0
+        (:func:`~.helpers.clear_nan_e4m3x4`; the tile holds keys ``MlaDecodeSm90.hidden_keys`` covers)."""
         for c0 in cutlass.range(0, self.DV // _CHUNK, 2, unroll=1):  # 2 chunks (4 ldmatrix) in flight
             regs = []
             for cc in cutlass.range_constexpr(2):
@@ -165,13 +180,11 @@ class Fp8OperandsMixin:
             for cc in cutlass.range_constexpr(2):
                 for hb in cutlass.range_constexpr(2):
                     r = regs[2 * cc + hb]
+                    if cutlass.const_expr(clean):
+                        r = [clear_nan_e4m3x4(x) for x in r]
                     _stsm4((st1 if hb else st0) + (c0 + cc) * (self.block_n * _CHUNK),
                            _prmt(r[0], r[1], sel0), _prmt(r[0], r[1], sel1),
                            _prmt(r[2], r[3], sel0), _prmt(r[2], r[3], sel1))
-        cute.arch.fence_view_async_shared()
-        cute.arch.barrier(barrier_id=int(Barrier.TAIL) + wg, number_of_threads=128)
-
-
 
 
 @cute.jit

@@ -32,8 +32,9 @@ from cutlass import Float32, Int32, cute
 from cutlass.cute.nvgpu import warpgroup
 
 from tokenspeed_jax.kernels.sm90.decode_trace import TRACE_EVENTS
-from tokenspeed_jax.kernels.sm90.fp8_transposed_pv import _BUF_BYTES, _F8, _P_BYTES, MlaDecodeFp8TransposedPvSm90
-from tokenspeed_jax.kernels.sm90.helpers import LOG2_E, Barrier
+from tokenspeed_jax.kernels.sm90.fp8_transposed_pv import (_BUF_BYTES, _CHUNK, _CHUNK_BYTES, _F8, _P_BYTES,
+                                                            MlaDecodeFp8TransposedPvSm90)
+from tokenspeed_jax.kernels.sm90.helpers import LOG2_E, Barrier, clean_e4m3_rows
 
 # DecodeTraceMixin.mark points of an iteration (debug builds, benchmarks/trace_decode.py): both warpgroups run the same
 # code, so the same names; "-" unused (as many slots as TRACE_EVENTS, the trace buffer's shape)
@@ -50,6 +51,20 @@ class MlaDecodeFp8TransposedSm90(MlaDecodeFp8TransposedPvSm90):
 
     def __init__(self, **kw):
         super().__init__(qk_t=True, **kw)
+
+    @cute.jit
+    def clean_fp8_tail(self, stg: Int32, tile_start: Int32, split_end: Int32, wtid: Int32):
+        """By the 128 threads of the warpgroup that owns a tile (no other reads its staging), after its QK retired and
+        before its first ``ldmatrix`` of V (a later barrier of the warpgroup publishes the bytes): with
+        :attr:`hidden_keys`, the NaN bytes of the V of its keys ``[split_end - hidden_keys, split_end)`` in the e4m3
+        staging at shared address ``stg`` -> 0 (:func:`~.helpers.clean_e4m3_rows`), fenced for the async proxy (the
+        buffer's next TMA refill).  Nothing where the tile holds none of those keys."""
+        if cutlass.const_expr(self.hidden_keys > 0):
+            lo = cutlass.max(split_end - self.hidden_keys - tile_start, 0)
+            hi = cutlass.min(split_end - tile_start, self.block_n)
+            if hi > lo:
+                clean_e4m3_rows(stg, lo, hi, wtid, self.DV // _CHUNK, _CHUNK_BYTES)
+                cute.arch.fence_view_async_shared()
 
     @cute.jit
     def consume(self, c, cta, b, seq, split_start, split_end, split, n_pairs):
@@ -99,6 +114,8 @@ class MlaDecodeFp8TransposedSm90(MlaDecodeFp8TransposedPvSm90):
             more = j + 1 < n_pairs
             refill = j + 2 < n_pairs  # the producer refills this tile's buffer with pair j + 2's
             t = split_start + (2 * j + wg) * bn
+            # (the causal tail's V, before the TAIL barrier below publishes it to this warpgroup's V^T loads)
+            self.clean_fp8_tail(stg0 + k * _BUF_BYTES, t, split_end, wtid)
             self.mark(mTrace, cta, wg, wtid, j, 0)
             self.fold_t(acc_s, tScS, lim, t, scale_log2, None, None, None, sRed, row_l, ref, sc, wg, wtid,
                         (mTrace, cta, j, 1, 2), m_run)

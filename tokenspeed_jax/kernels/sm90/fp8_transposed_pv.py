@@ -58,7 +58,7 @@ from cutlass.tensor_utils import LayoutEnum
 from tokenspeed_jax.kernels.sm90.decode_common import MlaDecodeSm90
 from tokenspeed_jax.kernels.sm90.decode_trace import TRACE_EVENTS, DecodeTraceMixin
 from tokenspeed_jax.kernels.sm90.fp8_operands import _ldsm4t, _prmt, store_p8, sw64
-from tokenspeed_jax.kernels.sm90.helpers import LOG2_E, Barrier
+from tokenspeed_jax.kernels.sm90.helpers import LOG2_E, Barrier, clear_nan_e4m3x4
 from tokenspeed_jax.kernels.sm90.kv_refill import KvRefillMixin
 from tokenspeed_jax.kernels.sm90.transposed_out import TransposedOutMixin
 
@@ -303,7 +303,23 @@ class MlaDecodeFp8TransposedPvSm90(TransposedOutMixin, KvRefillMixin, DecodeTrac
         ``kb``; this loop: a warpgroup's 256 features, ``chunk0`` 4 x warpgroup) from the e4m3 staging at shared
         address ``stg``: per (mb, kb) one ``ldmatrix.x4.trans`` (:func:`vt_a_row_offset`) and 4 ``prmt``.  A lane
         whose token is at or past ``split_end`` reads the 16-byte zero row at ``zero`` instead: those V rows may hold
-        anything (page tails, unowned NaN pages) and P is 0 there."""
+        anything (page tails, unowned NaN pages) and P is 0 there.  This loop (not ``qk_t``): a tile that holds keys
+        ``hidden_keys`` covers (``tail_from``) has the NaN bytes of its words replaced by 0
+        (:func:`~.helpers.clear_nan_e4m3x4`), each reader in its own registers, so no warpgroup waits for another's
+        cleaning.  The ``qk_t`` loop cleans its staging instead (``clean_fp8_tail``): each loop takes the way that adds
+        no spill to its main loop (docs/sm90_decode.md, "Causally hidden keys")."""
+        if cutlass.const_expr(self.hidden_keys > 0 and not self.qk_t):
+            if tile_start + self.block_n > self.tail_from(split_end):
+                self.load_vt_words(a, stg, zero, tile_start, split_end, chunk0, wtid, n_mb, True)
+            else:
+                self.load_vt_words(a, stg, zero, tile_start, split_end, chunk0, wtid, n_mb, False)
+        else:
+            self.load_vt_words(a, stg, zero, tile_start, split_end, chunk0, wtid, n_mb, False)
+
+    @cute.jit
+    def load_vt_words(self, a: cute.Tensor, stg: Int32, zero: Int32, tile_start: Int32, split_end: Int32,
+                      chunk0: cutlass.Constexpr, wtid: Int32, n_mb: cutlass.Constexpr, clean: cutlass.Constexpr):
+        """:meth:`load_vt`'s loads; ``clean``: the NaN bytes of every loaded word -> 0."""
         lane = wtid % 32
         warp = wtid // 32
         s0, s1 = Int32(VT_A_SELECTORS[0]), Int32(VT_A_SELECTORS[1])
@@ -314,6 +330,8 @@ class MlaDecodeFp8TransposedPvSm90(TransposedOutMixin, KvRefillMixin, DecodeTrac
                 addr, step = zero, Int32(0)
             for mb in cutlass.range_constexpr(n_mb):
                 r = _ldsm4t(addr + mb * step)
+                if cutlass.const_expr(clean):
+                    r = [clear_nan_e4m3x4(x) for x in r]
                 w = 4 * mb + 4 * n_mb * kb
                 a[w + 0] = _prmt(r[0], r[1], s0)
                 a[w + 1] = _prmt(r[0], r[1], s1)

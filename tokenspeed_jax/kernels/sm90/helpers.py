@@ -64,3 +64,57 @@ def row_ptr(base: cute.Tensor, row: Int64, col, row_elems: cutlass.Constexpr[int
 @cute.jit
 def clamp(x: Int32, lo: Int32, hi: Int32) -> Int32:
     return cutlass.min(cutlass.max(x, lo), hi)
+
+
+# Non-finite values out of packed words, as branch-free integer expressions: valid on the DSL's Int32 and on numpy
+# int32 alike (+ and - wrap, >> is arithmetic and masked after), so tests/test_compile_sm90_decode.py checks these
+# very expressions on every bit pattern.  The decode loops apply them to the V of the keys a causal step hides from
+# some of its query rows (``MlaDecodeSm90.hidden_keys``).
+_SIGN16X2 = 0x80008000 - (1 << 32)  # bit 15 of each 16-bit half (as a signed 32-bit constant)
+_SIGN8X4 = 0x80808080 - (1 << 32)  # bit 7 of each byte
+
+
+def clear_nonfinite_16x2(w, exp_mask: int):
+    """``w`` (two 16-bit floats in a 32-bit word) with each Inf or NaN half replaced by +0; ``exp_mask``: the
+    format's exponent field (0x7F80 bfloat16, 0x7C00 float16).  A half is non-finite iff its exponent bits are all
+    ones: ``u`` is 0 exactly there, ``u + 0x7FFF`` sets bit 15 of every other half (no carry leaves a half), and the
+    flagged bit 15 spreads to the whole half (``0x8000 | 0x8000 - 1``)."""
+    e2 = exp_mask | (exp_mask << 16)
+    u = (w & e2) ^ e2
+    bad = ((u + 0x7FFF7FFF) & _SIGN16X2) ^ _SIGN16X2
+    return w & ((bad | (bad - ((bad >> 15) & 0x00010001))) ^ -1)
+
+
+def clear_nan_e4m3x4(w):
+    """``w`` (four e4m3fn bytes in a 32-bit word) with each NaN byte (0x7F, 0xFF; e4m3fn has no Inf) replaced by 0:
+    ``(b & 0x7F) + 1`` sets bit 7 of a byte iff it is NaN (no carry leaves a byte), which spreads to the byte."""
+    bad = ((w & 0x7F7F7F7F) + 0x01010101) & _SIGN8X4
+    return w & ((bad | (bad - ((bad >> 7) & 0x01010101))) ^ -1)
+
+
+def _lds4i(addr):
+    """``ld.shared.v4.b32`` at the shared address ``addr`` (16-byte aligned): 4 words."""
+    return cute.arch.inline_ptx("ld.shared.v4.b32 { {$w0}, {$w1}, {$w2}, {$w3} }, [{$r0}];",
+                                write_only_types=[Int32] * 4, read_only_args=[Int32(addr)])
+
+
+def _sts4i(addr, w0, w1, w2, w3):
+    """``st.shared.v4.b32`` of 4 words at the shared address ``addr`` (16-byte aligned)."""
+    cute.arch.inline_ptx("st.shared.v4.b32 [{$r0}], { {$r1}, {$r2}, {$r3}, {$r4} };",
+                         read_only_args=[Int32(addr), Int32(w0), Int32(w1), Int32(w2), Int32(w3)])
+
+
+@cute.jit
+def clean_e4m3_rows(stg: Int32, lo: Int32, hi: Int32, tid: Int32, chunks: cutlass.Constexpr[int],
+                    chunk_bytes: cutlass.Constexpr[int]):
+    """Every NaN byte of rows ``[lo, hi)`` (at most 32 rows) in the first ``chunks`` 64-byte-wide chunks of an e4m3
+    tile at shared address ``stg`` -> 0 (:func:`clear_nan_e4m3x4`): thread ``tid`` < ``4 (hi - lo)`` cleans the
+    ``tid``-th 16 bytes of the rows in every chunk (no loop, no division: few registers where the loops call it).
+    Row ``r`` of a chunk is its bytes ``[64 r, 64 r + 64)`` whatever the 64-byte swizzle (which permutes 16-byte units
+    inside a row), so the rows are one contiguous range per chunk."""
+    if tid < (hi - lo) * 4:
+        addr = stg + lo * 64 + tid * 16
+        for ch in cutlass.range_constexpr(chunks):
+            x = _lds4i(addr + ch * chunk_bytes)
+            _sts4i(addr + ch * chunk_bytes, clear_nan_e4m3x4(x[0]), clear_nan_e4m3x4(x[1]),
+                   clear_nan_e4m3x4(x[2]), clear_nan_e4m3x4(x[3]))

@@ -50,10 +50,11 @@ from cutlass.tensor_utils import LayoutEnum
 from tokenspeed_jax.kernels.sm90.decode_common import _K16, _K32, MlaDecodeSm90
 from tokenspeed_jax.kernels.sm90.decode_trace import DecodeTraceMixin
 from tokenspeed_jax.kernels.sm90.fp8_operands import Fp8OperandsMixin, store_p8
-from tokenspeed_jax.kernels.sm90.helpers import LOG2_E, Barrier
+from tokenspeed_jax.kernels.sm90.helpers import LOG2_E, Barrier, clear_nonfinite_16x2
 from tokenspeed_jax.kernels.sm90.kv_refill import KvRefillMixin
 _F8 = cutlass.Float8E4M3FN
 _ALL_CHUNKS = (0, 1, 2, 3, 4, 5, 6, 7, 8)
+_EXP_MASK = {cutlass.BFloat16: 0x7F80, cutlass.Float16: 0x7C00}  # the exponent field of a 16-bit float
 
 
 def acc_to_a_layout(acc_layout: cute.Layout) -> cute.Layout:
@@ -216,11 +217,12 @@ class MlaDecodeSeesawSm90(Fp8OperandsMixin, KvRefillMixin, DecodeTraceMixin, Mla
 
     @cute.jit
     def zero_tail(self, sKs: cute.Tensor, tile_start: Int32, split_end: Int32, wg: Int32, wtid: Int32):
-        """TMA only: zero the V columns (0..511) of a slot's rows at or past ``split_end``, so P = 0 there
-        never meets a NaN (a page's rows past seq_len, or an unowned page, may hold anything).  Run by the
-        slot's owner after its QK retired and the slot's refills landed; the warpgroup barrier publishes the
-        zeros to its own PV, the P0_READY / P1_READY barriers (after a proxy fence) to the other warpgroup's."""
-        if tile_start + self.block_n > split_end:
+        """16-bit: zero the V columns (0..511) of a slot's rows at or past ``split_end``, so P = 0 there never meets
+        a NaN (a page's rows past seq_len, or an unowned page, may hold anything), and with :attr:`hidden_keys` clean
+        the rows of the keys before it (:meth:`clean_hidden_v`).  Run by the slot's owner after its QK retired and
+        the slot's refills landed; the warpgroup barrier publishes the zeros to its own PV, the P0_READY / P1_READY
+        barriers (after a proxy fence) to the other warpgroup's."""
+        if tile_start + self.block_n > self.tail_from(split_end):
             first = cutlass.max(split_end - tile_start, 0)
             for i in cutlass.range_constexpr(self.block_n * self.DV // 8 // 128):
                 idx = wtid + 128 * i
@@ -229,8 +231,34 @@ class MlaDecodeSeesawSm90(Fp8OperandsMixin, KvRefillMixin, DecodeTraceMixin, Mla
                 if r >= first:
                     for e in cutlass.range_constexpr(8):
                         sKs[r, c0 + e] = self.mma_dtype(0.0)
+            if cutlass.const_expr(self.hidden_keys > 0):
+                self.clean_hidden_v(sKs, tile_start, split_end, wtid)
             cute.arch.fence_view_async_shared()
             cute.arch.barrier(barrier_id=int(Barrier.TAIL) + wg, number_of_threads=128)
+
+    @cute.jit
+    def clean_hidden_v(self, sKs: cute.Tensor, tile_start: Int32, split_end: Int32, wtid: Int32):
+        """Every Inf / NaN in the V columns of the slot's rows for keys ``[split_end - hidden_keys, split_end)`` -> 0
+        (:func:`~.helpers.clear_nonfinite_16x2`; ``MlaDecodeSm90.hidden_keys`` says why): a warpgroup's 128 threads
+        two rows at a time, 8 values a thread, read and written back through the slot's own (swizzled) view.  A fixed
+        number of predicated steps, as the zeroing before it: a loop with per-thread bounds here made ptxas treat the
+        loop's later wgmmas as divergent and serialize them all (C7520, the transposed loop's batch-invariant build)."""
+        per_row = self.DV // 8
+        c0 = (wtid % per_row) * 8
+        exp_mask = _EXP_MASK[self.mma_dtype]
+        v = cute.make_rmem_tensor((8,), self.mma_dtype)
+        w = cute.recast_tensor(v, Int32)
+        lo = cutlass.max(split_end - self.hidden_keys - tile_start, 0)
+        hi = cutlass.min(split_end - tile_start, self.block_n)
+        for step in cutlass.range_constexpr(-(-self.hidden_keys * per_row // 128)):
+            r = lo + wtid // per_row + (128 // per_row) * step
+            if r < hi:
+                for e in cutlass.range_constexpr(8):
+                    v[e] = sKs[r, c0 + e]
+                for i in cutlass.range_constexpr(4):
+                    w[i] = clear_nonfinite_16x2(w[i], exp_mask)
+                for e in cutlass.range_constexpr(8):
+                    sKs[r, c0 + e] = v[e]
 
     @cute.jit
     def pv(self, mma: cute.TiledMma, acc_o: cute.Tensor, tA: cute.Tensor, tB: cute.Tensor,
