@@ -72,6 +72,11 @@ def steps_for(args: argparse.Namespace) -> list[Step]:
         if any("sm90_decode" in f or f.rstrip("/") == "tests/gpu" for f in files):
             s.append(Step("prewarm_decode", (PY, "-c", "from benchmarks.decode import CHECK, prewarm; "
                                              f"prewarm(CHECK, {jobs})"), 150))
+        if any("hostile_sm90" in f or f.rstrip("/") == "tests/gpu" for f in files):  # its decode kernels
+            s.append(Step("prewarm_hostile", (PY, "-c", "from benchmarks.decode import Case, prewarm; "
+                                              "from tests.gpu.test_hostile_sm90 import CONFIGS, HIDDEN_SH; "
+                                              "prewarm([Case(f'hostile_{d}_p{p}_s{s}', d, 4, s, h, p, 16) "
+                                              f"for p, d in CONFIGS for s, h in HIDDEN_SH], {jobs})"), 120))
         k = ("-k", args.k) if args.k else ("-k", "not memcheck")
         s.append(Step("gpu_tests", _pytest(files, *k), args.budget))
     elif args.cmd == "check":

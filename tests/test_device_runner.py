@@ -25,8 +25,10 @@ def _cmd(step):
 
 def test_tests_and_check_and_memcheck_steps(tmp_path):
     s = _steps("tests", "--out", str(tmp_path))
-    assert [x.name for x in s] == ["prewarm_prefill", "prewarm_decode", "gpu_tests"]
+    assert [x.name for x in s] == ["prewarm_prefill", "prewarm_decode", "prewarm_hostile", "gpu_tests"]
     assert "tests/gpu" in s[-1].argv and "not memcheck" in s[-1].argv
+    s = _steps("tests", "--files", "tests/gpu/test_hostile_sm90.py", "--out", str(tmp_path))
+    assert [x.name for x in s] == ["prewarm_hostile", "gpu_tests"]
     s = _steps("tests", "--files", "tests/gpu/test_vllm_adapter.py", "-k", "fp8", "--out", str(tmp_path))
     assert [x.name for x in s] == ["gpu_tests"] and "fp8" in s[0].argv
     s = _steps("check", "--op", "decode", "--cases", "s1h16p64", "--out", str(tmp_path))

@@ -119,9 +119,10 @@ def test_decode_nan_in_causally_masked_keys(page, dtype, rng):
 
 
 HIDDEN_LENS = (129, 64, 3, 200, 70)  # 129: the hidden keys straddle the tiles at 128; 3: as short as S
+HIDDEN_SH = ((2, 16), (3, 16))  # (S, H): 32 rows (the transposed loops on 64-token pages), 48 (the 64-row ones)
 
 
-@pytest.mark.parametrize("s,h", [(2, 16), (3, 16)], ids=["S2-H16", "S3-H16"])
+@pytest.mark.parametrize("s,h", HIDDEN_SH, ids=[f"S{s}-H{h}" for s, h in HIDDEN_SH])
 @pytest.mark.parametrize("page,dtype", CONFIGS, ids=[f"p{p}-{d[:4]}" for p, d in CONFIGS])
 def test_decode_nan_in_hidden_keys_every_loop(page, dtype, s, h, rng):
     """NaN in the first key requests 0-3 hide from their token 0 (``seq_len - S + 1``; 32 rows run the transposed
