@@ -1,5 +1,7 @@
 """Time ``mla_decode(backend="sm90")`` of the tokenspeed_jax on sys.path against FlashMLA on fixed cases (one
-process per tree; compare the ours/FlashMLA ratios of two trees).  Prints one JSON line per case."""
+process per tree; compare the ours/FlashMLA ratios of two trees).  Prints one JSON line per case.
+
+    PYTHONPATH=<tree> python benchmarks/ab_trees.py <tag>   # for each tree, on the same GPU"""
 import json
 import sys
 
@@ -14,8 +16,10 @@ tag = sys.argv[1]
 import flash_mla as fm  # noqa: E402
 import torch  # noqa: E402
 
+# (uniform S 2 / S 4: causal MTP on varied lengths, where every piece's last tile cleans the hidden keys' V)
 for dist, perm, H, S in [("full", False, 32, 1), ("full", True, 32, 1), ("full", False, 128, 1),
-                         ("full", False, 16, 4), ("uniform", True, 32, 1)]:
+                         ("full", False, 16, 4), ("uniform", True, 32, 1), ("uniform", True, 16, 2),
+                         ("uniform", True, 32, 4)]:
     B, cap, page = 64, 81920, 64
     mp = cap // page
     rng = np.random.default_rng(5)
