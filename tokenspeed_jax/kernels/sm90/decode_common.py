@@ -91,6 +91,12 @@ class MlaDecodeSm90:
         start at ``seq - S + 1 >= split_end - S + 1``)."""
         return split_end - self.hidden_keys if self.hidden_keys else split_end
 
+    def hidden_rows(self, tile_start, split_end):
+        """``(lo, hi)``: the rows of the tile at ``tile_start`` holding the keys ``[split_end - hidden_keys,
+        split_end)`` whose V the loops clean (empty where ``hi <= lo``)."""
+        return (cutlass.max(split_end - self.hidden_keys - tile_start, 0),
+                cutlass.min(split_end - tile_start, self.block_n))
+
     @staticmethod
     def can_implement(*, dtype, num_heads, q_len, page_size):
         if dtype not in _DTYPES:

@@ -87,6 +87,34 @@ def _prmt(a, b, sel):
                                 read_only_args=[Int32(a), Int32(b), Int32(sel)])
 
 
+def _lds4i(addr):
+    """``ld.shared.v4.b32`` at the shared address ``addr`` (16-byte aligned): 4 words."""
+    return cute.arch.inline_ptx("ld.shared.v4.b32 { {$w0}, {$w1}, {$w2}, {$w3} }, [{$r0}];",
+                                write_only_types=[Int32] * 4, read_only_args=[Int32(addr)])
+
+
+def _sts4i(addr, w0, w1, w2, w3):
+    """``st.shared.v4.b32`` of 4 words at the shared address ``addr`` (16-byte aligned)."""
+    cute.arch.inline_ptx("st.shared.v4.b32 [{$r0}], { {$r1}, {$r2}, {$r3}, {$r4} };",
+                         read_only_args=[Int32(addr), Int32(w0), Int32(w1), Int32(w2), Int32(w3)])
+
+
+@cute.jit
+def clean_e4m3_rows(stg: Int32, lo: Int32, hi: Int32, tid: Int32, chunks: cutlass.Constexpr[int],
+                    chunk_bytes: cutlass.Constexpr[int]):
+    """Every NaN byte of rows ``[lo, hi)`` (at most 32 rows) in the first ``chunks`` 64-byte-wide chunks of an e4m3
+    tile at shared address ``stg`` -> 0 (:func:`clear_nan_e4m3x4`): thread ``tid`` < ``4 (hi - lo)`` cleans the
+    ``tid``-th 16 bytes of the rows in every chunk (no loop, no division: few registers where the loops call it).
+    Row ``r`` of a chunk is its bytes ``[64 r, 64 r + 64)`` whatever the 64-byte swizzle (which permutes 16-byte units
+    inside a row), so the rows are one contiguous range per chunk."""
+    if tid < (hi - lo) * 4:
+        addr = stg + lo * 64 + tid * 16
+        for ch in cutlass.range_constexpr(chunks):
+            x = _lds4i(addr + ch * chunk_bytes)
+            _sts4i(addr + ch * chunk_bytes, clear_nan_e4m3x4(x[0]), clear_nan_e4m3x4(x[1]),
+                   clear_nan_e4m3x4(x[2]), clear_nan_e4m3x4(x[3]))
+
+
 class Fp8OperandsMixin:
     """The FP8 operand methods of :class:`~tokenspeed_jax.kernels.sm90.seesaw.MlaDecodeSeesawSm90`
     (which sets the attributes they read: ``block_m``, ``block_n``, ``D``, ``DV`` and ``mma_dtype``, the 16-bit
@@ -197,4 +225,5 @@ def store_p8(acc_s: cute.Tensor, tSsP: cute.Tensor):
     cute.arch.fence_view_async_shared()
 
 
-__all__ = ["P8_TOKEN_ORDER", "Fp8OperandsMixin", "ldsm_row_offset", "p8_selectors", "store_p8", "stsm_row_offset", "sw64"]
+__all__ = ["P8_TOKEN_ORDER", "Fp8OperandsMixin", "clean_e4m3_rows", "ldsm_row_offset", "p8_selectors", "store_p8",
+           "stsm_row_offset", "sw64"]

@@ -34,7 +34,8 @@ from cutlass.cute.nvgpu import warpgroup
 from tokenspeed_jax.kernels.sm90.decode_trace import TRACE_EVENTS
 from tokenspeed_jax.kernels.sm90.fp8_transposed_pv import (_BUF_BYTES, _CHUNK, _CHUNK_BYTES, _F8, _P_BYTES,
                                                             MlaDecodeFp8TransposedPvSm90)
-from tokenspeed_jax.kernels.sm90.helpers import LOG2_E, Barrier, clean_e4m3_rows
+from tokenspeed_jax.kernels.sm90.fp8_operands import clean_e4m3_rows
+from tokenspeed_jax.kernels.sm90.helpers import LOG2_E, Barrier
 
 # DecodeTraceMixin.mark points of an iteration (debug builds, benchmarks/trace_decode.py): both warpgroups run the same
 # code, so the same names; "-" unused (as many slots as TRACE_EVENTS, the trace buffer's shape)
@@ -57,11 +58,10 @@ class MlaDecodeFp8TransposedSm90(MlaDecodeFp8TransposedPvSm90):
         """By the 128 threads of the warpgroup that owns a tile (no other reads its staging), after its QK retired and
         before its first ``ldmatrix`` of V (a later barrier of the warpgroup publishes the bytes): with
         :attr:`hidden_keys`, the NaN bytes of the V of its keys ``[split_end - hidden_keys, split_end)`` in the e4m3
-        staging at shared address ``stg`` -> 0 (:func:`~.helpers.clean_e4m3_rows`), fenced for the async proxy (the
+        staging at shared address ``stg`` -> 0 (:func:`~.fp8_operands.clean_e4m3_rows`), fenced for the async proxy (the
         buffer's next TMA refill).  Nothing where the tile holds none of those keys."""
         if cutlass.const_expr(self.hidden_keys > 0):
-            lo = cutlass.max(split_end - self.hidden_keys - tile_start, 0)
-            hi = cutlass.min(split_end - tile_start, self.block_n)
+            lo, hi = self.hidden_rows(tile_start, split_end)
             if hi > lo:
                 clean_e4m3_rows(stg, lo, hi, wtid, self.DV // _CHUNK, _CHUNK_BYTES)
                 cute.arch.fence_view_async_shared()

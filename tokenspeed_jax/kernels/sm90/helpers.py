@@ -91,30 +91,3 @@ def clear_nan_e4m3x4(w):
     bad = ((w & 0x7F7F7F7F) + 0x01010101) & _SIGN8X4
     return w & ((bad | (bad - ((bad >> 7) & 0x01010101))) ^ -1)
 
-
-def _lds4i(addr):
-    """``ld.shared.v4.b32`` at the shared address ``addr`` (16-byte aligned): 4 words."""
-    return cute.arch.inline_ptx("ld.shared.v4.b32 { {$w0}, {$w1}, {$w2}, {$w3} }, [{$r0}];",
-                                write_only_types=[Int32] * 4, read_only_args=[Int32(addr)])
-
-
-def _sts4i(addr, w0, w1, w2, w3):
-    """``st.shared.v4.b32`` of 4 words at the shared address ``addr`` (16-byte aligned)."""
-    cute.arch.inline_ptx("st.shared.v4.b32 [{$r0}], { {$r1}, {$r2}, {$r3}, {$r4} };",
-                         read_only_args=[Int32(addr), Int32(w0), Int32(w1), Int32(w2), Int32(w3)])
-
-
-@cute.jit
-def clean_e4m3_rows(stg: Int32, lo: Int32, hi: Int32, tid: Int32, chunks: cutlass.Constexpr[int],
-                    chunk_bytes: cutlass.Constexpr[int]):
-    """Every NaN byte of rows ``[lo, hi)`` (at most 32 rows) in the first ``chunks`` 64-byte-wide chunks of an e4m3
-    tile at shared address ``stg`` -> 0 (:func:`clear_nan_e4m3x4`): thread ``tid`` < ``4 (hi - lo)`` cleans the
-    ``tid``-th 16 bytes of the rows in every chunk (no loop, no division: few registers where the loops call it).
-    Row ``r`` of a chunk is its bytes ``[64 r, 64 r + 64)`` whatever the 64-byte swizzle (which permutes 16-byte units
-    inside a row), so the rows are one contiguous range per chunk."""
-    if tid < (hi - lo) * 4:
-        addr = stg + lo * 64 + tid * 16
-        for ch in cutlass.range_constexpr(chunks):
-            x = _lds4i(addr + ch * chunk_bytes)
-            _sts4i(addr + ch * chunk_bytes, clear_nan_e4m3x4(x[0]), clear_nan_e4m3x4(x[1]),
-                   clear_nan_e4m3x4(x[2]), clear_nan_e4m3x4(x[3]))

@@ -248,8 +248,7 @@ class MlaDecodeSeesawSm90(Fp8OperandsMixin, KvRefillMixin, DecodeTraceMixin, Mla
         exp_mask = _EXP_MASK[self.mma_dtype]
         v = cute.make_rmem_tensor((8,), self.mma_dtype)
         w = cute.recast_tensor(v, Int32)
-        lo = cutlass.max(split_end - self.hidden_keys - tile_start, 0)
-        hi = cutlass.min(split_end - tile_start, self.block_n)
+        lo, hi = self.hidden_rows(tile_start, split_end)
         for step in cutlass.range_constexpr(-(-self.hidden_keys * per_row // 128)):
             r = lo + wtid // per_row + (128 // per_row) * step
             if r < hi:
