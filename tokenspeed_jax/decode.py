@@ -37,7 +37,8 @@ Non-finite values
     A NaN or Inf in the cache reaches only the output rows whose keys include it: rows past ``seq_len``
     (also inside an owned page), pages a request does not own, and under ``causal`` the keys a query token
     cannot see yet (token ``j >= seq_len - S + 1 + i``) may hold anything.  A row that sees no key is
-    exactly 0 (LSE ``-inf``) whatever the scales hold, a NaN or infinite ``output_scale`` included.  The
+    exactly 0 (LSE ``-inf``) whatever the scales hold, a NaN or infinite ``output_scale`` included.  A row
+    that sees a NaN key gets a NaN output and a NaN LSE (its sum of weights is NaN).  The
     ``xla`` backend holds all of it by construction (``backends/xla.py``).  The ``sm90`` kernels hold rows
     past ``seq_len``, unowned pages and non-finite scales (``tests/gpu/test_hostile_sm90.py``).  The
     causally masked keys of an MTP step (``seq_len - S + 1 + i <= j < seq_len``) lie inside the request's

@@ -503,7 +503,7 @@ class MlaDecodeSm90:
             l_tot = sSum[row_in[h]] + sSum[64 + row_in[h]]
             inv[h] = 0.0
             lse[h] = -Float32.inf
-            if l_tot > 0.0:
+            if l_tot != 0.0:  # (NaN: a key with NaN / Inf was seen, NaN LSE)
                 inv[h] = 1.0 / l_tot
                 lse[h] = (row_m[h] + cute.math.log2(l_tot, fastmath=False)) * LN_2
         tOcO = pv_thr.partition_C(cute.make_identity_tensor((self.block_m, self.DV // 2)))
@@ -768,7 +768,7 @@ class MlaDecodeSm90:
                     acc[j] = acc[j] + sAcc[o * 128 + lane * 4 + j]
             inv = Float32(0.0)
             lse = -Float32.inf
-            if total > 0.0:
+            if total != 0.0:  # (NaN: a piece saw a NaN / Inf key, NaN LSE)
                 inv = mOS[0] / total
                 lse = m + cute.math.log(total, fastmath=False)
             for j in cutlass.range_constexpr(4):

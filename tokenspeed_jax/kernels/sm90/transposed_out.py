@@ -131,7 +131,7 @@ class TransposedOutMixin:
         row sum; -inf for a row without keys) into ``lse``, or with split partials ``lse_accum``; nothing for a
         padding row (``r >= R``)."""
         lse = -Float32.inf
-        if l_tot > 0.0:
+        if l_tot != 0.0:  # (NaN: a key with NaN / Inf was seen, NaN LSE)
             lse = (m - self.p8_bias + cute.math.log2(l_tot, fastmath=False)) * LN_2
         R = self.R
         direct = split < 0
@@ -192,7 +192,7 @@ class TransposedOutMixin:
             r = mblk * self.block_m + n
             l_tot = sSum[n] + sSum[64 + n]
             inv = Float32(0.0)
-            if l_tot > 0.0:
+            if l_tot != 0.0:  # (NaN: a key with NaN / Inf was seen, NaN LSE)
                 inv = 1.0 / l_tot
             if r < self.R:
                 for mb in cutlass.range_constexpr(4):
