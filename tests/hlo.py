@@ -7,7 +7,8 @@ computed inside a ``lax.scan`` over layers shows up once per scan body, at depth
 
 A computation is recognised by the schedule's output table ``cta [num_ctas, 8]`` int32, the one value of that
 type among the operations named under :data:`tokenspeed_jax.decode_schedule.SCOPE` (``decode_schedule`` runs
-under that name scope).
+under that name scope), less the ``stablehlo.case`` of its ``jax.lax.platform_dependent`` (the jnp ops or the CUDA
+kernel's call inside it are the computation).
 """
 
 from __future__ import annotations
@@ -34,7 +35,8 @@ def schedule_sites(lowered, num_ctas: int) -> list[int]:
                         kind = o.operation.name
                         if kind == "func.call":
                             calls.append((str(o.attributes["callee"]).lstrip("@"), depth))
-                        elif SCOPE in str(o.location) and any(str(r.type) == marker for r in o.results):
+                        elif (kind != "stablehlo.case" and SCOPE in str(o.location)
+                              and any(str(r.type) == marker for r in o.results)):
                             marks.append(depth)
                         walk(o.operation, depth + (kind == "stablehlo.while"))
 

@@ -119,11 +119,14 @@ _SCRIPT = textwrap.dedent(
     # the same call for other batch sizes, cache sizes and table widths: the compiled object lowered above, reused
     import hashlib
     from tokenspeed_jax.ffi.compile_cache import cache_stats
-    def embedded(txt):  # digests of the object and the key embedded in the decode custom call
-        line = [l for l in txt.splitlines() if "custom_call @tokenspeed_mla_decode_sm90" in l]
-        assert len(line) == 1, len(line)
-        return [hashlib.sha256(re.search(a + r' = "((?:[^"\\]|\\.)*)"', line[0]).group(1).encode()).hexdigest()
-                for a in ("module", "key")]
+    def embedded(txt):  # digests of the objects and keys embedded in the decode and schedule custom calls
+        out = []
+        for target in ("mla_decode_sm90", "decode_schedule_sm90"):
+            line = [l for l in txt.splitlines() if "custom_call @tokenspeed_" + target in l]
+            assert len(line) == 1, (target, len(line))
+            out.append(" ".join(hashlib.sha256(re.search(a + r' = "((?:[^"\\]|\\.)*)"', line[0]).group(1).encode())
+                                .hexdigest() for a in ("module", "key")))
+        return out
     res["invariance"] = [embedded(txt) + [cache_stats()["misses"]]]
     for B, pages, width in ((1, 9, 7), (64, 2000, 300), (5, 200, 40)):
         with target_override("sm_90a"):
@@ -302,18 +305,21 @@ def test_tiles_and_lowering(compiled):
     assert compiled["seesaw16_page16"]["tiles"] == [64, 1, 64, 256]
     tv = compiled["fp8_t32"]["pv_tv"]
     assert f"TV Layout A:     {OT_TV_A}" in tv and f"TV Layout C:     {OT_TV_C}" in tv, tv
-    assert compiled["targets"] == ["tokenspeed_mla_decode_sm90"], compiled["targets"]
+    assert compiled["targets"] == ["tokenspeed_decode_schedule_sm90", "tokenspeed_mla_decode_sm90"], \
+        compiled["targets"]
 
 
 @pytest.mark.compile
 def test_new_batch_size_or_table_width_costs_no_compile(compiled):
-    """The public op lowered for other batch sizes, cache sizes and table widths embeds the very object (and key) of
-    the first lowering, with no further CuTe DSL compile (``ffi`` cache misses stay at 1): the decode's operand
-    extents are read at run time (``sm90_decode.operand_specs``)."""
+    """The public op lowered for other batch sizes, cache sizes and table widths embeds the very objects (and keys) of
+    the first lowering, the decode's and the schedule kernel's, with no further CuTe DSL compile (``ffi`` cache
+    misses stay at 2): their operand extents are read at run time (``sm90_decode.operand_specs``; the schedule's
+    capacity and per-request cut are an operand too)."""
     inv = compiled["invariance"]
     assert len(inv) == 4
     assert {tuple(x[:2]) for x in inv} == {tuple(inv[0][:2])}, inv
-    assert [x[2] for x in inv] == [inv[0][2]] * 4 and inv[0][2] >= 1, inv
+    assert [x[2] for x in inv] == [inv[0][2]] * 4 and inv[0][2] >= 2, inv
+    assert inv[0][0] != inv[0][1], inv
 
 
 @pytest.mark.compile
@@ -348,7 +354,8 @@ def test_batch_invariant_new_batch_size_costs_no_compile(compiled):
     inv, base = compiled["invariance_inv"], compiled["invariance"]
     assert {tuple(x[:2]) for x in inv} == {tuple(inv[0][:2])}, inv
     assert inv[0][:2] != base[0][:2]
-    assert [x[2] for x in inv] == [base[-1][2] + 1] * 4, (inv, base)
+    assert inv[0][0] != base[0][0] and inv[0][1] != base[0][1]  # (the schedule kernel's own chunk: its own key)
+    assert [x[2] for x in inv] == [base[-1][2] + 2] * 4, (inv, base)
 
 
 @pytest.mark.compile
@@ -361,7 +368,7 @@ def test_traced_build_lowers(tmp_path):
     p = subprocess.run([sys.executable, "-c", _TRACE_SCRIPT], env=env, capture_output=True, text=True, timeout=600,
                        cwd=ROOT, check=False)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
-    assert "TARGETS ['tokenspeed_mla_decode_sm90']" in p.stdout, p.stdout[-2000:]
+    assert "TARGETS ['tokenspeed_decode_schedule_sm90', 'tokenspeed_mla_decode_sm90']" in p.stdout, p.stdout[-2000:]
     assert "TRACE_OUT True" in p.stdout and "TRACE_OUT16 True" in p.stdout, p.stdout[-2000:]
 
 

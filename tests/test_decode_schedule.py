@@ -299,3 +299,15 @@ def test_emulated_invariant_split_attention_is_exact(G):
         o1, l1 = _emulate(q[b:b + 1], kv[b:b + 1], seq[b:b + 1], spec1, cta1, req1, S)
         np.testing.assert_array_equal(o1[0], o[b])
         np.testing.assert_array_equal(l1[0], lse[b])
+
+
+def test_cuda_kernel_flag_runs_the_jnp_ops_off_cuda():
+    """``cuda_kernel=True`` (the sm90 backend's schedule) selects the CuTe DSL kernel only where the program is
+    lowered for CUDA (``jax.lax.platform_dependent``; the kernel against the jnp ops bit for bit:
+    ``tests/gpu/test_sm90_decode.py::test_schedule_kernel_matches_jnp``); here, on the CPU, the jnp ops run."""
+    spec = ScheduleSpec(num_ctas=7, capacity=4096, split_units=3, fixed_cost=5, unit=64)
+    seq = jnp.asarray([0, 4096, 70, 9000, 1], jnp.int32)
+    got = jax.jit(lambda s: decode_schedule(s, spec, cuda_kernel=True))(seq)
+    want = decode_schedule(seq, spec)
+    for g, w in zip(got, want):
+        np.testing.assert_array_equal(np.asarray(g), np.asarray(w))

@@ -82,10 +82,14 @@ def test_work_is_a_pytree_through_jit_and_scan(rng):
 # ----------------------------------------------------------------------------------------------- sm90
 def _record_kernel(monkeypatch) -> list:
     """Replace ``tokenspeed_jax.ffi.custom_call``: each launch of the sm90 decode records the schedule it receives
-    (operands 6 and 7: ``cta``, ``req``) through a host callback and returns zeros."""
+    (operands 6 and 7: ``cta``, ``req``) through a host callback and returns zeros (the schedule kernel's call, the
+    CUDA branch of ``decode_schedule``, returns zeros: on this CPU the jnp branch runs)."""
     seen = []
 
     def fake_call(target, launch, *, outputs, compile_key, **kw):
+        if target != "mla_decode_sm90":  # the schedule kernel's call: traced for CUDA only, never run here
+            return lambda *a: [jnp.zeros(o.shape, o.dtype) for o in outputs]
+
         def call(*inputs):
             jax.debug.callback(lambda c, r: seen.append((np.asarray(c), np.asarray(r))), inputs[6], inputs[7])
             return [jnp.zeros(o.shape, o.dtype) for o in outputs]
@@ -338,6 +342,7 @@ def test_sharded_work_sm90_is_each_shards_schedule(monkeypatch, rng):
 
     B, S, H, page, maxp, n = 8, 1, 64, 64, 6, 4
     m, q, kv, bt, sl, kw = _sharded_sm90_case(rng, B, S, H, page, maxp)
+    _record_kernel(monkeypatch)  # (eager here: the schedule's CUDA branch is traced, not compiled)
     with target_override("sm_90a"):
         w = tsh.sharded_mla_decode_work(q, kv, bt, sl, **kw)
         w_tp = tsh.sharded_mla_decode_work(q, kv, bt, sl, mesh=m, head_axis="model", backend="sm90")
@@ -411,6 +416,7 @@ def test_sharded_batch_invariant_work(monkeypatch, rng):
 
     B, S, H, page, maxp, n = 8, 1, 64, 64, 200, 4
     m, q, kv, bt, sl, kw = _sharded_sm90_case(rng, B, S, H, page, maxp)
+    _record_kernel(monkeypatch)  # (eager here: the schedule's CUDA branch is traced, not compiled)
     with target_override("sm_90a"):
         w = tsh.sharded_mla_decode_work(q, kv, bt, sl, batch_invariant=True, **kw)
     local = dataclasses.replace(_problem(B // n, S, H // 2, page, maxp, "bfloat16", num_pages=4),

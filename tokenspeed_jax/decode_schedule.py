@@ -141,16 +141,58 @@ def _cta_load(P, T, fixed_cost):
     return (hi - lo) + fixed_cost * pieces
 
 
-def decode_schedule(seq_lens: jax.Array, spec: ScheduleSpec) -> tuple[jax.Array, jax.Array]:
+def decode_schedule(seq_lens: jax.Array, spec: ScheduleSpec, *, cuda_kernel: bool = False
+                    ) -> tuple[jax.Array, jax.Array]:
     """``(cta [num_ctas, 8], req [B, 2])`` int32 metadata for ``seq_lens`` (module docstring).  Traceable.
+
+    ``cuda_kernel``: where the program is lowered for CUDA, compute the same arrays with one CuTe DSL kernel
+    (:mod:`tokenspeed_jax.kernels.sm90.schedule`, one launch instead of about a dozen small XLA kernels; the sm90
+    backend's choice); every other platform lowers the jnp ops (``jax.lax.platform_dependent``).
 
     Its operations carry the name scope :data:`SCOPE`, so a lowered program shows where (and how often) a
     schedule is computed: once per decode step, outside the layer loop, when the step shares one
     (``tokenspeed_jax.mla_decode_work``)."""
     if seq_lens.ndim != 1:
         raise ValueError(f"seq_lens: expected shape [B], got {seq_lens.shape}")
+    seq_lens = seq_lens.astype(jnp.int32)
     with jax.named_scope(SCOPE):
-        return _schedule(seq_lens, spec)
+        if not cuda_kernel:
+            return _schedule(seq_lens, spec)
+        return jax.lax.platform_dependent(seq_lens, default=lambda s: _schedule(s, spec),
+                                          cuda=lambda s: _schedule_kernel(s, spec))
+
+
+@dataclasses.dataclass(frozen=True)
+class ScheduleKernelKey:
+    """The schedule kernel's compile key: what its code depends on (the capacity and the per-request cut are
+    operands, so neither a batch size nor a table width compiles anything)."""
+
+    num_ctas: int
+    fixed_cost: int
+    mode: str
+    prefer: float
+    unit: int
+    chunk: int
+
+
+def _schedule_kernel(seq_lens, spec: ScheduleSpec):
+    """:func:`_schedule` as the CuTe DSL kernel's custom call ``tokenspeed_decode_schedule_sm90``."""
+    from cutlass.jax import TensorSpec
+
+    from tokenspeed_jax import ffi
+
+    B = seq_lens.shape[0]
+    key = ScheduleKernelKey(spec.num_ctas, spec.fixed_cost, spec.mode, float(spec.prefer), spec.unit, spec.chunk)
+    call = ffi.custom_call(
+        "decode_schedule_sm90", ffi.LaunchRef("tokenspeed_jax.kernels.sm90.schedule", "launch_schedule"),
+        outputs=[jax.ShapeDtypeStruct((spec.num_ctas, 8), jnp.int32), jax.ShapeDtypeStruct((B, 2), jnp.int32),
+                 jax.ShapeDtypeStruct((2 * B + 2,), jnp.int32)],
+        compile_key=key, input_specs=(TensorSpec(divisibility=(1,)), TensorSpec(divisibility=(2,))),
+        output_specs=(TensorSpec(divisibility=(spec.num_ctas, 8)), TensorSpec(divisibility=(1, 2)),
+                      TensorSpec(divisibility=(2,))),
+        dynamic_shapes=True, **dataclasses.asdict(key))
+    cta, req, _ = call(seq_lens, jnp.array([spec.capacity, spec.split_units], jnp.int32))
+    return cta, req
 
 
 def _schedule(seq_lens, spec: ScheduleSpec):
@@ -275,4 +317,4 @@ def reference_pieces(cta: np.ndarray, req: np.ndarray, seq_lens: np.ndarray, cap
     return out
 
 
-__all__ = ["MODES", "SCOPE", "UNIT", "ScheduleSpec", "decode_schedule", "reference_pieces"]
+__all__ = ["MODES", "SCOPE", "UNIT", "ScheduleKernelKey", "ScheduleSpec", "decode_schedule", "reference_pieces"]

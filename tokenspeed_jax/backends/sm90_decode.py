@@ -211,7 +211,7 @@ def kernel_key(problem: DecodeProblem, config: Sm90DecodeConfig, plan) -> Decode
 def schedule_of(problem: DecodeProblem, seq_lens, config: Sm90DecodeConfig | None = None):
     """The schedule arrays ``(cta, req)`` of a call (what :func:`decode` computes when not given ``work``)."""
     config = select_config(problem) if config is None else config
-    return decode_schedule(seq_lens, schedule_spec(problem, plan_for_config(problem, config)))
+    return decode_schedule(seq_lens, schedule_spec(problem, plan_for_config(problem, config)), cuda_kernel=True)
 
 
 def work_key(problem: DecodeProblem, config: Sm90DecodeConfig | None = None) -> tuple[int, ScheduleSpec]:
@@ -262,7 +262,7 @@ def decode(problem: DecodeProblem, q, kv_cache, block_table, seq_lens, softmax_s
     key = kernel_key(problem, config, plan)
     B, S, H = problem.batch, problem.q_len, problem.num_heads
     if work is None:
-        sched_cta, sched_req = decode_schedule(seq_lens, spec)
+        sched_cta, sched_req = decode_schedule(seq_lens, spec, cuda_kernel=True)
     else:
         sched_cta, sched_req = work
         if tuple(sched_cta.shape) != (spec.num_ctas, 8) or tuple(sched_req.shape) != (B, 2):
