@@ -311,3 +311,13 @@ def test_cuda_kernel_flag_runs_the_jnp_ops_off_cuda():
     want = decode_schedule(seq, spec)
     for g, w in zip(got, want):
         np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+
+
+def test_cuda_kernel_flag_beyond_the_kernels_grid_lowers_the_jnp_ops():
+    """A grid past the kernel's bound (``KERNEL_MAX_CTAS``) keeps the jnp ops on CUDA too: no custom call."""
+    from tokenspeed_jax.decode_schedule import KERNEL_MAX_CTAS
+
+    spec = ScheduleSpec(num_ctas=KERNEL_MAX_CTAS + 1, capacity=4096, split_units=1)
+    txt = jax.jit(lambda s: decode_schedule(s, spec, cuda_kernel=True)).trace(
+        jax.ShapeDtypeStruct((5,), jnp.int32)).lower(lowering_platforms=("cuda",)).as_text()
+    assert "custom_call" not in txt and f"tensor<{KERNEL_MAX_CTAS + 1}x8xi32>" in txt

@@ -63,6 +63,7 @@ import numpy as np
 UNIT = 128  # KV tokens per schedule unit (one tile pair of the main loops)
 MODES = ("choose", "balanced", "per_request")
 SCOPE = "tokenspeed_decode_schedule"  # the name scope of the schedule's operations in a lowered program
+KERNEL_MAX_CTAS = 255  # the CUDA schedule kernel's grid bound (one thread per cut, 256 threads); above: the jnp ops
 
 
 @dataclasses.dataclass(frozen=True)
@@ -147,7 +148,8 @@ def decode_schedule(seq_lens: jax.Array, spec: ScheduleSpec, *, cuda_kernel: boo
 
     ``cuda_kernel``: where the program is lowered for CUDA, compute the same arrays with one CuTe DSL kernel
     (:mod:`tokenspeed_jax.kernels.sm90.schedule`, one launch instead of about a dozen small XLA kernels; the sm90
-    backend's choice); every other platform lowers the jnp ops (``jax.lax.platform_dependent``).
+    backend's choice) when ``spec.num_ctas <= KERNEL_MAX_CTAS``; every other platform lowers the jnp ops
+    (``jax.lax.platform_dependent``).
 
     Its operations carry the name scope :data:`SCOPE`, so a lowered program shows where (and how often) a
     schedule is computed: once per decode step, outside the layer loop, when the step shares one
@@ -156,7 +158,7 @@ def decode_schedule(seq_lens: jax.Array, spec: ScheduleSpec, *, cuda_kernel: boo
         raise ValueError(f"seq_lens: expected shape [B], got {seq_lens.shape}")
     seq_lens = seq_lens.astype(jnp.int32)
     with jax.named_scope(SCOPE):
-        if not cuda_kernel:
+        if not cuda_kernel or spec.num_ctas > KERNEL_MAX_CTAS:
             return _schedule(seq_lens, spec)
         return jax.lax.platform_dependent(seq_lens, default=lambda s: _schedule(s, spec),
                                           cuda=lambda s: _schedule_kernel(s, spec))
@@ -317,4 +319,4 @@ def reference_pieces(cta: np.ndarray, req: np.ndarray, seq_lens: np.ndarray, cap
     return out
 
 
-__all__ = ["MODES", "SCOPE", "UNIT", "ScheduleKernelKey", "ScheduleSpec", "decode_schedule", "reference_pieces"]
+__all__ = ["KERNEL_MAX_CTAS", "MODES", "SCOPE", "UNIT", "ScheduleKernelKey", "ScheduleSpec", "decode_schedule", "reference_pieces"]

@@ -26,9 +26,10 @@ from __future__ import annotations
 import cutlass
 from cutlass import Float32, Int32, cute
 
+from tokenspeed_jax.decode_schedule import KERNEL_MAX_CTAS as _MAX_CTAS  # num_ctas + 1 cuts, one per thread
+
 THREADS = 256
 _WARPS = THREADS // 32
-_MAX_CTAS = 255  # num_ctas + 1 cuts fit one per thread
 
 
 @cute.jit
