@@ -199,7 +199,7 @@ def _schedule_kernel(seq_lens, spec: ScheduleSpec):
 
 def _schedule(seq_lens, spec: ScheduleSpec):
     u, G, c = spec.unit, spec.num_ctas, spec.fixed_cost
-    L = jnp.clip(seq_lens.astype(jnp.int32), 0, spec.capacity)
+    L = jnp.clip(seq_lens, 0, spec.capacity)  # (int32: decode_schedule)
     n = (L + (u - 1)) // u
     if spec.chunk:
         return _invariant(n, L, spec)

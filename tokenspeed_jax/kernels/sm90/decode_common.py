@@ -89,7 +89,7 @@ class MlaDecodeSm90:
         """The first key of a piece ending at ``split_end`` whose tile cleans its V: ``split_end`` (the rows past the
         piece, zeroed), or with :attr:`hidden_keys` the first of those keys (a superset of the hidden ones, which
         start at ``seq - S + 1 >= split_end - S + 1``)."""
-        return split_end - self.hidden_keys if self.hidden_keys else split_end
+        return split_end - self.hidden_keys
 
     def hidden_rows(self, tile_start, split_end):
         """``(lo, hi)``: the rows of the tile at ``tile_start`` holding the keys ``[split_end - hidden_keys,

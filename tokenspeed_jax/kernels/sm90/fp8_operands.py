@@ -69,12 +69,6 @@ def _ldsm4t(addr):
         write_only_types=[Int32] * 4, read_only_args=[Int32(addr)])
 
 
-def _lds4f(addr):
-    """``ld.shared.v4.f32`` at the shared address ``addr`` (16-byte aligned): 4 floats."""
-    return cute.arch.inline_ptx("ld.shared.v4.f32 { {$w0}, {$w1}, {$w2}, {$w3} }, [{$r0}];",
-                                write_only_types=[Float32] * 4, read_only_args=[Int32(addr)])
-
-
 def _stsm4(addr, r0, r1, r2, r3):
     """``stmatrix.sync.aligned.m8n8.x4.shared.b16`` of ``r0..r3`` at the shared address ``addr``."""
     cute.arch.inline_ptx("stmatrix.sync.aligned.m8n8.x4.shared.b16 [{$r0}], { {$r1}, {$r2}, {$r3}, {$r4} };",
