@@ -5,7 +5,9 @@
 Parts: (1) per-kernel device time of one decode call (schedule fusions, main kernel, combine) from a
 profiler trace; (2) per-piece overhead: full-length batches of the same total tokens cut into 1..8 pieces per
 CTA (balanced cut), ours vs FlashMLA; (3) the schedule's fixed cost per piece swept on varied batches;
-(4) the schedule alone per B (device time per call, many calls in one executable)."""
+(4) the schedule alone per B (device time per call, many calls in one executable); (5) the schedule's policy
+(mode, fixed cost, ``prefer``) swept on the varied and full-length cases of ``--cases`` (kernels on a shared
+schedule, FlashMLA interleaved)."""
 
 from __future__ import annotations
 
@@ -52,6 +54,8 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="/tmp/diag.json")
     ap.add_argument("--parts", default="1234")
+    ap.add_argument("--cases", nargs="*", default=None,
+                    help="part 5: dist,B,capacity,H,S cases (default: the README's decode table and 3 more)")
     args = ap.parse_args()
     res: dict = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
 
@@ -80,8 +84,14 @@ def main():
              ("uniform", 64, 81920, 128, 1), ("full", 64, 81920, 32, 1), ("uniform", 64, 81920, 16, 4)]
     from benchmarks.decode import prewarm
 
-    prewarm([dataclasses.replace(case_of(*sp), dtype=dt) for sp in cases for dt in ("bfloat16", "float8_e4m3fn")
-             if sp[0] == "uniform"], 12)
+    sweep = ([tuple(int(x) if i else x for i, x in enumerate(a.split(","))) for a in args.cases] if args.cases
+             else [("full", 64, 81920, 32, 1), ("uniform", 64, 81920, 32, 1), ("uniform", 64, 81920, 16, 1),
+                   ("full", 64, 81920, 128, 1), ("uniform", 64, 81920, 128, 1), ("tail", 64, 81920, 32, 1),
+                   ("uniform", 256, 4096, 32, 1), ("uniform", 64, 81920, 16, 4), ("uniform", 128, 32768, 16, 2),
+                   ("tail", 64, 81920, 128, 1)])
+    warm = cases if set(args.parts) - {"5"} else sweep
+    prewarm([dataclasses.replace(case_of(*sp), dtype=dt) for sp in warm for dt in ("bfloat16", "float8_e4m3fn")
+             if sp[0] == "uniform" or "5" in args.parts], 15)
     # ---- (1) per-kernel breakdown
     if "1" in args.parts:
         res["breakdown"] = {}
@@ -187,6 +197,37 @@ def main():
             res["schedule"].append(row)
             print(row, flush=True)
             dump()
+    # ---- (5) the schedule's policy: mode, fixed cost, prefer (kernels alone, schedule precomputed)
+    if "5" in args.parts:
+        res["policy"] = []
+        variants = {"choose fc5": {}, "choose fc8": {"fixed_cost": 8}, "choose fc5 p1.0": {"prefer": 1.0},
+                    "choose fc8 p1.0": {"fixed_cost": 8, "prefer": 1.0}, "choose fc5 p1.2": {"prefer": 1.2},
+                    "balanced fc3": {"mode": "balanced", "fixed_cost": 3},
+                    "balanced fc12": {"mode": "balanced", "fixed_cost": 12},
+                    "per_request": {"mode": "per_request"}}
+        for spec in sweep:
+            dist, B, cap, H, S = spec
+            lens = lengths(dist, B, cap, 0)
+            c = case_of(dist, B, cap, H, S)
+            q, kv, bt, sl, scale = inputs(c, lens, 0)
+            for dt in ("bfloat16", "float8_e4m3fn"):
+                qq, kk = q.astype(dt), kv.astype(dt)
+                prob = _decode_problem(qq, kk, bt, sl, True, 512, True)
+                fns = {}
+                _, kf = kernel_with(prob, {})  # one executable: the schedule is its operand
+                for name, kw in variants.items():
+                    sched, _ = kernel_with(prob, kw)
+                    w = sched(sl)
+                    fns[name] = (lambda w=w: kf(qq, kk, bt, sl, w))
+                if fm is not None:
+                    fns["FlashMLA"] = fm_fn(q, kv, bt, sl, dt != "bfloat16")
+                nb = read_bytes(lens, S, H, 2 if dt == "bfloat16" else 1)
+                r = interleaved(fns, nb / 4e12 * 1e6, rounds=5)
+                row = {"case": c.name, "dtype": dt, **{k: v["median_us"] for k, v in r.items()}}
+                res["policy"].append(row)
+                print(json.dumps({k: (round(v, 1) if isinstance(v, float) else v) for k, v in row.items()}),
+                      flush=True)
+                dump()
 
 
 if __name__ == "__main__":

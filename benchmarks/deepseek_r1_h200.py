@@ -271,6 +271,8 @@ def profile_breakdown(trace_dir: str, steps: int, scopes_fn) -> dict:
         # the profiler's own scope stats first; where they name no model scope (on a GPU the ``tf_op`` of a fused
         # kernel can be the fusion's name), the compiled HLO's metadata of the event's HLO op
         scope = str(st.get("tf_op") or st.get("name_scope") or "")
+        if scope.startswith("XlaModule:"):  # the module, not a scope (a CUDA graph's kernels carry only this)
+            scope = ""
         cls = classify(scope)
         if cls == "rest":
             if scopes is None:
@@ -361,7 +363,6 @@ def run(args, res: Results) -> None:
     L = cfg.num_hidden_layers
     compile_guess = args.compile_guess_s
     seen_compile: list[float] = []
-    fallback_used = False  # the breakdown's HLO-metadata fallback compiled a step once already
 
     def compile_est():
         return max(seen_compile) if seen_compile else compile_guess
@@ -433,10 +434,9 @@ def run(args, res: Results) -> None:
                     )
                     profiled = sum("breakdown" in r for r in res.doc["points"])
                     if args.profile_steps and profiled < args.profile_points and res.budget.allows(10.0):
-                        # the HLO-metadata fallback recompiles the step: only when the budget still has room
-                        allow_compile = not fallback_used and res.budget.allows(compile_est() + 10.0)
+                        # the profile compiles the step again without CUDA graphs: only when the budget has room
+                        allow_compile = res.budget.allows(compile_est() + 10.0)
                         br = _profile_decode(args, eng, tok, B, C, steps, allow_compile)
-                        fallback_used = fallback_used or br.get("hlo_metadata_compiled", False)
                         row["breakdown"] = br
                         if "ms_per_step" in br:
                             row.update({f"{k}_ms": v for k, v in br["ms_per_step"].items()})
@@ -520,50 +520,55 @@ def run(args, res: Results) -> None:
 
 
 def _profile_decode(args, eng, tok, B, C, steps, allow_compile: bool = True) -> dict:
-    """Breakdown of ``--profile-steps`` decode steps from a jax.profiler trace (errors are recorded).  Events
-    without a ``tf_op`` stat are classified through the compiled step's HLO metadata, which compiles the step
-    again: skipped (the events count as ``rest``) unless ``allow_compile``."""
+    """Breakdown of ``--profile-steps`` decode steps from a jax.profiler trace (errors are recorded).
+
+    Inside a CUDA graph (XLA's command buffers, on by default on a GPU) the profiler reports every kernel under
+    the graph's HLO op (``command_buffer_N``) with no named scope, so the breakdown came out nearly all
+    ``rest``.  With ``allow_compile`` the profiled steps therefore run an executable of the same step compiled
+    again with ``xla_gpu_enable_command_buffer`` empty: each kernel is its own launch and its event carries its
+    fusion's scope path (``tf_op``), and the executable's HLO text maps any remaining kernel name to its
+    ``op_name`` metadata.  Its step time (``profiled_step_ms``, launch gaps included) is reported beside the
+    graph's; the breakdown is device time per kernel class.  Without ``allow_compile`` the graph steps are
+    profiled as they are (the classes are then mostly ``rest``)."""
     from tokenspeed_jax.models.deepseek.steps import _decode_step
 
     d = os.path.join(args.profile_dir, f"B{B}_C{C}_{os.getpid()}")
     os.makedirs(d, exist_ok=True)
+    kw = {"backend": args.backend, "page_size": args.page_size}
+    text = None
+    run = steps
+    if allow_compile:
+        pos0 = jnp.full((B, 1), C, jnp.int32)
+        lowered = _decode_step.lower(eng.graphdef, eng.state, eng.cache, tok, pos0, eng.block_table, **kw)
+        opts = {"xla_gpu_enable_command_buffer": ""} if jax.default_backend() == "gpu" else None
+        exe = lowered.compile(compiler_options=opts) if opts else lowered.compile()
+        text = exe.as_text()
+
+        def run(n, C):
+            logits = None
+            for i in range(n):
+                pos = jnp.full((B, 1), C + i, jnp.int32)
+                eng.cache, logits = exe(eng.state, eng.cache, tok, pos, eng.block_table)
+            return jax.block_until_ready(logits)
+
+        run(1, C)
     try:
         jax.profiler.start_trace(d)
     except Exception as e:  # noqa: BLE001  (no CUPTI, a trace already running, ...)
         return {"error": f"start_trace: {_err(e)}"}
     try:
-        steps(args.profile_steps, C)
+        t = time.perf_counter()
+        run(args.profile_steps, C)
+        profiled_ms = (time.perf_counter() - t) / args.profile_steps * 1e3
     finally:
         jax.profiler.stop_trace()
-
-    compiled = []
-
-    def scopes():
-        if not allow_compile:
-            return {}
-        compiled.append(True)
-        pos = jnp.full((B, 1), C, jnp.int32)
-        text = (
-            _decode_step.lower(
-                eng.graphdef,
-                eng.state,
-                eng.cache,
-                tok,
-                pos,
-                eng.block_table,
-                backend=args.backend,
-                page_size=args.page_size,
-            )
-            .compile()
-            .as_text()
-        )
-        return hlo_scopes(text)
-
     try:
-        out = profile_breakdown(d, args.profile_steps, scopes)
+        out = profile_breakdown(d, args.profile_steps, lambda: hlo_scopes(text) if text else {})
     except Exception as e:  # noqa: BLE001
         out = {"error": f"breakdown: {_err(e)}", "trace_dir": d}
-    out["hlo_metadata_compiled"] = bool(compiled)
+    out["hlo_metadata_compiled"] = text is not None
+    out["command_buffers"] = not (text is not None and jax.default_backend() == "gpu")
+    out["profiled_step_ms"] = profiled_ms
     return out
 
 
