@@ -73,8 +73,10 @@ def main():
         return flashmla_calls(fm, q, kv, bt, sl)[1 if fp8 else 0]
 
     def kernel_with(prob, spec_kw):
-        spec = dataclasses.replace(sm90_decode.schedule_spec(prob, sm90_decode.plan_for_config(
-            prob, sm90_decode.select_config(prob))), **spec_kw)
+        base = sm90_decode.schedule_spec(prob, sm90_decode.plan_for_config(prob, sm90_decode.select_config(prob)))
+        if "unit" in spec_kw and "split_units" not in spec_kw:  # the per-request cut in the new unit
+            spec_kw = {**spec_kw, "split_units": max(1, base.split_units * base.unit // spec_kw["unit"])}
+        spec = dataclasses.replace(base, **spec_kw)
         sched = jax.jit(lambda sl_: decode_schedule(sl_, spec))
         kf = jax.jit(lambda q_, kv_, bt_, sl_, w_: sm90_decode.decode(
             prob, q_, kv_, bt_, sl_, jnp.float32(576 ** -0.5), jnp.float32(1.0), work=w_))
@@ -204,7 +206,9 @@ def main():
                     "choose fc8 p1.0": {"fixed_cost": 8, "prefer": 1.0}, "choose fc5 p1.2": {"prefer": 1.2},
                     "balanced fc3": {"mode": "balanced", "fixed_cost": 3},
                     "balanced fc12": {"mode": "balanced", "fixed_cost": 12},
-                    "per_request": {"mode": "per_request"}}
+                    "per_request": {"mode": "per_request"},
+                    "choose u128 fc3": {"unit": 128, "fixed_cost": 3},
+                    "balanced u128 fc3": {"mode": "balanced", "unit": 128, "fixed_cost": 3}}
         for spec in sweep:
             dist, B, cap, H, S = spec
             lens = lengths(dist, B, cap, 0)
