@@ -4,8 +4,22 @@ SwiGLU MLP (also the MoE's shared experts).
 FP8 weights (DeepSeek-R1's release format) stay FP8 in memory: ``kernel`` is float8_e4m3fn ``[in, out]``
 (the transpose of the checkpoint's ``[out, in]``) and ``kernel_scale_inv`` float32
 ``[ceil(in / bi), ceil(out / bo)]`` (the transpose of ``weight_scale_inv`` for ``(bo, bi)`` blocks).  The
-matmul dequantises per block inside the jitted step (:func:`dequantize`: e4m3 -> compute dtype times the
-block's scale, which XLA fuses into the operand of the dot) and multiplies in the compute dtype.
+matmul runs inside the jitted step in one of two forms, chosen by the number of rows (tokens) ``M`` of the call,
+which is static:
+
+* ``M <= KBLOCK_MAX_ROWS`` (decode steps): :func:`fp8_block_matmul`, the e4m3 kernel cast to the compute dtype
+  (exact) and multiplied per 128-row input block into float32 partials ``[in / bi, M, out]``, which are scaled by
+  their blocks' ``scale_inv`` and summed.  XLA fuses the cast into the matmul's operand, so the kernel is read once
+  as e4m3; the float32 partials are ``in / bi`` times the output, small while ``M`` is.
+* larger ``M`` (prefill): :func:`dequantize` (e4m3 -> float32 times the block's scale, rounded once to the compute
+  dtype), then one matmul; XLA writes the dequantised kernel once per call, which a long prompt amortises.
+
+Measured on the H200 (``benchmarks/fp8_matmul_forms.py`` on R1's shapes, bf16; ``docs/model.md``): XLA does not fuse the
+per-block scale multiply of :func:`dequantize` into the dot, so that form costs 1.9-3.6x the matmul with bf16
+weights at ``M = 1..16`` (o_proj 16384 x 7168: 213 vs 63 us at M = 1); the block-partial form takes 52-121 us at
+``M = 1`` on the four shapes (o_proj 59 us), and is still faster than dequantise-then-matmul at ``M = 64``
+(o_proj 178 vs 215 us).  The two forms round differently (float32 partials vs a bf16-rounded dequantised kernel):
+within float32 rounding of each other in float32, within bf16 rounding in bf16.
 """
 
 from __future__ import annotations
@@ -26,6 +40,35 @@ def dequantize(w: jax.Array, scale_inv: jax.Array | None, dtype, block=(128, 128
     bo, bi = min(block[0], max(dout, 1)), min(block[1], max(din, 1))  # a block past the weight is the weight
     s = jnp.repeat(jnp.repeat(scale_inv.astype(jnp.float32), bi, axis=-2), bo, axis=-1)[..., :din, :dout]
     return (w.astype(jnp.float32) * s).astype(dtype)
+
+
+KBLOCK_MAX_ROWS = 64  # rows (tokens) up to which an FP8 Linear multiplies per input block (module docstring)
+
+
+def fp8_block_matmul(x: jax.Array, w: jax.Array, scale_inv: jax.Array, dtype, block=(128, 128)) -> jax.Array:
+    """``x [..., in] @ dequantize(w, scale_inv)`` for ``w [in, out]`` e4m3 without materialising the dequantised
+    kernel: ``sum_k scale_inv[k, out // bo] * (x[..., k-th block] @ w[k-th block])``, the block products in float32
+    (``w`` cast exactly to ``dtype``), the result in ``dtype``.  A partial last input block is zero-padded."""
+    din, dout = w.shape
+    bo, bi = min(block[0], max(dout, 1)), min(block[1], max(din, 1))
+    kb = -(-din // bi)
+    lead = x.shape[:-1]
+    xm = x.reshape(-1, din).astype(dtype)
+    wk = w.astype(dtype)
+    if kb * bi != din:
+        xm = jnp.pad(xm, ((0, 0), (0, kb * bi - din)))
+        wk = jnp.pad(wk, ((0, kb * bi - din), (0, 0)))
+    xb, wb = xm.reshape(-1, kb, bi), wk.reshape(kb, bi, dout)
+
+    def products(a, b):  # float32 block products of the compute-dtype operands
+        return jnp.einsum("mkc,kcn->kmn", a, b, preferred_element_type=jnp.float32)
+
+    # XLA:CPU has no bf16 x bf16 -> f32 dot: there the operands are widened first (exact, the same products)
+    part = jax.lax.platform_dependent(
+        xb, wb, cpu=lambda a, b: products(a.astype(jnp.float32), b.astype(jnp.float32)), default=products)
+    s = jnp.repeat(scale_inv.astype(jnp.float32), bo, axis=-1)[:, :dout]  # [kb, out]
+    y = jnp.einsum("kmn,kn->mn", part, s)
+    return y.astype(dtype).reshape(lead + (dout,))
 
 
 def fp8_scale_shape(din: int, dout: int, block: tuple[int, int]) -> tuple[int, int]:
@@ -91,6 +134,8 @@ class Linear(nnx.Module):
         return dequantize(self.kernel[...], self.kernel_scale_inv[...], self.dtype, self.fp8_block)
 
     def __call__(self, x: jax.Array) -> jax.Array:
+        if self.fp8 and x.size // max(x.shape[-1], 1) <= KBLOCK_MAX_ROWS:
+            return fp8_block_matmul(x, self.kernel[...], self.kernel_scale_inv[...], self.dtype, self.fp8_block)
         return jnp.dot(x.astype(self.dtype), self.weight())
 
 

@@ -169,14 +169,19 @@ def plan_for_config(problem: DecodeProblem, config: Sm90DecodeConfig):
 # the batch-invariant schedule: a piece's overhead (fixed start/drain cost and its fp32 partial's write and read) is
 # held to at most 1/INVARIANT_OVERHEAD of the piece's own KV work, by the schedule's cost model (invariant_chunk)
 INVARIANT_OVERHEAD = 8
-_FIXED_COST = 5  # the schedule's start/drain cost of a piece, in 64-token tiles (FlashMLA's constant)
+# the schedule's fixed cost of a piece, in 64-token tiles (its Q load, pipeline start and drain, epilogue and fp32
+# partial): 8, the fastest of 5 (FlashMLA's constant) / 8 / 12 on the H200 (docs/sm90_decode_schedule.md, "The cost
+# model's fixed cost")
+_FIXED_COST = 8
+# the batch-invariant chunk's start/drain estimate per piece, in 64-token tiles (FlashMLA's constant; invariant_chunk)
+_START_DRAIN = 5
 
 
 def invariant_chunk(problem: DecodeProblem) -> int:
     """The piece length (tokens) of the batch-invariant schedule: a function of the dtype and ``S x H`` only (never
     of the batch size, the lengths or the table width, so a request's pieces are the same in every batch of a model).
 
-    A piece costs, beyond its KV tokens, the schedule's fixed start/drain cost (``5 x 64`` tokens) and the write and
+    A piece costs, beyond its KV tokens, a fixed start/drain cost (``5 x 64`` tokens) and the write and
     read of its fp32 partial by each row block (``2 x min(S x H, 64) x 513 x 4`` bytes), counted in KV tokens of the
     row block's stream (576 bytes a token in FP8, 1152 in 16-bit).  The chunk is the smallest power of two, at least
     2048, of at least :data:`INVARIANT_OVERHEAD` times that overhead: 4096 for 16-bit S x H <= 32 and FP8 S x H <= 16,
@@ -184,7 +189,7 @@ def invariant_chunk(problem: DecodeProblem) -> int:
     ones leave a small batch of long requests fewer pieces than CTAs (``ceil(L / chunk)`` CTAs busy for one request)."""
     kv_bytes = problem.head_dim * (1 if problem.dtype == "float8_e4m3fn" else 2)
     partial = 2 * min(problem.rows, 64) * (problem.kv_lora_rank + 1) * 4
-    overhead = _FIXED_COST * 64 + partial / kv_bytes
+    overhead = _START_DRAIN * 64 + partial / kv_bytes
     chunk = 2048
     while chunk < INVARIANT_OVERHEAD * overhead:
         chunk *= 2
@@ -194,8 +199,8 @@ def invariant_chunk(problem: DecodeProblem) -> int:
 def schedule_spec(problem: DecodeProblem, plan) -> ScheduleSpec:
     """The schedule of a call (:mod:`tokenspeed_jax.decode_schedule`): ``num_sms // m_blocks`` persistent CTAs per
     row block, the block table's capacity, and the static plan's tokens per split as the per-request cut (the one a
-    full-length batch keeps), in 64-token units (the kernels' KV tile) with FlashMLA's start/drain cost of 5 tiles;
-    with ``problem.batch_invariant`` the batch-invariant schedule of :func:`invariant_chunk` pieces."""
+    full-length batch keeps), in 64-token units (the kernels' KV tile) with a fixed cost of :data:`_FIXED_COST` tiles
+    per piece; with ``problem.batch_invariant`` the batch-invariant schedule of :func:`invariant_chunk` pieces."""
     return ScheduleSpec(num_ctas=max(1, plan.num_sms // plan.num_m_blocks), capacity=problem.max_kv_len,
                         split_units=max(1, plan.tokens_per_split // 64), fixed_cost=_FIXED_COST, unit=64,
                         chunk=invariant_chunk(problem) if problem.batch_invariant else 0)
