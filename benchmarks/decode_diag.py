@@ -4,10 +4,10 @@
 
 Parts: (1) per-kernel device time of one decode call (schedule fusions, main kernel, combine) from a
 profiler trace; (2) per-piece overhead: full-length batches of the same total tokens cut into 1..8 pieces per
-CTA (balanced cut), ours vs FlashMLA; (3) the schedule's fixed cost per piece swept on varied batches;
-(4) the schedule alone per B (device time per call, many calls in one executable); (5) the schedule's policy
-(mode, fixed cost, ``prefer``) swept on the varied and full-length cases of ``--cases`` (kernels on a shared
-schedule, FlashMLA interleaved)."""
+CTA (balanced cut), ours vs FlashMLA; (4) the schedule alone per B (device time per call, many calls in one
+executable); (5) the schedule's policy (mode, fixed cost, ``prefer``, unit) swept on the varied and full-length
+cases of ``--cases`` (kernels on a shared schedule, FlashMLA interleaved; it replaced part 3, the fixed-cost sweep
+of 2026-12-04, whose results are in ``docs/notes/sm90_decode_journal.md``)."""
 
 from __future__ import annotations
 
@@ -41,6 +41,17 @@ def kernel_times(trace_dir: str, calls: int) -> dict[str, float]:
     return dict(sorted(tot.items(), key=lambda kv: -kv[1]))
 
 
+def case_inputs(specs):
+    """``(case, lengths, q, kv, table, seq_lens, dtype, q in dtype, kv in dtype)`` for each ``(dist, B, capacity, H,
+    S)`` of ``specs`` and each dtype (BF16, FP8): the same random inputs for both dtypes (seed 0)."""
+    for dist, B, cap, H, S in specs:
+        lens = lengths(dist, B, cap, 0)
+        c = case_of(dist, B, cap, H, S)
+        q, kv, bt, sl, _ = inputs(c, lens, 0)
+        for dt in ("bfloat16", "float8_e4m3fn"):
+            yield c, lens, q, kv, bt, sl, dt, q.astype(dt), kv.astype(dt)
+
+
 def main():
     import jax
     import jax.numpy as jnp
@@ -53,7 +64,7 @@ def main():
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="/tmp/diag.json")
-    ap.add_argument("--parts", default="1234")
+    ap.add_argument("--parts", default="1245")
     ap.add_argument("--cases", nargs="*", default=None,
                     help="part 5: dist,B,capacity,H,S cases (default: the README's decode table and 3 more)")
     args = ap.parse_args()
@@ -97,31 +108,25 @@ def main():
     # ---- (1) per-kernel breakdown
     if "1" in args.parts:
         res["breakdown"] = {}
-        for spec in cases:
-            dist, B, cap, H, S = spec
-            lens = lengths(dist, B, cap, 0)
-            c = case_of(dist, B, cap, H, S)
-            q, kv, bt, sl, scale = inputs(c, lens, 0)
-            for dt in ("bfloat16", "float8_e4m3fn"):
-                qq, kk = q.astype(dt), kv.astype(dt)
-                f = jax.jit(lambda q_, kv_, bt_, sl_: mla_decode(q_, kv_, bt_, sl_, softmax_scale=576 ** -0.5,
-                                                                 backend="sm90"))
-                jax.block_until_ready(f(qq, kk, bt, sl))
-                d = f"/tmp/diag_trace/{c.name}_{dt}"
-                jax.profiler.start_trace(d)
+        for c, lens, q, kv, bt, sl, dt, qq, kk in case_inputs(cases):
+            f = jax.jit(lambda q_, kv_, bt_, sl_: mla_decode(q_, kv_, bt_, sl_, softmax_scale=576 ** -0.5,
+                                                             backend="sm90"))
+            jax.block_until_ready(f(qq, kk, bt, sl))
+            d = f"/tmp/diag_trace/{c.name}_{dt}"
+            jax.profiler.start_trace(d)
+            for _ in range(5):
+                o = f(qq, kk, bt, sl)
+            jax.block_until_ready(o)
+            if fm is not None:
+                r = fm_fn(q, kv, bt, sl, dt != "bfloat16")
                 for _ in range(5):
-                    o = f(qq, kk, bt, sl)
-                jax.block_until_ready(o)
-                if fm is not None:
-                    r = fm_fn(q, kv, bt, sl, dt != "bfloat16")
-                    for _ in range(5):
-                        r()
-                    torch.cuda.synchronize()
-                jax.profiler.stop_trace()
-                kt = kernel_times(d, 5)
-                res["breakdown"][f"{c.name} {dt[:4]}"] = kt
-                print(c.name, dt, json.dumps({k: round(v, 1) for k, v in list(kt.items())[:12]}), flush=True)
-                dump()
+                    r()
+                torch.cuda.synchronize()
+            jax.profiler.stop_trace()
+            kt = kernel_times(d, 5)
+            res["breakdown"][f"{c.name} {dt[:4]}"] = kt
+            print(c.name, dt, json.dumps({k: round(v, 1) for k, v in list(kt.items())[:12]}), flush=True)
+            dump()
     # ---- (2) per-piece overhead: same total tokens, 1..8 pieces per CTA (full length, balanced)
     if "2" in args.parts:
         res["pieces"] = []
@@ -144,31 +149,6 @@ def main():
                 row = {"dtype": dt, "pieces_per_cta": ppc, "B": B, "L": L,
                        **{k: v["median_us"] for k, v in r.items()}}
                 res["pieces"].append(row)
-                print(row, flush=True)
-                dump()
-    # ---- (3) fixed cost sweep on varied batches (kernel alone, schedule precomputed)
-    if "3" in args.parts:
-        res["fixed_cost"] = []
-        for spec in cases[:4]:
-            dist, B, cap, H, S = spec
-            lens = lengths(dist, B, cap, 0)
-            c = case_of(dist, B, cap, H, S)
-            q, kv, bt, sl, scale = inputs(c, lens, 0)
-            for dt in ("bfloat16", "float8_e4m3fn"):
-                qq, kk = q.astype(dt), kv.astype(dt)
-                prob = _decode_problem(qq, kk, bt, sl, True, 512, True)
-                fns = {}
-                for fc in (0, 2, 5, 10):
-                    for unit in (64, 128):
-                        sched, kf = kernel_with(prob, {"fixed_cost": fc * 64 // unit, "unit": unit})
-                        w = sched(sl)
-                        fns[f"fc{fc} u{unit}"] = (lambda kf=kf, w=w: kf(qq, kk, bt, sl, w))
-                if fm is not None:
-                    fns["FlashMLA"] = fm_fn(q, kv, bt, sl, dt != "bfloat16")
-                nb = read_bytes(lens, S, H, 2 if dt == "bfloat16" else 1)
-                r = interleaved(fns, nb / 4e12 * 1e6, rounds=5)
-                row = {"case": c.name, "dtype": dt, **{k: v["median_us"] for k, v in r.items()}}
-                res["fixed_cost"].append(row)
                 print(row, flush=True)
                 dump()
     # ---- (4) the schedule alone
@@ -202,36 +182,33 @@ def main():
     # ---- (5) the schedule's policy: mode, fixed cost, prefer (kernels alone, schedule precomputed)
     if "5" in args.parts:
         res["policy"] = []
-        variants = {"choose fc5": {}, "choose fc8": {"fixed_cost": 8}, "choose fc5 p1.0": {"prefer": 1.0},
-                    "choose fc8 p1.0": {"fixed_cost": 8, "prefer": 1.0}, "choose fc5 p1.2": {"prefer": 1.2},
+        variants = {"choose fc5": {"fixed_cost": 5}, "choose fc8": {"fixed_cost": 8},
+                    "choose fc5 p1.0": {"fixed_cost": 5, "prefer": 1.0},
+                    "choose fc8 p1.0": {"fixed_cost": 8, "prefer": 1.0},
+                    "choose fc5 p1.2": {"fixed_cost": 5, "prefer": 1.2},
                     "balanced fc3": {"mode": "balanced", "fixed_cost": 3},
                     "balanced fc12": {"mode": "balanced", "fixed_cost": 12},
                     "per_request": {"mode": "per_request"},
                     "choose u128 fc3": {"unit": 128, "fixed_cost": 3},
                     "balanced u128 fc3": {"mode": "balanced", "unit": 128, "fixed_cost": 3}}
-        for spec in sweep:
-            dist, B, cap, H, S = spec
-            lens = lengths(dist, B, cap, 0)
-            c = case_of(dist, B, cap, H, S)
-            q, kv, bt, sl, scale = inputs(c, lens, 0)
-            for dt in ("bfloat16", "float8_e4m3fn"):
-                qq, kk = q.astype(dt), kv.astype(dt)
-                prob = _decode_problem(qq, kk, bt, sl, True, 512, True)
-                fns = {}
-                _, kf = kernel_with(prob, {})  # one executable: the schedule is its operand
-                for name, kw in variants.items():
-                    sched, _ = kernel_with(prob, kw)
-                    w = sched(sl)
-                    fns[name] = (lambda w=w: kf(qq, kk, bt, sl, w))
-                if fm is not None:
-                    fns["FlashMLA"] = fm_fn(q, kv, bt, sl, dt != "bfloat16")
-                nb = read_bytes(lens, S, H, 2 if dt == "bfloat16" else 1)
-                r = interleaved(fns, nb / 4e12 * 1e6, rounds=5)
-                row = {"case": c.name, "dtype": dt, **{k: v["median_us"] for k, v in r.items()}}
-                res["policy"].append(row)
-                print(json.dumps({k: (round(v, 1) if isinstance(v, float) else v) for k, v in row.items()}),
-                      flush=True)
-                dump()
+        for c, lens, q, kv, bt, sl, dt, qq, kk in case_inputs(sweep):
+            S, H = c.S, c.H
+            prob = _decode_problem(qq, kk, bt, sl, True, 512, True)
+            fns = {}
+            _, kf = kernel_with(prob, {})  # one executable: the schedule is its operand
+            for name, kw in variants.items():
+                sched, _ = kernel_with(prob, kw)
+                w = sched(sl)
+                fns[name] = (lambda w=w: kf(qq, kk, bt, sl, w))
+            if fm is not None:
+                fns["FlashMLA"] = fm_fn(q, kv, bt, sl, dt != "bfloat16")
+            nb = read_bytes(lens, S, H, 2 if dt == "bfloat16" else 1)
+            r = interleaved(fns, nb / 4e12 * 1e6, rounds=5)
+            row = {"case": c.name, "dtype": dt, **{k: v["median_us"] for k, v in r.items()}}
+            res["policy"].append(row)
+            print(json.dumps({k: (round(v, 1) if isinstance(v, float) else v) for k, v in row.items()}),
+                  flush=True)
+            dump()
 
 
 if __name__ == "__main__":

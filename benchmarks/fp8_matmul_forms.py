@@ -74,11 +74,11 @@ def timeit(f, *a, n=50):
 
 
 def main():
-    out = sys.argv[1] if len(sys.argv) > 1 else "/tmp/fp8dot.json"
-    res = {"jax": jax.__version__, "device": str(jax.devices()[0]), "command": " ".join(["python -m benchmarks.fp8_matmul_forms"] + sys.argv[1:]),
-           "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-           "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip(),
-           "rows": []}
+    out = sys.argv[1] if len(sys.argv) > 1 else "/tmp/fp8_matmul_forms.json"
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    res = {"jax": jax.__version__, "device": str(jax.devices()[0]),
+           "command": " ".join(["python -m benchmarks.fp8_matmul_forms"] + sys.argv[1:]),
+           "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "commit": commit, "rows": []}
     key = jax.random.PRNGKey(0)
     for name, (K, N) in SHAPES.items():
         w32 = jax.random.normal(key, (K, N), jnp.float32) * 0.05
