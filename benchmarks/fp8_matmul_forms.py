@@ -17,7 +17,7 @@ Results of the run this module was written for: ``benchmarks/results/fp8_matmul_
 (``docs/model.md``, "FP8 weights in the decode step")."""
 import json, re, subprocess, sys, time
 import jax, jax.numpy as jnp, numpy as np
-from tokenspeed_jax.models.deepseek.layers import dequantize
+from tokenspeed_jax.models.deepseek.layers import dequantize, fp8_block_matmul
 
 SHAPES = {"q_b_proj": (1536, 24576), "o_proj": (16384, 7168), "gate_up": (7168, 36864), "down": (18432, 7168)}
 
@@ -43,14 +43,8 @@ def f_conv(x, w, s):
     return x @ w.astype(jnp.bfloat16)
 
 
-def f_kblock(x, w, s):  # per k-block partial dots, scaled, summed (N-block scales broadcast on the output)
-    K, N = w.shape
-    M = x.shape[0]
-    xb = x.reshape(M, K // 128, 128)
-    wb = w.reshape(K // 128, 128, N).astype(jnp.bfloat16)
-    part = jnp.einsum("mkc,kcn->kmn", xb, wb, preferred_element_type=jnp.float32)
-    sc = jnp.repeat(s, 128, axis=1)  # [KB, N]
-    return jnp.einsum("kmn,kn->mn", part, sc).astype(jnp.bfloat16)
+def f_kblock(x, w, s):  # per k-block float32 partial products, scaled, summed: the model's decode form
+    return fp8_block_matmul(x, w, s, jnp.bfloat16)
 
 
 def f_bf16(x, wb, s):

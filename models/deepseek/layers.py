@@ -31,13 +31,19 @@ from flax import nnx
 FP8 = jnp.float8_e4m3fn
 
 
+def _block_dims(din: int, dout: int, block) -> tuple[int, int]:
+    """``(bo, bi)`` of checkpoint blocks ``block = (bo, bi)`` on an ``[in, out]`` weight: a block past the weight
+    is the weight."""
+    return min(block[0], max(dout, 1)), min(block[1], max(din, 1))
+
+
 def dequantize(w: jax.Array, scale_inv: jax.Array | None, dtype, block=(128, 128)) -> jax.Array:
     """``w [..., in, out]`` (e4m3) times its per-block ``scale_inv [..., ceil(in/bi), ceil(out/bo)]``,
     in ``dtype``, for checkpoint blocks ``block = (bo, bi)``; ``scale_inv=None`` is a plain cast."""
     if scale_inv is None:
         return w.astype(dtype)
     din, dout = w.shape[-2:]
-    bo, bi = min(block[0], max(dout, 1)), min(block[1], max(din, 1))  # a block past the weight is the weight
+    bo, bi = _block_dims(din, dout, block)
     s = jnp.repeat(jnp.repeat(scale_inv.astype(jnp.float32), bi, axis=-2), bo, axis=-1)[..., :din, :dout]
     return (w.astype(jnp.float32) * s).astype(dtype)
 
@@ -50,7 +56,7 @@ def fp8_block_matmul(x: jax.Array, w: jax.Array, scale_inv: jax.Array, dtype, bl
     kernel: ``sum_k scale_inv[k, out // bo] * (x[..., k-th block] @ w[k-th block])``, the block products in float32
     (``w`` cast exactly to ``dtype``), the result in ``dtype``.  A partial last input block is zero-padded."""
     din, dout = w.shape
-    bo, bi = min(block[0], max(dout, 1)), min(block[1], max(din, 1))
+    bo, bi = _block_dims(din, dout, block)
     kb = -(-din // bi)
     lead = x.shape[:-1]
     xm = x.reshape(-1, din).astype(dtype)
