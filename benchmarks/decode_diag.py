@@ -3,8 +3,9 @@
     source .device/bootstrap.sh && python -m benchmarks.decode_diag --out $OUT/diag.json
 
 Parts: (1) per-kernel device time of one decode call (schedule fusions, main kernel, combine) from a
-profiler trace; (2) per-piece overhead: full-length batches of the same total tokens cut into 1..8 pieces per
-CTA (balanced cut), ours vs FlashMLA; (4) the schedule alone per B (device time per call, many calls in one
+profiler trace; (2) per-piece overhead: full-length batches of the same total tokens as 1..32 whole requests per
+CTA (H 32 and 128), ours (and each ``--config``, e.g. ``transposed_prefetch``) vs FlashMLA; (4) the schedule alone
+per B (device time per call, many calls in one
 executable); (5) the schedule's policy (mode, fixed cost, ``prefer``, unit) swept on the varied and full-length
 cases of ``--cases`` (kernels on a shared schedule, FlashMLA interleaved; it replaced part 3, the fixed-cost sweep
 of 2026-12-04, whose results are in ``docs/notes/sm90_decode_journal.md``)."""
@@ -67,6 +68,8 @@ def main():
     ap.add_argument("--parts", default="1245")
     ap.add_argument("--cases", nargs="*", default=None,
                     help="part 5: dist,B,capacity,H,S cases (default: the README's decode table and 3 more)")
+    ap.add_argument("--config", action="append", default=[], metavar="NAME",
+                    help="part 2: also time this config of tokenspeed_jax.backends.sm90_decode.CONFIGS (repeatable)")
     args = ap.parse_args()
     res: dict = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
 
@@ -83,14 +86,15 @@ def main():
     def fm_fn(q, kv, bt, sl, fp8):
         return flashmla_calls(fm, q, kv, bt, sl)[1 if fp8 else 0]
 
-    def kernel_with(prob, spec_kw):
-        base = sm90_decode.schedule_spec(prob, sm90_decode.plan_for_config(prob, sm90_decode.select_config(prob)))
+    def kernel_with(prob, spec_kw, config=None):
+        base = sm90_decode.schedule_spec(prob, sm90_decode.plan_for_config(prob, config or
+                                                                           sm90_decode.select_config(prob)))
         if "unit" in spec_kw and "split_units" not in spec_kw:  # the per-request cut in the new unit
             spec_kw = {**spec_kw, "split_units": max(1, base.split_units * base.unit // spec_kw["unit"])}
         spec = dataclasses.replace(base, **spec_kw)
         sched = jax.jit(lambda sl_: decode_schedule(sl_, spec))
         kf = jax.jit(lambda q_, kv_, bt_, sl_, w_: sm90_decode.decode(
-            prob, q_, kv_, bt_, sl_, jnp.float32(576 ** -0.5), jnp.float32(1.0), work=w_))
+            prob, q_, kv_, bt_, sl_, jnp.float32(576 ** -0.5), jnp.float32(1.0), config=config, work=w_))
         return sched, kf
 
     cases = [("uniform", 64, 81920, 32, 1), ("tail", 64, 81920, 32, 1), ("uniform", 256, 4096, 32, 1),
@@ -104,7 +108,7 @@ def main():
                    ("tail", 64, 81920, 128, 1)])
     warm = cases if set(args.parts) - {"5"} else sweep
     prewarm([dataclasses.replace(case_of(*sp), dtype=dt) for sp in warm for dt in ("bfloat16", "float8_e4m3fn")
-             if sp[0] == "uniform" or "5" in args.parts], 15)
+             if sp[0] == "uniform" or "5" in args.parts], 15, configs=tuple(args.config))
     # ---- (1) per-kernel breakdown
     if "1" in args.parts:
         res["breakdown"] = {}
@@ -127,26 +131,30 @@ def main():
             res["breakdown"][f"{c.name} {dt[:4]}"] = kt
             print(c.name, dt, json.dumps({k: round(v, 1) for k, v in list(kt.items())[:12]}), flush=True)
             dump()
-    # ---- (2) per-piece overhead: same total tokens, 1..8 pieces per CTA (full length, balanced)
+    # ---- (2) per-piece overhead: same total tokens, 1..32 whole requests per CTA (full length; the schedule cuts
+    #      at the request boundaries: no partials), the selected config and each --config on a shared schedule
     if "2" in args.parts:
+        from benchmarks.decode import config_applies
+
         res["pieces"] = []
         for dt in ("bfloat16", "float8_e4m3fn"):
-            for ppc in (1, 2, 4, 8):
+            for H, ppc in [(H, p) for H in (32, 128) for p in (1, 2, 4, 8, 16, 32)]:
                 B, L = 132 * ppc, 16384 // ppc
-                c = case_of("full", B, L, 32, 1)
+                c = case_of("full", B, L, H, 1)
                 q, kv, bt, sl, scale = inputs(c, lengths("full", B, L, 0), 0)
                 qq, kk = q.astype(dt), kv.astype(dt)
                 prob = _decode_problem(qq, kk, bt, sl, True, 512, True)
                 fns = {}
-                for mode in ("balanced", "choose"):
-                    sched, kf = kernel_with(prob, {"mode": mode})
+                for name in ("ours", *(n for n in args.config
+                                       if config_applies(dataclasses.replace(c, dtype=dt), n))):
+                    sched, kf = kernel_with(prob, {}, None if name == "ours" else sm90_decode.CONFIGS[name])
                     w = sched(sl)
-                    fns[f"ours {mode}"] = (lambda kf=kf, w=w: kf(qq, kk, bt, sl, w))
+                    fns[name] = (lambda kf=kf, w=w: kf(qq, kk, bt, sl, w))
                 if fm is not None:
                     fns["FlashMLA"] = fm_fn(q, kv, bt, sl, dt != "bfloat16")
-                nb = read_bytes(np.full(B, L), 1, 32, 2 if dt == "bfloat16" else 1)
+                nb = read_bytes(np.full(B, L), 1, H, 2 if dt == "bfloat16" else 1)
                 r = interleaved(fns, nb / 4e12 * 1e6, rounds=5)
-                row = {"dtype": dt, "pieces_per_cta": ppc, "B": B, "L": L,
+                row = {"dtype": dt, "H": H, "pieces_per_cta": ppc, "B": B, "L": L,
                        **{k: v["median_us"] for k, v in r.items()}}
                 res["pieces"].append(row)
                 print(row, flush=True)

@@ -9,6 +9,10 @@ is ``(distribution, B, capacity, H, S)`` with page 64; its lengths are drawn onc
 * ``uniform``: uniform in ``[256, capacity]``;
 * ``tail``: a long tail: 90% of the requests uniform in ``[64, 2048]``, 10% at the capacity.
 
+``--config NAME`` (repeatable; a name of ``tokenspeed_jax.backends.sm90_decode.CONFIGS``, e.g.
+``transposed_prefetch``): that kernel config's kernels on a shared schedule, ``ours {dt} kernel NAME``, timed in the
+same rounds as the selected config's ``ours {dt} kernel`` where it applies (an A/B of configs on varied lengths).
+
 Bytes are those actually read: the sum of the lengths times 576 elements (2 bytes, 1 for FP8) plus q and the
 output, so ``roofline_fraction`` is the fraction of the measured copy bandwidth on the real work.  Each row also
 records the largest difference to FlashMLA's output (the same data through dlpack).  JSON + PNG via
@@ -18,12 +22,11 @@ records the largest difference to FlashMLA's output (the same data through dlpac
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import time
 
 import numpy as np
 
-from benchmarks.decode import Case, _jax_calls, decode_fn, prewarm
+from benchmarks.decode import Case, _jax_calls, config_applies, prewarm
 
 DISTS = ("full", "uniform", "tail")
 DEFAULT = ([("uniform", 64, 81920, H, S) for H in (16, 32, 128) for S in (1, 4)]
@@ -89,7 +92,7 @@ def flashmla_calls(fm, q, kv, bt, sl):
     return run, run8
 
 
-def our_contenders(q, kv, q8, kv8, bt, sl, scale) -> dict:
+def our_contenders(q, kv, q8, kv8, bt, sl, scale, c: Case | None = None, configs: tuple[str, ...] = ()) -> dict:
     """Our contenders on one case's inputs: name -> ``(jitted f, args, fp8)``.
 
     * ``ours {dt}``: ``mla_decode`` computing its schedule in the call;
@@ -97,10 +100,17 @@ def our_contenders(q, kv, q8, kv8, bt, sl, scale) -> dict:
       step shares it across its layers, and as FlashMLA's metadata is timed);
     * ``ours {dt} invariant``: the same with ``batch_invariant=True`` (its own shared work): the cost of batch
       invariance is its time over ``ours {dt} kernel``'s;
-    * ``schedule {dt}``: the schedule alone (``mla_decode_work``)."""
+    * ``schedule {dt}``: the schedule alone (``mla_decode_work``);
+    * ``ours {dt} kernel NAME``: the kernels of config ``NAME`` of ``configs`` (where it runs case ``c``) on its
+      schedule computed once outside (``sm90_decode.schedule_of``)."""
+    import dataclasses
+
     import jax
+    import jax.numpy as jnp
 
     import tokenspeed_jax as tj
+    from tokenspeed_jax.backends import sm90_decode
+    from tokenspeed_jax.decode import _decode_problem
 
     out = {}
     for dt, qq, kk, fp8 in (("bf16", q, kv, False), ("fp8", q8, kv8, True)):
@@ -116,10 +126,24 @@ def our_contenders(q, kv, q8, kv8, bt, sl, scale) -> dict:
             out[f"ours {dt} {suffix}"] = (kf, (qq, kk, bt, sl, scale, work), fp8)
             if not inv:
                 out[f"schedule {dt}"] = (sched_f, (qq, kk, bt, sl), False)
+        for name in configs:
+            cdt = dataclasses.replace(c, dtype="float8_e4m3fn" if fp8 else "bfloat16")
+            if not config_applies(cdt, name):
+                continue
+            cfg = sm90_decode.CONFIGS[name]
+
+            def g(q_, kv_, bt_, sl_, s_, w_, cfg=cfg):
+                prob = _decode_problem(q_, kv_, bt_, sl_, True, 512, True)
+                return sm90_decode.decode(prob, q_, kv_, bt_, sl_, jnp.asarray(s_, jnp.float32), jnp.float32(1.0),
+                                          config=cfg, work=w_)
+
+            work = jax.jit(lambda q_, kv_, bt_, sl_, cfg=cfg: sm90_decode.schedule_of(
+                _decode_problem(q_, kv_, bt_, sl_, True, 512, True), sl_, cfg))(qq, kk, bt, sl)
+            out[f"ours {dt} kernel {name}"] = (jax.jit(g), (qq, kk, bt, sl, scale, work), fp8)
     return out
 
 
-def bench_case(report, fm, spec, seed: int, rounds: int, calls: int) -> None:
+def bench_case(report, fm, spec, seed: int, rounds: int, calls: int, configs: tuple[str, ...] = ()) -> None:
     import jax
     import jax.numpy as jnp
 
@@ -132,7 +156,7 @@ def bench_case(report, fm, spec, seed: int, rounds: int, calls: int) -> None:
     q8, kv8 = q.astype(jnp.float8_e4m3fn), kv.astype(jnp.float8_e4m3fn)
     nb, nb8, fl = read_bytes(lens, S, H, 2), read_bytes(lens, S, H, 1), flops_of(lens, S, H)
     fns = {}
-    contenders = our_contenders(q, kv, q8, kv8, bt, sl, scale)
+    contenders = our_contenders(q, kv, q8, kv8, bt, sl, scale, c, configs)
     for name, (f, args, fp8) in contenders.items():
         fns[name] = ((lambda f=f, args=args: f(*args)) if name.startswith("schedule") else _jax_calls(f, args, calls),
                      0.0 if name.startswith("schedule") else (nb8 if fp8 else nb), fp8)
@@ -146,13 +170,15 @@ def bench_case(report, fm, spec, seed: int, rounds: int, calls: int) -> None:
             f, args, _ = contenders[name]
             return np.asarray(f(*args)[0].astype(jnp.float32))
 
-        for name in ("ours bf16", "ours bf16 invariant"):
-            diffs[name] = float(np.max(np.abs(out_of(name) - ref)))
+        for name in ("ours bf16", "ours bf16 invariant", *(f"ours bf16 kernel {n}" for n in configs)):
+            if name in contenders:
+                diffs[name] = float(np.max(np.abs(out_of(name) - ref)))
         try:
             ref8 = np.asarray(jax.dlpack.from_dlpack(run8()[0]).astype(jnp.float32))
             fns["FlashMLA fp8"] = (run8, nb8, True)
-            for name in ("ours fp8", "ours fp8 invariant"):
-                diffs[name] = float(np.max(np.abs(out_of(name) - ref8)))
+            for name in ("ours fp8", "ours fp8 invariant", *(f"ours fp8 kernel {n}" for n in configs)):
+                if name in contenders:
+                    diffs[name] = float(np.max(np.abs(out_of(name) - ref8)))
         except Exception as e:  # noqa: BLE001
             print(f"{c.name}: FlashMLA fp8 failed: {str(e)[:100]}", flush=True)
     est = max(nb / 4e12, fl / 6e14) * 1e6 * calls
@@ -194,10 +220,18 @@ def summary(rows: list[dict]) -> dict:
                 v = list(xs.values())
                 out[f"{dt}_{dist}_invariant_cost"] = {"geomean_time_ratio": float(np.exp(np.mean(np.log(v)))),
                                                       "max": float(max(v)), "n": len(v), "per_case": xs}
+        # --config: each config's speed-up over the selected config's kernels (both on a shared schedule)
+        pre = f"ours {dt} kernel "
+        for name in sorted({cont[len(pre):] for (_, cont) in by if cont.startswith(pre)}):
+            xs = {case: by[(case, pre.strip())] / by[(case, cont)] for (case, cont) in by
+                  if cont == pre + name and (case, pre.strip()) in by}
+            v = list(xs.values())
+            out[f"{dt}_config_{name}_speedup"] = {"geomean": float(np.exp(np.mean(np.log(v)))), "min": float(min(v)),
+                                                  "n": len(v), "per_case": xs}
     return out
 
 
-def smoke(specs, seed: int) -> None:
+def smoke(specs, seed: int, configs: tuple[str, ...] = ()) -> None:
     """``--smoke``: each case's contenders of :func:`our_contenders` lowered for sm_90a on this machine (the CuTe DSL
     kernels compiled), on shape-only inputs; nothing runs."""
     import jax
@@ -217,7 +251,8 @@ def smoke(specs, seed: int) -> None:
             q, kv = sd((B, S, H, 576), jnp.bfloat16), sd((c.num_pages, c.page, 576), jnp.bfloat16)
             q8, kv8 = sd(q.shape, jnp.float8_e4m3fn), sd(kv.shape, jnp.float8_e4m3fn)
             # (the works are computed here on the CPU: the schedule is jnp)
-            for name, (f, args, _) in our_contenders(q, kv, q8, kv8, bt, sl, jnp.float32(576 ** -0.5)).items():
+            for name, (f, args, _) in our_contenders(q, kv, q8, kv8, bt, sl, jnp.float32(576 ** -0.5), c,
+                                                     configs).items():
                 args = tuple(sd(a.shape, a.dtype) if isinstance(a, jax.Array) and a.ndim == 4 else a for a in args)
                 f.trace(*args).lower(lowering_platforms=("cuda",))
                 print(f"smoke {c.name} {name}: lowered", flush=True)
@@ -234,6 +269,9 @@ def main(argv=None):
     ap.add_argument("--no-flashmla", action="store_true")
     ap.add_argument("--out", default="/tmp/decode_varlen.json")
     ap.add_argument("--png", default=None)
+    ap.add_argument("--config", action="append", default=[], metavar="NAME",
+                    help="also time this kernel config of tokenspeed_jax.backends.sm90_decode.CONFIGS on a shared "
+                         "schedule (repeatable)")
     ap.add_argument("--smoke", action="store_true",
                     help="CPU: lower every one of our contenders (default, shared work, batch-invariant; BF16 and FP8) "
                          "of the cases for sm_90a, compiling the kernels, and time nothing")
@@ -245,14 +283,19 @@ def main(argv=None):
     for s in specs:
         if s[0] not in DISTS:
             ap.error(f"--cases: distribution must be one of {DISTS}, got {s[0]!r}")
+    from tokenspeed_jax.backends.sm90_decode import CONFIGS
+
+    bad = [n for n in a.config if n not in CONFIGS]
+    if bad:
+        ap.error(f"--config: expected names of {tuple(CONFIGS)}, got {bad}")
     if a.smoke:
-        smoke(specs, a.seed)
+        smoke(specs, a.seed, tuple(a.config))
         return
     from benchmarks.harness import Report, measure_ceilings
 
     if a.prewarm:
         cs = [case_of(*s, dtype=dt) for s in specs for dt in ("bfloat16", "float8_e4m3fn")]
-        prewarm(cs, a.prewarm, invariant=True)
+        prewarm(cs, a.prewarm, configs=tuple(a.config), invariant=True)
     fm = None
     if not a.no_flashmla:
         try:
@@ -262,7 +305,7 @@ def main(argv=None):
     report = Report("MLA decode, varied lengths (page 64, causal)", measure_ceilings())
     t = time.time()
     for i, s in enumerate(specs):
-        bench_case(report, fm, s, a.seed + i, a.rounds, a.calls)
+        bench_case(report, fm, s, a.seed + i, a.rounds, a.calls, tuple(a.config))
         if i + 1 < len(specs):
             report.write(a.out, None)  # the cases so far (a call cut short keeps them)
     doc_extra = summary(report.rows)

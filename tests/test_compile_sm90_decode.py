@@ -34,6 +34,13 @@ CASES = {
     "fp8_t16": ("fp8_transposed", True, "float8_e4m3fn", 16, 1, 64, 1),  # 16 rows
     "fp8_t32_s2": ("fp8_transposed", True, "float8_e4m3fn", 16, 2, 64, 2),  # 32 rows, causal MTP (hidden keys)
 }
+# the prefetch experiment (Sm90DecodeConfig.prefetch), as (loop, producer, dtype, H, S, page, B, prefetch): its
+# loops on the length-balanced schedule's build, compared with the default build of the case named first
+PREFETCH_CASES = {
+    "transposed32_prefetch": ("transposed32", ("transposed", True, "float16", 16, 2, 32, 1, True)),
+    "seesaw16_h128_prefetch": ("seesaw16_h128", ("seesaw", True, "bfloat16", 128, 1, 64, 1, True)),
+    "fp8_pv64_prefetch": ("fp8_pv64", ("fp8_transposed_pv", True, "float8_e4m3fn", 32, 4, 64, 8, True)),
+}
 NUM_CTAS, MAX_SLOTS = 66, 130  # (any: the grid and the workspace are launch parameters of the same code)
 INV_CHUNK = 4096  # the batch-invariant builds' piece length (any multiple of 128: a constant of the walk)
 
@@ -81,11 +88,13 @@ _SCRIPT = textwrap.dedent(
 
     NUM_CTAS, MAX_SLOTS = NCTAS, NSLOTS
     # every case twice: the length-balanced schedule's build and the batch-invariant one's (chunk > 0; ``name@inv``)
-    for (name, (loop, producer, dtype, H, S, page, B)), chunk in [(c, 0) for c in CASES.items()] + [
-            ((n + "@inv", c), INV_CHUNK) for n, c in CASES.items()]:
+    # (and the prefetch cases, 8 fields: the default schedule's build only)
+    for (name, (loop, producer, dtype, H, S, page, B, *pf)), chunk in [(c, 0) for c in CASES.items()] + [
+            ((n + "@inv", c), INV_CHUNK) for n, c in CASES.items() if len(c) == 7]:
         before = time.time() - 0.001
         k = build_decode_kernel(loop=loop, producer=producer, dtype=dtype, num_heads=H, q_len=S, page_size=page,
-                                causal=True, num_ctas=NUM_CTAS, max_slots=1 if chunk else MAX_SLOTS, chunk=chunk)
+                                causal=True, num_ctas=NUM_CTAS, max_slots=1 if chunk else MAX_SLOTS, chunk=chunk,
+                                prefetch=bool(pf and pf[0]))
         cute.compile(k, *fake_args(k, S, H, page, B))
         ptx, sass = own(before, ".ptx"), own(before, ".sass")
         main = ptx[:ptx.index(".entry kernel_cutlass_combine")]
@@ -160,7 +169,8 @@ def compiled(tmp_path_factory):
     env["CUTE_DSL_KEEP"] = "ptx,sass" if have_nvdisasm else "ptx"
     script = _SCRIPT.replace("NCTAS", str(NUM_CTAS)).replace("NSLOTS", str(MAX_SLOTS)).replace("INV_CHUNK",
                                                                                              str(INV_CHUNK))
-    p = subprocess.run([sys.executable, "-c", script, json.dumps(CASES)], env=env, capture_output=True, text=True,
+    cases = dict(CASES, **{n: c for n, (_, c) in PREFETCH_CASES.items()})
+    p = subprocess.run([sys.executable, "-c", script, json.dumps(cases)], env=env, capture_output=True, text=True,
                        timeout=1200, cwd=ROOT, check=False)
     line = [ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")]
     assert p.returncode == 0 and line, p.stdout[-3000:] + p.stderr[-3000:]
@@ -277,6 +287,30 @@ def test_nonfinite_cleaning_expressions():
             b8 = words.view(np.uint8).reshape(-1, 4)
             want = np.where(np.isnan(b8.view(ml_dtypes.float8_e4m3fn).astype(np.float32)), 0, b8).astype(np.uint8)
             np.testing.assert_array_equal(got, want.reshape(-1).view(np.uint32))
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("name", list(PREFETCH_CASES))
+def test_prefetch_build_compiles(compiled, name):
+    """The prefetch experiment's build against its loop's default build: the same main loops (MMA shapes and counts,
+    register operands, the producer's setmaxnreg and 160-thread barriers, no serialized wgmma), the first KV tiles'
+    TMA copies issued from two places (before the walk and at each epilogue barrier) and, in the 16-bit transposed
+    loop, the Q tile's cp.async too; spills within the default build's bound plus the walk's few extra values."""
+    base = PREFETCH_CASES[name][0]
+    x, d = compiled[name], compiled[base]
+    for key in ("wgmma", "maxnreg", "bar160", "stsm", "ldsm", "sts32", "lds32", "clock", "local", "l2pf",
+                "gdc_launch", "gdc_wait", "tiles"):
+        assert x[key] == d[key], (name, key, x[key], d[key])
+    # the prologue's copies twice: seesaw / transposed pair 0 (2 tiles x 9 chunks x boxes), fp8_pv64 pairs 0 and 1
+    boxes = 64 // min(64, CASES[base][5])
+    first = (4 if CASES[base][0] == "fp8_transposed_pv" else 2) * 9 * boxes
+    assert x["tma"] == d["tma"] + first, (name, x["tma"], d["tma"])
+    assert x["cpasync"] == 2 * d["cpasync"] if CASES[base][0] == "transposed" else x["cpasync"] == d["cpasync"], x
+    if x["sass"]:
+        fp8 = CASES[base][2] == "float8_e4m3fn"
+        for key in ("qgmma", "qgmma_r") if fp8 else ("hgmma", "hgmma_r"):
+            assert x[key] == d[key], (name, key, x, d)
+        assert x["depbar"] <= 12 and x["spill"] <= EXPECT[base]["spill"] + 4, (name, x["spill"])
 
 
 @pytest.mark.compile

@@ -69,6 +69,9 @@ def test_config_is_frozen_and_hashable():
     ("bfloat16", 1, 64, 64, ("fp8_transposed_pv", True), "FP8"),
     ("float8_e4m3fn", 1, 64, 64, ("seesaw", False), "16-token pages"),
     ("float8_e4m3fn", 1, 64, 64, ("seesaw", True), "16-token pages"),
+    ("bfloat16", 1, 16, 64, ("transposed", True, 1), "prefetch: expected a bool"),
+    ("bfloat16", 1, 128, 64, ("seesaw", False, True), "prefetch"),
+    ("float8_e4m3fn", 1, 16, 64, ("fp8_transposed", True, True), "prefetch"),
 ])
 def test_check_config_refuses(dtype, S, H, page, cfg, match):
     from tokenspeed_jax.backends import sm90_decode as m
@@ -84,6 +87,9 @@ def test_check_config_refuses(dtype, S, H, page, cfg, match):
     ("bfloat16", 1, 16, 64, ("seesaw", True)),  # the 16-bit seesaw on few rows (padded 64-row blocks)
     ("bfloat16", 1, 128, 64, ("seesaw", False)),  # ... without the producer warpgroup
     ("bfloat16", 1, 16, 64, ("seesaw", False)),
+    ("bfloat16", 1, 16, 64, ("transposed", True, True)),  # the prefetch experiment
+    ("bfloat16", 1, 128, 64, ("seesaw", True, True)),
+    ("float8_e4m3fn", 1, 64, 64, ("fp8_transposed_pv", True, True)),
 ])
 def test_check_config_accepts(dtype, S, H, page, cfg):
     from tokenspeed_jax.backends import sm90_decode as m
@@ -134,7 +140,7 @@ def test_decode_launches_the_config(monkeypatch, dtype, S, H, page, loop, produc
     assert (kw.pop("input_specs"), kw.pop("output_specs")) == m.operand_specs(p, spec)
     assert kw.pop("dynamic_shapes") is True  # one compiled object for every B, cache size and table width
     assert kw == dict(loop=loop, producer=producer, dtype=dtype, num_heads=H, q_len=S, page_size=page, causal=True,
-                      num_ctas=spec.num_ctas, max_slots=spec.max_slots, chunk=0)
+                      num_ctas=spec.num_ctas, max_slots=spec.max_slots, chunk=0, prefetch=False)
     # out, lse and the schedule's fp32 partials, whose size is the plan's workspace (not the batch's)
     assert len(seen["outputs"]) == 4
     assert [tuple(o.shape) for o in seen["outputs"][2:]] == [w.shape for w in plan.workspace]
@@ -154,6 +160,11 @@ def test_decode_explicit_config(monkeypatch):
     assert dataclasses.replace(seen["key"], config=key_sel.config) == key_sel
     with pytest.raises(ValueError, match="config"):
         _run(m, m.Sm90DecodeConfig("fp8_transposed", True), H=16)
+    _run(m, m.CONFIGS["transposed_prefetch"], H=16)  # the prefetch experiment: its own key, the flag launched
+    assert seen["kw"]["prefetch"] is True and seen["key"].config.prefetch and seen["key"] != key_sel
+    p = _problem(num_heads=16, batch_invariant=True)
+    with pytest.raises(ValueError, match="batch_invariant"):
+        m.check_config(p, m.CONFIGS["transposed_prefetch"])
 
 
 def test_kernel_key_fields():

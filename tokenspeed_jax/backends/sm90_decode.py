@@ -56,19 +56,29 @@ class Sm90DecodeConfig:
       its own KV tiles over all 512 features, merged once in the epilogue.
 
     ``producer``: a third warpgroup issues the TMA refills (pages >= 32; the transposed loops always have it).
+
+    ``prefetch`` (an experiment, not yet measured: the ``*_prefetch`` entries of :data:`CONFIGS`): the producer
+    warpgroup issues the next piece's first KV tiles at the current piece's epilogue barrier, and the
+    ``"transposed"`` loop's computing warpgroups its Q tile, so a CTA's next piece does not start on their latency
+    (the loops with the producer warpgroup, except ``"fp8_transposed"``, whose epilogue uses the KV buffers).
     """
 
     loop: str
     producer: bool
+    prefetch: bool = False
 
 
-# every config by name (benchmarks' --config, tests): what select_config picks, plus the seesaw without the producer
+# every config by name (benchmarks' --config, tests): what select_config picks, the seesaw without the producer and
+# the prefetch experiment
 CONFIGS = {
     "seesaw": Sm90DecodeConfig("seesaw", producer=True),
     "seesaw_noproducer": Sm90DecodeConfig("seesaw", producer=False),
     "transposed": Sm90DecodeConfig("transposed", producer=True),
     "fp8_transposed_pv": Sm90DecodeConfig("fp8_transposed_pv", producer=True),
     "fp8_transposed": Sm90DecodeConfig("fp8_transposed", producer=True),
+    "seesaw_prefetch": Sm90DecodeConfig("seesaw", producer=True, prefetch=True),
+    "transposed_prefetch": Sm90DecodeConfig("transposed", producer=True, prefetch=True),
+    "fp8_transposed_pv_prefetch": Sm90DecodeConfig("fp8_transposed_pv", producer=True, prefetch=True),
 }
 
 
@@ -145,6 +155,11 @@ def check_config(problem: DecodeProblem, config: Sm90DecodeConfig) -> None:
         why = f"loop: expected one of {LOOPS}, got {loop!r}"
     elif not isinstance(config.producer, bool):
         why = f"producer: expected a bool, got {config.producer!r}"
+    elif not isinstance(config.prefetch, bool):
+        why = f"prefetch: expected a bool, got {config.prefetch!r}"
+    elif config.prefetch and (not config.producer or loop == "fp8_transposed" or problem.batch_invariant):
+        why = ("prefetch: the loops with the producer warpgroup other than 'fp8_transposed', without "
+               "batch_invariant")
     elif config.producer and page < _MIN_PRODUCER_PAGE:
         why = f"the producer warpgroup needs page_size >= {_MIN_PRODUCER_PAGE}, got {page}"
     elif loop == "seesaw" and fp8 and (config.producer or page >= _MIN_PRODUCER_PAGE):
@@ -283,7 +298,7 @@ def decode(problem: DecodeProblem, q, kv_cache, block_table, seq_lens, softmax_s
     launch = ffi.LaunchRef("tokenspeed_jax.kernels.sm90.decode", "launch_decode")
     call = ffi.custom_call(TARGET, launch, outputs=outputs, compile_key=key, input_specs=input_specs,
                            output_specs=output_specs, dynamic_shapes=True, loop=config.loop, producer=config.producer,
-                           **constexprs)
+                           prefetch=config.prefetch, **constexprs)
     res = call(q, kv_cache, block_table.astype(jnp.int32), seq_lens.astype(jnp.int32),
                ffi.scalar_operand(softmax_scale), ffi.scalar_operand(output_scale), sched_cta.astype(jnp.int32),
                sched_req.astype(jnp.int32))

@@ -25,13 +25,19 @@ LOOPS = ("seesaw", "transposed", "fp8_transposed_pv", "fp8_transposed")
 
 
 def build_decode_kernel(*, loop: str, producer: bool, dtype: str, num_heads: int, q_len: int, page_size: int,
-                        causal: bool, num_ctas: int, max_slots: int, trace: int = 0, chunk: int = 0):
+                        causal: bool, num_ctas: int, max_slots: int, trace: int = 0, chunk: int = 0,
+                        prefetch: bool = False):
     """The kernel object of ``loop`` for one problem class (the backend's config, resolved): ``num_ctas`` persistent
     CTAs per row block, ``max_slots`` fp32 partial slots; ``trace`` > 0: a debug build with ``clock64`` marks
     (benchmarks/trace_decode.py; not the transposed 16-bit loop); ``chunk`` > 0: the batch-invariant schedule's
-    piece length (``decode_common.MlaDecodeSm90``)."""
+    piece length (``decode_common.MlaDecodeSm90``); ``prefetch``: the next piece's first loads during the epilogue
+    (``decode_common.MlaDecodeSm90.start_piece``; loops with the producer warpgroup whose epilogue leaves the KV
+    buffers alone: not ``fp8_transposed``, whose epilogue swaps O^T halves through them)."""
     kw = dict(dtype=dtype, num_heads=num_heads, q_len=q_len, page_size=page_size, causal=causal,
-              num_ctas=num_ctas, max_slots=max_slots, chunk=chunk)
+              num_ctas=num_ctas, max_slots=max_slots, chunk=chunk, prefetch=prefetch)
+    if prefetch and (not producer or loop == "fp8_transposed" or trace):
+        raise ValueError(f"prefetch: loops with the producer warpgroup other than fp8_transposed, and no trace "
+                         f"build, got loop {loop!r}, producer {producer}, trace {trace}")
     if loop == "seesaw":
         return MlaDecodeSeesawSm90(producer=producer, trace=trace, **kw)
     if not producer:
@@ -54,14 +60,15 @@ def launch_decode(stream, q: cute.Tensor, kv: cute.Tensor, block_table: cute.Ten
                   loop: cutlass.Constexpr, producer: cutlass.Constexpr, dtype: cutlass.Constexpr,
                   num_heads: cutlass.Constexpr, q_len: cutlass.Constexpr, page_size: cutlass.Constexpr,
                   causal: cutlass.Constexpr, num_ctas: cutlass.Constexpr, max_slots: cutlass.Constexpr,
-                  chunk: cutlass.Constexpr = 0):
+                  chunk: cutlass.Constexpr = 0, prefetch: cutlass.Constexpr = False):
     """FFI launch function of the sm90 decode (ABI: ``tokenspeed_jax.backends.sm90_decode.decode``): q, cache, block
     table, lengths, the (1,)-shaped scales, the schedule's ``cta [num_ctas, 8]`` and ``req [B, 2]``
     (``tokenspeed_jax.decode_schedule``), then the outputs out, lse and the fp32 partials
     ``o_accum [max_slots, rows, 512]`` and ``lse_accum [max_slots, rows]`` (``chunk`` > 0, the batch-invariant
     schedule: ``[B * ceil(capacity / chunk), ..]``)."""
     build_decode_kernel(loop=loop, producer=producer, dtype=dtype, num_heads=num_heads, q_len=q_len,
-                        page_size=page_size, causal=causal, num_ctas=num_ctas, max_slots=max_slots, chunk=chunk)(
+                        page_size=page_size, causal=causal, num_ctas=num_ctas, max_slots=max_slots, chunk=chunk,
+                        prefetch=prefetch)(
         stream, q, kv, block_table, seq_lens, softmax_scale, output_scale, sched_cta, sched_req, out, lse, o_accum,
         lse_accum)
 

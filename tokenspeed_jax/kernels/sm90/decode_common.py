@@ -1,6 +1,6 @@
 """Shared host and device code of the Hopper MLA decode kernels (CuTe DSL): the static configuration every main
-loop takes, the Q load, the row limits, the split-KV plan's KV ranges, the staged epilogue and the split-KV combine
-kernel.  The main loops subclass :class:`MlaDecodeSm90`; the launch entry is :mod:`tokenspeed_jax.kernels.sm90.decode`.
+loop takes, the Q load, the row limits, the walk over the schedule's pieces, the staged epilogue; the split-KV combine
+kernel is :mod:`.combine`.  The main loops subclass :class:`MlaDecodeSm90`; the launch entry is :mod:`tokenspeed_jax.kernels.sm90.decode`.
 
 Contract: ``tokenspeed_jax.decode`` module docstring (cache row layout, mask, LSE, clamping).
 
@@ -14,8 +14,9 @@ Contract: ``tokenspeed_jax.decode`` module docstring (cache row layout, mask, LS
 * Split KV: a request whose KV lies in one CTA's range gets its output (scaled by ``output_scale``) and LSE from
   that CTA.  A request cut into ``k`` pieces gets ``k`` normalised fp32 partials ``o_accum[slot, R, 512]`` and
   natural-log LSEs ``lse_accum[slot, R]`` in consecutive workspace slots (:meth:`MlaDecodeSm90.out_row`), which
-  :meth:`MlaDecodeSm90.combine_kernel` merges in slot order (deterministic), launched right behind the main kernel
-  with programmatic dependent launch; it also writes the exact zeros and -inf LSE of a request of length 0.
+  :meth:`~.combine.CombineMixin.combine_kernel` merges in slot order (deterministic), launched right behind the
+  main kernel with programmatic dependent launch; it also writes the exact zeros and -inf LSE of a request of
+  length 0.
 * ``softmax_scale`` and ``output_scale`` are read at run time from float32 device arrays of shape (1,).
 """
 
@@ -26,7 +27,8 @@ from cutlass import Float32, Int32, Int64, cute
 from cutlass._mlir.dialects import cute as _cute_ir
 from cutlass.cute.nvgpu import cpasync, warpgroup
 
-from tokenspeed_jax.kernels.sm90.helpers import LN_2, LOG2_E, Barrier, clamp, quad_max, quad_sum, row_ptr
+from tokenspeed_jax.kernels.sm90.combine import CombineMixin
+from tokenspeed_jax.kernels.sm90.helpers import LN_2, Barrier, clamp, quad_max, quad_sum, row_ptr
 
 _K16 = 16  # wgmma K of 16-bit operands
 _K32 = 32  # wgmma K of 8-bit operands
@@ -35,21 +37,24 @@ _DTYPES = {"bfloat16": cutlass.BFloat16, "float16": cutlass.Float16, "float8_e4m
 _MIN_PAGE = 16  # TMA refills: at most 4 boxes of whole pages per 64-token chunk
 
 
-class MlaDecodeSm90:
+class MlaDecodeSm90(CombineMixin):
     """Static configuration of one decode kernel (module docstring), shared by the main loops.
 
     Args: dtype ("bfloat16" | "float16" | "float8_e4m3fn"), num_heads H, q_len S, page_size (a power of two >= 16),
     causal, num_ctas (the persistent CTAs per row block), max_slots (the workspace's fp32 partial slots), ``pad_zero``: the query rows past R of a 64-row block are
     zeros with every key masked (else no row past R is read: a block without padding, or a loop on the real rows),
-    ``chunk``: 0, or the batch-invariant schedule's piece length in tokens (a multiple of 128).
+    ``chunk``: 0, or the batch-invariant schedule's piece length in tokens (a multiple of 128), ``prefetch``: the
+    next piece's first loads are issued at the current piece's epilogue barrier (:meth:`start_piece`; the
+    length-balanced schedule, loops with the producer warpgroup).
     """
 
     block_m = 64
     block_n = 64
     num_threads = 256  # the two computing warpgroups
+    prefetch_q = False  # with :attr:`prefetch`: the epilogue leaves the Q tile alone, the next one loads there
 
     def __init__(self, *, dtype: str, num_heads: int, q_len: int, page_size: int, causal: bool,
-                 num_ctas: int, max_slots: int, pad_zero: bool = False, chunk: int = 0):
+                 num_ctas: int, max_slots: int, pad_zero: bool = False, chunk: int = 0, prefetch: bool = False):
         why = self.can_implement(dtype=dtype, num_heads=num_heads, q_len=q_len, page_size=page_size)
         if why:
             raise ValueError(why)
@@ -71,6 +76,11 @@ class MlaDecodeSm90:
         # the batch-invariant schedule's piece length (0: the length-balanced schedule): the walk runs a range's
         # requests chunk by chunk (walk_chunks), the workspace has max_slots unused and the combine any slot count
         self.chunk = chunk
+        # the next piece's first KV tiles (the producer warpgroup) and, where the loop's epilogue leaves the Q tile
+        # alone (:attr:`prefetch_q`), its Q tile are loaded while the current piece's epilogue runs
+        self.prefetch = bool(prefetch)
+        if self.prefetch and chunk:
+            raise ValueError("prefetch: the length-balanced schedule only (chunk 0)")
         self.D, self.DV = 576, 512
         self.num_m_blocks = -(-self.R // self.block_m)
         # the rows past R of a row block (R % 64 != 0) load zeros and mask every key, so the padded rows of both
@@ -264,10 +274,64 @@ class MlaDecodeSm90:
             self.walk_chunks(c, b_first, b_last, producer)
         else:
             mCta, mBT, mSeq, g = c.mCta, c.mBT, c.mSeq, c.g
+            # (prefetch: the warpgroups that issue loads ahead, the producer and with prefetch_q the computing ones)
+            ahead = self.prefetch and (producer or self.prefetch_q)
+            if cutlass.const_expr(ahead):
+                self.start_piece(c, self.next_piece(c, b_first, b_last), producer)
             for b in cutlass.range(b_first, b_last + 1, unroll=1):
                 seq, start, end, slot = self.piece(mCta, mBT, mSeq, g, b)
                 if end > start:
-                    self.run_piece(c, b, seq, start, end, slot, producer)
+                    if cutlass.const_expr(ahead):
+                        self.run_piece(c, b, seq, start, end, slot, producer, self.next_piece(c, b + 1, b_last))
+                    else:
+                        self.run_piece(c, b, seq, start, end, slot, producer)
+
+    @cute.jit
+    def next_piece(self, c, b: Int32, b_last: Int32):
+        """:attr:`prefetch`: the first request of ``b..b_last`` with a non-empty piece in this CTA's range, -1 if
+        none."""
+        nb = Int32(-1)
+        k = b
+        while k <= b_last:
+            _, start, end, _ = self.piece(c.mCta, c.mBT, c.mSeq, c.g, k)
+            if end > start:
+                nb = k
+                k = b_last + 1
+            else:
+                k = k + 1
+        return nb
+
+    @cute.jit
+    def start_piece(self, c, b: Int32, producer: cutlass.Constexpr):
+        """:attr:`prefetch`: issue the first loads of request ``b``'s piece (none if ``b < 0``), ahead of its run
+        (:meth:`run_piece`): before the walk for the first piece, at the epilogue barrier of the one before for the
+        others.  The producer warpgroup issues its first KV tiles (``produce_start``; the computing warpgroups read no
+        buffer after that barrier), the computing warpgroups its Q tile where :attr:`prefetch_q` (the rest of that
+        load is in :meth:`epilogue_barrier`)."""
+        if b >= 0:
+            _, start, end, _ = self.piece(c.mCta, c.mBT, c.mSeq, c.g, b)
+            if cutlass.const_expr(producer):
+                self.produce_start(c, b, start, end, self.num_pairs(start, end))
+            elif cutlass.const_expr(self.prefetch_q):
+                self.load_q_tile(c.sQ[None, None, 0], c.mQ, c.mblk, b, c.tid)
+                cute.arch.cp_async_commit_group()
+
+    @cute.jit
+    def epilogue_barrier(self, c, nb):
+        """The computing warpgroups' CTA barrier that starts a piece's epilogue (every wgmma retired, every buffer
+        read); with :attr:`prefetch` and :attr:`prefetch_q`, then the Q tile of the next piece ``nb``
+        (:meth:`next_piece`), whose run waits for it."""
+        cute.arch.barrier()
+        if cutlass.const_expr(self.prefetch and self.prefetch_q):
+            self.start_piece(c, nb, False)
+
+    @cute.jit
+    def produce_piece(self, c, b: Int32, split_start: Int32, split_end: Int32, n_pairs: Int32):
+        """The producer warpgroup's part of a piece: its first KV tiles (the loop's ``produce_start``), the barrier
+        the computing warpgroups' Q tile waits on, then the loop's refills (``produce_rest``)."""
+        self.produce_start(c, b, split_start, split_end, n_pairs)
+        cute.arch.barrier()  # the consumers' Q tile landed
+        self.produce_rest(c, b, split_start, split_end, n_pairs)
 
     @cute.jit
     def walk_chunks(self, c, b_first: Int32, b_last: Int32, producer: cutlass.Constexpr):
@@ -299,26 +363,41 @@ class MlaDecodeSm90:
                 cs = Int32(0)
 
     @cute.jit
-    def run_piece(self, c, b: Int32, seq: Int32, start: Int32, end: Int32, slot: Int32, producer: cutlass.Constexpr):
+    def run_piece(self, c, b: Int32, seq: Int32, start: Int32, end: Int32, slot: Int32, producer: cutlass.Constexpr,
+                  nb=None):
         """One non-empty piece ``[start, end)`` of request ``b``, a whole run of the loop between CTA barriers.  The
-        loop's hooks: ``produce_piece(c, b, start, end, n_pairs)`` (the producer warpgroup: its refills and the
-        barrier the Q tile waits on), :meth:`load_piece_q`, ``consume(c, cta, b, seq, start, end, slot, n_pairs)``
-        (the computing warpgroups: the loop and the epilogue, whose first step is a CTA barrier) and
-        ``advance_phases(n_pairs)`` (the mbarriers' completions of the piece into :attr:`ph`)."""
+        loop's hooks: ``produce_start`` and ``produce_rest(c, b, start, end, n_pairs)`` (the producer warpgroup: its
+        first KV tiles, then, after the barrier the Q tile waits on, the loop's refills), :meth:`load_piece_q`,
+        ``consume(c, cta, b, seq, start, end, slot, n_pairs[, nb])`` (the computing warpgroups: the loop and the
+        epilogue, whose first step is a CTA barrier, :meth:`epilogue_barrier` in the loops with :attr:`prefetch_q`)
+        and ``advance_phases(n_pairs)`` (the mbarriers' completions of the piece into :attr:`ph`).  :attr:`prefetch`: this piece's first loads were issued ahead
+        (:meth:`start_piece`), and those of the next piece ``nb`` are issued at its epilogue barrier."""
         tid, sM, g = c.tid, c.sM, c.g
         n_pairs = self.num_pairs(start, end)
         if cutlass.const_expr(producer):
-            self.produce_piece(c, b, start, end, n_pairs)
-            cute.arch.barrier()  # the consumers' barrier before their epilogue
+            if cutlass.const_expr(self.prefetch):
+                cute.arch.barrier()  # the consumers' Q tile landed
+                self.produce_rest(c, b, start, end, n_pairs)
+                cute.arch.barrier()  # the consumers' barrier before their epilogue: every buffer read
+                self.start_piece(c, nb, True)
+            else:
+                self.produce_piece(c, b, start, end, n_pairs)
+                cute.arch.barrier()  # the consumers' barrier before their epilogue
         else:
             if tid < 64:
                 sM[tid] = -Float32.inf
-            self.load_piece_q(c, b, start, end)
+            if cutlass.const_expr(self.prefetch and self.prefetch_q):
+                cute.arch.cp_async_wait_group(0)  # the Q tile start_piece issued
+            else:
+                self.load_piece_q(c, b, start, end)
             cute.arch.fence_view_async_shared()  # q (generic stores) before the wgmmas read it
             cute.arch.barrier()
             cta = g * self.num_m_blocks + c.mblk  # (debug traces: mark)
             self.clear_trace(c.mTrace, cta, c.wg, c.wtid)
-            self.consume(c, cta, b, seq, start, end, slot, n_pairs)
+            if cutlass.const_expr(self.prefetch and self.prefetch_q):
+                self.consume(c, cta, b, seq, start, end, slot, n_pairs, nb)
+            else:
+                self.consume(c, cta, b, seq, start, end, slot, n_pairs)
         cute.arch.barrier()  # the piece's epilogue done: its buffers are free
         if cutlass.const_expr(not producer):
             self.advance_phases(n_pairs)
@@ -600,184 +679,6 @@ class MlaDecodeSm90:
         main.launch(grid=(self.num_m_blocks, self.num_ctas, 1), block=(self.cta_threads, 1, 1), smem=smem,
                     stream=stream, min_blocks_per_mp=1)
         self.launch_combine(stream, o_accum, lse_accum, output_scale, sched_cta, sched_req, out, lse)
-
-    @cute.jit
-    def allow_combine_launch(self):
-        """Main kernels, first thing: the combine grid may be launched now (programmatic dependent launch; it waits
-        for this grid to complete before reading: :meth:`combine_kernel`)."""
-        cute.arch.griddepcontrol_launch_dependents()
-
-    COMBINE_CTAS_PER_SM = 16  # combine CTAs of 128 threads: one wave on every SM, whatever the batch
-
-    @property
-    def combine_lse_regs(self) -> int:
-        """Slot LSEs a combine lane holds: the workspace's slots over the 32 lanes."""
-        return -(-self.max_slots // 32)
-
-    @cute.jit
-    def launch_combine(self, stream, o_accum: cute.Tensor, lse_accum: cute.Tensor, output_scale: cute.Tensor,
-                       sched_cta: cute.Tensor, sched_req: cute.Tensor, out: cute.Tensor, lse: cute.Tensor):
-
-        @cute.struct
-        class CombineStorage:
-            acc: cute.struct.Align[cute.struct.MemRange[Float32, 384], 16]
-            w: cute.struct.Align[cute.struct.MemRange[Float32, 4 * 32 * self.combine_lse_regs], 16]
-
-        self.combine_kernel(o_accum, lse_accum, output_scale, sched_cta, sched_req, out, lse, CombineStorage).launch(
-            grid=(self.COMBINE_CTAS_PER_SM, self.num_ctas * self.num_m_blocks, 1), block=(128, 1, 1),
-            smem=CombineStorage.size_in_bytes(), stream=stream, use_pdl=True)
-
-    @cute.jit
-    def warp_allreduce(self, x: Float32, is_max: cutlass.Constexpr[bool]) -> Float32:
-        """Max (``is_max``) or sum of ``x`` over the warp's 32 lanes, returned to all (butterfly, deterministic)."""
-        for k in cutlass.range_constexpr(5):
-            y = cute.arch.shuffle_sync_bfly(x, offset=16 >> k)
-            x = cute.arch.fmax(x, y) if is_max else x + y
-        return x
-
-    @cute.kernel
-    def combine_kernel(self, mOacc: cute.Tensor, mLacc: cute.Tensor, mOS: cute.Tensor, mCta: cute.Tensor,
-                       mReq: cute.Tensor, mOut: cute.Tensor, mLse: cute.Tensor, Storage: cutlass.Constexpr):
-        """A fixed grid of one wave (``COMBINE_CTAS_PER_SM`` x the SMs, whatever the batch), 4 warps a CTA.
-
-        * Work items ``(k, row, column quarter)`` over the schedule's work list (``mCta[k, 6]``: the ``k``-th request
-          cut into pieces; ``mCta[0, 7]`` of them, at most ``num_ctas - 1``), spread over the CTAs.  An item's 4
-          warps split its slots (warp ``w``: slots ``w, w + 4, ..``; a lane: 4 of the quarter's 128 columns), each
-          weighting its fp32 partials by ``exp(lse_s - max)`` (the max and the sum over all slots taken by every
-          warp with shuffles); the 4 warp sums go through shared memory and warp 0 adds them in warp order
-          (deterministic, no atomics) and writes the output row and LSE.
-        * Requests of length 0 (``mReq[b, 0] == 0``), ``b`` spread over the CTAs: exact zero rows, LSE -inf.
-        * The batch-invariant schedule (:attr:`chunk` > 0): the work items are ``(b, row, column quarter)`` over every
-          request (more than ``num_ctas - 1`` may be split), those of fewer than 2 pieces skipped, any number of
-          slots each (:meth:`combine_item`).
-
-        A request of one piece was written by the main kernel.  Launched with programmatic dependent launch
-        (PDL): the main kernel signals ``griddepcontrol.launch_dependents`` at its start, so this grid is launched
-        while the main grid runs and its CTAs take SMs as main CTAs retire; ``griddepcontrol.wait`` holds every
-        thread until the main grid has completed and its writes are visible."""
-        cute.arch.griddepcontrol_wait()
-        tid, _, _ = cute.arch.thread_idx()
-        bx, by, _ = cute.arch.block_idx()
-        nx, ny, _ = cute.arch.grid_dim()
-        cta, n_cta = by * nx + bx, nx * ny
-        warp, lane = tid // 32, tid % 32
-        st = cutlass.utils.SmemAllocator().allocate(Storage)
-        NL = self.combine_lse_regs
-        sAcc = st.acc.get_tensor(cute.make_layout(384))
-        sW = st.w.get_tensor(cute.make_layout(4 * 32 * NL))
-        res = cute.make_rmem_tensor((4,), self.out_dtype)
-        for b in cutlass.range(cta, mReq.shape[0], n_cta, unroll=1):
-            if mReq[b, 0] == 0:  # a request of length 0: exact zeros, LSE -inf
-                for r in cutlass.range(warp, self.R, 4, unroll=1):
-                    obase = Int64(b) * self.R + r
-                    res.fill(0.0)
-                    for c in cutlass.range_constexpr(4):
-                        cute.make_tensor(row_ptr(mOut, obase, c * 128 + lane * 4, self.DV, 8),
-                                         cute.make_layout(4)).store(res.load())
-                    if lane == 0:
-                        cute.make_tensor(mLse.iterator + obase, cute.make_layout(1))[0] = -Float32.inf
-        n_items = mCta[0, 7] * (self.R * 4)
-        if cutlass.const_expr(self.chunk > 0):
-            n_items = mReq.shape[0] * (self.R * 4)  # (the batch-invariant schedule: every request, split or not)
-        for item in cutlass.range(cta, n_items, n_cta, unroll=1):
-            if cutlass.const_expr(self.chunk > 0):
-                self.combine_item(mOacc, mLacc, mOS, mReq, mOut, mLse, sAcc, sW, res, item, item // (self.R * 4),
-                                  warp, lane)
-            else:
-                self.combine_item(mOacc, mLacc, mOS, mReq, mOut, mLse, sAcc, sW, res, item,
-                                  mCta[item // (self.R * 4), 6], warp, lane)
-
-    @cute.jit
-    def combine_item(self, mOacc, mLacc, mOS, mReq, mOut, mLse, sAcc, sW, res, item, b, warp, lane):
-        """One work item of :meth:`combine_kernel`: row ``(item // 4) % R``, column quarter ``item % 4`` of the
-        split request ``b``.  The batch-invariant schedule (:attr:`chunk` > 0) passes every request (one of fewer
-        than 2 pieces is skipped) and merges any number of slots: each lane takes the slots ``lane, lane + 32, ..``
-        in order for the max and the sum (the same order for a request's piece count whatever the batch), and every
-        slot's weight is recomputed from its LSE where it is added."""
-        ns = mReq[b, 0]
-        if cutlass.const_expr(self.chunk > 0):
-            if ns >= 2:
-                self.combine_row(mOacc, mLacc, mOS, mReq, mOut, mLse, sAcc, sW, res, item, b, ns, warp, lane)
-        else:
-            self.combine_row(mOacc, mLacc, mOS, mReq, mOut, mLse, sAcc, sW, res, item, b, ns, warp, lane)
-
-    @cute.jit
-    def combine_row(self, mOacc, mLacc, mOS, mReq, mOut, mLse, sAcc, sW, res, item, b, ns, warp, lane):
-        """The merge of :meth:`combine_item` (``ns`` >= 2 slots from ``mReq[b, 1]``)."""
-        NL = self.combine_lse_regs
-        r = (item // 4) % self.R
-        col = (item % 4) * 128 + lane * 4
-        lbase = Int64(mReq[b, 1]) * self.R + r
-        if cutlass.const_expr(self.chunk > 0):
-            gL = cute.make_tensor(mLacc.iterator + lbase, cute.make_layout(mLacc.shape[0], stride=self.R))
-            m = -Float32.inf
-            for s in cutlass.range(lane, ns, 32, unroll=1):
-                m = cute.arch.fmax(m, gL[s])
-            m = self.warp_allreduce(m, True)
-            ref = m
-            if m == -Float32.inf:
-                ref = Float32(0.0)
-            part = Float32(0.0)
-            for s in cutlass.range(lane, ns, 32, unroll=1):
-                part = part + cute.arch.exp2((gL[s] - ref) * LOG2_E)
-            total = self.warp_allreduce(part, False)
-        else:
-            gL = cute.make_tensor(mLacc.iterator + lbase, cute.make_layout(self.max_slots, stride=self.R))
-            lv = cute.make_rmem_tensor((NL,), Float32)  # slot lane + 32 j's LSE, all loads in flight
-            m = -Float32.inf
-            for j in cutlass.range_constexpr(NL):
-                lv[j] = -Float32.inf
-                if lane + 32 * j < ns:
-                    lv[j] = gL[lane + 32 * j]
-                m = cute.arch.fmax(m, lv[j])
-            m = self.warp_allreduce(m, True)
-            ref = m
-            if m == -Float32.inf:
-                ref = Float32(0.0)
-            part = Float32(0.0)
-            for j in cutlass.range_constexpr(NL):
-                w = cute.arch.exp2((lv[j] - ref) * LOG2_E)
-                sW[warp * NL * 32 + lane + 32 * j] = w  # (each warp its own copy: no CTA barrier)
-                part = part + w
-            total = self.warp_allreduce(part, False)
-        cute.arch.sync_warp()
-        acc = cute.make_rmem_tensor((4,), Float32)
-        acc.fill(0.0)
-        # the warp's slots warp, warp + 4, ..: each one's partial loaded an iteration ahead (the load of slot
-        # s + 4 is in flight while slot s is added; past the last slot a valid row is loaded and not used)
-        vc = cute.make_rmem_tensor((4,), Float32)
-        vc.store(cute.make_tensor(row_ptr(mOacc, lbase + Int64(cutlass.min(warp, ns - 1)) * self.R, col,
-                                          self.DV, 16), cute.make_layout(4)).load())
-        for s in cutlass.range(warp, ns, 4, unroll=2):
-            vn = cute.make_tensor(row_ptr(mOacc, lbase + Int64(cutlass.min(s + 4, ns - 1)) * self.R, col,
-                                          self.DV, 16), cute.make_layout(4)).load()
-            if cutlass.const_expr(self.chunk > 0):
-                ws = cute.arch.exp2((gL[s] - ref) * LOG2_E)
-            else:
-                ws = sW[warp * NL * 32 + s]
-            for j in cutlass.range_constexpr(4):
-                acc[j] = acc[j] + ws * vc[j]
-            vc.store(vn)
-        if warp > 0:
-            for j in cutlass.range_constexpr(4):
-                sAcc[(warp - 1) * 128 + lane * 4 + j] = acc[j]
-        cute.arch.barrier()
-        if warp == 0:
-            for o in cutlass.range_constexpr(3):
-                for j in cutlass.range_constexpr(4):
-                    acc[j] = acc[j] + sAcc[o * 128 + lane * 4 + j]
-            inv = Float32(0.0)
-            lse = -Float32.inf
-            if total != 0.0:  # (NaN: a piece saw a NaN / Inf key, NaN LSE)
-                inv = mOS[0] / total
-                lse = m + cute.math.log(total, fastmath=False)
-            for j in cutlass.range_constexpr(4):
-                res[j] = (acc[j] * inv).to(self.out_dtype)
-            obase = Int64(b) * self.R + r
-            cute.make_tensor(row_ptr(mOut, obase, col, self.DV, 8), cute.make_layout(4)).store(res.load())
-            if lane == 0 and col == 0:
-                cute.make_tensor(mLse.iterator + obase, cute.make_layout(1))[0] = lse
-        cute.arch.barrier()  # sAcc is free for the next item
 
 
 def staged_pass_features(elem_bytes: int, stage_bytes: int) -> int:

@@ -387,19 +387,23 @@ class MlaDecodeFp8TransposedPvSm90(TransposedOutMixin, KvRefillMixin, DecodeTrac
         ph[0] = ph[0] ^ ((((n_pairs + 1) >> 1) & 1) * 3) ^ (((n_pairs >> 1) & 1) * 12)
 
     @cute.jit
-    def produce_piece(self, c, b, split_start, split_end, n_pairs):
-        """The producer warpgroup's part of one piece (:meth:`walk_pieces`): pairs 0 and 1 into buffers 0..3, the
-        barrier the computing warpgroups' Q tile waits on, then every later refill: pair j's buffers 2 (j % 2) + g,
-        once both PVs of pair j retired (SLOT*_FREE), with pair j + 2 (the TMA destination of buffers 2 + g: buffer
-        g's, 2 buffers further; unrolled by pairs instead, the loop spilled a register of the 24)."""
+    def produce_start(self, c, b, split_start, split_end, n_pairs):
+        """The producer warpgroup's first loads of a piece (:meth:`produce_piece`): pairs 0 and 1 into buffers
+        0..3."""
         tAs, tAg, tma_atom, mbar, mBT, num_pages, wtid = c.tAs, c.tAg, c.tma_atom, c.mbar, c.mBT, c.num_pages, c.wtid
-        bn = self.block_n
         for k in cutlass.range_constexpr(_NBUF):
-            t0 = split_start + k * bn
+            t0 = split_start + k * self.block_n
             if k < 2 or n_pairs > 1:
                 crd = self.coords(mBT, b, t0, split_end, num_pages)
                 self.refill(tAs[k], tAg, tma_atom, mbar + k, crd, wtid, _ALL_CHUNKS, None)
-        cute.arch.barrier()  # the consumers' Q tile landed
+
+    @cute.jit
+    def produce_rest(self, c, b, split_start, split_end, n_pairs):
+        """The producer warpgroup's refills of a piece after its Q tile: pair j's buffers 2 (j % 2) + g, once both
+        PVs of pair j retired (SLOT*_FREE), with pair j + 2 (the TMA destination of buffers 2 + g: buffer g's, 2
+        buffers further; unrolled by pairs instead, the loop spilled a register of the 24)."""
+        tAs, tAg, tma_atom, mbar, mBT, num_pages, wtid = c.tAs, c.tAg, c.tma_atom, c.mbar, c.mBT, c.num_pages, c.wtid
+        bn = self.block_n
         if wtid < 32:
             for j in cutlass.range(n_pairs - 2, unroll=1):
                 u = j % 2

@@ -365,12 +365,15 @@ class MlaDecodeSeesawSm90(Fp8OperandsMixin, KvRefillMixin, DecodeTraceMixin, Mla
             tAs0=tAs0, tAs1=tAs1, tAg=tAg, tma_atom=tma_atom, zrow=zrow))
 
     @cute.jit
-    def produce_piece(self, c, b: Int32, split_start: Int32, split_end: Int32, n_pairs: Int32):
-        """The producer warpgroup's part of a piece (:meth:`walk_pieces`): pair 0 (:meth:`prologue_refills`), the
-        barrier the computing warpgroups' Q tile waits on, then the loop's refills (:meth:`produce`)."""
+    def produce_start(self, c, b: Int32, split_start: Int32, split_end: Int32, n_pairs: Int32):
+        """The producer warpgroup's first loads of a piece (:meth:`produce_piece`): pair 0
+        (:meth:`prologue_refills`)."""
         self.prologue_refills(c.tAs0, c.tAs1, c.tAg, c.tma_atom, c.mbar, c.mBT, b, split_start, split_end,
                               c.num_pages, c.wg, c.wtid)
-        cute.arch.barrier()  # the consumers' Q tile landed
+
+    @cute.jit
+    def produce_rest(self, c, b: Int32, split_start: Int32, split_end: Int32, n_pairs: Int32):
+        """The producer warpgroup's refills of a piece after its Q tile (:meth:`produce`)."""
         self.produce(c.tAs0, c.tAs1, c.tAg, c.tma_atom, c.mbar, c.mBT, b, split_start, split_end, c.num_pages,
                      n_pairs, c.wtid)
 

@@ -48,6 +48,7 @@ class MlaDecodeTransposedSm90(TransposedOutMixin, MlaDecodeSeesawSm90):
     S x H <= 32, page_size >= 32."""
 
     red_floats = 2 * 4 * 32  # the seesaw storage's column statistics: per warpgroup and warp, 32 columns (fold_t)
+    prefetch_q = True  # the epilogue (epilogue_ot) stores O from the accumulators: sQ is free from its first barrier
     pair_step = 8  # accumulator rows q and q + 8 are features f and f + 8 (natural order; store_ot_pair)
 
     def __init__(self, **kw):
@@ -135,9 +136,10 @@ class MlaDecodeTransposedSm90(TransposedOutMixin, MlaDecodeSeesawSm90):
         return ((tOrVt0, tOsPt0), (tOrVt1, tOsPt1))[slot]
 
     @cute.jit
-    def consume(self, c, cta, b, seq, split_start, split_end, split, n_pairs):
+    def consume(self, c, cta, b, seq, split_start, split_end, split, n_pairs, nb=None):
         """The two computing warpgroups: first QK, the loop (the seesaw loop's order, module docstring), epilogue.
-        ``c``: the seesaw kernel's values (:meth:`~.seesaw.MlaDecodeSeesawSm90.seesaw_kernel`)."""
+        ``c``: the seesaw kernel's values (:meth:`~.seesaw.MlaDecodeSeesawSm90.seesaw_kernel`); ``nb``: with
+        :attr:`prefetch`, the request whose Q tile loads during the epilogue (:meth:`epilogue_barrier`)."""
         qk_mma, pv_mma, _, _ = c.mmas
         sQ, sK0, sK1, st, wg, wtid, mblk, mTrace = c.sQ, c.sK0, c.sK1, c.st, c.wg, c.wtid, c.mblk, c.mTrace
         sM, sSc0, sSc1, sSum, mbar, scale_log2 = c.sM, c.sSc0, c.sSc1, c.sSum, c.mbar, c.scale_log2
@@ -274,7 +276,7 @@ class MlaDecodeTransposedSm90(TransposedOutMixin, MlaDecodeSeesawSm90):
                 self.mark(mTrace, cta, wg, wtid, j, 8)
 
         # ---- epilogue: both warpgroups' O^T and l are relative to the final shared max
-        cute.arch.barrier()
+        self.epilogue_barrier(c, nb)
         self.epilogue_ot(acc, sM, row_l, None, sSum, sRed, c.mOut, c.mLse, c.mOacc, c.mLacc, c.out_scale, mblk,
                          split, b, wg, wtid)
 
