@@ -153,8 +153,11 @@ _CLEAN = ("0x7f7f7f7f", "0x7f807f80", "0x7c007c00")
 
 
 def _loops(fn: str) -> list[tuple[int, int, int, int]]:
-    """The main loops of one SASS function: backward branches whose body holds wgmmas and is under 2500 instructions
-    (``(instructions, of them outside the cleaning blocks, spill instructions there, R2UR there)``)."""
+    """The main loops of one SASS function: the innermost loops (backward branches) whose body holds wgmmas
+    (``(instructions, of them outside the cold code, spill instructions there, R2UR there)``).  Cold code runs on a
+    piece's last tiles only: the causal-tail cleaning and the zeroing of the V rows past the split, found as the
+    spans a conditional forward branch skips that hold the cleaning's constants or zero stores (``STS ... RZ``) and
+    no wgmma."""
     insts, labels = [], {}
     for ln in fn.splitlines():
         m = re.match(r"^(\.L_x_\d+):", ln.strip())
@@ -165,25 +168,35 @@ def _loops(fn: str) -> list[tuple[int, int, int, int]]:
         m = re.match(r"\s*/\*[0-9a-f]{4,}\*/\s+(.*?);", ln)
         if m:
             insts.append(m.group(1))
-    out = []
-    for k, ins in enumerate(insts):
+    # (ptxas puts the retry loops of mbarrier waits after the function's first unpredicated EXIT, each branching back
+    # to its wait: those back edges are not loops of the kernel)
+    end = next((k for k, x in enumerate(insts) if re.match(r"EXIT\b", x)), len(insts))  # (unpredicated)
+    spans = []
+    for k, ins in enumerate(insts[:end]):
         m = re.search(r"BRA\s+`\((\.L_x_\d+)\)", ins)
-        if not (m and m.group(1) in labels and labels[m.group(1)] <= k):
+        if m and m.group(1) in labels and labels[m.group(1)] <= k \
+                and any("GMMA" in x for x in insts[labels[m.group(1)]:k + 1]):
+            spans.append((labels[m.group(1)], k))
+    out = []
+    for lo, hi in spans:
+        # innermost: no other wgmma loop inside this one (a persistent kernel's piece loop holds the main loops)
+        if any((a, b) != (lo, hi) and lo <= a and b <= hi for a, b in spans):
             continue
-        body = insts[labels[m.group(1)]:k + 1]
-        if not any("GMMA" in x for x in body) or len(body) >= 2500:
-            continue
-        blocks, cur = [], []
-        for x in body:  # basic blocks: split at labels and after branches
-            if x.endswith(":") and cur:
-                blocks.append(cur)
-                cur = []
-            cur.append(x)
-            if "BRA" in x:
-                blocks.append(cur)
-                cur = []
-        blocks.append(cur)
-        hot = [x for b in blocks if not any(c in y for y in b for c in _CLEAN) for x in b if not x.endswith(":")]
+        body = insts[lo:hi + 1]
+        # cold code: the span a conditional forward branch skips, when it holds the cleaning's constants or zero
+        # stores and no wgmma (the largest such spans)
+        cold = [False] * len(body)
+        pos = {x[:-1]: i for i, x in enumerate(body) if x.endswith(":")}
+        for i, x in enumerate(body):
+            m = re.match(r"@!?U?P\w+\s+BRA\s+`\((\.L_x_\d+)\)", x)
+            if not (m and pos.get(m.group(1), -1) > i):
+                continue
+            span = body[i + 1:pos[m.group(1)]]
+            if not any("GMMA" in y for y in span) and any(
+                    any(c in y for c in _CLEAN) or re.search(r"\bSTS(\.\w+)* \[[^]]*\], RZ\b", y) for y in span):
+                for j in range(i + 1, pos[m.group(1)]):
+                    cold[j] = True
+        hot = [x for x, c in zip(body, cold) if not c and not x.endswith(":")]
         out.append((sum(1 for x in body if not x.endswith(":")), len(hot),
                     sum(1 for x in hot if re.search(r"\b(STL|LDL)\b", x)), sum(1 for x in hot if "R2UR" in x)))
     return sorted(out, reverse=True)
@@ -191,7 +204,7 @@ def _loops(fn: str) -> list[tuple[int, int, int, int]]:
 
 def loops(dirs: list[str]) -> int:
     """Per case of the dumps in ``dirs`` (the first is the reference): each main loop's instruction count, the count
-    outside the cleaning blocks, spill and R2UR instructions there, WARPGROUP.DEPBAR of the whole case."""
+    outside the cold blocks, spill and R2UR instructions there, WARPGROUP.DEPBAR of the whole case."""
     for name in sorted({os.path.basename(p) for d in dirs for p in glob.glob(d + "/*.sass")}):
         for d in dirs:
             path = os.path.join(d, name)
@@ -200,7 +213,7 @@ def loops(dirs: list[str]) -> int:
             text = open(path).read()
             fns = _normalise(text)
             main = max(fns, key=len) if fns else ""
-            print(f"{name:45s} {d}: loops (insts, outside cleaning, spills, R2UR) {_loops(main)}, "
+            print(f"{name:45s} {d}: loops (insts, outside cold blocks, spills, R2UR) {_loops(main)}, "
                   f"depbar {text.count('WARPGROUP.DEPBAR')}")
     return 0
 
