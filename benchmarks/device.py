@@ -70,8 +70,12 @@ def steps_for(args: argparse.Namespace) -> list[Step]:
             s.append(Step("prewarm_prefill", (PY, "-m", "benchmarks.prefill", "--prewarm", jobs,
                                               "--prewarm-only", "--with-test-configs"), 120))
         if any("sm90_decode" in f or f.rstrip("/") == "tests/gpu" for f in files):
+            # (the named configs of the config test too, where -k may select it: every config that runs a case)
+            cfg = not args.k or any(w in args.k for w in ("config", "prefetch", "seesaw", "transposed"))
             s.append(Step("prewarm_decode", (PY, "-c", "from benchmarks.decode import CHECK, prewarm; "
-                                             f"prewarm(CHECK, {jobs})"), 150))
+                                             "from tokenspeed_jax.backends.sm90_decode import CONFIGS; "
+                                             f"prewarm(CHECK, {jobs}{', configs=tuple(CONFIGS)' if cfg else ''})"),
+                          240 if cfg else 150))
         if any("hostile_sm90" in f or f.rstrip("/") == "tests/gpu" for f in files):  # its decode kernels
             s.append(Step("prewarm_hostile", (PY, "-c", "from benchmarks.decode import Case, prewarm; "
                                               "from tests.gpu.test_hostile_sm90 import CONFIGS, HIDDEN_SH; "

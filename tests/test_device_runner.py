@@ -29,6 +29,11 @@ def test_tests_and_check_and_memcheck_steps(tmp_path):
     assert "tests/gpu" in s[-1].argv and "not memcheck" in s[-1].argv
     s = _steps("tests", "--files", "tests/gpu/test_hostile_sm90.py", "--out", str(tmp_path))
     assert [x.name for x in s] == ["prewarm_hostile", "gpu_tests"]
+    # the decode file: the named configs are precompiled too where -k may select the config test
+    for k, cfg in (("prefetch", True), ("graph or schedule_kernel", False)):
+        s = _steps("tests", "--files", "tests/gpu/test_sm90_decode.py", "-k", k, "--out", str(tmp_path))
+        assert [x.name for x in s] == ["prewarm_decode", "gpu_tests"]
+        assert ("configs=tuple(CONFIGS)" in _cmd(s[0])) == cfg, _cmd(s[0])
     s = _steps("tests", "--files", "tests/gpu/test_vllm_adapter.py", "-k", "fp8", "--out", str(tmp_path))
     assert [x.name for x in s] == ["gpu_tests"] and "fp8" in s[0].argv
     s = _steps("check", "--op", "decode", "--cases", "s1h16p64", "--out", str(tmp_path))
