@@ -1,6 +1,7 @@
 """Shared host and device code of the Hopper MLA decode kernels (CuTe DSL): the static configuration every main
 loop takes, the Q load, the row limits, the walk over the schedule's pieces, the staged epilogue; the split-KV combine
-kernel is :mod:`.combine`.  The main loops subclass :class:`MlaDecodeSm90`; the launch entry is :mod:`tokenspeed_jax.kernels.sm90.decode`.
+kernel is :mod:`.combine`.  The main loops subclass :class:`MlaDecodeSm90`; the launch entry is
+:mod:`tokenspeed_jax.kernels.sm90.decode`.
 
 Contract: ``tokenspeed_jax.decode`` module docstring (cache row layout, mask, LSE, clamping).
 
@@ -41,8 +42,9 @@ class MlaDecodeSm90(CombineMixin):
     """Static configuration of one decode kernel (module docstring), shared by the main loops.
 
     Args: dtype ("bfloat16" | "float16" | "float8_e4m3fn"), num_heads H, q_len S, page_size (a power of two >= 16),
-    causal, num_ctas (the persistent CTAs per row block), max_slots (the workspace's fp32 partial slots), ``pad_zero``: the query rows past R of a 64-row block are
-    zeros with every key masked (else no row past R is read: a block without padding, or a loop on the real rows),
+    causal, num_ctas (the persistent CTAs per row block), max_slots (the workspace's fp32 partial slots),
+    ``pad_zero``: the query rows past R of a 64-row block are zeros with every key masked (else no row past R is
+    read: a block without padding, or a loop on the real rows),
     ``chunk``: 0, or the batch-invariant schedule's piece length in tokens (a multiple of 128), ``prefetch``: the
     next piece's first loads are issued at the current piece's epilogue barrier (:meth:`start_piece`; the
     length-balanced schedule, loops with the producer warpgroup).
@@ -370,8 +372,9 @@ class MlaDecodeSm90(CombineMixin):
         first KV tiles, then, after the barrier the Q tile waits on, the loop's refills), :meth:`load_piece_q`,
         ``consume(c, cta, b, seq, start, end, slot, n_pairs[, nb])`` (the computing warpgroups: the loop and the
         epilogue, whose first step is a CTA barrier, :meth:`epilogue_barrier` in the loops with :attr:`prefetch_q`)
-        and ``advance_phases(n_pairs)`` (the mbarriers' completions of the piece into :attr:`ph`).  :attr:`prefetch`: this piece's first loads were issued ahead
-        (:meth:`start_piece`), and those of the next piece ``nb`` are issued at its epilogue barrier."""
+        and ``advance_phases(n_pairs)`` (the mbarriers' completions of the piece into :attr:`ph`).
+        :attr:`prefetch`: this piece's first loads were issued ahead (:meth:`start_piece`), and those of the next
+        piece ``nb`` are issued at its epilogue barrier."""
         tid, sM, g = c.tid, c.sM, c.g
         n_pairs = self.num_pairs(start, end)
         if cutlass.const_expr(producer):
