@@ -284,7 +284,7 @@ class MlaDecodeSm90(CombineMixin):
                 seq, start, end, slot = self.piece(mCta, mBT, mSeq, g, b)
                 if end > start:
                     if cutlass.const_expr(ahead):
-                        self.run_piece(c, b, seq, start, end, slot, producer, self.next_piece(c, b + 1, b_last))
+                        self.run_piece(c, b, seq, start, end, slot, producer, b_last)
                     else:
                         self.run_piece(c, b, seq, start, end, slot, producer)
 
@@ -319,13 +319,14 @@ class MlaDecodeSm90(CombineMixin):
                 cute.arch.cp_async_commit_group()
 
     @cute.jit
-    def epilogue_barrier(self, c, nb):
-        """The computing warpgroups' CTA barrier that starts a piece's epilogue (every wgmma retired, every buffer
-        read); with :attr:`prefetch` and :attr:`prefetch_q`, then the Q tile of the next piece ``nb``
-        (:meth:`next_piece`), whose run waits for it."""
+    def epilogue_barrier(self, c, b, b_last):
+        """The computing warpgroups' CTA barrier that starts the epilogue of request ``b``'s piece (every wgmma
+        retired, every buffer read); with :attr:`prefetch` and :attr:`prefetch_q`, then the Q tile of the next piece
+        of ``b + 1..b_last`` (:meth:`next_piece`, looked up here so that no value of it lives across the loop), whose
+        run waits for it."""
         cute.arch.barrier()
         if cutlass.const_expr(self.prefetch and self.prefetch_q):
-            self.start_piece(c, nb, False)
+            self.start_piece(c, self.next_piece(c, b + 1, b_last), False)
 
     @cute.jit
     def produce_piece(self, c, b: Int32, split_start: Int32, split_end: Int32, n_pairs: Int32):
@@ -366,15 +367,15 @@ class MlaDecodeSm90(CombineMixin):
 
     @cute.jit
     def run_piece(self, c, b: Int32, seq: Int32, start: Int32, end: Int32, slot: Int32, producer: cutlass.Constexpr,
-                  nb=None):
+                  b_last=None):
         """One non-empty piece ``[start, end)`` of request ``b``, a whole run of the loop between CTA barriers.  The
         loop's hooks: ``produce_start`` and ``produce_rest(c, b, start, end, n_pairs)`` (the producer warpgroup: its
         first KV tiles, then, after the barrier the Q tile waits on, the loop's refills), :meth:`load_piece_q`,
-        ``consume(c, cta, b, seq, start, end, slot, n_pairs[, nb])`` (the computing warpgroups: the loop and the
+        ``consume(c, cta, b, seq, start, end, slot, n_pairs[, b_last])`` (the computing warpgroups: the loop and the
         epilogue, whose first step is a CTA barrier, :meth:`epilogue_barrier` in the loops with :attr:`prefetch_q`)
         and ``advance_phases(n_pairs)`` (the mbarriers' completions of the piece into :attr:`ph`).
         :attr:`prefetch`: this piece's first loads were issued ahead (:meth:`start_piece`), and those of the next
-        piece ``nb`` are issued at its epilogue barrier."""
+        piece in ``b + 1..b_last`` are issued at its epilogue barrier (:meth:`next_piece`, looked up there)."""
         tid, sM, g = c.tid, c.sM, c.g
         n_pairs = self.num_pairs(start, end)
         if cutlass.const_expr(producer):
@@ -382,7 +383,7 @@ class MlaDecodeSm90(CombineMixin):
                 cute.arch.barrier()  # the consumers' Q tile landed
                 self.produce_rest(c, b, start, end, n_pairs)
                 cute.arch.barrier()  # the consumers' barrier before their epilogue: every buffer read
-                self.start_piece(c, nb, True)
+                self.start_piece(c, self.next_piece(c, b + 1, b_last), True)
             else:
                 self.produce_piece(c, b, start, end, n_pairs)
                 cute.arch.barrier()  # the consumers' barrier before their epilogue
@@ -398,7 +399,7 @@ class MlaDecodeSm90(CombineMixin):
             cta = g * self.num_m_blocks + c.mblk  # (debug traces: mark)
             self.clear_trace(c.mTrace, cta, c.wg, c.wtid)
             if cutlass.const_expr(self.prefetch and self.prefetch_q):
-                self.consume(c, cta, b, seq, start, end, slot, n_pairs, nb)
+                self.consume(c, cta, b, seq, start, end, slot, n_pairs, b_last)
             else:
                 self.consume(c, cta, b, seq, start, end, slot, n_pairs)
         cute.arch.barrier()  # the piece's epilogue done: its buffers are free

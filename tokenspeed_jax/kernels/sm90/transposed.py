@@ -136,10 +136,11 @@ class MlaDecodeTransposedSm90(TransposedOutMixin, MlaDecodeSeesawSm90):
         return ((tOrVt0, tOsPt0), (tOrVt1, tOsPt1))[slot]
 
     @cute.jit
-    def consume(self, c, cta, b, seq, split_start, split_end, split, n_pairs, nb=None):
+    def consume(self, c, cta, b, seq, split_start, split_end, split, n_pairs, b_last=None):
         """The two computing warpgroups: first QK, the loop (the seesaw loop's order, module docstring), epilogue.
-        ``c``: the seesaw kernel's values (:meth:`~.seesaw.MlaDecodeSeesawSm90.seesaw_kernel`); ``nb``: with
-        :attr:`prefetch`, the request whose Q tile loads during the epilogue (:meth:`epilogue_barrier`)."""
+        ``c``: the seesaw kernel's values (:meth:`~.seesaw.MlaDecodeSeesawSm90.seesaw_kernel`); ``b_last``: with
+        :attr:`prefetch`, the range's last request (the next piece's Q tile loads during the epilogue:
+        :meth:`epilogue_barrier`)."""
         qk_mma, pv_mma, _, _ = c.mmas
         sQ, sK0, sK1, st, wg, wtid, mblk, mTrace = c.sQ, c.sK0, c.sK1, c.st, c.wg, c.wtid, c.mblk, c.mTrace
         sM, sSc0, sSc1, sSum, mbar, scale_log2 = c.sM, c.sSc0, c.sSc1, c.sSum, c.mbar, c.scale_log2
@@ -276,7 +277,7 @@ class MlaDecodeTransposedSm90(TransposedOutMixin, MlaDecodeSeesawSm90):
                 self.mark(mTrace, cta, wg, wtid, j, 8)
 
         # ---- epilogue: both warpgroups' O^T and l are relative to the final shared max
-        self.epilogue_barrier(c, nb)
+        self.epilogue_barrier(c, b, b_last)
         self.epilogue_ot(acc, sM, row_l, None, sSum, sRed, c.mOut, c.mLse, c.mOacc, c.mLacc, c.out_scale, mblk,
                          split, b, wg, wtid)
 
