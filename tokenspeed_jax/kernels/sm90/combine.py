@@ -51,6 +51,16 @@ class CombineMixin:
             x = cute.arch.fmax(x, y) if is_max else x + y
         return x
 
+    @cute.jit
+    def warp_max_ref(self, m: Float32):
+        """``(max, ref)``: the max of ``m`` over the warp and the reference the slot weights are taken against (0
+        while the max is -inf: every slot empty, exact zero weights)."""
+        m = self.warp_allreduce(m, True)
+        ref = m
+        if m == -Float32.inf:
+            ref = Float32(0.0)
+        return m, ref
+
     @cute.kernel
     def combine_kernel(self, mOacc: cute.Tensor, mLacc: cute.Tensor, mOS: cute.Tensor, mCta: cute.Tensor,
                        mReq: cute.Tensor, mOut: cute.Tensor, mLse: cute.Tensor, Storage: cutlass.Constexpr):
@@ -129,10 +139,7 @@ class CombineMixin:
             m = -Float32.inf
             for s in cutlass.range(lane, ns, 32, unroll=1):
                 m = cute.arch.fmax(m, gL[s])
-            m = self.warp_allreduce(m, True)
-            ref = m
-            if m == -Float32.inf:
-                ref = Float32(0.0)
+            m, ref = self.warp_max_ref(m)
             part = Float32(0.0)
             for s in cutlass.range(lane, ns, 32, unroll=1):
                 part = part + cute.arch.exp2((gL[s] - ref) * LOG2_E)
@@ -146,10 +153,7 @@ class CombineMixin:
                 if lane + 32 * j < ns:
                     lv[j] = gL[lane + 32 * j]
                 m = cute.arch.fmax(m, lv[j])
-            m = self.warp_allreduce(m, True)
-            ref = m
-            if m == -Float32.inf:
-                ref = Float32(0.0)
+            m, ref = self.warp_max_ref(m)
             part = Float32(0.0)
             for j in cutlass.range_constexpr(NL):
                 w = cute.arch.exp2((lv[j] - ref) * LOG2_E)
