@@ -1,24 +1,20 @@
 """Decode half of the ``sm90`` backend: our CuTe DSL MLA decode kernels for Hopper.
 
-Contract: :mod:`tokenspeed_jax.decode`.  Planning: ``_plan_sm90`` in :mod:`tokenspeed_jax.planner` (row tiles over
-``rows = S*H``, 64-token KV steps); the split-KV schedule is computed on the device from the lengths, inside the
-caller's jit (:mod:`tokenspeed_jax.decode_schedule`: one contiguous range of the batch's actual work per persistent
-CTA); the fp32 partials are XLA-owned extra outputs of the custom call whose size depends on neither the batch size
-nor the lengths.  Design, loops and measurements: ``docs/sm90_decode.md``, ``docs/sm90_decode_schedule.md``.
+Contract: :mod:`tokenspeed_jax.decode`.  Planning: ``_plan_sm90`` in :mod:`tokenspeed_jax.planner`; the split-KV
+schedule is computed on the device from the lengths, inside the caller's jit (:mod:`tokenspeed_jax.decode_schedule`:
+one contiguous range of the batch's actual work per persistent CTA); the fp32 partials are XLA-owned extra outputs of
+the custom call whose size depends on neither the batch size nor the lengths.  Design, loops and measurements:
+``docs/sm90_decode.md``, ``docs/sm90_decode_schedule.md``.
 
-Which kernel runs is one frozen :class:`Sm90DecodeConfig` (the main loop, whether a producer warpgroup issues the
-KV refills), chosen by :func:`select_config` from the problem alone; ``decode(..., config=...)`` runs another one
-(benchmarks and tests).  The compile key is derived from the problem's static fields, the plan and the config.
-No environment variable changes what is generated.
+Which kernel runs is one frozen :class:`Sm90DecodeConfig`, chosen by :func:`select_config` from the problem alone;
+``decode(..., config=...)`` runs another one (benchmarks and tests).  The compile key is derived from the problem's
+static fields, the plan and the config; no environment variable changes what is generated.  FP8 (e4m3 q and cache,
+scales folded into ``softmax_scale`` / ``output_scale``) runs QK^T and P V on FP8 tensor cores (error bound:
+``docs/sm90_decode.md``).  Outputs are bf16 (fp16 for fp16 inputs).
 
-FP8 (``float8_e4m3fn`` q and cache, scales folded into ``softmax_scale`` / ``output_scale`` as the decode contract
-says) runs QK^T and P V on FP8 tensor cores (P rounded to e4m3); the output error bound is in
-``docs/sm90_decode.md``.  Outputs are bf16 (fp16 for fp16 inputs).
-
-Custom call: ``tokenspeed_mla_decode_sm90`` (the main kernel, plus the combine kernel launched from the same launch
-function).  ``softmax_scale`` / ``output_scale`` are (1,)-shaped float32 operands, so a new
-value never recompiles; operand extents are read at run time (:func:`operand_specs`), so a new batch size, cache
-size or table width does not either: one CuTe DSL compile per :class:`DecodeKernelKey`.
+Custom call ``tokenspeed_mla_decode_sm90`` (the main kernel, then the combine kernel): the scales are (1,)-shaped
+float32 operands and every operand extent is read at run time (:func:`operand_specs`), so neither a new scale nor a
+new batch size, cache size or table width recompiles: one CuTe DSL compile per :class:`DecodeKernelKey`.
 """
 
 from __future__ import annotations
@@ -68,8 +64,7 @@ class Sm90DecodeConfig:
     prefetch: bool = False
 
 
-# every config by name (benchmarks' --config, tests): what select_config picks, the seesaw without the producer and
-# the prefetch experiment
+# every config by name (benchmarks' --config, tests): select_config's, the seesaw without producer, the prefetch trial
 CONFIGS = {
     "seesaw": Sm90DecodeConfig("seesaw", producer=True),
     "seesaw_noproducer": Sm90DecodeConfig("seesaw", producer=False),
@@ -184,9 +179,8 @@ def plan_for_config(problem: DecodeProblem, config: Sm90DecodeConfig):
 # the batch-invariant schedule: a piece's overhead (fixed start/drain cost and its fp32 partial's write and read) is
 # held to at most 1/INVARIANT_OVERHEAD of the piece's own KV work, by the schedule's cost model (invariant_chunk)
 INVARIANT_OVERHEAD = 8
-# the schedule's fixed cost of a piece, in 64-token tiles (its Q load, pipeline start and drain, epilogue and fp32
-# partial): 8, the fastest of 5 (FlashMLA's constant) / 8 / 12 on the H200 (docs/sm90_decode_schedule.md, "The cost
-# model's fixed cost")
+# the schedule's fixed cost of a piece in 64-token tiles (Q load, pipeline start and drain, epilogue, fp32 partial):
+# 8, the fastest of 5 (FlashMLA's) / 8 / 12 on the H200 (docs/sm90_decode_schedule.md, "The cost model's fixed cost")
 _FIXED_COST = 8
 # the batch-invariant chunk's start/drain estimate per piece, in 64-token tiles (FlashMLA's constant; invariant_chunk)
 _START_DRAIN = 5
