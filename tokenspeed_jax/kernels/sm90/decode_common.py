@@ -47,7 +47,8 @@ class MlaDecodeSm90(CombineMixin):
     read: a block without padding, or a loop on the real rows),
     ``chunk``: 0, or the batch-invariant schedule's piece length in tokens (a multiple of 128), ``prefetch``: the
     next piece's first loads are issued at the current piece's epilogue barrier (:meth:`start_piece`; the
-    length-balanced schedule, loops with the producer warpgroup).
+    length-balanced schedule, loops with the producer warpgroup), ``trace``: 0, or a debug build's iterations timed
+    per warpgroup (``clock64`` marks into an extra int64 output: ``decode_trace``, benchmarks/trace_decode.py).
     """
 
     block_m = 64
@@ -56,7 +57,8 @@ class MlaDecodeSm90(CombineMixin):
     prefetch_q = False  # with :attr:`prefetch`: the epilogue leaves the Q tile alone, the next one loads there
 
     def __init__(self, *, dtype: str, num_heads: int, q_len: int, page_size: int, causal: bool,
-                 num_ctas: int, max_slots: int, pad_zero: bool = False, chunk: int = 0, prefetch: bool = False):
+                 num_ctas: int, max_slots: int, pad_zero: bool = False, chunk: int = 0, prefetch: bool = False,
+                 trace: int = 0):
         why = self.can_implement(dtype=dtype, num_heads=num_heads, q_len=q_len, page_size=page_size)
         if why:
             raise ValueError(why)
@@ -96,6 +98,14 @@ class MlaDecodeSm90(CombineMixin):
         # P V; the loops zero their non-finite V values after the QK (:meth:`tail_from`; docs/sm90_decode.md,
         # "Causally hidden keys": V is part of the key row, so a row that sees such a key has a NaN P anyway)
         self.hidden_keys = q_len - 1 if causal else 0
+        if trace < 0:
+            raise ValueError(f"trace: expected the number of iterations to time (0: a normal build), got {trace}")
+        self.trace = int(trace)
+        # a producer warpgroup, where a loop has one, runs on 24 registers and the computing ones on 240: 2 x 128 x
+        # 240 + 128 x 24 = 384 x 168 (the launch's)
+        self.producer_regs, self.consumer_regs = 24, 240
+        self.box_rows = min(self.page_size, self.block_n)  # rows of one TMA box (one page or one tile)
+        self.subs = self.block_n // self.box_rows  # boxes per 64-token tile and 64-column chunk
 
     def tail_from(self, split_end):
         """The first key of a piece ending at ``split_end`` whose tile cleans its V: ``split_end`` (the rows past the

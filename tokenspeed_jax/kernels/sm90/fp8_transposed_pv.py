@@ -146,18 +146,12 @@ def _sts32(addr, v):
 
 class MlaDecodeFp8TransposedPvSm90(TransposedOutMixin, KvRefillMixin, DecodeTraceMixin, MlaDecodeSm90):
     """FP8 MLA decode with ``O^T = V^T P^T`` on 64-row blocks (module docstring).  Arguments: the base class's, plus
-    ``trace`` (debug builds: iterations timed per warpgroup) and ``qk_t`` (the subclass's transposed QK)."""
+    ``qk_t`` (the subclass's transposed QK)."""
 
     pair_step = 1  # output features of an O^T accumulator row pair q, q + 8 (store_ot_pair): f and f + 1
 
-    def __init__(self, *, qk_t: bool = False, trace: int = 0, **kw):
+    def __init__(self, *, qk_t: bool = False, **kw):
         super().__init__(**kw)
-        if trace < 0:
-            raise ValueError(f"trace: expected the number of iterations to time (0: a normal build), got {trace}")
-        self.trace = int(trace)
-        self.box_rows = min(self.page_size, self.block_n)  # rows of one TMA box (one page or one tile)
-        self.subs = self.block_n // self.box_rows  # boxes per 64-token tile and 64-column chunk
-        self.producer_regs, self.consumer_regs = 24, 240  # 2 x 128 x 240 + 128 x 24 = 384 x 168 (the launch's)
         if not self.fp8:
             raise ValueError(f"the O^T loop needs float8_e4m3fn inputs, got {self.dtype_name}")
         if self.page_size < _MIN_PAGE:

@@ -71,10 +71,10 @@ def acc_to_a_layout(acc_layout: cute.Layout) -> cute.Layout:
 
 class MlaDecodeSeesawSm90(Fp8OperandsMixin, KvRefillMixin, DecodeTraceMixin, MlaDecodeSm90):
     """The seesaw loop (module docstring).  Arguments: the base class's, plus ``producer`` (a third warpgroup issues
-    the refills; 16-bit inputs with pages >= 32), ``trace`` (debug builds: iterations timed per warpgroup) and
-    ``pad_zero`` (default: a row block with rows past R pads them with zeros)."""
+    the refills; 16-bit inputs with pages >= 32) and ``pad_zero`` (default: a row block with rows past R pads them
+    with zeros)."""
 
-    def __init__(self, *, producer: bool = False, trace: int = 0, pad_zero: bool | None = None, **kw):
+    def __init__(self, *, producer: bool = False, pad_zero: bool | None = None, **kw):
         rows = kw["num_heads"] * kw["q_len"]
         super().__init__(pad_zero=rows % self.block_m != 0 if pad_zero is None else pad_zero, **kw)
         # a third, producer warpgroup (24 registers; the two computing warpgroups get 240) issues every TMA refill,
@@ -84,18 +84,10 @@ class MlaDecodeSeesawSm90(Fp8OperandsMixin, KvRefillMixin, DecodeTraceMixin, Mla
                              f"page_size {self.page_size}")
         self.producer = bool(producer)
         self.cta_threads = self.num_threads + (128 if self.producer else 0)
-        self.producer_regs, self.consumer_regs = 24, 240  # 2 x 128 x 240 + 128 x 24 = 384 x 168 (the launch's)
         if self.fp8:
             # the 16-bit operand dtype of the slot layouts (a slot's bytes: 64 tokens x 576 x 2)
             self.mma_dtype = cutlass.Float16
-        # debug builds only (benchmarks/trace_decode.py): clock64 at the TRACE_EVENTS points of the first ``trace``
-        # iterations of each warpgroup, by its thread 0, into an extra int64 output (:meth:`mark`, decode_trace.py)
-        if trace < 0:
-            raise ValueError(f"trace: expected the number of iterations to time (0: a normal build), got {trace}")
-        self.trace = int(trace)
         self.p_stsm = not self.fp8  # 16-bit P to the peer's tile by stmatrix (FP8 stores e4m3 P: store_p8)
-        self.box_rows = min(self.page_size, self.block_n)  # rows of one TMA box (one page or one tile)
-        self.subs = self.block_n // self.box_rows  # boxes per 64-token tile and 64-column chunk
 
     # ------------------------------------------------------------------------------------------ host
     def _seesaw_layouts(self):

@@ -89,7 +89,7 @@ class MlaDecodeTransposedSm90(TransposedOutMixin, MlaDecodeSeesawSm90):
         self.qk_chunks(qk_mma, acc_s, tSrK, tSrQ, chunks, first)
 
     @cute.jit
-    def t16_views(self, c, sQ, sK0, sK1, wg):
+    def operand_views(self, c, sQ, sK0, sK1, wg):
         """The MMA operands and P^T stores of the Q tile ``sQ`` and the slots ``sK0``, ``sK1`` (the kernel's, or one
         iteration's :meth:`~.decode_common.MlaDecodeSm90.fresh_smem` copies): ``(tSrQ, tSrK0, tSrK1, tOrVt0, tOrVt1,
         tOsPt0, tOsPt1, tSsP0, tSsP1)``.  S^T = K Q^T: the slot as A, q's first pv_n rows as B; O^T = V^T P^T: the
@@ -125,14 +125,14 @@ class MlaDecodeTransposedSm90(TransposedOutMixin, MlaDecodeSeesawSm90):
         """``(tSrK, tSrQ)``: the QK's operands on slot ``slot``, built where the QK is issued from a fresh copy of the
         shared address (:meth:`~.decode_common.MlaDecodeSm90.fresh_smem`)."""
         sQ, sK0, sK1 = self.fresh_smem(c, (c.sQ, c.sK0, c.sK1))
-        tSrQ, tSrK0, tSrK1, _, _, _, _, _, _ = self.t16_views(c, sQ, sK0, sK1, 0)
+        tSrQ, tSrK0, tSrK1, _, _, _, _, _, _ = self.operand_views(c, sQ, sK0, sK1, 0)
         return (tSrK0, tSrK1)[slot], tSrQ
 
     @cute.jit
     def pv_ops(self, c, slot: cutlass.Constexpr, wg: cutlass.Constexpr):
         """``(tOrVt, tOsPt)``: warpgroup ``wg``'s PV operands on slot ``slot``, built as :meth:`qk_ops`."""
         sQ, sK0, sK1 = self.fresh_smem(c, (c.sQ, c.sK0, c.sK1))
-        _, _, _, tOrVt0, tOrVt1, tOsPt0, tOsPt1, _, _ = self.t16_views(c, sQ, sK0, sK1, wg)
+        _, _, _, tOrVt0, tOrVt1, tOsPt0, tOsPt1, _, _ = self.operand_views(c, sQ, sK0, sK1, wg)
         return ((tOrVt0, tOsPt0), (tOrVt1, tOsPt1))[slot]
 
     @cute.jit
@@ -154,7 +154,7 @@ class MlaDecodeTransposedSm90(TransposedOutMixin, MlaDecodeSeesawSm90):
         tScS = qk_thr.partition_C(cute.make_identity_tensor((bn, self.pv_n)))
         acc = pv_thr.make_fragment_C(pv_thr.partition_shape_C((self.DV // 2, self.pv_n)))
         acc.fill(0.0)
-        _, _, _, _, _, _, _, tSsP0, tSsP1 = self.t16_views(c, sQ, sK0, sK1, wg)
+        _, _, _, _, _, _, _, tSsP0, tSsP1 = self.operand_views(c, sQ, sK0, sK1, wg)
         cg = self.col_groups  # A0, B0, A1, B1
         rP = cute.make_rmem_tensor_like(acc_s, dt)
         qk_mma.set(warpgroup.Field.ACCUMULATE, True)
@@ -219,7 +219,7 @@ class MlaDecodeTransposedSm90(TransposedOutMixin, MlaDecodeSeesawSm90):
                 self.pv(pv_mma, acc, *self.pv_ops(c, 1, 0))
                 warpgroup.commit_group()
                 # 5. next QK on slot 0: this warpgroup's refill first, then (after the cross PV retired, refilling
-                #    slot 1's cols 0..255, + rope unless pt_q) WG1's refill of the rest (col_groups)
+                #    slot 1's cols 0..255 + rope) WG1's refill of the rest (col_groups)
                 if more:
                     self.mark(mTrace, cta, wg, wtid, j, 7)
                     self.qk_landed(qk_mma, acc_s, *self.qk_ops(c, 0), mbar, (0,), cg[0], ph, True)
@@ -259,8 +259,8 @@ class MlaDecodeTransposedSm90(TransposedOutMixin, MlaDecodeSeesawSm90):
                 warpgroup.commit_group()
                 cute.arch.barrier_arrive(barrier_id=int(Barrier.P1_READY), number_of_threads=self.num_threads)
                 self.mark(mTrace, cta, wg, wtid, j, 5)
-                # 4. refills as the PVs retire: slot 1 cols 256..511 (own PV; + rope with pt_q), slot 0 cols 256..575
-                #    (cross PV, which also read P0^T in slot 0's rope columns; 256..511 with pt_q): col_groups
+                # 4. refills as the PVs retire: slot 1 cols 256..511 (own PV), slot 0 cols 256..575 (cross PV, which
+                #    also read P0^T in slot 0's rope columns): col_groups
                 warpgroup.wait_group(1)
                 if more:
                     self.refill(tAs1, tAg, tma_atom, mbar + 3, None, wtid, cg[3], Barrier.REFILL_B1)
@@ -268,7 +268,7 @@ class MlaDecodeTransposedSm90(TransposedOutMixin, MlaDecodeSeesawSm90):
                 self.mark(mTrace, cta, wg, wtid, j, 6)
                 if more:
                     self.refill(tAs0, tAg, tma_atom, mbar + 1, None, wtid, cg[1], Barrier.REFILL_B0)
-                    # 5. next QK on slot 1: own columns first, then WG0's refill (cols 0..255; + rope unless pt_q)
+                    # 5. next QK on slot 1: own columns first, then WG0's refill (cols 0..255 + rope)
                     self.mark(mTrace, cta, wg, wtid, j, 7)
                     self.qk_landed(qk_mma, acc_s, *self.qk_ops(c, 1), mbar, (3,), cg[3], ph, True)
                     self.qk_landed(qk_mma, acc_s, *self.qk_ops(c, 1), mbar, (2,), cg[2], ph, False)

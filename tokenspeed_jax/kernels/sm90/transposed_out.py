@@ -184,7 +184,7 @@ class TransposedOutMixin:
     @cute.jit
     def store_ot_rows(self, acc, sSum, mOut, mOacc, out_scale, mblk, split, b, wg, wtid, mb0: cutlass.Constexpr):
         """``O = O^T^T / l`` of warpgroup ``wg``'s 256 features from its accumulator m-blocks ``mb0 .. mb0 + 3``
-        (:meth:`epilogue_ot`; ``mb0`` 4 for warpgroup 1 with ``loop32`` "own", whose accumulators hold all 512)."""
+        (:meth:`epilogue_ot`; ``mb0`` 4: warpgroup 1 of ``fp8_transposed``, whose accumulators hold all 512)."""
         lane = wtid % 32
         c2 = 2 * (lane % 4)
         for i in cutlass.range_constexpr(self.pv_n // 4):
