@@ -1,10 +1,7 @@
-"""The split-KV combine kernel of the Hopper MLA decode (a mixin of
-:class:`~tokenspeed_jax.kernels.sm90.decode_common.MlaDecodeSm90`): the main kernel of every loop writes a split
-request's pieces as normalised fp32 partials with their natural-log LSEs into consecutive workspace slots
-(``MlaDecodeSm90.out_row``); this kernel, launched right behind it with programmatic dependent launch, merges them
-in slot order (deterministic, no atomics) and writes the exact zeros and -inf LSE of the requests of length 0.
-Uses the kernel's ``R``, ``DV``, ``out_dtype``, ``num_ctas``, ``num_m_blocks``, ``max_slots`` and ``chunk``.
-"""
+"""Split-KV combine kernel of the Hopper MLA decode: merges a split request's fp32 partials and LSEs
+(``MlaDecodeSm90.out_row``) in slot order (deterministic, no atomics), writes exact zeros and -inf LSE for length-0
+requests.  A mixin of :class:`~tokenspeed_jax.kernels.sm90.decode_common.MlaDecodeSm90` (its module docstring: the
+split), using its ``R``, ``DV``, ``out_dtype``, ``num_ctas``, ``num_m_blocks``, ``max_slots`` and ``chunk``."""
 
 from __future__ import annotations
 
@@ -19,8 +16,7 @@ class CombineMixin:
 
     @cute.jit
     def allow_combine_launch(self):
-        """Main kernels, first thing: the combine grid may be launched now (programmatic dependent launch; it waits
-        for this grid to complete before reading: :meth:`combine_kernel`)."""
+        """Main kernels first: the combine grid may launch now (PDL; it waits for this grid: :meth:`combine_kernel`)."""
         cute.arch.griddepcontrol_launch_dependents()
 
     COMBINE_CTAS_PER_SM = 16  # combine CTAs of 128 threads: one wave on every SM, whatever the batch
@@ -53,8 +49,7 @@ class CombineMixin:
 
     @cute.jit
     def warp_max_ref(self, m: Float32):
-        """``(max, ref)``: the max of ``m`` over the warp and the reference the slot weights are taken against (0
-        while the max is -inf: every slot empty, exact zero weights)."""
+        """``(max, ref)``: warp max of ``m`` and weight reference (0 if -inf: every slot empty, exact zero weights)."""
         m = self.warp_allreduce(m, True)
         ref = m
         if m == -Float32.inf:
@@ -64,23 +59,18 @@ class CombineMixin:
     @cute.kernel
     def combine_kernel(self, mOacc: cute.Tensor, mLacc: cute.Tensor, mOS: cute.Tensor, mCta: cute.Tensor,
                        mReq: cute.Tensor, mOut: cute.Tensor, mLse: cute.Tensor, Storage: cutlass.Constexpr):
-        """A fixed grid of one wave (``COMBINE_CTAS_PER_SM`` x the SMs, whatever the batch), 4 warps a CTA.
+        """A fixed one-wave grid (``COMBINE_CTAS_PER_SM`` x the SMs), 4 warps a CTA; the main kernel wrote the one-piece
+        requests.  PDL (:meth:`allow_combine_launch`) launches it while the main grid runs, its CTAs taking SMs as main
+        CTAs retire; ``griddepcontrol.wait`` holds every thread until the main grid is done and its writes are visible.
 
         * Work items ``(k, row, column quarter)`` over the schedule's work list (``mCta[k, 6]``: the ``k``-th request
-          cut into pieces; ``mCta[0, 7]`` of them, at most ``num_ctas - 1``), spread over the CTAs.  An item's 4
-          warps split its slots (warp ``w``: slots ``w, w + 4, ..``; a lane: 4 of the quarter's 128 columns), each
-          weighting its fp32 partials by ``exp(lse_s - max)`` (the max and the sum over all slots taken by every
-          warp with shuffles); the 4 warp sums go through shared memory and warp 0 adds them in warp order
-          (deterministic, no atomics) and writes the output row and LSE.
+          cut into pieces; ``mCta[0, 7]`` of them, at most ``num_ctas - 1``), spread over the CTAs.  An item's 4 warps
+          split its slots (warp ``w``: slots ``w, w + 4, ..``; a lane: 4 of the quarter's 128 columns), each weighting
+          its fp32 partials by ``exp(lse_s - max)`` (every warp takes max and sum over all slots by shuffles); warp 0
+          adds the 4 warp sums from shared memory in warp order (deterministic, no atomics), writes output row and LSE.
         * Requests of length 0 (``mReq[b, 0] == 0``), ``b`` spread over the CTAs: exact zero rows, LSE -inf.
-        * The batch-invariant schedule (:attr:`chunk` > 0): the work items are ``(b, row, column quarter)`` over every
-          request (more than ``num_ctas - 1`` may be split), those of fewer than 2 pieces skipped, any number of
-          slots each (:meth:`combine_item`).
-
-        A request of one piece was written by the main kernel.  Launched with programmatic dependent launch
-        (PDL): the main kernel signals ``griddepcontrol.launch_dependents`` at its start, so this grid is launched
-        while the main grid runs and its CTAs take SMs as main CTAs retire; ``griddepcontrol.wait`` holds every
-        thread until the main grid has completed and its writes are visible."""
+        * Batch-invariant schedule (:attr:`chunk` > 0): items ``(b, row, column quarter)`` over every request (more
+          than ``num_ctas - 1`` may be split; :meth:`combine_item`)."""
         cute.arch.griddepcontrol_wait()
         tid, _, _ = cute.arch.thread_idx()
         bx, by, _ = cute.arch.block_idx()
@@ -115,11 +105,9 @@ class CombineMixin:
 
     @cute.jit
     def combine_item(self, mOacc, mLacc, mOS, mReq, mOut, mLse, sAcc, sW, res, item, b, warp, lane):
-        """One work item of :meth:`combine_kernel`: row ``(item // 4) % R``, column quarter ``item % 4`` of the
-        split request ``b``.  The batch-invariant schedule (:attr:`chunk` > 0) passes every request (one of fewer
-        than 2 pieces is skipped) and merges any number of slots: each lane takes the slots ``lane, lane + 32, ..``
-        in order for the max and the sum (the same order for a request's piece count whatever the batch), and every
-        slot's weight is recomputed from its LSE where it is added."""
+        """:meth:`combine_kernel` item: row ``(item // 4) % R``, column quarter ``item % 4`` of split request ``b``.
+        :attr:`chunk` > 0: any request (< 2 pieces: skipped) and slot count: lanes take slots ``lane, lane + 32, ..`` in
+        order for max and sum (per piece count the same in any batch), weights recomputed from LSEs where added."""
         ns = mReq[b, 0]
         if cutlass.const_expr(self.chunk > 0):
             if ns >= 2:
@@ -163,8 +151,7 @@ class CombineMixin:
         cute.arch.sync_warp()
         acc = cute.make_rmem_tensor((4,), Float32)
         acc.fill(0.0)
-        # the warp's slots warp, warp + 4, ..: each one's partial loaded an iteration ahead (the load of slot
-        # s + 4 is in flight while slot s is added; past the last slot a valid row is loaded and not used)
+        # slots warp, warp + 4, ..: slot s + 4's partial loads while slot s is added (past the last: valid row, unused)
         vc = cute.make_rmem_tensor((4,), Float32)
         vc.store(cute.make_tensor(row_ptr(mOacc, lbase + Int64(cutlass.min(warp, ns - 1)) * self.R, col,
                                           self.DV, 16), cute.make_layout(4)).load())

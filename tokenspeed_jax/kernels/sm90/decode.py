@@ -1,17 +1,15 @@
-"""The one launch entry of the Hopper MLA decode kernels: ``launch_decode(..., loop=, producer=)`` builds the main
-loop a :class:`tokenspeed_jax.backends.sm90_decode.Sm90DecodeConfig` names and launches it on its persistent grid
-(plus the split-KV combine kernel).  The loops:
+"""Launch entry of the Hopper MLA decode: ``launch_decode(..., loop=, producer=)`` runs the main loop of a
+:class:`tokenspeed_jax.backends.sm90_decode.Sm90DecodeConfig` on its persistent grid, then the split-KV combine.  Loops:
 
-* ``"seesaw"`` (:mod:`.seesaw`): two warpgroups own alternate 64-token tiles of 64 query rows and work out
-  of phase; 16-bit, or FP8 with 16-token pages (QK and P V on FP8 tensor cores, V^T built in a packed slot);
-  ``producer``: a third warpgroup issues the TMA refills (pages >= 32).
-* ``"transposed"`` (:mod:`.transposed`): 16-bit, S x H <= 32 query rows: S^T = K Q^T and O^T = V^T P^T on the
-  real rows as the N dimension, the seesaw's refills, always with the producer warpgroup.
+* ``"seesaw"`` (:mod:`.seesaw`): two warpgroups own alternate 64-token tiles of 64 query rows and work out of phase;
+  16-bit, or FP8 with 16-token pages (QK and P V on FP8 tensor cores, V^T built in a packed slot); ``producer``: a
+  third warpgroup issues the TMA refills (pages >= 32).
+* ``"transposed"`` (:mod:`.transposed`): 16-bit, S x H <= 32 query rows: S^T = K Q^T and O^T = V^T P^T on the real
+  rows as the N dimension, the seesaw's refills, always with the producer warpgroup.
 * ``"fp8_transposed_pv"`` (:mod:`.fp8_transposed_pv`): FP8, S x H > 32, pages >= 32: 64-row blocks, O^T = V^T P^T with
   V^T a register operand loaded straight from the e4m3 staging.
 * ``"fp8_transposed"`` (:mod:`.fp8_transposed`): FP8, S x H <= 32, pages >= 32: both matmuls transposed, each
-  warpgroup its own KV tiles over all 512 features, merged in the epilogue.
-"""
+  warpgroup its own KV tiles over all 512 features, merged in the epilogue."""
 
 import cutlass
 import cutlass.cute as cute
@@ -27,12 +25,9 @@ LOOPS = ("seesaw", "transposed", "fp8_transposed_pv", "fp8_transposed")
 def build_decode_kernel(*, loop: str, producer: bool, dtype: str, num_heads: int, q_len: int, page_size: int,
                         causal: bool, num_ctas: int, max_slots: int, trace: int = 0, chunk: int = 0,
                         prefetch: bool = False):
-    """The kernel object of ``loop`` for one problem class (the backend's config, resolved): ``num_ctas`` persistent
-    CTAs per row block, ``max_slots`` fp32 partial slots; ``trace`` > 0: a debug build with ``clock64`` marks
-    (benchmarks/trace_decode.py; not the transposed 16-bit loop); ``chunk`` > 0: the batch-invariant schedule's
-    piece length (``decode_common.MlaDecodeSm90``); ``prefetch``: the next piece's first loads during the epilogue
-    (``decode_common.MlaDecodeSm90.start_piece``; loops with the producer warpgroup whose epilogue leaves the KV
-    buffers alone: not ``fp8_transposed``, whose epilogue swaps O^T halves through them)."""
+    """The kernel object of ``loop`` for one problem class (the backend's config, resolved); other arguments as in
+    ``decode_common.MlaDecodeSm90``.  ``trace``: not the transposed 16-bit loop; ``prefetch``: loops with the producer
+    warpgroup whose epilogue leaves the KV buffers alone (not ``fp8_transposed``: it swaps O^T halves through them)."""
     kw = dict(dtype=dtype, num_heads=num_heads, q_len=q_len, page_size=page_size, causal=causal,
               num_ctas=num_ctas, max_slots=max_slots, chunk=chunk, prefetch=prefetch)
     if prefetch and (not producer or loop == "fp8_transposed" or trace):
@@ -63,9 +58,8 @@ def launch_decode(stream, q: cute.Tensor, kv: cute.Tensor, block_table: cute.Ten
                   chunk: cutlass.Constexpr = 0, prefetch: cutlass.Constexpr = False):
     """FFI launch function of the sm90 decode (ABI: ``tokenspeed_jax.backends.sm90_decode.decode``): q, cache, block
     table, lengths, the (1,)-shaped scales, the schedule's ``cta [num_ctas, 8]`` and ``req [B, 2]``
-    (``tokenspeed_jax.decode_schedule``), then the outputs out, lse and the fp32 partials
-    ``o_accum [max_slots, rows, 512]`` and ``lse_accum [max_slots, rows]`` (``chunk`` > 0, the batch-invariant
-    schedule: ``[B * ceil(capacity / chunk), ..]``)."""
+    (``tokenspeed_jax.decode_schedule``), then the outputs out, lse and the fp32 partials ``o_accum [slots, rows, 512]``
+    and ``lse_accum [slots, rows]`` (``max_slots`` slots; ``chunk`` > 0: ``B * ceil(capacity / chunk)``)."""
     build_decode_kernel(loop=loop, producer=producer, dtype=dtype, num_heads=num_heads, q_len=q_len,
                         page_size=page_size, causal=causal, num_ctas=num_ctas, max_slots=max_slots, chunk=chunk,
                         prefetch=prefetch)(

@@ -1,25 +1,18 @@
-"""Shared host and device code of the Hopper MLA decode kernels (CuTe DSL): the static configuration every main
-loop takes, the Q load, the row limits, the walk over the schedule's pieces, the staged epilogue; the split-KV combine
-kernel is :mod:`.combine`.  The main loops subclass :class:`MlaDecodeSm90`; the launch entry is
-:mod:`tokenspeed_jax.kernels.sm90.decode`.
+"""Host and device code shared by the Hopper MLA decode main loops (CuTe DSL), which subclass :class:`MlaDecodeSm90`:
+configuration, Q load, row limits, schedule walk, staged epilogue.  Launch: :mod:`tokenspeed_jax.kernels.sm90.decode`;
+combine: :mod:`.combine`; contract: ``tokenspeed_jax.decode`` module docstring (cache row layout, mask, LSE, clamping).
 
-Contract: ``tokenspeed_jax.decode`` module docstring (cache row layout, mask, LSE, clamping).
-
-* A persistent grid ``(row blocks, num_ctas)``: CTA ``(row block, g)`` walks the pieces of range ``g`` of the
-  length-balanced schedule (``tokenspeed_jax.decode_schedule``; :meth:`MlaDecodeSm90.piece`), each a whole run of
-  the main loop over one request's KV token range for the block's query rows.  Rows are ``r = s*H + h`` (heads
-  fastest), so the KV stream of a request is read once for all S tokens and all heads of a block.
-* Online softmax in the exp2 domain, fp32 statistics; masked scores are -inf, a row whose max is still -inf uses 0
-  as its reference so exp2 gives exact zeros.  seq_len is clamped to ``[0, max_pages*page_size]``, page ids to
+* Persistent grid ``(row blocks, num_ctas)``: CTA ``(row block, g)`` walks range ``g`` of the length-balanced schedule
+  (``tokenspeed_jax.decode_schedule``; :meth:`MlaDecodeSm90.piece`), each piece a whole main-loop run over one request's
+  KV range for the block's rows ``r = s*H + h`` (heads fastest: KV read once for all S tokens and heads).
+* Online softmax in the exp2 domain, fp32 statistics; masked scores are -inf, a row whose max is still -inf uses 0 as
+  its reference so exp2 gives exact zeros.  seq_len is clamped to ``[0, max_pages*page_size]``, page ids to
   ``[0, num_pages)``; KV rows past a request's length are masked and never multiply a nonzero P.
-* Split KV: a request whose KV lies in one CTA's range gets its output (scaled by ``output_scale``) and LSE from
-  that CTA.  A request cut into ``k`` pieces gets ``k`` normalised fp32 partials ``o_accum[slot, R, 512]`` and
-  natural-log LSEs ``lse_accum[slot, R]`` in consecutive workspace slots (:meth:`MlaDecodeSm90.out_row`), which
-  :meth:`~.combine.CombineMixin.combine_kernel` merges in slot order (deterministic), launched right behind the
-  main kernel with programmatic dependent launch; it also writes the exact zeros and -inf LSE of a request of
-  length 0.
-* ``softmax_scale`` and ``output_scale`` are read at run time from float32 device arrays of shape (1,).
-"""
+* Split KV: a request within one CTA's range gets its output (times ``output_scale``) and LSE from it; one cut into
+  ``k`` pieces, ``k`` normalised fp32 partials (``o_accum[slot, R, 512]``) and natural-log LSEs (``lse_accum[slot, R]``)
+  in consecutive workspace slots (:meth:`MlaDecodeSm90.out_row`), merged in slot order (deterministic) by
+  :meth:`~.combine.CombineMixin.combine_kernel`, which also writes length-0 requests' exact zeros and -inf LSE.
+* ``softmax_scale`` and ``output_scale`` are read at run time from float32 device arrays of shape (1,)."""
 
 from __future__ import annotations
 
@@ -39,17 +32,13 @@ _MIN_PAGE = 16  # TMA refills: at most 4 boxes of whole pages per 64-token chunk
 
 
 class MlaDecodeSm90(CombineMixin):
-    """Static configuration of one decode kernel (module docstring), shared by the main loops.
-
-    Args: dtype ("bfloat16" | "float16" | "float8_e4m3fn"), num_heads H, q_len S, page_size (a power of two >= 16),
-    causal, num_ctas (the persistent CTAs per row block), max_slots (the workspace's fp32 partial slots),
-    ``pad_zero``: the query rows past R of a 64-row block are zeros with every key masked (else no row past R is
-    read: a block without padding, or a loop on the real rows),
-    ``chunk``: 0, or the batch-invariant schedule's piece length in tokens (a multiple of 128), ``prefetch``: the
-    next piece's first loads are issued at the current piece's epilogue barrier (:meth:`start_piece`; the
-    length-balanced schedule, loops with the producer warpgroup), ``trace``: 0, or a debug build's iterations timed
-    per warpgroup (``clock64`` marks into an extra int64 output: ``decode_trace``, benchmarks/trace_decode.py).
-    """
+    """Static configuration of one decode kernel (module docstring), shared by the main loops.  Args: dtype ("bfloat16",
+    "float16" or "float8_e4m3fn"), num_heads H, q_len S, page_size (a power of two >= 16), causal, num_ctas (persistent
+    CTAs per row block), max_slots (fp32 partial slots), ``pad_zero``: a 64-row block's query rows past R are zeros,
+    every key masked (else no row past R is read: no padding, or a loop on the real rows), ``chunk``: 0, or the
+    batch-invariant piece length (a multiple of 128), ``prefetch``: the next piece's first loads issued at this one's
+    epilogue barrier (:meth:`start_piece`; length-balanced schedule, producer-warpgroup loops), ``trace``: 0, or a debug
+    build's iterations timed per warpgroup (``clock64`` marks; ``decode_trace``)."""
 
     block_m = 64
     block_n = 64
@@ -77,40 +66,33 @@ class MlaDecodeSm90(CombineMixin):
         self.max_slots = max_slots
         if chunk < 0 or chunk % (2 * self.block_n):
             raise ValueError(f"chunk: expected 0 or a positive multiple of {2 * self.block_n}, got {chunk}")
-        # the batch-invariant schedule's piece length (0: the length-balanced schedule): the walk runs a range's
-        # requests chunk by chunk (walk_chunks), the workspace has max_slots unused and the combine any slot count
-        self.chunk = chunk
-        # the next piece's first KV tiles (the producer warpgroup) and, where the loop's epilogue leaves the Q tile
-        # alone (:attr:`prefetch_q`), its Q tile are loaded while the current piece's epilogue runs
+        self.chunk = chunk  # > 0: walk_chunks; the workspace's max_slots unused, the combine takes any slot count
         self.prefetch = bool(prefetch)
         if self.prefetch and chunk:
             raise ValueError("prefetch: the length-balanced schedule only (chunk 0)")
         self.D, self.DV = 576, 512
         self.num_m_blocks = -(-self.R // self.block_m)
-        # the rows past R of a row block (R % 64 != 0) load zeros and mask every key, so the padded rows of both
-        # matmuls' A operands are zeros (q) and exact zeros (P): less switching in the tensor cores, which lowers the
-        # power draw and so holds a higher SM clock under sustained load (docs/sm90_decode.md)
+        # rows past R of a row block (R % 64 != 0) load zeros and mask every key, so both matmuls' A operands are zeros
+        # there (q, P): less tensor-core switching, lower power, a higher sustained SM clock (docs/sm90_decode.md)
         self.pad_zero = bool(pad_zero)
         # FP8: P is computed as 2^8 p (max 256 < 448, e4m3's largest finite), so p down to 2^-14 stays a normal e4m3
         # number (3 mantissa bits) and down to 2^-17 a subnormal; O and l carry the factor, the LSE takes it out
         self.p8_bias = 8.0 if self.fp8 else 0.0
-        # causal S > 1: the last S - 1 keys are hidden from some query rows but multiplied (by P = 0) in their tile's
-        # P V; the loops zero their non-finite V values after the QK (:meth:`tail_from`; docs/sm90_decode.md,
-        # "Causally hidden keys": V is part of the key row, so a row that sees such a key has a NaN P anyway)
+        # causal S > 1: the last S - 1 keys, hidden from some query rows, are multiplied (by P = 0) in their tile's P V;
+        # the loops zero their non-finite V after the QK (:meth:`tail_from`; docs/sm90_decode.md, "Causally hidden
+        # keys": V is part of the key row, so a row that sees such a key has a NaN P anyway)
         self.hidden_keys = q_len - 1 if causal else 0
         if trace < 0:
             raise ValueError(f"trace: expected the number of iterations to time (0: a normal build), got {trace}")
         self.trace = int(trace)
-        # a producer warpgroup, where a loop has one, runs on 24 registers and the computing ones on 240: 2 x 128 x
-        # 240 + 128 x 24 = 384 x 168 (the launch's)
+        # a producer warpgroup runs on 24 registers, the computing ones on 240: 2x128x240 + 128x24 = 384x168 (launch)
         self.producer_regs, self.consumer_regs = 24, 240
         self.box_rows = min(self.page_size, self.block_n)  # rows of one TMA box (one page or one tile)
         self.subs = self.block_n // self.box_rows  # boxes per 64-token tile and 64-column chunk
 
     def tail_from(self, split_end):
-        """The first key of a piece ending at ``split_end`` whose tile cleans its V: ``split_end`` (the rows past the
-        piece, zeroed), or with :attr:`hidden_keys` the first of those keys (a superset of the hidden ones, which
-        start at ``seq - S + 1 >= split_end - S + 1``)."""
+        """First key whose tile cleans its V, for a piece ending at ``split_end``: ``split_end`` (rows past it zeroed),
+        or ``split_end - hidden_keys``, a superset of the hidden keys (from ``seq - S + 1 >= split_end - S + 1``)."""
         return split_end - self.hidden_keys
 
     def hidden_rows(self, tile_start, split_end):
@@ -178,9 +160,8 @@ class MlaDecodeSm90(CombineMixin):
 
     @cute.jit
     def load_q_raw8(self, sQ: cute.Tensor, mQ: cute.Tensor, rows: cute.Tensor, tid: Int32):
-        """e4m3 q rows -> e4m3 smem in the QGMMA A layout, unconverted: synchronous 8-byte loads and stores
-        (thread t: rows ``t//8 + 32m``, bytes ``8 (t%8) + 64k``), published by the prologue's proxy fence
-        and barrier."""
+        """e4m3 q rows -> e4m3 smem in the QGMMA A layout, unconverted: synchronous 8-byte loads and stores (thread
+        t: rows ``t//8 + 32m``, bytes ``8 (t%8) + 64k``), published by the prologue's proxy fence and barrier."""
         _, tiled = self._row_copy(cutlass.Float8E4M3FN, 64, 8)
         tXsQ = tiled.get_slice(tid).partition_D(sQ)
         for m in cutlass.range_constexpr(cute.size(tXsQ, mode=[1])):
@@ -198,9 +179,8 @@ class MlaDecodeSm90(CombineMixin):
 
     @cute.jit
     def cta_start(self, Storage: cutlass.Constexpr):
-        """First thing of a main kernel: ``(tid, row block, g, warpgroup, thread in the warpgroup, shared storage)``,
-        after the combine's PDL trigger.  Where a CTA finds its work: the grid is ``(row blocks, num_ctas)``; CTA ``g``
-        walks the pieces of range ``g`` of the schedule (:meth:`piece`)."""
+        """First thing of a main kernel, after the combine's programmatic dependent launch (PDL) trigger: ``tid``, row
+        block, ``g`` (CTA ``g`` walks range ``g``: :meth:`piece`), warpgroup, thread in warpgroup, shared storage."""
         tid, _, _ = cute.arch.thread_idx()
         mblk, g, _ = cute.arch.block_idx()
         self.allow_combine_launch()
@@ -233,11 +213,9 @@ class MlaDecodeSm90(CombineMixin):
 
     @cute.jit
     def piece(self, mCta: cute.Tensor, mBT: cute.Tensor, mSeq: cute.Tensor, g: Int32, b: Int32):
-        """``(seq, start, end, slot)`` of request ``b``'s piece in CTA ``g``'s range of the schedule
-        (``tokenspeed_jax.decode_schedule``: ``mCta[g] = (b_first, tok_first, b_last, tok_end, slot_first,
-        slot_last, 0, 0)``): seq_len clamped to ``[0, max_pages * page_size]``, the piece's KV tokens
-        ``[start, end)`` (empty if ``end <= start``: a request of length 0), and its fp32 partial slot (-1: the
-        request lies in this CTA alone, which writes its output)."""
+        """``(seq, start, end, slot)`` of request ``b``'s piece in CTA ``g``'s range, ``mCta[g] = (b_first, tok_first,
+        b_last, tok_end, slot_first, slot_last, 0, 0)``: seq_len clamped to ``[0, max_pages * page_size]``, KV tokens
+        ``[start, end)`` (empty for length 0), fp32 partial slot (-1: this CTA alone has it, writes its output)."""
         seq = clamp(mSeq[b], 0, mBT.shape[1] * self.page_size)
         start = Int32(0)
         end = seq
@@ -251,8 +229,8 @@ class MlaDecodeSm90(CombineMixin):
         return seq, start, end, slot
 
     def phase_bits(self, mbar):
-        """The parity each mbarrier had at the start of the current piece (bit ``k`` for the ``k``-th from ``mbar``):
-        a one-register tensor the piece loop flips by the completions of each piece, which :meth:`landed` reads."""
+        """The parity each mbarrier had at the current piece's start (bit ``k`` for the ``k``-th from ``mbar``,
+        :attr:`mbar_base`): :attr:`ph`, one register the piece loop flips by a piece's completions (:meth:`landed`)."""
         self.mbar_base = mbar
         self.ph = cute.make_rmem_tensor((1,), Int32)
         self.ph[0] = Int32(0)
@@ -260,11 +238,8 @@ class MlaDecodeSm90(CombineMixin):
 
     @cute.jit
     def run_pieces(self, c):
-        """After a main kernel's prologue: every warpgroup walks the pieces of its CTA's range (:meth:`walk_pieces`),
-        with the producer warpgroup (:attr:`producer`) as the producer (``setmaxnreg``: :attr:`producer_regs` for it,
-        :attr:`consumer_regs` for the computing ones).  ``c``: the kernel's values by name (a namespace; ``mCta``,
-        ``mBT``, ``mSeq``, ``g``, ``wg``, ``tid``, ``wtid``, ``mblk``, ``sM``, ``sQ``, ``mQ``, ``mTrace`` here, the
-        rest for the loop's hooks)."""
+        """After the prologue every warpgroup walks its CTA's pieces (:meth:`walk_pieces`), ``setmaxnreg`` giving the
+        producer (:attr:`producer`) :attr:`producer_regs`, others :attr:`consumer_regs`; ``c``: the kernel's values."""
         b_first = c.mCta[c.g, 0]
         b_last = c.mCta[c.g, 2]
         if cutlass.const_expr(self.producer):  # warpgroup 2 issues the refills, 0 and 1 compute
@@ -279,9 +254,8 @@ class MlaDecodeSm90(CombineMixin):
 
     @cute.jit
     def walk_pieces(self, c, b_first: Int32, b_last: Int32, producer: cutlass.Constexpr):
-        """One warpgroup's walk over requests ``b_first..b_last`` (:meth:`piece`), each non-empty piece a whole run
-        of the loop between CTA barriers (:meth:`run_piece`).  The batch-invariant schedule (:attr:`chunk` > 0):
-        each request's part of the range is run ``chunk`` tokens at a time (:meth:`walk_chunks`)."""
+        """One warpgroup's walk over requests ``b_first..b_last`` (:meth:`piece`), each non-empty piece one
+        :meth:`run_piece`; :attr:`chunk` > 0: ``chunk`` tokens at a time (:meth:`walk_chunks`)."""
         if cutlass.const_expr(self.chunk > 0):
             self.walk_chunks(c, b_first, b_last, producer)
         else:
@@ -300,8 +274,7 @@ class MlaDecodeSm90(CombineMixin):
 
     @cute.jit
     def next_piece(self, c, b: Int32, b_last: Int32):
-        """:attr:`prefetch`: the first request of ``b..b_last`` with a non-empty piece in this CTA's range, -1 if
-        none."""
+        """:attr:`prefetch`: the first request of ``b..b_last`` with a non-empty piece in this CTA's range, or -1."""
         nb = Int32(-1)
         k = b
         while k <= b_last:
@@ -315,11 +288,9 @@ class MlaDecodeSm90(CombineMixin):
 
     @cute.jit
     def start_piece(self, c, b: Int32, producer: cutlass.Constexpr):
-        """:attr:`prefetch`: issue the first loads of request ``b``'s piece (none if ``b < 0``), ahead of its run
-        (:meth:`run_piece`): before the walk for the first piece, at the epilogue barrier of the one before for the
-        others.  The producer warpgroup issues its first KV tiles (``produce_start``; the computing warpgroups read no
-        buffer after that barrier), the computing warpgroups its Q tile where :attr:`prefetch_q` (the rest of that
-        load is in :meth:`epilogue_barrier`)."""
+        """:attr:`prefetch`: issue request ``b``'s first loads (none if ``b < 0``) ahead of :meth:`run_piece`, for the
+        first piece before the walk, else at the previous one's epilogue barrier: the producer its first KV tiles
+        (``produce_start``; no consumer reads a buffer after that barrier), the consumers Q (if :attr:`prefetch_q`)."""
         if b >= 0:
             _, start, end, _ = self.piece(c.mCta, c.mBT, c.mSeq, c.g, b)
             if cutlass.const_expr(producer):
@@ -330,31 +301,27 @@ class MlaDecodeSm90(CombineMixin):
 
     @cute.jit
     def epilogue_barrier(self, c, b, b_last):
-        """The computing warpgroups' CTA barrier that starts the epilogue of request ``b``'s piece (every wgmma
-        retired, every buffer read); with :attr:`prefetch` and :attr:`prefetch_q`, then the Q tile of the next piece
-        of ``b + 1..b_last`` (:meth:`next_piece`, looked up here so that no value of it lives across the loop), whose
-        run waits for it."""
+        """The computing warpgroups' CTA barrier before the epilogue of ``b``'s piece (every wgmma retired, every buffer
+        read); with :attr:`prefetch` and :attr:`prefetch_q` the next piece's Q tile follows (:meth:`next_piece` in
+        ``b + 1..b_last``, looked up here so no value of it lives across the loop), which its run waits for."""
         cute.arch.barrier()
         if cutlass.const_expr(self.prefetch and self.prefetch_q):
             self.start_piece(c, self.next_piece(c, b + 1, b_last), False)
 
     @cute.jit
     def produce_piece(self, c, b: Int32, split_start: Int32, split_end: Int32, n_pairs: Int32):
-        """The producer warpgroup's part of a piece: its first KV tiles (the loop's ``produce_start``), the barrier
-        the computing warpgroups' Q tile waits on, then the loop's refills (``produce_rest``)."""
+        """Producer: first KV tiles (``produce_start``), the barrier Q waits on, refills (``produce_rest``)."""
         self.produce_start(c, b, split_start, split_end, n_pairs)
         cute.arch.barrier()  # the consumers' Q tile landed
         self.produce_rest(c, b, split_start, split_end, n_pairs)
 
     @cute.jit
     def walk_chunks(self, c, b_first: Int32, b_last: Int32, producer: cutlass.Constexpr):
-        """The walk of the batch-invariant schedule (``tokenspeed_jax.decode_schedule``, ``chunk > 0``): the range's
-        part ``[start, end)`` of each request ``b`` (:meth:`piece`; ``start`` a multiple of :attr:`chunk`) runs as the
-        pieces ``[cs, min(cs + chunk, end))``, ``cs = start, start + chunk, ..``: the pieces the request has in every
-        batch.  A request longer than ``chunk`` writes piece ``cs / chunk`` into slot ``b * P + cs / chunk``, ``P =
-        ceil(capacity / chunk)`` (the workspace has ``B * P`` slots); a shorter one is direct.  The walk carries
-        ``(b, cs)`` only (one loop, so the piece's run keeps the registers it has in the default walk).  A piece's run
-        depends on ``(b, seq, cs, end, slot < 0)`` only, so its result is the same whatever CTA runs it."""
+        """Batch-invariant walk (:attr:`chunk` > 0): request ``b``'s part ``[start, end)`` (:meth:`piece`; ``start`` a
+        multiple of ``chunk``) runs as the pieces ``[cs, min(cs + chunk, end))`` for ``cs = start, start + chunk, ..``,
+        as in every batch; one longer than ``chunk`` writes piece ``cs / chunk`` to slot ``b * P + cs / chunk``, ``P =
+        ceil(capacity / chunk)`` (``B * P`` slots), a shorter one direct.  As one loop carrying only ``(b, cs)``, the
+        run keeps its default-walk registers.  A run depends on ``(b, seq, cs, end, slot < 0)`` only: any CTA alike."""
         mCta, mBT, mSeq, g = c.mCta, c.mBT, c.mSeq, c.g
         b = b_first
         cs = mCta[g, 1]
@@ -378,14 +345,11 @@ class MlaDecodeSm90(CombineMixin):
     @cute.jit
     def run_piece(self, c, b: Int32, seq: Int32, start: Int32, end: Int32, slot: Int32, producer: cutlass.Constexpr,
                   b_last=None):
-        """One non-empty piece ``[start, end)`` of request ``b``, a whole run of the loop between CTA barriers.  The
-        loop's hooks: ``produce_start`` and ``produce_rest(c, b, start, end, n_pairs)`` (the producer warpgroup: its
-        first KV tiles, then, after the barrier the Q tile waits on, the loop's refills), :meth:`load_piece_q`,
-        ``consume(c, cta, b, seq, start, end, slot, n_pairs[, b_last])`` (the computing warpgroups: the loop and the
-        epilogue, whose first step is a CTA barrier, :meth:`epilogue_barrier` in the loops with :attr:`prefetch_q`)
-        and ``advance_phases(n_pairs)`` (the mbarriers' completions of the piece into :attr:`ph`).
-        :attr:`prefetch`: this piece's first loads were issued ahead (:meth:`start_piece`), and those of the next
-        piece in ``b + 1..b_last`` are issued at its epilogue barrier (:meth:`next_piece`, looked up there)."""
+        """One non-empty piece ``[start, end)`` of request ``b``, a whole run of the loop between CTA barriers.  Hooks:
+        ``produce_start``, ``produce_rest(c, b, start, end, n_pairs)`` (:meth:`produce_piece`), :meth:`load_piece_q`,
+        ``consume(c, cta, b, seq, start, end, slot, n_pairs[, b_last])`` (computing warpgroups: loop and epilogue, which
+        starts with a CTA barrier, :meth:`epilogue_barrier` with :attr:`prefetch_q`), ``advance_phases(n_pairs)``
+        (piece's mbarrier completions into :attr:`ph`).  :attr:`prefetch`: :meth:`start_piece`."""
         tid, sM, g = c.tid, c.sM, c.g
         n_pairs = self.num_pairs(start, end)
         if cutlass.const_expr(producer):
@@ -418,14 +382,13 @@ class MlaDecodeSm90(CombineMixin):
 
     @cute.jit
     def load_piece_q(self, c, b: Int32, split_start: Int32, split_end: Int32):
-        """A computing warpgroup's start of piece ``b`` (:meth:`walk_pieces`, before the fence and barrier that
-        publish it): the Q tile (:meth:`load_q_tile`)."""
+        """Computing warpgroups: the Q tile (:meth:`load_q_tile`), before :meth:`run_piece`'s fence and barrier."""
         self.load_q_tile(c.sQ[None, None, 0], c.mQ, c.mblk, b, c.tid)
 
     @cute.jit
     def q_rows(self, mblk: Int32, b: Int32, tid: Int32):
         """Global q rows ``[B*R]`` of the two tile rows ``tid//8 + 32m`` this thread loads; rows past R are
-        a clamped copy of row R-1 (finite, never stored), or -1 (load zeros) with ``pad_rows="zero"``."""
+        a clamped copy of row R-1 (finite, never stored), or -1 (load zeros) with :attr:`pad_zero`."""
         qrows = cute.make_rmem_tensor((2,), Int64)
         for m in cutlass.range_constexpr(2):
             r0 = mblk * self.block_m + tid // 8 + 32 * m
@@ -457,24 +420,18 @@ class MlaDecodeSm90(CombineMixin):
 
     @cute.jit
     def landed(self, mbar_ptr, phase):
-        """Wait for a refill (completion ``phase`` of its mbarrier, counted from the piece's start: the parity the
-        mbarrier had then, bit ``k`` of :attr:`ph` for the ``k``-th mbarrier from :attr:`mbar_base`, flips it)."""
+        """Wait for a refill: completion ``phase`` of its mbarrier from the piece's start (:meth:`phase_bits`)."""
         k = (mbar_ptr.toint() - self.mbar_base.toint()) >> 3
         cute.arch.mbarrier_wait(mbar_ptr, phase ^ ((self.ph[0] >> k) & 1))
 
     def fresh_smem(self, c, views):
-        """``views`` (shared-memory tensors and pointers of the kernel's storage; None passes through) re-derived from
-        a fresh copy of the storage's address, where a main loop issues a wgmma: its MMA operands (the wgmma
-        descriptors) are built from them right there.
-
-        The copy is the address of ``c.mbar`` passed through a warp shuffle (``make_warp_uniform``), which the compiler
-        cannot move out of the loop, so every descriptor derived from it is computed at its use, where ptxas keeps it
-        on the uniform datapath (and drops the shuffle of a uniform value).  With the operands built from the
-        kernel's tensors, ptxas moved the ~30 loop-invariant 64-bit descriptors of a loop out of it, held them in
-        vector registers across the loop and copied each to the uniform registers the wgmma reads by an ``R2UR``,
-        adding the k-offsets on the vector ALUs.  Built at the top of the iteration instead of at the issue, they stay
-        live across the softmax, in vector registers again.  Each pointer keeps its type (swizzle, alignment): its
-        offset from ``c.mbar`` is a constant."""
+        """Re-derive ``views`` (storage tensors / pointers, or None) from a fresh copy of the storage's address where a
+        main loop issues a wgmma, so its descriptors are built right there: ``c.mbar``'s address through a warp shuffle
+        (``make_warp_uniform``) cannot be hoisted out of the loop, so each descriptor is computed at its use on the
+        uniform datapath (ptxas drops the shuffle of a uniform value).  Otherwise ptxas hoisted a loop's ~30 invariant
+        64-bit descriptors into vector registers, ``R2UR``-copied each to the wgmma's uniform registers and added the
+        k-offsets on the vector ALUs; built at the iteration's top, they stayed live across the softmax in vector
+        registers.  Pointers keep their type (swizzle, alignment): offsets from ``c.mbar`` are constant."""
         ref = c.mbar.toint()
         fresh = cute.arch.make_warp_uniform(ref)
         out = []
@@ -492,9 +449,8 @@ class MlaDecodeSm90(CombineMixin):
     @cute.jit
     def qk_chunks(self, qk_mma: cute.TiledMma, acc_s: cute.Tensor, tSrQ: cute.Tensor, tSrK: cute.Tensor,
                   chunks: cutlass.Constexpr, first: cutlass.Constexpr):
-        """Issue ``S (+)= Q[:, chunks] K[:, chunks]^T`` (no commit); ``first``: S starts from zero.  (The MMA
-        always accumulates: its ACCUMULATE field is set once at kernel scope, because a field set inside one
-        warpgroup's branch would not dominate the other branch's uses.)"""
+        """Issue ``S (+)= Q[:, chunks] K[:, chunks]^T`` (no commit); ``first``: S from zero.  The MMA always accumulates
+        (ACCUMULATE is set once at kernel scope: set in a warpgroup's branch, it wouldn't dominate the other's uses)."""
         if cutlass.const_expr(first):
             acc_s.fill(0.0)
         warpgroup.fence()
@@ -519,9 +475,8 @@ class MlaDecodeSm90(CombineMixin):
     @cute.jit
     def scale_mask(self, acc_s: cute.Tensor, tScS: cute.Tensor, lim: cute.Tensor, tile_start: Int32,
                    scale_log2: Float32, mx: cute.Tensor, cols: cutlass.Constexpr = False):
-        """S -> exp2 domain in place, -inf for keys at or past the row's ``lim``, folded into the thread's maxima
-        ``mx`` (one per row of its 2; ``cols``: ``S^T``, keys down the rows, one per column of
-        :meth:`~.transposed_out.TransposedOutMixin.col_n`)."""
+        """S -> exp2 domain in place, -inf for keys at or past the row's ``lim``, folded into the maxima ``mx`` (one per
+        row; ``cols``: ``S^T``, keys down rows, one per column: :meth:`~.transposed_out.TransposedOutMixin.col_n`)."""
         for e in cutlass.range_constexpr(cute.size(acc_s)):
             i = e % 2 + 2 * (e // 4) if cutlass.const_expr(cols) else (e // 2) % 2
             v = acc_s[e] * scale_log2
@@ -532,9 +487,8 @@ class MlaDecodeSm90(CombineMixin):
 
     @cute.jit
     def fold_max(self, m_prev: Float32, mx: Float32):
-        """Fold a tile's row max ``mx`` into the shared running max ``m_prev``: returns ``(m_new, ref,
-        scale)``, where ``ref`` is what P is computed against (0 while the max is still -inf, so exp2 gives
-        exact zeros) and ``scale = exp2(m_prev - ref)`` rescales state relative to ``m_prev``."""
+        """Fold a tile's row max ``mx`` into the shared running max ``m_prev``: ``(m_new, ref, scale)``, ``ref`` what P
+        is computed against (0 while the max is -inf: exact zeros), ``scale = exp2(m_prev - ref)`` rescales state."""
         m_new = cute.arch.fmax(m_prev, mx)
         ref = m_new
         if m_new == -Float32.inf:
@@ -543,9 +497,8 @@ class MlaDecodeSm90(CombineMixin):
 
     @cute.jit
     def exp_rows(self, acc_s: cute.Tensor, ref: cute.Tensor, row_l: cute.Tensor):
-        """``P = exp2(S - ref)`` in place, added to the thread's partial row sums.  FP8: ``2^8 P`` (the e4m3 cast keeps
-        P's small values as normals; :attr:`p8_bias`); O and l carry the same factor until the epilogue (which
-        subtracts it from the row max for the LSE)."""
+        """``P = exp2(S - ref)`` in place, added to the thread's partial row sums.  FP8: ``2^8 P`` (:attr:`p8_bias`);
+        O and l carry the factor until the epilogue subtracts it from the row max for the LSE."""
         rb = ref
         if cutlass.const_expr(self.fp8):
             rb = cute.make_rmem_tensor((2,), Float32)
@@ -585,10 +538,9 @@ class MlaDecodeSm90(CombineMixin):
     @cute.jit
     def epilogue(self, pv_thr, acc_o, row_m, row_l, row_in, sSum, mOut, mLse, mOacc, mLacc, out_scale, mblk,
                  slot, b, wg, wtid, stage):
-        """O / l and the LSE of this CTA's rows: the final output (times ``output_scale``) when ``slot < 0``, else the
-        normalised fp32 partial and its LSE into workspace slot ``slot`` (:meth:`out_row`).  ``stage`` =
-        ``(pointer, bytes)``: free shared memory, 16-byte aligned, at least 36 KB (:meth:`store_o_staged`): O goes
-        through it and leaves in full 16-byte chunks."""
+        """O / l and the LSE of the CTA's rows: the output (times ``output_scale``) if ``slot < 0``, else the normalised
+        fp32 partial and its LSE into workspace slot ``slot`` (:meth:`out_row`).  ``stage = (pointer, bytes)``: free
+        shared memory (16-byte aligned, >= 36 KB) O leaves through in full 16-byte chunks (:meth:`store_o_staged`)."""
         self.share_row_sums(row_l, row_in, sSum, wg, wtid)
         inv = cute.make_rmem_tensor((2,), Float32)
         lse = cute.make_rmem_tensor((2,), Float32)
@@ -647,13 +599,12 @@ class MlaDecodeSm90(CombineMixin):
     @cute.jit
     def store_o_staged(self, acc_o, tOcO, row_in, stage, mOut, mOacc, mblk, slot, b, wg, wtid,
                        direct: cutlass.Constexpr):
-        """The scaled O of warpgroup ``wg`` (64 rows x its 256 features, in ``acc_o``) to ``out`` (``direct``) or to
-        workspace slot ``slot`` of the fp32 partials through the shared memory ``stage`` = ``(pointer, bytes)``, in
-        passes of ``cw`` features, the most of 256 / 128 / 64 for which both warpgroups' tiles fit: each thread writes
-        its element pairs (4 or 8 bytes) into a 64-row tile with rows of ``cw + 8`` elements (the 8 put a warp's pair
-        stores, 8 rows x 4 threads, on 32 distinct banks), the warpgroup syncs on its TAIL barrier, then the warps
-        copy whole row segments out, 16 bytes per thread (coalesced).  16-bit Q tile (72 KB): one pass (bf16) or two
-        (fp32); FP8 Q tile (36 KB): two or four.  Rows past R are not stored."""
+        """Warpgroup ``wg``'s scaled O (``acc_o``, 64 rows x 256 features) to ``out`` (``direct``) or fp32 partial slot
+        ``slot`` through ``stage`` in passes of ``cw`` features (:func:`staged_pass_features`): threads write element
+        pairs (4 or 8 bytes) into a 64-row tile, ``cw + 8`` elements a row (the 8 put a warp's pair stores, 8 rows x 4
+        threads, on 32 distinct banks); after the warpgroup's TAIL barrier the warps copy whole row segments out, 16
+        bytes a thread (coalesced).  Rows past R are not stored.  Q tile stage: 16-bit (72 KB) 1 pass (bf16) or 2
+        (fp32); FP8 (36 KB) 2 or 4."""
         et = self.out_dtype if direct else Float32
         eb = et.width // 8
         cw = staged_pass_features(eb, stage[1])
@@ -687,9 +638,8 @@ class MlaDecodeSm90(CombineMixin):
                 cute.arch.barrier(barrier_id=int(Barrier.TAIL) + wg, number_of_threads=128)
 
     def launch_main(self, main, smem: int, stream, output_scale, sched_cta, sched_req, out, lse, o_accum, lse_accum):
-        """Host side of every loop: launch its traced main kernel ``main`` (``smem`` bytes of shared memory) on the
-        persistent grid ``(row blocks, num_ctas)`` (:meth:`cta_start` reads it back; the shared memory allows one CTA
-        per SM), then the combine kernel (:meth:`launch_combine`)."""
+        """Host side of every loop: launch its traced main kernel ``main`` (``smem`` bytes of shared memory: one CTA
+        per SM) on the persistent grid ``(row blocks, num_ctas)`` (:meth:`cta_start`), then :meth:`launch_combine`."""
         main.launch(grid=(self.num_m_blocks, self.num_ctas, 1), block=(self.cta_threads, 1, 1), smem=smem,
                     stream=stream, min_blocks_per_mp=1)
         self.launch_combine(stream, o_accum, lse_accum, output_scale, sched_cta, sched_req, out, lse)

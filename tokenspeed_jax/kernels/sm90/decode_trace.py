@@ -1,8 +1,6 @@
-"""Debug timelines of the sm90 decode loops (``benchmarks/trace_decode.py``): where a debug build stores ``clock64``
-timestamps, and the names of the seesaw loop's trace points.  A mixin of
-:class:`~tokenspeed_jax.kernels.sm90.seesaw.MlaDecodeSeesawSm90` (and so of the loops built on it), which
-sets :attr:`trace` (the iterations timed per warpgroup; 0: a normal build, in which every method here emits nothing).
-Split from the loop by responsibility: this module knows the trace buffer; the loops decide where to mark.
+"""Debug timelines of decode loops (``benchmarks/trace_decode.py``): mixin of :class:`~.seesaw.MlaDecodeSeesawSm90` (and
+loops built on it) knowing where a debug build stores ``clock64`` timestamps, the seesaw loop's trace point names (the
+loops decide where to mark).  The loop sets :attr:`trace`: iterations timed per warpgroup (0: normal build, no-op).
 """
 
 from __future__ import annotations
@@ -10,12 +8,10 @@ from __future__ import annotations
 import cutlass
 from cutlass import Int32, Int64, cute
 
-# DecodeTraceMixin.mark: the points of an iteration of the seesaw loop a debug build times, per warpgroup (WG0 /
-# WG1: what the time since the previous event was spent on).  In the 16-bit loop "P store + TAIL" is WG0's conversion
-# of P to the register operand and WG1's conversion and store of P1 for the cross PV, "QK issue + cross PV retired" is
-# the first QK half, "QK retired" adds the slot-1 column refill, the second landed wait and QK half; "transpose" is
-# the FP8 V^T build; "wait VT*_FREE" and "refill issue" are empty (DecodeTraceMixin.clear_trace zeroes the buffer, so an
-# unmarked event reads 0 and its interval is left out)
+# mark points of a seesaw loop iteration per warpgroup (WG0 / WG1: time since the previous event).  In the 16-bit
+# loop "P store + TAIL" is WG0's P -> register operand conversion and WG1's P1 conversion + store for the cross PV,
+# "QK issue + cross PV retired" the first QK half, "QK retired" adds the slot-1 column refill, the second landed wait
+# and QK half; "transpose" the FP8 V^T build; "wait VT*_FREE", "refill issue" empty (read 0 after clear_trace: skipped)
 TRACE_EVENTS = (
     ("top", "top"),
     ("softmax", "wait SCALE0 (WG0's max)"),
@@ -40,10 +36,8 @@ class DecodeTraceMixin:
 
     @cute.jit
     def mark(self, mTrace: cute.Tensor, cta: Int32, wg: Int32, wtid: Int32, j: Int32, event: cutlass.Constexpr):
-        """Debug builds (:attr:`trace` > 0): thread 0 of the warpgroup stores ``clock64`` as event ``event`` of
-        iteration ``j`` of CTA ``cta`` into ``mTrace[cta, wg, j, event]`` (int64, shape ``(ctas, 2, trace,
-        len(TRACE_EVENTS))``), for ``j < trace`` and ``cta < ctas``.  A predicated store, no branch (a divergent
-        branch in the loop can make ptxas serialize the wgmmas).  Nothing at all in normal builds."""
+        """Debug builds (:attr:`trace` > 0): warpgroup thread 0 stores ``clock64`` in ``mTrace[cta, wg, j, event]`` if
+        ``j < trace``, ``cta < ctas`` (predicated: a divergent branch can make ptxas serialize the loop's wgmmas)."""
         if cutlass.const_expr(self.trace > 0):
             t = cute.arch.clock64()
             n = mTrace.shape[0]
@@ -56,8 +50,7 @@ class DecodeTraceMixin:
     @cute.jit
     def clear_trace(self, mTrace: cute.Tensor, cta: Int32, wg: Int32, wtid: Int32):
         """Debug builds: thread 0 of computing warpgroup ``wg`` zeroes its rows of ``mTrace`` before its first
-        :meth:`mark` (program order), so an event a build never marks, or an iteration it never reaches, reads 0 (the
-        trace buffer is a fresh XLA output, not zeroed).  Nothing in normal builds."""
+        :meth:`mark`, so an unmarked event or unreached iteration reads 0 (a fresh XLA output is not zeroed)."""
         if cutlass.const_expr(self.trace > 0):
             n = mTrace.shape[0]
             ok = (wtid == 0) & (wg < 2) & (cta < n)

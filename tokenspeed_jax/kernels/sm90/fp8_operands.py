@@ -1,12 +1,9 @@
-"""FP8 operands of the seesaw decode loop (:class:`~tokenspeed_jax.kernels.sm90.seesaw.MlaDecodeSeesawSm90` with e4m3
-inputs): where the bytes of a packed KV slot live (``[V^T 32 KB | P 4 KB | e4m3 staging 36 KB]``, each a QGMMA
-K-major operand with 64-byte rows and the 64-byte swizzle) and how ``V^T`` is built from the landed staging
-(``ldmatrix.trans`` + ``prmt`` + ``stmatrix``, tokens permuted inside 16-token groups; P is stored in the same order).
-The loop decides when; this module knows where and how.  Also the e4m3 P store shared with the FP8 O^T loops
-(:func:`store_p8`) and the inline-PTX shared-memory accesses they use.
-
-The module-level address functions work on Python ints and DSL Int32 alike, so
-tests/test_compile_sm90_decode.py checks the kernel's own addressing on a model of shared memory.
+"""FP8 operands of the seesaw decode loop (:class:`~.seesaw.MlaDecodeSeesawSm90` with e4m3 inputs): where the bytes of a
+packed KV slot live (``[V^T 32 KB | P 4 KB | e4m3 staging 36 KB]``, each a QGMMA K-major operand: 64-byte rows, 64-byte
+swizzle) and how ``V^T`` is built from the landed staging (``ldmatrix.trans`` + ``prmt`` + ``stmatrix``, tokens permuted
+in 16-token groups, P stored in that order); the loop decides when.  Also :func:`store_p8` (the e4m3 P store the FP8 O^T
+loops share) and the inline-PTX smem accesses.  Address functions take Python ints or DSL Int32:
+tests/test_compile_sm90_decode.py checks the kernel's own addressing on an smem model.
 """
 
 from __future__ import annotations
@@ -29,20 +26,18 @@ def sw64(off):
 
 
 def ldsm_row_offset(lane, warp, hb):
-    """:meth:`MlaDecodeSeesawSm90.transpose_v_packed` (``ldmatrix.trans`` / ``stmatrix``), for Python
-    ints (tests) and DSL Int32 alike: byte offset (swizzled, inside a 4 KB staging chunk) of the row that lane
-    ``lane`` of warp ``warp`` addresses in the ``ldmatrix.x4.trans`` of the block half ``hb`` (features
-    ``32 hb ..`` of the chunk).  Matrix ``lane // 8``: tokens ``16 warp + 8 (m % 2) ..``, features ``16 (m // 2)``
-    further on."""
+    """Byte offset (swizzled, in a 4 KB staging chunk) of the row lane ``lane`` of warp ``warp`` addresses in
+    :meth:`MlaDecodeSeesawSm90.transpose_v_packed`'s ``ldmatrix.x4.trans`` of block half ``hb`` (features ``32 hb ..``):
+    matrix ``m = lane // 8`` holds tokens ``16 warp + 8 (m % 2) ..``, features ``16 (m // 2)`` further on."""
     t = 16 * warp + lane % 8 + 8 * ((lane >> 3) & 1)
     return sw64(t * _CHUNK + 16 * (2 * hb + (lane >> 4)))
 
 
 def stsm_row_offset(lane, warp, hb):
-    """Byte offset (swizzled, inside a chunk's 4 KB ``V^T`` block) of the row that lane ``lane`` addresses in the
-    ``stmatrix.x4`` of block half ``hb``: matrix ``m = lane // 8``, row ``r = lane % 8`` holds feature
-    ``2r + ((r >= 4) ^ (m odd)) + 16 (m // 2) + 32 hb`` (the word :func:`p8_selectors` put in register ``m``), token
-    positions ``16 warp ..``.  The 8 rows of a matrix have distinct features mod 8: no bank conflicts."""
+    """Swizzled byte offset (in a chunk's 4 KB ``V^T`` block) of lane ``lane``'s row in the ``stmatrix.x4`` of block
+    half ``hb``, tokens ``16 warp ..``: matrix ``m = lane // 8``, row ``r = lane % 8`` holds feature
+    ``2r + ((r >= 4) ^ (m odd)) + 16 (m // 2) + 32 hb`` (the word :func:`p8_selectors` put in register ``m``).  A
+    matrix's 8 rows have distinct features mod 8: no bank conflicts."""
     r = lane % 8
     m = lane >> 3
     f = 2 * r + ((r >> 2) ^ (m & 1)) + 16 * (m >> 1) + 32 * hb
@@ -50,15 +45,13 @@ def stsm_row_offset(lane, warp, hb):
 
 
 def p8_selectors(lane):
-    """``prmt.b32`` selectors that turn a thread's ``ldmatrix.trans`` pair (tokens ``a, a+1`` and ``a+8, a+9`` of
-    feature pair ``lane // 4``) into the words of its even / odd feature, in the register order
-    :func:`stsm_row_offset` expects: even first for feature pairs 0..3, odd first for 4..7."""
+    """``prmt.b32`` selectors: a thread's ``ldmatrix.trans`` pair (tokens ``a, a+1`` | ``a+8, a+9`` of feature pair
+    ``lane // 4``) -> its even / odd feature words (:func:`stsm_row_offset` order: even first only for pairs 0..3)."""
     sw = (lane >> 4) & 1  # feature pair lane // 4 >= 4
     return 0x6420 + sw * 0x1111, 0x7531 - sw * 0x1111
 
 
-# token order of the packed FP8 P V operands inside each 16-token group (the ldmatrix.trans order): position
-# 4q + (0, 1, 2, 3) holds tokens 2q, 2q + 1, 2q + 8, 2q + 9
+# FP8 P V token order in 16-token groups (ldmatrix.trans order): position 4q + i holds token 2q + (0, 1, 8, 9)[i]
 P8_TOKEN_ORDER = tuple(2 * (p // 4) + p % 2 + 8 * ((p // 2) % 2) for p in range(16))
 
 
@@ -96,11 +89,10 @@ def _sts4i(addr, w0, w1, w2, w3):
 @cute.jit
 def clean_e4m3_rows(stg: Int32, lo: Int32, hi: Int32, tid: Int32, chunks: cutlass.Constexpr[int],
                     chunk_bytes: cutlass.Constexpr[int]):
-    """Every NaN byte of rows ``[lo, hi)`` (at most 32 rows) in the first ``chunks`` 64-byte-wide chunks of an e4m3
-    tile at shared address ``stg`` -> 0 (:func:`clear_nan_e4m3x4`): thread ``tid`` < ``4 (hi - lo)`` cleans the
-    ``tid``-th 16 bytes of the rows in every chunk (no loop, no division: few registers where the loops call it).
-    Row ``r`` of a chunk is its bytes ``[64 r, 64 r + 64)`` whatever the 64-byte swizzle (which permutes 16-byte units
-    inside a row), so the rows are one contiguous range per chunk."""
+    """The NaN bytes of rows ``[lo, hi)`` (at most 32) in the first ``chunks`` 64-byte chunks of an e4m3 tile at shared
+    address ``stg`` -> 0 (:func:`clear_nan_e4m3x4`): thread ``tid`` < ``4 (hi - lo)`` cleans the ``tid``-th 16 bytes of
+    the rows in each chunk (no loop or division: few registers at the call sites).  The swizzle only permutes 16-byte
+    units inside a row, so row ``r`` of a chunk is its bytes ``[64 r, 64 r + 64)``."""
     if tid < (hi - lo) * 4:
         addr = stg + lo * 64 + tid * 16
         for ch in cutlass.range_constexpr(chunks):
@@ -110,14 +102,12 @@ def clean_e4m3_rows(stg: Int32, lo: Int32, hi: Int32, tid: Int32, chunks: cutlas
 
 
 class Fp8OperandsMixin:
-    """The FP8 operand methods of :class:`~tokenspeed_jax.kernels.sm90.seesaw.MlaDecodeSeesawSm90`
-    (which sets the attributes they read: ``block_m``, ``block_n``, ``D``, ``DV`` and ``mma_dtype``, the 16-bit
-    dtype whose slot size the packed slot keeps)."""
+    """FP8 operand methods of :class:`~.seesaw.MlaDecodeSeesawSm90`, which sets the attributes they read: ``block_m``,
+    ``block_n``, ``D``, ``DV`` and ``mma_dtype`` (the 16-bit dtype whose slot size the packed slot keeps)."""
 
     def staging(self, slots_ptr):
-        """e4m3 views ``(64 tokens, 576)`` of the two slots' staging areas, where TMA lands the raw cache rows: after
-        ``V^T`` and P (:meth:`pv8_views`), 4 KB per 64-column chunk, in the QGMMA B layout (64-byte rows, 64-byte
-        swizzle), which the QK reads directly."""
+        """e4m3 views ``(64 tokens, 576)`` of the two slots' staging (TMA lands the raw cache rows there), after ``V^T``
+        and P (:meth:`pv8_views`): 4 KB per 64-column chunk, the QGMMA B layout the QK reads directly."""
         raw = cute.recast_ptr(slots_ptr, dtype=cutlass.Float8E4M3FN)
         chunk_bytes = self.block_n * _CHUNK * (self.mma_dtype.width // 8)
         slot_bytes = chunk_bytes * (self.D // _CHUNK)
@@ -131,11 +121,9 @@ class Fp8OperandsMixin:
         return (self.DV + self.block_m) * self.block_n
 
     def pv8_views(self, slots_ptr):
-        """Per slot (packed: ``[V^T 32 KB | P 4 KB | staging 36 KB]``), the e4m3 ``V^T`` view ``(512 features, 64
-        tokens)`` at the slot's start and the P tile ``(64 rows, 64 tokens)`` right after it, both QGMMA K-major
-        operands (64-byte rows, 64-byte swizzle, the staging's); the third view returned is the one P is stored
-        through (tokens in :data:`P8_TOKEN_ORDER` inside each 16-token group, the order the transpose writes ``V^T``
-        in).  Returns ``(V^T views, P operand views, P store views)``, one per slot."""
+        """Per slot: the e4m3 ``V^T`` view ``(512 features, 64 tokens)`` at the slot's start, the P tile
+        ``(64 rows, 64 tokens)`` right after it, and the view P is stored through (tokens in :data:`P8_TOKEN_ORDER`,
+        the transpose's ``V^T`` order).  Returns ``(V^T views, P operand views, P store views)``."""
         raw = cute.recast_ptr(slots_ptr, dtype=_F8)
         chunk_bytes = self.block_n * _CHUNK * (self.mma_dtype.width // 8)
         slot_bytes = chunk_bytes * (self.D // _CHUNK)
@@ -153,18 +141,16 @@ class Fp8OperandsMixin:
     @cute.jit
     def transpose_v_packed(self, w32: cute.Tensor, zero_row, slot: cutlass.Constexpr, tile_start: Int32,
                            split_end: Int32, wg: Int32, wtid: Int32):
-        """Build a slot's ``V^T`` (e4m3, features x tokens, :meth:`pv8_views`) from its landed e4m3 staging, by the 128
-        threads of the slot's owner after its QK retired.  Warp ``w`` of the owner transposes tokens
-        ``16 w ..`` of all 512 features in blocks of 16 tokens x 32 features: one ``ldmatrix.x4.trans`` (thread
-        ``i`` gets tokens ``a, a+1`` and ``a+8, a+9``, ``a = 2 (i % 4)``, of feature pairs ``i // 4`` and
-        ``i // 4 + 8``), 4 ``prmt.b32`` into one word per feature (4 tokens, in :data:`P8_TOKEN_ORDER`), one
-        ``stmatrix.x4`` into the 16 ``V^T`` rows.  Addressing: :func:`ldsm_row_offset`, :func:`stsm_row_offset`,
-        :func:`p8_selectors`, checked with a model of the instructions in tests/test_compile_sm90_decode.py
-        (no bank conflicts).  A lane whose ldmatrix row is a token at or past ``split_end`` points it at a 16-byte
-        zero row instead (``zero_row``): those V rows may hold anything (page tails, unowned NaN pages) and P is 0
-        there.  A tile that holds keys :attr:`hidden_keys` covers (``tail_from``) has its NaN bytes replaced by 0 on
-        the way (:meth:`transpose_chunks`).  A proxy fence and a warpgroup barrier publish ``V^T`` to the PVs (the
-        other warpgroup's behind the P0_READY / P1_READY barrier its owner arrives at later)."""
+        """Build a slot's ``V^T`` (:meth:`pv8_views`) from its landed staging, by its owner's 128 threads after its QK
+        retired.  Warp ``w`` transposes tokens ``16 w ..`` of all 512 features in blocks of 16 tokens x 32 features: one
+        ``ldmatrix.x4.trans`` (thread ``i`` gets tokens ``a, a+1`` and ``a+8, a+9``, ``a = 2 (i % 4)``, of feature pairs
+        ``i // 4`` and ``i // 4 + 8``), 4 ``prmt.b32`` into one word per feature (4 tokens, in :data:`P8_TOKEN_ORDER`),
+        one ``stmatrix.x4`` into the 16 ``V^T`` rows.  Addressing: :func:`ldsm_row_offset`, :func:`stsm_row_offset`,
+        :func:`p8_selectors` (checked on a model in tests/test_compile_sm90_decode.py: no bank conflicts).  A lane whose
+        ldmatrix row (token) is at or past ``split_end`` reads the 16-byte ``zero_row``: those V rows may hold anything
+        (page tails, unowned NaN pages) and P is 0 there.  NaN bytes -> 0 in a tile holding keys :attr:`hidden_keys`
+        covers (``tail_from``; :meth:`transpose_chunks`).  A proxy fence + warpgroup barrier publish ``V^T`` to the PVs
+        (the other warpgroup's: behind its owner's later P0_READY / P1_READY arrival)."""
         slot_bytes = self.block_n * self.D * (self.mma_dtype.width // 8)
         base = w32.iterator.toint() + slot * slot_bytes
         stg = base + self._packed_staging_offset()
@@ -211,8 +197,7 @@ class Fp8OperandsMixin:
 
 @cute.jit
 def store_p8(acc_s: cute.Tensor, tSsP: cute.Tensor):
-    """P (fp32, already scaled by 2^8) -> e4m3 into a P tile through its accumulator-layout partition ``tSsP``; the proxy
-    fence publishes it to wgmma (the caller adds the barrier its readers need)."""
+    """P (fp32 x 2^8) -> e4m3 in ``tSsP`` (accumulator-layout P tile partition), wgmma-fenced (barrier: caller's)."""
     rP8 = cute.make_rmem_tensor_like(acc_s, _F8)
     rP8.store(acc_s.load().to(_F8))
     cute.autovec_copy(rP8, tSsP)

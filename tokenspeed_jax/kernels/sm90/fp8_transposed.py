@@ -1,28 +1,21 @@
 """FP8 MLA decode for Hopper on 32- and 16-row tiles (S x H <= 32), each computing warpgroup on its own KV tiles.
 
-Both matmuls transposed (``S^T = K Q^T``, ``O^T = V^T P^T``, the query rows as N; the O^T loop's ``qk_t``), and the
-two computing warpgroups share nothing but the producer and the shared-memory ring: warpgroup ``g`` runs tiles
-``2 j + g`` (buffers ``2 (j % 2) + g``) over **all** 512 features, with its own running max, row sums and ``O^T``,
-FlashAttention-2 style: fold -> exp -> P^T store -> ``O^T *= scale`` -> ``V^T`` loads + PV -> next QK -> both retired
--> slot free.  No barrier between the warpgroups in the loop, so one warpgroup's softmax runs beside the other's
-tensor work whatever their phase (a shared running max would chain them: WG0's softmax -> SCALE0 -> WG1's softmax ->
-SCALE1 -> ..., which on these memory-bound shapes, not the bytes, would set the iteration).  The costs:
+Both matmuls transposed (``S^T = K Q^T``, ``O^T = V^T P^T``, query rows as N: the O^T loop's ``qk_t``); the computing
+warpgroups share only the producer and the smem ring: warpgroup ``g`` runs tiles ``2 j + g`` (buffers ``2 (j % 2) + g``)
+over **all** 512 features with its own running max, row sums, ``O^T``, FlashAttention-2 style: fold -> exp -> P^T store
+-> ``O^T *= scale`` -> ``V^T`` loads + PV -> next QK -> both retired -> slot free.  No barrier between them in the loop:
+one's softmax overlaps the other's tensor work in any phase (a shared running max would chain WG0's softmax -> SCALE0 ->
+WG1's softmax -> SCALE1 -> ..., which, not the bytes, would set the iteration on these memory-bound shapes).  Costs:
 
-* ``O^T`` of 512 features: ``4 pv_n`` accumulator registers (128 at 32 rows), and the ``V^T`` fragments of all 8
-  m-blocks of a tile (64 registers, one set).  The PV retires before the next QK is issued: with both in flight the
-  ``V^T`` fragments and S live together and ptxas spills in the loop.
-* The epilogue merges the two partial states (each over half of the split's tiles): the column maxima through shared
-  memory, each warpgroup rescales its ``O^T`` and row sums to the common max (``fold_max``: a warpgroup without keys
-  contributes zeros), swaps the half of ``O^T`` it does not store through the freed KV buffers (``4 pv_n / 2`` floats
-  a thread each way, laid out ``[writer][element][thread]``: both warpgroups' accumulators have the same fragment
-  layout, so thread ``t`` of one holds exactly the elements thread ``t`` of the other needs), and stores its 256
-  features (:meth:`~tokenspeed_jax.kernels.sm90.transposed_out.TransposedOutMixin.store_ot_rows`).
-* Each warpgroup frees its own buffers (warpgroup ``g`` arrives on ``SLOT0_FREE + g`` once its PV of the buffer
-  retired and its next tile landed; that tile was loaded after the producer synced on the warpgroup's previous
-  arrival, so no arrival overtakes the producer's sync of the one before).
-
-P is rounded to e4m3 as ``2^8 p``, the row sums over the unrounded P; the sums and ``O^T`` accumulate as two partial
-states merged once.
+* 512-feature ``O^T``: ``4 pv_n`` accumulators (128 at 32 rows) + ``V^T`` fragments of all 8 m-blocks (64 registers, one
+  set).  The PV retires before the next QK issue (else ``V^T`` and S live together: ptxas spills in the loop).
+* The epilogue merges the two partial states (each over half the split's tiles): column maxima via smem; each warpgroup
+  rescales its ``O^T`` and row sums to the common max (``fold_max``: a warpgroup without keys contributes zeros), swaps
+  the ``O^T`` half it does not store via the freed KV buffers (``4 pv_n / 2`` floats a thread each way,
+  ``[writer][element][thread]``: both share one fragment layout, so thread ``t`` of one holds exactly what thread ``t``
+  of the other needs), and stores its 256 features (:meth:`~.transposed_out.TransposedOutMixin.store_ot_rows`).
+* Warpgroup ``g`` frees its own buffers, arriving on ``SLOT0_FREE + g`` once its PV of one retired and its next tile
+  landed (loaded after the producer synced on its previous arrival: no arrival overtakes the sync of the one before).
 """
 
 from __future__ import annotations
@@ -37,8 +30,7 @@ from tokenspeed_jax.kernels.sm90.fp8_transposed_pv import (_BUF_BYTES, _CHUNK, _
 from tokenspeed_jax.kernels.sm90.fp8_operands import clean_e4m3_rows
 from tokenspeed_jax.kernels.sm90.helpers import LOG2_E, Barrier
 
-# DecodeTraceMixin.mark points of an iteration (debug builds, benchmarks/trace_decode.py): both warpgroups run the same
-# code, so the same names; "-" unused (as many slots as TRACE_EVENTS, the trace buffer's shape)
+# DecodeTraceMixin.mark points (both warpgroups run the same code: same names); "-" unused, as many as TRACE_EVENTS
 _OWN_EVENTS = ("top", "column maxima + TAIL", "fold (own max, scale)", "exp", "P store + TAIL, O^T *= scale",
                "V^T loads + PV issue + retire", "wait next tile landed", "next QK issue", "QK retired",
                "SLOT*_FREE out")
@@ -46,20 +38,18 @@ TRACE_EVENTS_OWN = tuple((e, e) for e in _OWN_EVENTS) + (("-", "-"),) * (len(TRA
 
 
 class MlaDecodeFp8TransposedSm90(MlaDecodeFp8TransposedPvSm90):
-    """:class:`~.fp8_transposed_pv.MlaDecodeFp8TransposedPvSm90` on 32- / 16-row tiles (``qk_t``) with each warpgroup
-    on its own tiles (module docstring): the same host side, prologue and producer, its own computing part
-    (:meth:`consume`)."""
+    """:class:`~.fp8_transposed_pv.MlaDecodeFp8TransposedPvSm90` on 32- / 16-row tiles (``qk_t``), each warpgroup on its
+    own tiles (module docstring): same host side, prologue and producer; its own :meth:`consume`."""
 
     def __init__(self, **kw):
         super().__init__(qk_t=True, **kw)
 
     @cute.jit
     def clean_fp8_tail(self, stg: Int32, tile_start: Int32, split_end: Int32, wtid: Int32):
-        """By the 128 threads of the warpgroup that owns a tile (no other reads its staging), after its QK retired and
-        before its first ``ldmatrix`` of V (a later barrier of the warpgroup publishes the bytes): with
-        :attr:`hidden_keys`, the NaN bytes of the V of its keys ``[split_end - hidden_keys, split_end)`` in the e4m3
-        staging at shared address ``stg`` -> 0 (:func:`~.fp8_operands.clean_e4m3_rows`), fenced for the async proxy (the
-        buffer's next TMA refill).  Nothing where the tile holds none of those keys."""
+        """With :attr:`hidden_keys`: NaN bytes of the V of keys ``[split_end - hidden_keys, split_end)`` in the tile's
+        staging at shared address ``stg`` -> 0 (:func:`~.fp8_operands.clean_e4m3_rows`) if it holds any, fenced for the
+        async proxy (the buffer's next TMA refill).  By the owning warpgroup's 128 threads (no other reads its staging),
+        after its QK retired, before its first V ``ldmatrix`` (a later warpgroup barrier publishes them)."""
         if cutlass.const_expr(self.hidden_keys > 0):
             lo, hi = self.hidden_rows(tile_start, split_end)
             if hi > lo:
@@ -68,8 +58,7 @@ class MlaDecodeFp8TransposedSm90(MlaDecodeFp8TransposedPvSm90):
 
     @cute.jit
     def consume(self, c, cta, b, seq, split_start, split_end, split, n_pairs):
-        """Warpgroup ``wg``'s tiles ``2 j + wg`` (module docstring), then the merge and the epilogue.  ``cta`` for
-        :meth:`mark` (events :data:`TRACE_EVENTS_OWN`)."""
+        """WG ``wg``: tiles ``2 j + wg``, merge, epilogue; ``cta`` for :meth:`mark` (:data:`TRACE_EVENTS_OWN`)."""
         scale_log2, out_scale = c.mSS[0] * LOG2_E, c.mOS[0]  # (loaded once a piece)
         qk_mma, pv_mma = c.mmas
         sQ, st, bufs, wg, wtid, mblk, mbar, mTrace = c.sQ, c.st, c.bufs, c.wg, c.wtid, c.mblk, c.mbar, c.mTrace
@@ -128,12 +117,10 @@ class MlaDecodeFp8TransposedSm90(MlaDecodeFp8TransposedPvSm90):
             self.load_vt(a, stg0 + k * _BUF_BYTES, zero, t, split_end, 0, wtid, 8)
             self.pv_ot(pv_mma, acc, tA, self.p_operand(pv_thr, bufs, k))
             warpgroup.commit_group()
-            # the PV retires before the next QK is issued: with both in flight the V^T fragments and S live together,
-            # and ptxas spills in the loop
+            # the PV retires before the next QK is issued (module docstring: both in flight, ptxas spills)
             warpgroup.wait_group(0)
             self.mark(mTrace, cta, wg, wtid, j, 5)
-            # the next QK (issued for the last pair too, on stale staging, its S thrown away: a wgmma inside the
-            # dynamic if made ptxas serialize every wgmma, as in the shared loop)
+            # the next QK, issued for the last pair too (S thrown away; :mod:`.fp8_transposed_pv`, "QK early")
             if more:
                 self.landed(mbar + 2 * (1 - u) + wg, ((j + 1) // 2) % 2)
             self.mark(mTrace, cta, wg, wtid, j, 6)

@@ -1,48 +1,38 @@
 """FP8 MLA decode for Hopper with the P V transposed: ``O^T = V^T P^T``, ``V^T`` the register A operand.
 
-8-bit wgmmas take only K-major shared-memory operands, so ``O += P V`` on FP8 tensor cores needs a ``V^T`` copy in
-shared memory (the FP8 seesaw builds one).  This loop has none:
+8-bit wgmmas read only K-major smem operands, so ``O += P V`` needs ``V^T`` in smem (the FP8 seesaw's); not here:
 
-* ``O^T (512 x rows) = V^T (512 x tokens) P^T (tokens x rows)``: ``V^T`` is the A operand, from registers (8-bit
-  register A operands may come from anywhere), loaded straight from the landed e4m3 staging with ``ldmatrix.x4.trans``
-  and four ``prmt.b32`` per 16 features x 32 tokens (:func:`vt_a_row_offset`, :data:`VT_A_SELECTORS`); P is the
-  K-major B operand, tokens in :data:`~tokenspeed_jax.kernels.sm90.fp8_operands.P8_TOKEN_ORDER` inside each 16-token
-  group (the order the ``ldmatrix.trans`` words come in).  Each warpgroup owns 256 output features: 4 m64nNk32 QGMMAs
-  (one per 64 features, N the query rows) per 32 tokens.
-* The A fragment's row ``q`` of a warp's 16 is feature ``2q``, row ``q + 8`` feature ``2q + 1`` (a fixed row
-  permutation of ``O^T``): both features of a pair sit in one thread, and the epilogue stores them as one bf16x2 (fp32x2
-  for split partials) straight from the accumulators.
-* The O rescales are per column of ``O^T``: each thread reads the scales of its columns from the row scales shared in
-  shared memory, and skips the multiplies when all of its warp's are 1 (the steady state).
-* Buffers: the staging must live until both warpgroups' PVs read it, so each warpgroup has two: 4 x (36 KB staging +
-  4 KB P) + 36 KB Q = 196 KB.  Pair ``j`` uses buffers ``2 (j % 2) + {0, 1}``; the producer warpgroup refills them
-  with pair ``j + 2`` once both PVs of pair ``j`` retired.
-* Barriers (ids of :class:`~tokenspeed_jax.kernels.sm90.helpers.Barrier`): SCALE0 / SCALE1 / P0_READY / P1_READY and
-  TAIL as in the seesaw loop.  SLOT0_FREE and SLOT1_FREE (160 threads: warpgroup 1 arrives, the producer's warp
-  syncs): warpgroup 1 knows when both PVs of a buffer retired: of slot 0 after its cross PV (warpgroup 0's own PV
-  retired before its P0_READY, which that cross PV waited for); of slot 1 after its own PV and a sync on VT1_FREE,
-  which warpgroup 0 arrives at once its cross PV of slot 1 retired.  Warpgroup 1 arrives for pair ``j`` only after its
-  wait for pair ``j + 1`` landed, which the producer loaded after it synced on pair ``j - 1``'s arrivals: no arrival
-  can overtake the producer's sync of the previous one.  Each warpgroup also waits on the (completed) mbarrier phase
-  of the other warpgroup's tile before its ``ldmatrix`` reads it, and fences (proxy) its reads before the arrivals
-  that let the TMA overwrite them.
-* This class runs whole 64-row blocks (S x H > 32; ``pv_n`` 64): 128 accumulators, 32 of the QK's S and 32 of ``V^T``
-  in 240 registers.  They fit because there is one ``V^T`` fragment set, not two (warpgroup 1 retires its own PV
-  before it loads the cross ``V^T``, warpgroup 0 its cross PV before the next QK retires); P is stored as 8 32-bit
-  words a thread (:meth:`MlaDecodeFp8TransposedPvSm90.store_p_tile`); and warpgroup 0 rescales P0 for warpgroup 1 from the e4m3
-  words in shared memory (:meth:`MlaDecodeFp8TransposedPvSm90.rescale_p_tile`, which rounds a word to e4m3 twice where a row's max
-  grew in warpgroup 1's tile) instead of keeping its fp32 P across the own PV.
-* QK early: warpgroup 0 issues the QK of the next pair's tile right behind its own PV, so that it runs on the tensor
-  cores during warpgroup 1's softmax (issued for the last pair too, on stale staging, its S thrown away: a wgmma
-  inside the dynamic ``if`` made ptxas serialize every wgmma, C7520).  Warpgroup 1 releases P1 right after its P1
-  store and ``O^T *= scales``, so warpgroup 0's cross PV need not wait for warpgroup 1's own PV.
-* ``qk_t`` (the subclass of :mod:`.fp8_transposed`): the QK transposed too, ``S^T = K Q^T`` (the staging is the A
-  operand as it lands, the first ``pv_n`` q rows the B operand) on 32-row tiles (``block_m`` 32, the planner's
-  ``block_m=32`` plan); a query row's keys then lie in all 4 warps, so the softmax exchanges each warp's column maxima
-  through 1 KB of shared memory (:meth:`~.transposed_out.TransposedOutMixin.fold_t`).
+* ``O^T (512 x rows) = V^T (512 x tokens) P^T (tokens x rows)``: ``V^T`` is the register A operand (8-bit ones may come
+  from anywhere), loaded from the landed e4m3 staging by ``ldmatrix.x4.trans`` + 4 ``prmt.b32`` per 16 features x 32
+  tokens (:func:`vt_a_row_offset`, :data:`VT_A_SELECTORS`); P is the K-major B operand, tokens in
+  :data:`~.fp8_operands.P8_TOKEN_ORDER` in each 16-token group (the ``ldmatrix.trans`` word order).  Each warpgroup
+  (WG0, WG1) owns 256 output features: 4 m64nNk32 QGMMAs (one per 64 features, N the query rows) per 32 tokens.
+* A fragment row ``q`` of a warp's 16 is feature ``2q``, row ``q + 8`` feature ``2q + 1`` (:func:`ot_feature`): a pair's
+  features sit in one thread, stored from the accumulators as one bf16x2 (fp32x2 for split partials).
+* O rescales are per ``O^T`` column, from the row scales in smem; skipped when a warp's are all 1 (the steady state).
+* Buffers: the staging lives until both PVs read it, so each warpgroup has two, 4 x (36 KB staging + 4 KB P) + 36 KB Q =
+  196 KB; pair ``j`` uses buffers ``2 (j % 2) + {0, 1}``, refilled with pair ``j + 2`` once both its PVs retired.
+* Barriers (:class:`~.helpers.Barrier`): SCALE0 / SCALE1 / P0_READY / P1_READY and TAIL as in the seesaw loop.
+  SLOT0_FREE / SLOT1_FREE (160 threads: WG1 arrives, the producer's warp syncs): WG1 knows when a buffer's PVs both
+  retired: slot 0 after its cross PV (WG0's own PV retired before its P0_READY, which that cross PV waited for); slot 1
+  after its own PV and a sync on VT1_FREE, where WG0 arrives once its cross PV of slot 1 retired.  WG1 arrives for pair
+  ``j`` only once pair ``j + 1`` landed, loaded after the producer synced on pair ``j - 1``'s arrivals: no arrival
+  overtakes the producer's sync of the previous one.  Each warpgroup waits on the (completed) mbarrier phase of the
+  other's tile before its ``ldmatrix`` reads it, and proxy-fences its reads before the arrivals freeing it for the TMA.
+* Registers: this class runs 64-row blocks (S x H > 32, ``pv_n`` 64): 128 accumulators, 32 of S, 32 of ``V^T`` fit in
+  240 registers with one ``V^T`` fragment set (WG1 retires its own PV before loading the cross ``V^T``, WG0 its cross PV
+  before the next QK retires), 8 32-bit P words a thread (:meth:`MlaDecodeFp8TransposedPvSm90.store_p_tile`), and WG0
+  rescaling P0 for WG1 in smem (e4m3), not holding its fp32 P over the own PV
+  (:meth:`MlaDecodeFp8TransposedPvSm90.rescale_p_tile`: rounded twice where a row's max grew in WG1's tile).
+* QK early: WG0 issues the next pair's QK right behind its own PV, to run during WG1's softmax (for the last pair too,
+  on stale staging, its S thrown away: a wgmma inside the dynamic ``if`` made ptxas serialize every wgmma, C7520).  WG1
+  releases P1 right after its P1 store and ``O^T *= scales``, so WG0's cross PV need not wait for WG1's own PV.
+* ``qk_t`` (subclass in :mod:`.fp8_transposed`): ``S^T = K Q^T`` too (A: the staging as it lands, B: the first ``pv_n``
+  q rows) on 32-row tiles (the planner's ``block_m=32`` plan); a query row's keys lie in all 4 warps, so the softmax
+  exchanges each warp's column maxima through 1 KB of smem (:meth:`~.transposed_out.TransposedOutMixin.fold_t`).
 
-Same contract, grid, split-KV partials and combine kernel as the seesaw loop; FP8 (e4m3) only, TMA refills with
-pages >= 32 and the producer warpgroup.  P is rounded to e4m3 as ``2^8 p``, the row sums stay over the unrounded P.
+Same contract, grid, split-KV partials and combine kernel as the seesaw loop; FP8 (e4m3) only; the producer warpgroup's
+TMA refills need pages >= 32.  P is rounded to e4m3 as ``2^8 p``, the row sums over the unrounded P.
 """
 
 from __future__ import annotations
@@ -73,11 +63,8 @@ _ALL_CHUNKS = (0, 1, 2, 3, 4, 5, 6, 7, 8)
 _MIN_PAGE = 32  # the producer's coordinates (pages of 16: 4 boxes per chunk) spill in its 24 registers
 _MAX_ROWS = 32  # query rows S x H (module docstring, "Registers")
 
-# DecodeTraceMixin.mark points of an iteration of this loop (debug builds, benchmarks/trace_decode.py): per
-# warpgroup, what the time since the previous event was spent on; as many slots as the seesaw loop's TRACE_EVENTS
-# (the trace buffer's shape), "-" unused.  On the 64-row blocks warpgroup 0's marks 1, 2, 9 and 10 are not written:
-# its softmax shows under mark 3, its "own PV" phase includes the next QK's issue, its "QK retired" phase is the cross
-# PV's issue and retire
+# DecodeTraceMixin.mark points per warpgroup (time spent since the previous event); "-" unused.  64-row blocks: WG0
+# skips marks 1, 2, 9, 10 (softmax: 3, "own PV" has the next QK's issue, "QK retired" the cross PV's issue + retire)
 TRACE_EVENTS_OT = (
     ("top", "top"),
     ("column maxima + TAIL", "wait SCALE0 (WG0's max)"),
@@ -101,23 +88,19 @@ VT_A_SELECTORS = (0x6420, 0x7531)
 
 
 def vt_a_row_offset(lane, warp, kb):
-    """Byte offset (swizzled, inside a 4 KB staging chunk) of the row lane ``lane`` of warp ``warp`` addresses in
-    the ``ldmatrix.x4.trans`` of k32 step ``kb``: token ``32 kb + lane`` (matrix ``lane // 8`` = tokens
-    ``32 kb + 8 m ..``), the warp's 16 features (bytes ``16 warp ..`` of the 64-byte row).  Python ints (tests)
-    and DSL Int32 alike."""
+    """Swizzled byte offset (4 KB staging chunk) of lane ``lane``'s row, warp ``warp``, in the ``ldmatrix.x4.trans`` of
+    k32 step ``kb``: token ``32 kb + lane``, the warp's 16 features from byte ``16 warp``; Python ints or DSL Int32."""
     return sw64((32 * kb + lane) * _CHUNK + 16 * warp)
 
 
 def ot_feature(wg, mb, warp, row):
-    """Output feature of accumulator row ``row`` (0..15) of warp ``warp`` in m-block ``mb`` of warpgroup ``wg``:
-    the A fragment's row ``q`` holds feature ``2q``, row ``q + 8`` feature ``2q + 1`` of the warp's 16."""
+    """Output feature of accumulator row ``row`` (0..15) of warp ``warp``, m-block ``mb``, warpgroup ``wg``."""
     return 256 * wg + 64 * mb + 16 * warp + 2 * (row % 8) + row // 8
 
 
-# P stored by 32-bit words (the loop without qk_t, 64-row QK accumulators): word (h, g) of a thread is its row
-# 16 warp + lane // 4 + 8 h, positions 16 g + 4 (lane % 4) .. + 3 of the P tile (P8_TOKEN_ORDER: tokens 2c, 2c + 1,
-# 2c + 8, 2c + 9 of 16-token group g, c = lane % 4), i.e. the accumulator elements of p8_word_elements; built from the
-# thread's e4m3 words 2g and 2g + 1 (elements 8g .. 8g + 7) by one prmt with P8_WORD_SELECTORS[h]
+# P stored by 32-bit words (without qk_t): a thread's word (h, g) is row 16 warp + lane // 4 + 8 h, positions 16 g + 4c
+# to 16 g + 4c + 3 (c = lane % 4; P8_TOKEN_ORDER: tokens 2c, 2c+1, 2c+8, 2c+9 of 16-token group g; accumulator elements:
+# p8_word_elements), built by one prmt (P8_WORD_SELECTORS[h]) of the thread's e4m3 words 2g, 2g+1 (elements 8g to 8g+7)
 P8_WORD_SELECTORS = (0x5410, 0x7632)
 
 
@@ -128,8 +111,7 @@ def p8_word_elements(h, g):
 
 
 def p8_word_offset(lane, warp, h, g):
-    """Byte offset (swizzled, in the P tile) of P word ``(h, g)`` of lane ``lane`` of warp ``warp``.  Python ints
-    (tests) and DSL Int32 alike."""
+    """Swizzled P-tile byte offset of P word ``(h, g)`` of lane ``lane``, warp ``warp`` (Python ints or DSL Int32)."""
     return sw64((16 * warp + lane // 4 + 8 * h) * 64 + 16 * g + 4 * (lane % 4))
 
 
@@ -145,8 +127,7 @@ def _sts32(addr, v):
 
 
 class MlaDecodeFp8TransposedPvSm90(TransposedOutMixin, KvRefillMixin, DecodeTraceMixin, MlaDecodeSm90):
-    """FP8 MLA decode with ``O^T = V^T P^T`` on 64-row blocks (module docstring).  Arguments: the base class's, plus
-    ``qk_t`` (the subclass's transposed QK)."""
+    """``O^T = V^T P^T``, 64-row blocks (module docstring).  Arguments: the base's + ``qk_t`` (transposed QK)."""
 
     pair_step = 1  # output features of an O^T accumulator row pair q, q + 8 (store_ot_pair): f and f + 1
 
@@ -159,14 +140,12 @@ class MlaDecodeFp8TransposedPvSm90(TransposedOutMixin, KvRefillMixin, DecodeTrac
         # the producer warpgroup issues every refill (24 registers; the computing warpgroups get 240)
         self.producer = True
         self.cta_threads = self.num_threads + 128
-        # the QK transposed too, S^T = K Q^T with the pv_n query rows as N, on row tiles of 32 rows (block_m; the
-        # planner's block_m=32 plan)
+        # qk_t: S^T = K Q^T, the pv_n query rows as N, on 32-row tiles (block_m; the planner's block_m=32 plan)
         self.qk_t = bool(qk_t)
         if self.qk_t:
             self.block_m = _MAX_ROWS
             self.num_m_blocks = -(-self.R // self.block_m)
-        # query rows the PVs compute (the O^T accumulators' N): 16 or 32 for S x H <= 32 (the padded rows need no
-        # P V), else the whole 64-row blocks (module docstring, "Registers")
+        # the PVs' query rows (O^T's N): 16 / 32 for S x H <= 32 (padded rows need no P V), else 64 ("Registers")
         self.pv_n = 16 if self.R <= 16 else (32 if self.R <= _MAX_ROWS or self.qk_t else 64)
 
     # ------------------------------------------------------------------------------------------ host
@@ -217,17 +196,15 @@ class MlaDecodeFp8TransposedPvSm90(TransposedOutMixin, KvRefillMixin, DecodeTrac
         return cute.make_tensor(cute.recast_ptr(bufs_ptr + (k * _BUF_BYTES + _P_BYTES), self._swz()), layout)
 
     def p_views(self, bufs_ptr, k):
-        """The e4m3 P tile of buffer ``k``: ``(store view, operand view)``.  The QK accumulator is stored through
-        the first (tokens in P8_TOKEN_ORDER inside each 16-token group), the PV reads the second as its K-major
-        B operand ``(pv_n rows, 64 token positions)``."""
+        """Buffer ``k``'s e4m3 P tile as ``(store view, operand view)``: the QK accumulator is stored through the first
+        (P8_TOKEN_ORDER in 16-token groups), the PV reads the second as K-major B ``(pv_n rows, 64 tokens)``."""
         ptr = cute.recast_ptr(bufs_ptr + k * _BUF_BYTES, self._swz())
         store = cute.make_layout((self.block_m, (2, 4, 2, self.block_n // 16)), stride=(self.block_n, (1, 4, 2, 16)))
         return (cute.make_tensor(ptr, store),
                 cute.make_tensor(ptr, cute.make_layout((self.pv_n, self.block_n), stride=(self.block_n, 1))))
 
     def p_store(self, qk_thr, bufs, k):
-        """The QK accumulator's partition of buffer ``k``'s P tile (store view; with ``qk_t`` the accumulator is
-        ``S^T``, (tokens, rows), and so is the view)."""
+        """QK accumulator partition of buffer ``k``'s P store view (``qk_t``: both ``S^T``, (tokens, rows))."""
         if cutlass.const_expr(self.qk_t):
             ptr = cute.recast_ptr(bufs + k * _BUF_BYTES, self._swz())
             view = cute.make_tensor(ptr, cute.make_layout(((2, 4, 2, self.block_n // 16), self.pv_n),
@@ -238,9 +215,8 @@ class MlaDecodeFp8TransposedPvSm90(TransposedOutMixin, KvRefillMixin, DecodeTrac
 
     @cute.jit
     def store_p_tile(self, acc_s: cute.Tensor, qk_thr, bufs, k, wtid: Int32):
-        """P (fp32, scaled by 2^8) -> e4m3 into buffer ``k``'s P tile: with ``qk_t`` through :meth:`p_store`'s view,
-        otherwise as 8 32-bit stores a thread (:data:`P8_WORD_SELECTORS`; the view's byte stores took 32 stores and
-        about 20 address registers a thread).  The proxy fence publishes it to wgmma."""
+        """P (fp32 x 2^8) -> e4m3 in buffer ``k``'s P tile, fenced for wgmma: with ``qk_t`` via :meth:`p_store`, else by
+        8 32-bit stores a thread (:data:`P8_WORD_SELECTORS`), not 32 view byte stores (~20 address registers)."""
         if cutlass.const_expr(self.qk_t):
             store_p8(acc_s, self.p_store(qk_thr, bufs, k))
         else:
@@ -257,11 +233,9 @@ class MlaDecodeFp8TransposedPvSm90(TransposedOutMixin, KvRefillMixin, DecodeTrac
 
     @cute.jit
     def rescale_p_tile(self, bufs, k, sc: cute.Tensor, wtid: Int32):
-        """64-row tiles: warpgroup 0's P0, already in buffer ``k``'s P tile, times its rows' ``scale1`` (``sc``: this
-        thread's 2 rows) for warpgroup 1's cross PV, from the e4m3 words themselves (:func:`p8_word_offset`), so the
-        fp32 P is not kept across the own PV (module docstring, "Registers").  Nothing for a warp whose 16 rows all
-        have scale 1 (the steady state: the stored P is then exact); otherwise each of those words is rounded to
-        e4m3 twice (docs/sm90_decode.md, "FP8 error bounds")."""
+        """WG0's P0 (buffer ``k``'s P tile) times its rows' ``scale1`` (``sc``: this thread's 2 rows) for WG1's cross
+        PV, in its e4m3 words (:func:`p8_word_offset`; "Registers").  Nothing for a warp whose 16 rows all have scale 1
+        (steady state, P exact); else its words are rounded to e4m3 twice (docs/sm90_decode.md, "FP8 error bounds")."""
         if not cute.arch.vote_all_sync((sc[0] == 1.0) & (sc[1] == 1.0)):
             base = bufs.toint() + k * _BUF_BYTES
             lane = wtid % 32
@@ -276,8 +250,7 @@ class MlaDecodeFp8TransposedPvSm90(TransposedOutMixin, KvRefillMixin, DecodeTrac
         cute.arch.fence_view_async_shared()  # (every iteration, for warpgroup 1's cross PV)
 
     def qk_tile(self, qk_mma, qk_thr, acc_s, tSrQ, bufs, k):
-        """Issue the QK of the tile in buffer ``k`` (no commit): ``S = Q K^T``, or with ``qk_t`` ``S^T = K Q^T``
-        (the staging as the A operand, q as B)."""
+        """Issue buffer ``k``'s QK (no commit): ``S = Q K^T``, with ``qk_t`` ``S^T = K Q^T`` (staging A, q B)."""
         stg = self.stg_view(bufs, k)
         if cutlass.const_expr(self.qk_t):
             self.qk_chunks(qk_mma, acc_s, qk_thr.make_fragment_A(qk_thr.partition_A(stg)), tSrQ, _ALL_CHUNKS, True)
@@ -285,22 +258,20 @@ class MlaDecodeFp8TransposedPvSm90(TransposedOutMixin, KvRefillMixin, DecodeTrac
             self.qk_chunks(qk_mma, acc_s, tSrQ, qk_thr.make_fragment_B(qk_thr.partition_B(stg)), _ALL_CHUNKS, True)
 
     def p_operand(self, pv_thr, bufs, k):
-        """The PV's B operand (``P^T``, K-major) of buffer ``k``'s P tile.  (Built where it is used: made at the top
-        of the iteration, the descriptors stayed live through the softmax and pushed it into spills.)"""
+        """Buffer ``k``'s ``P^T`` (K-major PV B operand), built at use: at the loop top it spilled in the softmax."""
         return pv_thr.make_fragment_B(pv_thr.partition_B(self.p_views(bufs, k)[1]))
 
     @cute.jit
     def load_vt(self, a: cute.Tensor, stg: Int32, zero: Int32, tile_start: Int32, split_end: Int32,
                 chunk0: cutlass.Constexpr, wtid: Int32, n_mb: cutlass.Constexpr = 4):
-        """``V^T`` A fragments of ``n_mb`` m-blocks (64 features each) from feature ``64 chunk0`` on, of one tile
-        (``a``: ``8 n_mb`` words, word ``4 mb + 4 n_mb kb + r`` = register ``a_r`` of m-block ``mb`` and k32 step
-        ``kb``; this loop: a warpgroup's 256 features, ``chunk0`` 4 x warpgroup) from the e4m3 staging at shared
-        address ``stg``: per (mb, kb) one ``ldmatrix.x4.trans`` (:func:`vt_a_row_offset`) and 4 ``prmt``.  A lane
-        whose token is at or past ``split_end`` reads the 16-byte zero row at ``zero`` instead: those V rows may hold
-        anything (page tails, unowned NaN pages) and P is 0 there.  This loop (not ``qk_t``): a tile that holds keys
-        ``hidden_keys`` covers (``tail_from``) has the NaN bytes of its words replaced by 0
-        (:func:`~.helpers.clear_nan_e4m3x4`), each reader in its own registers, so no warpgroup waits for another's
-        cleaning.  The ``qk_t`` loop cleans its staging instead (``clean_fp8_tail``): each loop takes the way that adds
+        """``V^T`` A fragments of ``n_mb`` m-blocks (64 features each) from feature ``64 chunk0`` on, of one tile, from
+        the e4m3 staging at smem address ``stg`` (``a``: ``8 n_mb`` words, word ``4 mb + 4 n_mb kb + r`` = register
+        ``a_r`` of m-block ``mb``, k32 step ``kb``; this loop: a warpgroup's 256 features, ``chunk0`` 4 x warpgroup):
+        per (mb, kb) one ``ldmatrix.x4.trans`` (:func:`vt_a_row_offset`) and 4 ``prmt``.  Lanes whose token is at or
+        past ``split_end`` read the 16-byte zero row ``zero``: those V rows may hold anything (page tails, unowned NaN
+        pages), P is 0 there.  Without ``qk_t``, NaN bytes -> 0 in the words of a tile holding keys ``hidden_keys``
+        covers (``tail_from``; :func:`~.helpers.clear_nan_e4m3x4`), in each reader's registers: no warpgroup waits for
+        another's cleaning; ``qk_t`` cleans its staging instead (``clean_fp8_tail``): each loop takes the way adding
         no spill to its main loop (docs/sm90_decode.md, "Causally hidden keys")."""
         if cutlass.const_expr(self.hidden_keys > 0 and not self.qk_t):
             if tile_start + self.block_n > self.tail_from(split_end):
@@ -354,10 +325,9 @@ class MlaDecodeFp8TransposedPvSm90(TransposedOutMixin, KvRefillMixin, DecodeTrac
                   mOut: cute.Tensor, mLse: cute.Tensor, mOacc: cute.Tensor, mLacc: cute.Tensor, mTrace: cute.Tensor,
                   q_layout: cute.ComposedLayout, tma_atom: cute.CopyAtom, tma_kv: cute.Tensor,
                   Storage: cutlass.Constexpr):
-        """The persistent CTA ``(row block, g)``: the producer warpgroup and the computing warpgroups each walk the
-        pieces of the CTA's range of the schedule (:meth:`run_pieces`); a piece is a complete run of the loop (Q load,
-        the first two pairs, the loop, the epilogue), pieces separated by CTA barriers.  The mbarriers are
-        initialised once; their phase parity carries from piece to piece (:meth:`landed`)."""
+        """The persistent CTA ``(row block, g)``: producer and computing warpgroups walk the pieces (:meth:`run_pieces`)
+        of its schedule range, each a whole run (Q load, first two pairs, loop, epilogue) between CTA barriers;
+        mbarriers initialised once, their phase parity carried across pieces (:meth:`landed`)."""
         tid, mblk, g, wg, wtid, st = self.cta_start(Storage)
         self.phase_bits(st.mbar.data_ptr())
         sQ = st.sQ.get_tensor(q_layout.outer, swizzle=q_layout.inner)
@@ -375,15 +345,13 @@ class MlaDecodeFp8TransposedPvSm90(TransposedOutMixin, KvRefillMixin, DecodeTrac
             mbar=mbar, bufs=bufs, num_pages=num_pages, tAs=tAs, tAg=tAg, tma_atom=tma_atom))
 
     def advance_phases(self, n_pairs: Int32):
-        """After a piece (:meth:`walk_pieces`): buffers 0, 1 hold the even pairs, 2, 3 the odd ones: their
-        completions this piece."""
+        """After a piece (:meth:`walk_pieces`): its phase flips (buffers 0, 1 hold the even pairs, 2, 3 the odd)."""
         ph = self.ph
         ph[0] = ph[0] ^ ((((n_pairs + 1) >> 1) & 1) * 3) ^ (((n_pairs >> 1) & 1) * 12)
 
     @cute.jit
     def produce_start(self, c, b, split_start, split_end, n_pairs):
-        """The producer warpgroup's first loads of a piece (:meth:`produce_piece`): pairs 0 and 1 into buffers
-        0..3."""
+        """The producer's first loads of a piece (:meth:`produce_piece`): pairs 0 and 1 into buffers 0..3."""
         tAs, tAg, tma_atom, mbar, mBT, num_pages, wtid = c.tAs, c.tAg, c.tma_atom, c.mbar, c.mBT, c.num_pages, c.wtid
         for k in cutlass.range_constexpr(_NBUF):
             t0 = split_start + k * self.block_n
@@ -393,9 +361,9 @@ class MlaDecodeFp8TransposedPvSm90(TransposedOutMixin, KvRefillMixin, DecodeTrac
 
     @cute.jit
     def produce_rest(self, c, b, split_start, split_end, n_pairs):
-        """The producer warpgroup's refills of a piece after its Q tile: pair j's buffers 2 (j % 2) + g, once both
-        PVs of pair j retired (SLOT*_FREE), with pair j + 2 (the TMA destination of buffers 2 + g: buffer g's, 2
-        buffers further; unrolled by pairs instead, the loop spilled a register of the 24)."""
+        """The producer's refills after the Q tile: pair j's buffers 2 (j % 2) + g, once both its PVs retired
+        (SLOT*_FREE), with pair j + 2 (buffers 2 + g: buffer g's TMA destination, 2 buffers on; unrolled by pairs
+        instead, the loop spilled one of the 24 registers)."""
         tAs, tAg, tma_atom, mbar, mBT, num_pages, wtid = c.tAs, c.tAg, c.tma_atom, c.mbar, c.mBT, c.num_pages, c.wtid
         bn = self.block_n
         if wtid < 32:
@@ -410,9 +378,8 @@ class MlaDecodeFp8TransposedPvSm90(TransposedOutMixin, KvRefillMixin, DecodeTrac
 
     @cute.jit
     def consume(self, c, cta, b, seq, split_start, split_end, split, n_pairs):
-        """The two computing warpgroups on whole 64-row blocks (:meth:`walk_pieces`, after the Q tile): first QK, the
-        seesaw loop (module docstring), epilogue.  ``c``: :meth:`ot_kernel`'s values; ``cta`` for :meth:`mark` (debug
-        builds; the events are :data:`TRACE_EVENTS_OT`)."""
+        """The computing warpgroups on 64-row blocks (:meth:`walk_pieces`, after the Q tile): first QK, the loop (module
+        docstring), epilogue; ``c``: :meth:`ot_kernel`'s values, ``cta`` for :meth:`mark` (:data:`TRACE_EVENTS_OT`)."""
         scale_log2, out_scale = c.mSS[0] * LOG2_E, c.mOS[0]  # (loaded once a piece)
         qk_mma, pv_mma = c.mmas
         sQ, st, bufs, wg, wtid, mblk, mbar, mTrace = c.sQ, c.st, c.bufs, c.wg, c.wtid, c.mblk, c.mbar, c.mTrace
@@ -432,8 +399,7 @@ class MlaDecodeFp8TransposedPvSm90(TransposedOutMixin, KvRefillMixin, DecodeTrac
         acc = pv_thr.make_fragment_C(pv_thr.partition_shape_C((self.DV // 2, self.pv_n)))  # O^T, 256 features
         acc.fill(0.0)
         a_layout = pv_thr.make_fragment_A(pv_thr.partition_shape_A((self.DV // 2, bn))).layout
-        # one V^T fragment set for the own tile and the other one: each PV retires before the next V^T loads (module
-        # docstring, "Registers")
+        # one V^T fragment set for the own and the other tile: each PV retires before the next V^T loads ("Registers")
         a_own = cute.make_rmem_tensor((32,), Int32)
         tA_own = cute.make_tensor(cute.recast_ptr(a_own.iterator, dtype=_F8), a_layout)
         a_x, tA_x = a_own, tA_own
@@ -465,9 +431,7 @@ class MlaDecodeFp8TransposedPvSm90(TransposedOutMixin, KvRefillMixin, DecodeTrac
                 self.exp_rows(acc_s, ref, row_l)
                 cute.arch.barrier_arrive(barrier_id=int(Barrier.SCALE0), number_of_threads=self.num_threads)
                 self.mark(mTrace, cta, 0, wtid, j, 3)
-                # 2. P0 -> smem; O^T *= scale0 (all rows' scales: after the warpgroup's barrier); O^T += V0^T P0^T,
-                #    and the next QK right behind it, so that it runs during warpgroup 1's softmax (module docstring,
-                #    "QK early": issued for the last pair too, its S thrown away)
+                # 2. P0 -> smem; TAIL (all rows' scale0); O^T *= scale0; O^T += V0^T P0^T, then the next QK ("QK early")
                 self.store_p_tile(acc_s, qk_thr, bufs, 2 * u, wtid)
                 cute.arch.barrier(barrier_id=int(Barrier.TAIL), number_of_threads=128)
                 self.scale_ot(acc, sSc0, None, wtid)
@@ -489,8 +453,7 @@ class MlaDecodeFp8TransposedPvSm90(TransposedOutMixin, KvRefillMixin, DecodeTrac
                 cute.arch.barrier_arrive(barrier_id=int(Barrier.P0_READY), number_of_threads=self.num_threads)
                 self.scale_ot(acc, sSc1, None, wtid)
                 self.mark(mTrace, cta, 0, wtid, j, 7)
-                # 4. O^T += V1^T P1^T (P1 from WG1).  WG1 waited for that tile's landing; this warpgroup waits on the
-                #    same (completed) phase before it reads the TMA's bytes with ldmatrix
+                # 4. O^T += V1^T P1^T (P1 from WG1); ldmatrix after a wait on the (completed) phase WG1 waited for
                 self.landed(mbar + 2 * u + 1, (j // 2) % 2)
                 self.load_vt(a_x, stg0 + (2 * u + 1) * _BUF_BYTES, zero, t0 + bn, split_end, 0, wtid)
                 cute.arch.barrier(barrier_id=int(Barrier.P1_READY), number_of_threads=self.num_threads)
@@ -518,8 +481,7 @@ class MlaDecodeFp8TransposedPvSm90(TransposedOutMixin, KvRefillMixin, DecodeTrac
                 cute.arch.barrier_arrive(barrier_id=int(Barrier.SCALE1), number_of_threads=self.num_threads)
                 self.exp_rows(acc_s, ref, row_l)
                 self.mark(mTrace, cta, 1, wtid, j, 4)
-                # 2. P1 -> smem (both PVs read it); O^T *= scale0 * scale1; release P1 to WG0 (stored and fenced,
-                #    scale0 / scale1 read); O^T += V1^T P1^T
+                # 2. P1 -> smem (both PVs read it); O^T *= scale0 * scale1; P1_READY (P1 fenced, scales read); own PV
                 self.store_p_tile(acc_s, qk_thr, bufs, 2 * u + 1, wtid)
                 cute.arch.barrier(barrier_id=int(Barrier.TAIL) + 1, number_of_threads=128)
                 self.scale_ot(acc, sSc0, sSc1, wtid)
@@ -536,9 +498,8 @@ class MlaDecodeFp8TransposedPvSm90(TransposedOutMixin, KvRefillMixin, DecodeTrac
                 self.pv_ot(pv_mma, acc, tA_x, self.p_operand(pv_thr, bufs, 2 * u))
                 warpgroup.commit_group()
                 self.mark(mTrace, cta, 1, wtid, j, 8)
-                # 4. both PVs retired: slot 0's buffer is free (WG0's own PV retired before its P0_READY), announced
-                #    once the next pair landed (module docstring); then the next QK; slot 1's buffer once WG0's cross
-                #    PV retired too (VT1_FREE)
+                # 4. both PVs retired: slot 0 free (WG0's own PV retired before P0_READY), announced once the next pair
+                #    landed (module docstring); next QK; slot 1 free once WG0's cross PV retired too (VT1_FREE)
                 warpgroup.wait_group(0)
                 self.mark(mTrace, cta, 1, wtid, j, 9)
                 if more:
@@ -556,16 +517,14 @@ class MlaDecodeFp8TransposedPvSm90(TransposedOutMixin, KvRefillMixin, DecodeTrac
                         cute.arch.barrier_arrive(barrier_id=int(Barrier.SLOT1_FREE), number_of_threads=160)
                     self.mark(mTrace, cta, 1, wtid, j, 12)
 
-        # ---- epilogue: both warpgroups' O^T and l are relative to the final shared max (its 2^8 P bias taken out
-        #      of the max for the LSE)
+        # ---- epilogue: both WGs' O^T and l relative to the final shared max (its 2^8 P bias taken out for the LSE)
         cute.arch.barrier()
         self.epilogue_ot(acc, sM, row_l, row_in, sSum, sRed, c.mOut, c.mLse, c.mOacc, c.mLacc, out_scale, mblk,
                          split, b, wg, wtid)
 
     def acc_feature(self, wg, mb, warp, q):
-        """Output feature of the ``O^T`` accumulator row ``q`` (0..7; row ``q + 8`` is :meth:`store_ot_pair`'s
-        second) of warp ``warp`` in m-block ``mb`` of warpgroup ``wg``: :func:`ot_feature` (the register ``V^T``'s
-        row permutation)."""
+        """Output feature of ``O^T`` accumulator row ``q`` (0..7; row ``q + 8`` is :meth:`store_ot_pair`'s second) of
+        warp ``warp``, m-block ``mb``, warpgroup ``wg``: :func:`ot_feature`."""
         return ot_feature(wg, mb, warp, q)
 
 

@@ -20,18 +20,15 @@ class Barrier(enum.IntEnum):
     SCALE1 = 7  # WG1 folded its tile (scale1 published)
     P0_READY = 8  # WG0's P in smem
     P1_READY = 9  # WG1's P in smem
-    # the refill sites of the 16-bit loops (128 threads of one warpgroup: warps 1-3 arrive, warp 0 syncs and issues;
-    # with the producer warpgroup 160: the site's warpgroup arrives, the producer's warp 0 syncs and issues): one id
-    # per site, so no warp can reach a site's next phase before the issuing warp left the last one
+    # 16-bit loops' refill sites, one id each so no warp reaches a site's next phase before the issuing warp left the
+    # last: 128 threads (warps 1-3 arrive, warp 0 syncs and issues), 160 with the producer (its warp 0 syncs, issues)
     REFILL_A0 = 10
     REFILL_A1 = 11
     REFILL_B1 = 12
     REFILL_B0 = 13
-    # the FP8 O^T loops (the refill sites above are unused there): warpgroup 0's cross PV of slot 1 retired (WG0
-    # arrives, WG1 syncs; 256 threads)
-    VT1_FREE = 11
-    # ... a buffer's readers are done, the producer may refill it (a computing warpgroup arrives, the producer's warp 0
-    # syncs; 160 threads).  The ids of REFILL_B1 / REFILL_B0: a build uses one set only (the compile test counts them)
+    VT1_FREE = 11  # FP8 O^T loops: WG0's cross PV of slot 1 retired (WG0 arrives, WG1 syncs; 256 threads)
+    # FP8 O^T loops: a buffer's readers are done, the producer may refill it (a computing warpgroup arrives, producer's
+    # warp 0 syncs; 160 threads).  Ids 11-13 double as refill ids: a build uses one set (the compile test counts them)
     SLOT0_FREE = 12
     SLOT1_FREE = 13
     TAIL = 14  # + warpgroup index: one warpgroup's 128 threads (its P stored, column maxima exchanged, V rows zeroed)
@@ -55,8 +52,8 @@ def quad_sum(x: Float32) -> Float32:
 
 @cute.jit
 def row_ptr(base: cute.Tensor, row: Int64, col, row_elems: cutlass.Constexpr[int], align: cutlass.Constexpr[int]):
-    """An ``align``-byte aligned pointer to element ``col`` of ``row`` of a row-major ``[*, row_elems]``
-    global tensor (the caller guarantees the alignment)."""
+    """An ``align``-byte aligned pointer (the caller guarantees it) to element ``col`` of ``row`` of a row-major
+    ``[*, row_elems]`` global tensor."""
     p = base.iterator + (row * row_elems + col)
     return cute.make_ptr(base.element_type, p.toint(), cute.AddressSpace.gmem, assumed_align=align)
 
@@ -66,19 +63,17 @@ def clamp(x: Int32, lo: Int32, hi: Int32) -> Int32:
     return cutlass.min(cutlass.max(x, lo), hi)
 
 
-# Non-finite values out of packed words, as branch-free integer expressions: valid on the DSL's Int32 and on numpy
-# int32 alike (+ and - wrap, >> is arithmetic and masked after), so tests/test_compile_sm90_decode.py checks these
-# very expressions on every bit pattern.  The decode loops apply them to the V of the keys a causal step hides from
-# some of its query rows (``MlaDecodeSm90.hidden_keys``).
+# Non-finite values out of packed words by branch-free integer expressions, valid on the DSL's Int32 and numpy int32
+# alike (+ and - wrap, >> is arithmetic and masked after), so tests/test_compile_sm90_decode.py checks them on every
+# bit pattern; applied to the V of the keys a causal step hides from some query rows (``MlaDecodeSm90.hidden_keys``).
 _SIGN16X2 = 0x80008000 - (1 << 32)  # bit 15 of each 16-bit half (as a signed 32-bit constant)
 _SIGN8X4 = 0x80808080 - (1 << 32)  # bit 7 of each byte
 
 
 def clear_nonfinite_16x2(w, exp_mask: int):
-    """``w`` (two 16-bit floats in a 32-bit word) with each Inf or NaN half replaced by +0; ``exp_mask``: the
-    format's exponent field (0x7F80 bfloat16, 0x7C00 float16).  A half is non-finite iff its exponent bits are all
-    ones: ``u`` is 0 exactly there, ``u + 0x7FFF`` sets bit 15 of every other half (no carry leaves a half), and the
-    flagged bit 15 spreads to the whole half (``0x8000 | 0x8000 - 1``)."""
+    """``w`` (two 16-bit floats in a 32-bit word) with each Inf or NaN half replaced by +0; ``exp_mask``: the exponent
+    field (0x7F80 bfloat16, 0x7C00 float16).  A half is non-finite iff its exponent is all ones: ``u`` is 0 just there,
+    ``u + 0x7FFF`` sets bit 15 of the other halves (no carry leaves a half), ``0x8000 | 0x8000 - 1`` spreads it."""
     e2 = exp_mask | (exp_mask << 16)
     u = (w & e2) ^ e2
     bad = ((u + 0x7FFF7FFF) & _SIGN16X2) ^ _SIGN16X2

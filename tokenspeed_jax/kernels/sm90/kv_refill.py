@@ -1,13 +1,12 @@
-"""How the decode loops fill their KV slots (a mixin of the loops): the TMA atom and partitions of the cache, the
-block-table reads ahead of a refill (TMA box coordinates) and the TMA refills of a slot's 64-column chunks, completing
-an mbarrier.  The loop decides when a group is refilled, this module how.  Uses the loop's ``page_size``, ``block_m``,
-``block_n``, ``box_rows``, ``subs``, ``dtype`` and ``producer``.
+"""How the decode loops fill their KV slots (a mixin of the loops): the cache's TMA atom and partitions, the block-table
+reads ahead of a refill (TMA box coordinates) and the TMA refills of a slot's 64-column chunks, completing an mbarrier;
+the loop decides when a group is refilled, this module how.  Uses the loop's ``page_size``, ``block_m``, ``block_n``,
+``box_rows``, ``subs``, ``dtype`` and ``producer``.
 
-The KV cache is viewed as ``(page_size, 576, num_pages)``; one TMA box is ``box_rows = min(page_size, 64)`` rows x 64
-columns (the layout of a 64-column chunk of a slot), ``subs = 64 / box_rows`` boxes per chunk.  Page ids are clamped to
-``[0, num_pages)`` and tokens into the split, so no box is ever out of bounds; rows of a partial last tile past the
-split may hold anything (page tails, unowned NaN pages): the loops mask them in S and zero them in V.
-"""
+The cache is viewed as ``(page_size, 576, num_pages)``; a TMA box is ``box_rows = min(page_size, 64)`` rows x 64 columns
+in a slot's 64-column chunk layout (16-bit: 128-byte swizzle; e4m3: QGMMA B, 64-byte swizzle), ``subs = 64 / box_rows``
+a chunk.  Page ids are clamped to ``[0, num_pages)``, tokens into the split: no box is out of bounds; a partial last
+tile's rows past the split may hold anything (page tails, unowned NaN pages): loops mask them in S, zero them in V."""
 
 from __future__ import annotations
 
@@ -26,9 +25,7 @@ class KvRefillMixin:
     """Block-table reads and TMA refills of the KV slots (module docstring)."""
 
     def kv_tma(self, kv: cute.Tensor):
-        """``(atom, tensor)`` of the TMA loads of the cache (traced in ``__call__``): the ``(page_size, 576, pages)``
-        view, one box = ``box_rows`` x 64 columns in the layout of a slot's 64-column chunk (16-bit: 128-byte swizzle;
-        e4m3: the QGMMA B layout, 64-byte swizzle)."""
+        """``(atom, tensor)`` of the cache's TMA loads (traced in ``__call__``; view and box: module docstring)."""
         kv_t = cute.make_tensor(kv.iterator, cute.select(kv.layout, mode=[1, 2, 0]))
         box = cute.select(sm90_utils.make_smem_layout_b(LayoutEnum.ROW_MAJOR, (self.block_m, self.box_rows, _CHUNK),
                                                         self.dtype, 1), mode=[0, 1])
@@ -47,9 +44,8 @@ class KvRefillMixin:
 
     @cute.jit
     def coords(self, mBT: cute.Tensor, b: Int32, tile_start: Int32, split_end: Int32, num_pages: Int32, wtid=None):
-        """TMA coordinates of a tile's ``subs`` boxes, loaded ahead of the refill: ``(page, row block)`` of
-        token ``tile_start + s * box_rows`` clamped into the split, page ids clamped to ``[0, num_pages)``.
-        Caller guarantees a non-empty split."""
+        """TMA coordinates of a tile's ``subs`` boxes, loaded ahead of the refill: ``(page, row block)`` of token
+        ``tile_start + s * box_rows`` clamped into the split (non-empty), page ids into ``[0, num_pages)``."""
         crd = cute.make_rmem_tensor((self.subs, 2), Int32)
         for s in cutlass.range_constexpr(self.subs):
             tok = cutlass.min(tile_start + s * self.box_rows, split_end - 1)
@@ -60,12 +56,10 @@ class KvRefillMixin:
     @cute.jit
     def refill(self, tAs, tAg, tma_atom, mbar_ptr, crd, wtid, chunks: cutlass.Constexpr, bar: cutlass.Constexpr):
         """Refill the 64-column chunks ``chunks`` of one slot (``tAs``: its TMA partition; ``crd``: the tile's
-        :meth:`coords`), completing the mbarrier ``mbar_ptr``.
-
-        The first warp of the calling warpgroup issues ``subs`` boxes per chunk (one elected lane) after an
-        arrive-and-expect-tx of the group's bytes by its lane 0.  With a barrier id ``bar`` (a refill after the columns'
-        last wgmma) the other warps first arrive on it, i.e. their share of that wgmma has retired; with the producer
-        warpgroup (:attr:`producer`) a loop site only arrives on ``bar`` (160 threads) and the producer issues."""
+        :meth:`coords`), completing the mbarrier ``mbar_ptr``: the calling warpgroup's first warp issues ``subs`` boxes
+        per chunk (one elected lane) after its lane 0's arrive-and-expect-tx of the group's bytes.  With a barrier id
+        ``bar`` (a refill after the columns' last wgmma) the other warps first arrive on it (their share of it retired);
+        with :attr:`producer` a loop site only arrives on ``bar`` (160 threads) and the producer warpgroup issues."""
         if cutlass.const_expr(self.producer and bar is not None):  # a loop site: the producer issues
             cute.arch.barrier_arrive(barrier_id=int(bar), number_of_threads=160)
         else:

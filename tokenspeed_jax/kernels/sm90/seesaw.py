@@ -1,40 +1,35 @@
 """The seesaw loop of the Hopper MLA decode: two computing warpgroups work out of phase on alternate KV tiles.
 
 Runs 16-bit inputs (the table's choice for S x H > 32, and for every S x H with 16-token pages) and FP8 with 16-token
-pages.  The structure follows FlashMLA's Hopper kernel (its "seesaw"; design read from its source, code our own):
+pages.  Structure after FlashMLA's Hopper kernel (its "seesaw"; design read from its source, code our own):
 
-* Two KV slots of 64 tokens x 576.  Per iteration (a pair of tiles) warpgroup 0 owns tile ``2j`` in slot 0 and
-  warpgroup 1 tile ``2j+1`` in slot 1 for ``S = Q K^T`` (64x64x576, Q read from shared memory once per 64 tokens).  O
-  stays split by columns: WG0 holds ``O[:, :256]``, WG1 ``O[:, 256:]``, so every tile's ``P V`` is done by both
-  warpgroups: each uses its own P on its own tile and the other's P from shared memory on the other tile.
-* One running row max shared through shared memory, updated in sequence: WG0 folds in tile 2j (``scale0``), then WG1
-  folds in tile 2j+1 (``scale1``), and WG0 later rescales its P and O by ``scale1``.  So WG0's softmax runs under WG1's
-  QK and WG1's softmax under WG0's PV.  Named barriers (producer ``arrive``, consumer ``sync``; 256 threads):
-  SCALE0 (WG0's fold published) -> SCALE1 (WG1's) -> P0_READY (WG0's rescaled P in shared memory) and P1_READY (WG1's
-  P stored, its cross PV issued).
-* P of a tile goes to shared memory in the rope columns (512..575) of its own slot: only QK reads them, and the QK of
-  that slot has retired.
-* KV refills by TMA, per column group as soon as the group's last reader retired, each group completing an mbarrier
-  (:mod:`.kv_refill`): slot 0: A0 = cols 0..255 (after WG0's own PV), B0 = cols 256..575 (after WG1's cross PV, which
-  also read P0 in the rope columns); slot 1: A1 = cols 0..255 + 512..575 (after WG0's cross PV, which read P1), B1 =
-  cols 256..511 (after WG1's own PV).  The next QK of a slot starts on the group its own warpgroup refilled first.
-  The block-table entries of a refill are loaded at the top of the iteration, so the issue never waits on them.
-  Rows of a partial last tile past the split may hold anything (page tails, unowned NaN pages): masked in S, and their
-  V columns zeroed by the slot's owner (:meth:`MlaDecodeSeesawSm90.zero_tail`; FP8: the transpose) before any PV.
-* ``producer`` (16-bit, pages >= 32): a third warpgroup issues every refill (:meth:`MlaDecodeSeesawSm90.produce`;
-  ``setmaxnreg``: 24 registers for it, 240 for each computing warpgroup); each loop site becomes an arrival on its
-  160-thread REFILL_* barrier, which the producer's warp 0 syncs on before it issues.  With 16-token pages (4 boxes per
-  chunk) its coordinates would spill.
-* A missing second tile (odd tile count) is computed as a fully masked tile.
-* 16-bit stores: P to the peer's tile by ``stmatrix``; the epilogue stages O through the Q tile's shared memory and
-  leaves in 16-byte chunks (:meth:`~tokenspeed_jax.kernels.sm90.decode_common.MlaDecodeSm90.store_o_staged`).  A row
-  block with rows past R loads zeros there and masks every key of theirs.
-* FP8 (e4m3 q and cache): QK^T on FP8 tensor cores (QGMMA m64n64k32) straight from the raw q tile (36 KB) and the
-  landed e4m3 staging.  Each slot is packed ``[V^T 32 KB | P 4 KB | staging 36 KB]`` (:mod:`.fp8_operands`): after
-  its QK retired the owner transposes V into ``V^T`` (``ldmatrix.trans`` + ``prmt`` + ``stmatrix``, tokens permuted
-  inside 16-token groups, P stored in the same order), and both PVs run as SS QGMMA m64n256k32.  P is computed as
-  ``2^8 p`` and rounded to e4m3 (the row sums stay over the unrounded P; the bias is taken out of the LSE).  bf16
-  output.  The FP8 scales are folded into ``softmax_scale`` / ``output_scale`` by the caller (decode contract).
+* Two KV slots of 64 tokens x 576.  Per iteration (a pair of tiles) WG0 owns tile ``2j`` in slot 0, WG1 tile ``2j+1`` in
+  slot 1 for ``S = Q K^T`` (64x64x576, Q read from shared memory once per 64 tokens); a missing second tile (odd tile
+  count) is computed fully masked.  O is split by columns (WG0 ``O[:, :256]``, WG1 ``O[:, 256:]``), so both do every
+  tile's ``P V``: own P on the own tile, the other's P from shared memory on the other.  A tile's P goes to the rope
+  columns (512..575) of its own slot: only QK reads them, and that QK retired.
+* One running row max in shared memory, updated in sequence: WG0 folds in tile 2j (``scale0``), then WG1 tile 2j+1
+  (``scale1``); WG0 later rescales its P and O by ``scale1``.  So WG0's softmax runs under WG1's QK, WG1's under WG0's
+  PV.  Named barriers (producer ``arrive``, consumer ``sync``; 256 threads): SCALE0 (WG0's fold published) -> SCALE1
+  (WG1's) -> P0_READY (WG0's rescaled P in shared memory) and P1_READY (WG1's P stored, its cross PV issued).
+* KV refills by TMA per column group once its last reader retired, each group completing an mbarrier
+  (:mod:`.kv_refill`): slot 0: A0 = cols 0..255 (after WG0's own PV), B0 = 256..575 (after WG1's cross PV, which also
+  read P0 in the rope columns); slot 1: A1 = 0..255 + 512..575 (after WG0's cross PV, which read P1), B1 = 256..511
+  (after WG1's own PV).  A slot's next QK starts on the group its own warpgroup refilled first.  A refill's block-table
+  entries load at the top of the iteration, so the issue never waits on them.  Rows of a partial last tile past the
+  split may hold anything (page tails, unowned NaN pages): masked in S, their V columns zeroed by the slot's owner
+  (:meth:`MlaDecodeSeesawSm90.zero_tail`; FP8: the transpose) before any PV.
+* ``producer`` (16-bit, pages >= 32: with 16-token pages, 4 boxes per chunk, its coordinates would spill): a third
+  warpgroup issues every refill (:meth:`MlaDecodeSeesawSm90.produce`; ``setmaxnreg``: 24 registers, 240 per computing
+  WG); each loop site arrives on its 160-thread REFILL_* barrier, which the producer's warp 0 syncs on before it issues.
+* 16-bit: P to the peer's tile by ``stmatrix``; the epilogue stages O through the Q tile's shared memory and leaves in
+  16-byte chunks (:meth:`~tokenspeed_jax.kernels.sm90.decode_common.MlaDecodeSm90.store_o_staged`).  A row block with
+  rows past R loads zeros there and masks every key of theirs.
+* FP8 (e4m3 q and cache, bf16 output; the caller folds the FP8 scales into ``softmax_scale`` / ``output_scale``, decode
+  contract): QK^T by QGMMA m64n64k32 straight from the raw q tile (36 KB) and the landed e4m3 staging.  Slots are packed
+  ``[V^T 32 KB | P 4 KB | staging 36 KB]`` (:mod:`.fp8_operands`): after its QK retired the owner transposes V
+  (``ldmatrix.trans`` + ``prmt`` + ``stmatrix``, tokens permuted in 16-token groups, P in the same order); both PVs are
+  SS QGMMA m64n256k32.  P is ``2^8 p`` rounded to e4m3 (row sums over the unrounded P; the LSE takes the bias out).
 """
 
 from __future__ import annotations
@@ -58,9 +53,8 @@ _EXP_MASK = {cutlass.BFloat16: 0x7F80, cutlass.Float16: 0x7C00}  # the exponent 
 
 
 def acc_to_a_layout(acc_layout: cute.Layout) -> cute.Layout:
-    """Layout of a 16-bit wgmma accumulator fragment ``((2, 2, N/8), M, N)`` viewed as the register A
-    operand of a following wgmma: ``((2, 2, 2), M, (N/16, N))`` (pairs of 8-column groups form one K=16
-    step; the value order within a thread is the same)."""
+    """A 16-bit wgmma accumulator fragment ``((2, 2, N/8), M, N)`` as the register A operand of a following wgmma:
+    ``((2, 2, 2), M, (N/16, N))`` (pairs of 8-column groups form one K=16 step; same value order in a thread)."""
     d = cute.logical_divide(acc_layout, ((None, None, 2), None, None))
     return cute.make_layout(
         ((d.shape[0][0], d.shape[0][1], d.shape[0][2][0]), d.shape[1], (d.shape[0][2][1], d.shape[2])),
@@ -70,23 +64,19 @@ def acc_to_a_layout(acc_layout: cute.Layout) -> cute.Layout:
 
 
 class MlaDecodeSeesawSm90(Fp8OperandsMixin, KvRefillMixin, DecodeTraceMixin, MlaDecodeSm90):
-    """The seesaw loop (module docstring).  Arguments: the base class's, plus ``producer`` (a third warpgroup issues
-    the refills; 16-bit inputs with pages >= 32) and ``pad_zero`` (default: a row block with rows past R pads them
-    with zeros)."""
+    """The seesaw loop (module docstring).  Arguments: the base class's, plus ``producer`` (a third warpgroup issues the
+    refills; 16-bit, pages >= 32) and ``pad_zero`` (default: a row block with rows past R pads them with zeros)."""
 
     def __init__(self, *, producer: bool = False, pad_zero: bool | None = None, **kw):
         rows = kw["num_heads"] * kw["q_len"]
         super().__init__(pad_zero=rows % self.block_m != 0 if pad_zero is None else pad_zero, **kw)
-        # a third, producer warpgroup (24 registers; the two computing warpgroups get 240) issues every TMA refill,
-        # so no computing warp stalls on a TMA issue (:meth:`produce`); its coordinates of 16-token pages would spill
         if producer and (self.fp8 or self.page_size < 32):
             raise ValueError(f"producer: 16-bit inputs with page_size >= 32 only, got {self.dtype_name} with "
                              f"page_size {self.page_size}")
-        self.producer = bool(producer)
+        self.producer = bool(producer)  # the third warpgroup (module docstring; :meth:`produce`)
         self.cta_threads = self.num_threads + (128 if self.producer else 0)
         if self.fp8:
-            # the 16-bit operand dtype of the slot layouts (a slot's bytes: 64 tokens x 576 x 2)
-            self.mma_dtype = cutlass.Float16
+            self.mma_dtype = cutlass.Float16  # 16-bit dtype of the slot layouts (a slot: 64 tokens x 576 x 2 bytes)
         self.p_stsm = not self.fp8  # 16-bit P to the peer's tile by stmatrix (FP8 stores e4m3 P: store_p8)
 
     # ------------------------------------------------------------------------------------------ host
@@ -100,19 +90,13 @@ class MlaDecodeSeesawSm90(Fp8OperandsMixin, KvRefillMixin, DecodeTraceMixin, Mla
                                                  dt, 1)
         return q_layout, k_layout, v_layout, p_layout
 
-    # floats of shared memory for column statistics in the loop's storage (``Storage.red``): none used here (4, the
-    # smallest field); the transposed 16-bit loop's column maxima / sums need 2 x 4 x 32
-    red_floats = 4
-    # the 64-column chunks of the refill groups by mbarrier, A0 and B0 (slot 0), A1 and B1 (slot 1) (module
-    # docstring, "The groups"): the rope chunk 8 goes with the group refilled after the last PV that read the P
-    # stored there.  The prologue and the producer warpgroup's loop load these (this loop's own refill sites name the
-    # same chunks).
+    red_floats = 4  # ``Storage.red`` (column statistics): unused (4: smallest field); transposed 16-bit: 2 x 4 x 32
+    # 64-col chunks of refill groups A0, B0, A1, B1 (module docstring); rope chunk 8: with the last PV reading its P
     col_groups = ((0, 1, 2, 3), (4, 5, 6, 7, 8), (0, 1, 2, 3, 8), (4, 5, 6, 7))
     n_mbar = 4  # one mbarrier per column group: A0, B0, A1, B1
 
     def seesaw_mmas(self):
-        """``(qk_mma, pv_ss, pv_rs, pv8)`` of the loop (traced in ``__call__``): the QK, the 16-bit P V with P from shared
-        memory and from registers, and with FP8 the e4m3 P V (else None)."""
+        """``(qk_mma, pv_ss, pv_rs, pv8)``: QK; 16-bit P V, P from smem / registers; FP8 e4m3 P V (else None)."""
         dt = self.mma_dtype
         K, MN = warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.MN
         qk_dt = _F8 if cutlass.const_expr(self.fp8) else dt
@@ -121,9 +105,7 @@ class MlaDecodeSeesawSm90(Fp8OperandsMixin, KvRefillMixin, DecodeTraceMixin, Mla
         pv_ss = sm90_utils.make_trivial_tiled_mma(dt, dt, K, MN, Float32, (1, 1, 1), (self.block_m, self.DV // 2))
         pv_rs = sm90_utils.make_trivial_tiled_mma(dt, dt, K, MN, Float32, (1, 1, 1), (self.block_m, self.DV // 2),
                                                   a_source=warpgroup.OperandSource.RMEM)
-        # FP8 P V: e4m3 P (smem) x e4m3 V^T (smem, tokens contiguous), one instruction spans the warpgroup's 256
-        # features of the packed V^T
-        pv8 = None
+        pv8 = None  # FP8 P V: e4m3 P (smem) x e4m3 V^T (smem, tokens contiguous), one QGMMA over the WG's 256 features
         if cutlass.const_expr(self.fp8):
             pv8 = sm90_utils.make_trivial_tiled_mma(_F8, _F8, K, K, Float32, (1, 1, 1), (self.block_m, self.DV // 2))
         return qk_mma, pv_ss, pv_rs, pv8
@@ -161,17 +143,15 @@ class MlaDecodeSeesawSm90(Fp8OperandsMixin, KvRefillMixin, DecodeTraceMixin, Mla
     @cute.jit
     def ready_v(self, w32: cute.Tensor, zero_row, slot: cutlass.Constexpr, tile_start: Int32, split_end: Int32,
                 wg: Int32, wtid: Int32):
-        """After a slot's QK retired, by its owner: FP8 builds the slot's ``V^T`` (:meth:`transpose_v_packed`); 16-bit
-        reads V straight from the slot (nothing to do)."""
+        """By a slot's owner after its QK retired: FP8 builds its ``V^T`` (:meth:`transpose_v_packed`); 16-bit: none."""
         if cutlass.const_expr(self.fp8):
             self.transpose_v_packed(w32, zero_row, slot, tile_start, split_end, wg, wtid)
 
     @cute.jit
     def next_qk_retired(self, mTrace, cta, wg, wtid, j, ev: cutlass.Constexpr, more, w32, zrow, slot: cutlass.Constexpr,
                         tile_start: Int32, split_end: Int32):
-        """The end of iteration ``j`` of warpgroup ``wg`` (its tile at ``tile_start`` in slot ``slot``): the next QK
-        retired (trace event ``ev``), then, with a next pair, the slot's V made ready for its PVs (:meth:`ready_v`;
-        events ``ev + 1 .. ev + 3``: TRACE_EVENTS' wait, transpose and refill issue)."""
+        """End of WG ``wg``'s iteration ``j`` (tile ``tile_start``, ``slot``): next QK retired (event ``ev``), then with
+        a next pair :meth:`ready_v` (events ``ev + 1 .. ev + 3``: TRACE_EVENTS' wait, transpose, refill)."""
         warpgroup.wait_group(0)
         self.mark(mTrace, cta, wg, wtid, j, ev)
         if more:
@@ -184,12 +164,9 @@ class MlaDecodeSeesawSm90(Fp8OperandsMixin, KvRefillMixin, DecodeTraceMixin, Mla
     def produce(self, tAs0: cute.Tensor, tAs1: cute.Tensor, tAg: cute.Tensor, tma_atom: cute.CopyAtom, mbar,
                 mBT: cute.Tensor, b: Int32, split_start: Int32, split_end: Int32, num_pages: Int32, n_pairs: Int32,
                 wtid: Int32):
-        """The producer warpgroup (:attr:`producer`) after the prologue, which it loaded: its warp 0 issues the four
-        column-group refills of pair j + 1, in the order their sites are reached: A0 (slot 0 cols 0..255, after WG0's
-        own PV), B1 (slot 1 cols 256..511, WG1's own PV), B0 (slot 0 cols 256..575, WG1's cross PV), A1 (slot 1 cols
-        0..255 + rope, WG0's cross PV); each once the site's warpgroup arrived on its REFILL_* barrier (160 threads).
-        No site waits for a later refill of the same pair, so the fixed order cannot block.  A TMA issue stalls the
-        issuing warp for hundreds of cycles; here that warp is not a computing one."""
+        """The producer (:attr:`producer`; module docstring) after the prologue, which it loaded: warp 0 issues pair
+        j + 1's refills in the order their sites are reached, A0, B1, B0, A1; none waits for a later refill of the same
+        pair, so the order cannot block.  A TMA issue stalls its warp hundreds of cycles, here not a computing one."""
         bn = self.block_n
         cg = self.col_groups
         groups = ((Barrier.REFILL_A0, 0, 0, cg[0]),
@@ -201,19 +178,16 @@ class MlaDecodeSeesawSm90(Fp8OperandsMixin, KvRefillMixin, DecodeTraceMixin, Mla
                 t2 = split_start + (2 * j + 2) * bn
                 for bar, s, m, chunks in groups:
                     t = t2 + s * bn
-                    # loaded before the wait, one tile's at a time (24 registers: pages of 16 / 32 spilled
-                    # with two tiles' coordinates live)
+                    # before the wait, a tile at a time (two tiles' coordinates spill in 24 registers, pages 16 / 32)
                     crd = self.coords(mBT, b, t, split_end, num_pages)
                     cute.arch.barrier(barrier_id=int(bar), number_of_threads=160)
                     self.refill((tAs0, tAs1)[s], tAg, tma_atom, mbar + m, crd, wtid, chunks, None)
 
     @cute.jit
     def zero_tail(self, sKs: cute.Tensor, tile_start: Int32, split_end: Int32, wg: Int32, wtid: Int32):
-        """16-bit: zero the V columns (0..511) of a slot's rows at or past ``split_end``, so P = 0 there never meets
-        a NaN (a page's rows past seq_len, or an unowned page, may hold anything), and with :attr:`hidden_keys` clean
-        the rows of the keys before it (:meth:`clean_hidden_v`).  Run by the slot's owner after its QK retired and
-        the slot's refills landed; the warpgroup barrier publishes the zeros to its own PV, the P0_READY / P1_READY
-        barriers (after a proxy fence) to the other warpgroup's."""
+        """16-bit: zero V (cols 0..511) of a slot's rows at or past ``split_end`` so P = 0 there never meets a NaN, and
+        with :attr:`hidden_keys` :meth:`clean_hidden_v`.  By the owner once its QK retired and its refills landed; the
+        WG barrier publishes the zeros to its own PV, P0_READY / P1_READY (after a proxy fence) to the other WG's."""
         if tile_start + self.block_n > self.tail_from(split_end):
             first = cutlass.max(split_end - tile_start, 0)
             for i in cutlass.range_constexpr(self.block_n * self.DV // 8 // 128):
@@ -230,11 +204,10 @@ class MlaDecodeSeesawSm90(Fp8OperandsMixin, KvRefillMixin, DecodeTraceMixin, Mla
 
     @cute.jit
     def clean_hidden_v(self, sKs: cute.Tensor, tile_start: Int32, split_end: Int32, wtid: Int32):
-        """Every Inf / NaN in the V columns of the slot's rows for keys ``[split_end - hidden_keys, split_end)`` -> 0
-        (:func:`~.helpers.clear_nonfinite_16x2`; ``MlaDecodeSm90.hidden_keys`` says why): a warpgroup's 128 threads
-        two rows at a time, 8 values a thread, read and written back through the slot's own (swizzled) view.  A fixed
-        number of predicated steps, as the zeroing before it: a loop with per-thread bounds here made ptxas treat the
-        loop's later wgmmas as divergent and serialize them all (C7520, the transposed loop's batch-invariant build)."""
+        """Inf / NaN -> 0 in V of the slot's rows for keys ``[split_end - hidden_keys, split_end)`` (why:
+        ``MlaDecodeSm90.hidden_keys``; :func:`~.helpers.clear_nonfinite_16x2`): 2 rows x 64 threads x 8 values a step,
+        in the slot's swizzled view.  Fixed predicated steps, as the zeroing: per-thread loop bounds made ptxas treat
+        all the loop's later wgmmas as divergent and serialize them (C7520, transposed batch-invariant build)."""
         per_row = self.DV // 8
         c0 = (wtid % per_row) * 8
         exp_mask = _EXP_MASK[self.mma_dtype]
@@ -261,8 +234,7 @@ class MlaDecodeSeesawSm90(Fp8OperandsMixin, KvRefillMixin, DecodeTraceMixin, Mla
 
     @cute.jit
     def fold_first(self, acc_s, tScS, lim, tile_start, scale_log2, sM, sSc0, row_in, row_l, ref, sc, wtid):
-        """Warpgroup 0, first thing of an iteration: :meth:`fold_first_max`, then ``P`` (in place of ``acc_s``) against
-        ``ref`` and the row sums."""
+        """WG0, first in an iteration: :meth:`fold_first_max`, then ``P`` (in ``acc_s``) against ``ref``, row sums."""
         self.fold_first_max(acc_s, tScS, lim, tile_start, scale_log2, sM, sSc0, row_in, row_l, ref, sc, wtid)
         self.exp_rows(acc_s, ref, row_l)
 
@@ -274,23 +246,22 @@ class MlaDecodeSeesawSm90(Fp8OperandsMixin, KvRefillMixin, DecodeTraceMixin, Mla
         self.exp_rows(acc_s, ref, row_l)
 
     def v_half(self, sKs: cute.Tensor, v_layout: cute.ComposedLayout, wg):
-        """Warpgroup ``wg``'s 256 V features of slot ``sKs`` as a ``(features, tokens)`` MN-major view (``v_layout``:
-        :meth:`_seesaw_layouts`): the P V's B operand here, the transposed 16-bit loop's ``V^T`` A operand."""
+        """Warpgroup ``wg``'s 256 V features of slot ``sKs``, ``(features, tokens)`` MN-major (:meth:`_seesaw_layouts`):
+        the P V's B operand here, the transposed 16-bit loop's ``V^T`` A operand."""
         sV = cute.make_tensor(cute.recast_ptr(sKs.iterator, v_layout.inner), v_layout.outer)
         return cute.local_tile(sV[None, None, 0], (self.DV // 2, self.block_n), (wg, 0))
 
     @cute.jit
     def stage_p(self, rP: cute.Tensor, acc_s: cute.Tensor, tSsP: cute.Tensor, stsm=None):
-        """P (fp32, in ``acc_s``) -> the 16-bit register tile ``rP`` -> its shared-memory tile ``tSsP`` (:meth:`put_p`),
-        fenced for the async proxy (a wgmma of another warpgroup reads it once the caller's barrier publishes it)."""
+        """P (fp32 ``acc_s``) -> 16-bit ``rP`` -> smem ``tSsP`` (:meth:`put_p`), fenced for the async proxy: another
+        WG's wgmma reads it once the caller's barrier publishes it."""
         rP.store(acc_s.load().to(rP.element_type))
         self.put_p(rP, tSsP, stsm)
         cute.arch.fence_view_async_shared()
 
     @cute.jit
     def put_p(self, rP: cute.Tensor, tSsP: cute.Tensor, stsm=None):
-        """The register tile ``rP`` -> shared memory: ``stsm`` None, element by element into its accumulator-layout
-        partition ``tSsP``; else ``(tiled_copy, rP retiled, destination)`` of :meth:`p_stsm_views` (``stmatrix``)."""
+        """``rP`` -> smem: element-wise into ``tSsP`` (``stsm`` None), else ``stmatrix`` (:meth:`p_stsm_views`)."""
         if cutlass.const_expr(stsm is None):
             cute.autovec_copy(rP, tSsP)
         else:
@@ -298,9 +269,8 @@ class MlaDecodeSeesawSm90(Fp8OperandsMixin, KvRefillMixin, DecodeTraceMixin, Mla
 
     @cute.jit
     def p_stsm_views(self, qk_mma: cute.TiledMma, rP: cute.Tensor, sP0: cute.Tensor, sP1: cute.Tensor, wtid: Int32):
-        """16-bit: ``stmatrix`` (x4, not transposed: a matrix row is 8 tokens of one query row, 16 bytes of the
-        K-major P tile) tiled over the QK's accumulator layout, as the two :meth:`put_p` arguments for the P tiles
-        ``sP0`` / ``sP1``; FP8 ``(None, None)``."""
+        """16-bit: ``stmatrix`` (x4, not transposed: a matrix row is 8 tokens of a query row, 16 bytes of the K-major P
+        tile) over the QK's accumulator layout, as :meth:`put_p`'s ``stsm`` for ``sP0`` / ``sP1``; FP8: None, None."""
         if cutlass.const_expr(not self.p_stsm):
             return None, None
         atom = cute.make_copy_atom(cute.nvgpu.warp.StMatrix8x8x16bOp(False, 4), self.mma_dtype)
@@ -322,10 +292,8 @@ class MlaDecodeSeesawSm90(Fp8OperandsMixin, KvRefillMixin, DecodeTraceMixin, Mla
                       mTrace: cute.Tensor, q_layout: cute.ComposedLayout, k_layout: cute.ComposedLayout,
                       v_layout: cute.ComposedLayout, p_layout: cute.ComposedLayout, tma_atom: cute.CopyAtom,
                       tma_kv: cute.Tensor, Storage: cutlass.Constexpr):
-        """The persistent CTA ``(row block, g)``: it walks the pieces of its range of the schedule
-        (:meth:`run_pieces`), each one a complete run of the loop: Q load, prologue refills, the seesaw loop and the
-        epilogue, separated by CTA barriers.  The mbarriers are initialised once; their phase parity carries from
-        piece to piece (:meth:`landed`)."""
+        """Persistent CTA ``(row block, g)``: runs its range's pieces (:meth:`run_pieces`: Q load, prologue refills,
+        loop, epilogue between CTA barriers); mbarriers initialised once, phase parity carried over (:meth:`landed`)."""
         tid, mblk, g, wg, wtid, st = self.cta_start(Storage)
         self.phase_bits(st.mbar.data_ptr())
         sQ = st.sQ.get_tensor(q_layout.outer, swizzle=q_layout.inner)
@@ -358,21 +326,19 @@ class MlaDecodeSeesawSm90(Fp8OperandsMixin, KvRefillMixin, DecodeTraceMixin, Mla
 
     @cute.jit
     def produce_start(self, c, b: Int32, split_start: Int32, split_end: Int32, n_pairs: Int32):
-        """The producer warpgroup's first loads of a piece (:meth:`produce_piece`): pair 0
-        (:meth:`prologue_refills`)."""
+        """The producer's first loads of a piece (:meth:`produce_piece`): pair 0 (:meth:`prologue_refills`)."""
         self.prologue_refills(c.tAs0, c.tAs1, c.tAg, c.tma_atom, c.mbar, c.mBT, b, split_start, split_end,
                               c.num_pages, c.wg, c.wtid)
 
     @cute.jit
     def produce_rest(self, c, b: Int32, split_start: Int32, split_end: Int32, n_pairs: Int32):
-        """The producer warpgroup's refills of a piece after its Q tile (:meth:`produce`)."""
+        """The producer's refills of a piece after its Q tile (:meth:`produce`)."""
         self.produce(c.tAs0, c.tAs1, c.tAg, c.tma_atom, c.mbar, c.mBT, b, split_start, split_end, c.num_pages,
                      n_pairs, c.wtid)
 
     @cute.jit
     def load_piece_q(self, c, b: Int32, split_start: Int32, split_end: Int32):
-        """The Q tile by cp.async (16-bit; FP8 loads it synchronously: :meth:`load_q_tile`) and, without the producer
-        warpgroup, the piece's pair 0 (:meth:`prologue_refills`) while it is in flight."""
+        """Q by cp.async (FP8: sync, :meth:`load_q_tile`); no producer: pair 0 meanwhile (:meth:`prologue_refills`)."""
         self.load_q_tile(c.sQ[None, None, 0], c.mQ, c.mblk, b, c.tid)
         cute.arch.cp_async_commit_group()
         if cutlass.const_expr(not self.producer):
@@ -387,8 +353,7 @@ class MlaDecodeSeesawSm90(Fp8OperandsMixin, KvRefillMixin, DecodeTraceMixin, Mla
 
     @cute.jit
     def prologue_refills(self, tAs0, tAs1, tAg, tma_atom, mbar, mBT, b, split_start, split_end, num_pages, wg, wtid):
-        """A piece's pair 0 into both slots (one completion of every mbarrier): by the producer warpgroup when
-        there is one (it calls this alone), else by the computing warpgroups, each its column groups."""
+        """Pair 0 into both slots (1 completion per mbarrier): the producer alone, or each computing WG its groups."""
         bn = self.block_n
         pg0 = self.coords(mBT, b, split_start, split_end, num_pages)
         pg1 = self.coords(mBT, b, split_start + bn, split_end, num_pages)
@@ -407,11 +372,9 @@ class MlaDecodeSeesawSm90(Fp8OperandsMixin, KvRefillMixin, DecodeTraceMixin, Mla
 
     @cute.jit
     def mma_ops(self, c, wg: cutlass.Constexpr):
-        """The loop's MMA operands, built where a wgmma is issued from a fresh copy of the shared address
-        (:meth:`~.decode_common.MlaDecodeSm90.fresh_smem`; ``wg``: the issuing warpgroup, a constant in its own loop
-        so that the V descriptors stay uniform values): a namespace of ``tSrQ``, ``tSrK`` (per slot), ``tOsP`` (P of
-        each slot as the SS P V's A operand), ``tOrV`` (this warpgroup's V half of each slot) and, FP8, ``tOsP8`` and
-        ``tOrVt`` (the e4m3 P and V^T operands of the packed slots)."""
+        """MMA operands, built at a wgmma's issue (``wg``: the issuing WG, constant so the V descriptors stay uniform)
+        from a fresh copy of the shared address (:meth:`~.decode_common.MlaDecodeSm90.fresh_smem`): ``tSrQ``; per slot
+        ``tSrK``, ``tOsP`` (SS P V's A), ``tOrV`` (this WG's V half), FP8 ``tOsP8``, ``tOrVt`` (e4m3 P, V^T)."""
         qk_mma, pv_ss, _, pv8 = c.mmas
         bn = self.block_n
         wtid = c.wtid
@@ -438,8 +401,7 @@ class MlaDecodeSeesawSm90(Fp8OperandsMixin, KvRefillMixin, DecodeTraceMixin, Mla
 
     @cute.jit
     def consume(self, c, cta, b, seq, split_start, split_end, split, n_pairs):
-        """The two computing warpgroups' part of a piece (:meth:`walk_pieces`, after the Q tile): the MMA partitions,
-        the first QK, the seesaw loop and the epilogue.  ``c``: :meth:`seesaw_kernel`'s values."""
+        """Computing WGs' part of a piece after Q (:meth:`walk_pieces`); ``c``: :meth:`seesaw_kernel`'s values."""
         qk_mma, pv_ss, pv_rs, pv8 = c.mmas
         sQ, st, wg, wtid, mblk = c.sQ, c.st, c.wg, c.wtid, c.mblk
         sK0, sK1, sM, sSc0, sSc1, sSum, mbar, mTrace = c.sK0, c.sK1, c.sM, c.sSc0, c.sSc1, c.sSum, c.mbar, c.mTrace
@@ -447,7 +409,6 @@ class MlaDecodeSeesawSm90(Fp8OperandsMixin, KvRefillMixin, DecodeTraceMixin, Mla
         zrow, scale_log2, p_layout = c.zrow, c.scale_log2, c.p_layout
         bn = self.block_n
         fp8 = self.fp8
-        # ---- accumulators and P stores (the wgmma operands: mma_ops, at each issue)
         qk_thr = qk_mma.get_slice(wtid)
         ss_thr = pv_ss.get_slice(wtid)
         acc_s = qk_thr.make_fragment_C(qk_thr.partition_shape_C((self.block_m, bn)))
@@ -459,8 +420,7 @@ class MlaDecodeSeesawSm90(Fp8OperandsMixin, KvRefillMixin, DecodeTraceMixin, Mla
         sP1 = cute.make_tensor(cute.recast_ptr(sK1.iterator + self.DV * bn, p_layout.inner), p_layout.outer)
         tSsP0 = qk_thr.partition_C(sP0[None, None, 0])
         tSsP1 = qk_thr.partition_C(sP1[None, None, 0])
-        # FP8 P V (pv8_views): the e4m3 P stores; O viewed in the QGMMA's (N = 64) accumulator layout, the same
-        # registers in the same order as pv_ss's
+        # FP8 P V (pv8_views): e4m3 P stores; O in the QGMMA's (N = 64) accumulator layout, pv_ss's registers and order
         w32, acc_o8, tSsP8_0, tSsP8_1 = (None,) * 4
         if cutlass.const_expr(fp8):
             w32 = cute.make_tensor(cute.recast_ptr(st.sK.data_ptr(), dtype=Int32), cute.make_layout(
@@ -486,10 +446,8 @@ class MlaDecodeSeesawSm90(Fp8OperandsMixin, KvRefillMixin, DecodeTraceMixin, Mla
         ref = cute.make_rmem_tensor((2,), Float32)
         sc = cute.make_rmem_tensor((2,), Float32)
 
-        # ---- first QK of each warpgroup (pair 0)
-        # every wgmma's operands are built at its issue (mma_ops; one name per site: a name assigned in two dynamic
-        # branches must keep one type there)
-        if n_pairs > 0:
+        # operands: mma_ops at each wgmma issue, one name per site (a name set in two dynamic branches keeps one type)
+        if n_pairs > 0:  # first QK of each warpgroup (pair 0)
             if wg == 0:
                 self.landed(mbar + 0, 0)
                 self.landed(mbar + 1, 0)
@@ -522,8 +480,7 @@ class MlaDecodeSeesawSm90(Fp8OperandsMixin, KvRefillMixin, DecodeTraceMixin, Mla
                 self.scale_o(acc_o, sc)
                 cute.arch.barrier_arrive(barrier_id=int(Barrier.SCALE0), number_of_threads=self.num_threads)
                 self.mark(mTrace, cta, wg, wtid, j, 1)
-                # 2. O_L += P0 V0_L (16-bit: RS; FP8: SS, P0 through smem), then refill slot 0 cols 0..255 (only this
-                #    warpgroup read them)
+                # 2. O_L += P0 V0_L (RS; FP8: SS, P0 via smem), then refill A0 (slot 0 cols 0..255: only this WG reads)
                 if cutlass.const_expr(fp8):  # (all 128 threads' parts of P0, then the wgmma)
                     store_p8(acc_s, tSsP8_0)
                     cute.arch.barrier(barrier_id=int(Barrier.TAIL) + wg, number_of_threads=128)
@@ -565,9 +522,7 @@ class MlaDecodeSeesawSm90(Fp8OperandsMixin, KvRefillMixin, DecodeTraceMixin, Mla
                     o6 = self.mma_ops(c, 0)
                     self.pv(pv_ss, acc_o, o6.tOsP[1], o6.tOrV[1])
                 warpgroup.commit_group()
-                # 5. next QK on slot 0: own refill first, then (after the cross PV retired, refilling slot 1's
-                #    cols 0..255 + 512..575) WG1's refill of cols 256..575
-                if more:
+                if more:  # 5. next QK on slot 0: own A0 first, then (after the cross PV retired: refill A1) WG1's B0
                     self.landed(mbar + 0, ph)
                     self.mark(mTrace, cta, wg, wtid, j, 7)
                     o7 = self.mma_ops(c, 0)
@@ -625,17 +580,14 @@ class MlaDecodeSeesawSm90(Fp8OperandsMixin, KvRefillMixin, DecodeTraceMixin, Mla
                 warpgroup.commit_group()
                 cute.arch.barrier_arrive(barrier_id=int(Barrier.P1_READY), number_of_threads=self.num_threads)
                 self.mark(mTrace, cta, wg, wtid, j, 5)
-                # 4. refills as the PVs retire: slot 1 cols 256..511 (own PV), slot 0 cols 256..575 (cross PV,
-                #    which also read P0 in slot 0's rope columns)
-                warpgroup.wait_group(1)
+                warpgroup.wait_group(1)  # 4. refills as the PVs retire: B1 (own PV), B0 (cross PV, read P0 too)
                 if more:
                     self.refill(tAs1, tAg, tma_atom, mbar + 3, pgB1, wtid, (4, 5, 6, 7), Barrier.REFILL_B1)
                 warpgroup.wait_group(0)
                 self.mark(mTrace, cta, wg, wtid, j, 6)
                 if more:
                     self.refill(tAs0, tAg, tma_atom, mbar + 1, pgB0, wtid, (4, 5, 6, 7, 8), Barrier.REFILL_B0)
-                    # 5. next QK on slot 1: own columns first, then WG0's refill (cols 0..255 + rope)
-                    self.landed(mbar + 3, ph)
+                    self.landed(mbar + 3, ph)  # 5. next QK on slot 1: own B1 first, then WG0's A1 (0..255 + rope)
                     self.mark(mTrace, cta, wg, wtid, j, 7)
                     o13 = self.mma_ops(c, 1)
                     self.qk_chunks(qk_mma, acc_s, o13.tSrQ, o13.tSrK[1], (4, 5, 6, 7), True)
@@ -645,15 +597,13 @@ class MlaDecodeSeesawSm90(Fp8OperandsMixin, KvRefillMixin, DecodeTraceMixin, Mla
                     warpgroup.commit_group()
                 self.next_qk_retired(mTrace, cta, wg, wtid, j, 8, more, w32, zrow, 1, t1, split_end)
 
-        # ---- epilogue: both warpgroups' O and l are relative to the final shared max; O leaves through the Q tile's
-        #      shared memory (64 x 576 e4m3 or 16-bit values; every QK retired: the barrier)
-        cute.arch.barrier()
-        row_m = cute.make_rmem_tensor((2,), Float32)
+        cute.arch.barrier()  # ---- epilogue (every QK retired: O reuses the Q tile's smem)
+        row_m = cute.make_rmem_tensor((2,), Float32)  # both WGs' O and l are relative to the final shared max
         for h in cutlass.range_constexpr(2):
             row_m[h] = sM[row_in[h]]
             if cutlass.const_expr(fp8):  # O and l both carry P's 2^8 (exp_rows): O / l needs nothing, the LSE
                 row_m[h] = row_m[h] - self.p8_bias  # (row max + log2 l) takes it out of the max
-        stage = (sQ.iterator, self.block_m * self.D * (1 if fp8 else 2))
+        stage = (sQ.iterator, self.block_m * self.D * (1 if fp8 else 2))  # O leaves via sQ (64 x 576 e4m3 / 16-bit)
         self.epilogue(ss_thr, acc_o, row_m, row_l, row_in, sSum, c.mOut, c.mLse, c.mOacc, c.mLacc, c.out_scale,
                       mblk, split, b, wg, wtid, stage)
 

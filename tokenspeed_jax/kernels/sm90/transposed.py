@@ -1,28 +1,22 @@
-"""16-bit MLA decode for Hopper with both matmuls transposed, for S x H <= 32 query rows: ``S^T = K Q^T``, ``O^T = V^T P^T``.
+"""16-bit Hopper MLA decode, both matmuls transposed, for S x H <= 32 query rows: ``S^T = K Q^T``, ``O^T = V^T P^T``.
 
-The seesaw loop runs every matmul on 64 query rows, padded when a request has fewer.  This loop keeps the seesaw
-loop's structure, slots, refill groups, producer warpgroup and barriers, and shrinks the matmuls to the real rows (a
-quarter to a half of the multiply-adds), which draws less power per tile and so holds a higher SM clock under
-sustained load:
+The seesaw loop runs every matmul on 64 query rows, padded when a request has fewer.  This loop keeps its contract, plan
+(one 64-row block), split-KV partials, combine kernel, slots, refill groups (TMA, pages >= 32), producer warpgroup and
+barriers, and shrinks the matmuls to the real rows (a quarter to a half of the multiply-adds): less power per tile, so a
+higher SM clock under sustained load.  Numerics: the seesaw loop's fp32 accumulation and statistics and P rounding; the
+sums run in another order (bitwise different, within the check's tolerances).
 
-* ``S^T (64 tokens x N) = K Q^T``: the KV slot is the K-major A operand as it lands, the first ``N`` q rows the
-  K-major B operand (``N`` = :attr:`pv_n`, the rows rounded up to 16 or 32); 36 m64nNk16 per tile instead of 36
-  m64n64k16, and 8 or 16 accumulator registers instead of 32.
-* The softmax is per column of ``S^T`` (a query row's 64 keys lie in all 4 warps): column maxima through 1 KB of shared
-  memory and the warpgroup's barrier (:meth:`~.transposed_out.TransposedOutMixin.fold_t`, ``exp_t``).
-* ``P^T`` (N rows x 64 tokens, K-major, 2 or 4 KB) goes to the rope columns of its slot, where the seesaw loop keeps
-  P: only the QK reads them, and it retired.  Both PVs read it from there (SS); warpgroup 0 stores its P twice, as the
-  seesaw loop does (before its own PV, and rescaled by scale1 for the cross PV once its own PV retired).
-* ``O^T (256 features x N) += V^T P^T`` per warpgroup: ``V^T`` is the slot read as an MN-major A operand (16-bit
-  wgmmas take either major mode, so unlike FP8 no copy and no register path), 4 m-blocks of 64 features;
-  4 x (N / 2) accumulator registers instead of 128.  The O rescales are per column (``scale_ot``).
-* The epilogue is the O^T loops' (``epilogue_ot``), with the natural feature order: accumulator row ``q`` of a warp's
-  16 is feature ``q``, row ``q + 8`` feature ``q + 8``.
-
-Same contract, plan (one 64-row block), split-KV partials and combine kernel as the seesaw loop; 16-bit dtypes, TMA
-refills with pages >= 32 and the producer warpgroup.  Numerics: the same fp32 accumulation and statistics as the
-seesaw loop, and P rounded to the input dtype the same way; the sums run in another order (bitwise different, within
-the check's tolerances).
+* ``S^T (64 tokens x N) = K Q^T``: A = the landed KV slot, B = the first ``N`` q rows (:attr:`pv_n`: rows rounded up to
+  16 or 32), both K-major; 36 m64nNk16 per tile instead of 36 m64n64k16, 8 or 16 accumulator registers, not 32.
+* Softmax per column of ``S^T`` (a query row's 64 keys lie in all 4 warps): column maxima through 1 KB of shared memory
+  and the warpgroup's barrier (:meth:`~.transposed_out.TransposedOutMixin.fold_t`, ``exp_t``).
+* ``P^T`` (N rows x 64 tokens, K-major, 2 or 4 KB) goes to its slot's rope columns like the seesaw P (only the QK reads
+  them, and it retired), where both PVs read it (SS); WG0 stores it twice as there: before its own PV, and rescaled by
+  scale1 for the cross PV once its own PV retired.
+* ``O^T (256 features x N) += V^T P^T`` per warpgroup, 4 m-blocks of 64 features: A = the slot read MN-major (16-bit
+  wgmmas take either major mode: unlike FP8 no copy, no register path); 4 x (N / 2) accumulator registers instead of
+  128; per-column O rescales (``scale_ot``).
+* Epilogue ``epilogue_ot``: natural feature order (accumulator row ``q`` / ``q + 8`` = feature ``q`` / ``q + 8``).
 """
 
 from __future__ import annotations
@@ -43,9 +37,8 @@ _ALL_CHUNKS = tuple(range(9))  # the first QK of each warpgroup (both groups of 
 
 
 class MlaDecodeTransposedSm90(TransposedOutMixin, MlaDecodeSeesawSm90):
-    """16-bit MLA decode with ``S^T = K Q^T`` and ``O^T = V^T P^T`` (module docstring): the seesaw loop's host side,
-    prologue and producer with its own computing part (:meth:`consume`).  The base class's arguments; 16-bit dtypes,
-    S x H <= 32, page_size >= 32."""
+    """``S^T = K Q^T``, ``O^T = V^T P^T`` (module docstring): the seesaw loop's host side, prologue and producer, its
+    own computing part (:meth:`consume`).  The base class's arguments; 16-bit dtypes, S x H <= 32, page_size >= 32."""
 
     red_floats = 2 * 4 * 32  # the seesaw storage's column statistics: per warpgroup and warp, 32 columns (fold_t)
     prefetch_q = True  # the epilogue (epilogue_ot) stores O from the accumulators: sQ is free from its first barrier
@@ -64,9 +57,7 @@ class MlaDecodeTransposedSm90(TransposedOutMixin, MlaDecodeSeesawSm90):
 
     # ------------------------------------------------------------------------------------------ host
     def seesaw_mmas(self):
-        """The seesaw loop's ``(qk_mma, pv_ss, pv_rs, pv8)`` slots, transposed: ``S^T (tokens x pv_n) = K Q^T`` (the
-        slot as the K-major A operand, q rows as the K-major B operand) and ``O^T (features x pv_n) += V^T P^T`` (the
-        slot as the MN-major A operand, P^T in the rope columns as the K-major B operand, per 64 features)."""
+        """Seesaw ``(qk_mma, pv_ss, pv_rs, pv8)`` transposed: ``S^T``, ``O^T`` per 64 features (module docstring)."""
         dt = self.mma_dtype
         K, MN = warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.MN
         qk_mma = sm90_utils.make_trivial_tiled_mma(dt, dt, K, K, Float32, (1, 1, 1), (self.block_n, self.pv_n))
@@ -75,28 +66,23 @@ class MlaDecodeTransposedSm90(TransposedOutMixin, MlaDecodeSeesawSm90):
 
     # ---------------------------------------------------------------------------------------- device
     def acc_feature(self, wg, mb, warp, q):
-        """Output feature of ``O^T`` accumulator row ``q`` (0..7) of warp ``warp``, m-block ``mb``, warpgroup ``wg``:
-        the natural order (``V^T`` comes straight from shared memory); row ``q + 8`` is feature ``+ 8``."""
+        """Feature of ``O^T`` accumulator row ``q`` of ``warp``, ``mb``, ``wg``: natural order (module docstring)."""
         return 256 * wg + 64 * mb + 16 * warp + q
 
     @cute.jit
     def qk_landed(self, qk_mma, acc_s, tSrK, tSrQ, mbar, groups: cutlass.Constexpr, chunks: cutlass.Constexpr, phase,
                   first: cutlass.Constexpr):
-        """Wait for the column groups ``groups`` of a slot to land (completion ``phase`` of their mbarriers) and issue
-        the QK of its chunks ``chunks`` (no commit)."""
+        """Wait for column groups ``groups`` (completion ``phase``); issue the QK of ``chunks`` (no commit)."""
         for g in cutlass.range_constexpr(len(groups)):
             self.landed(mbar + groups[g], phase)
         self.qk_chunks(qk_mma, acc_s, tSrK, tSrQ, chunks, first)
 
     @cute.jit
     def operand_views(self, c, sQ, sK0, sK1, wg):
-        """The MMA operands and P^T stores of the Q tile ``sQ`` and the slots ``sK0``, ``sK1`` (the kernel's, or one
-        iteration's :meth:`~.decode_common.MlaDecodeSm90.fresh_smem` copies): ``(tSrQ, tSrK0, tSrK1, tOrVt0, tOrVt1,
-        tOsPt0, tOsPt1, tSsP0, tSsP1)``.  S^T = K Q^T: the slot as A, q's first pv_n rows as B; O^T = V^T P^T: the
-        slot's (features, tokens) MN-major view (the seesaw loop's V operand layout), this warpgroup's 256 features,
-        P^T in the slot's rope columns, (pv_n rows, 64 tokens) K-major, stored through its (tokens, rows) transpose
-        from the S^T accumulators.  ``wg``: the warpgroup, a constant in its own loop (a runtime index there made the
-        V^T descriptors vector values)."""
+        """MMA operands and P^T stores ``(tSrQ, tSrK0, tSrK1, tOrVt0, tOrVt1, tOsPt0, tOsPt1, tSsP0, tSsP1)`` of ``sQ``,
+        ``sK0``, ``sK1`` (the kernel's, or :meth:`~.decode_common.MlaDecodeSm90.fresh_smem` copies; roles: module
+        docstring; V^T: this WG's 256 features of :meth:`v_half`); P^T stored through its (tokens, rows) transpose from
+        S^T.  ``wg``: constant in its own loop (a runtime index there made the V^T descriptors vector values)."""
         qk_mma, pv_mma, _, _ = c.mmas
         wtid = c.wtid
         bn = self.block_n
@@ -122,25 +108,22 @@ class MlaDecodeTransposedSm90(TransposedOutMixin, MlaDecodeSeesawSm90):
 
     @cute.jit
     def qk_ops(self, c, slot: cutlass.Constexpr):
-        """``(tSrK, tSrQ)``: the QK's operands on slot ``slot``, built where the QK is issued from a fresh copy of the
-        shared address (:meth:`~.decode_common.MlaDecodeSm90.fresh_smem`)."""
+        """``(tSrK, tSrQ)`` of the QK on ``slot``, built at issue (:meth:`~.decode_common.MlaDecodeSm90.fresh_smem`)."""
         sQ, sK0, sK1 = self.fresh_smem(c, (c.sQ, c.sK0, c.sK1))
         tSrQ, tSrK0, tSrK1, _, _, _, _, _, _ = self.operand_views(c, sQ, sK0, sK1, 0)
         return (tSrK0, tSrK1)[slot], tSrQ
 
     @cute.jit
     def pv_ops(self, c, slot: cutlass.Constexpr, wg: cutlass.Constexpr):
-        """``(tOrVt, tOsPt)``: warpgroup ``wg``'s PV operands on slot ``slot``, built as :meth:`qk_ops`."""
+        """``(tOrVt, tOsPt)``: warpgroup ``wg``'s PV operands on ``slot``, built as :meth:`qk_ops`."""
         sQ, sK0, sK1 = self.fresh_smem(c, (c.sQ, c.sK0, c.sK1))
         _, _, _, tOrVt0, tOrVt1, tOsPt0, tOsPt1, _, _ = self.operand_views(c, sQ, sK0, sK1, wg)
         return ((tOrVt0, tOsPt0), (tOrVt1, tOsPt1))[slot]
 
     @cute.jit
     def consume(self, c, cta, b, seq, split_start, split_end, split, n_pairs, b_last=None):
-        """The two computing warpgroups: first QK, the loop (the seesaw loop's order, module docstring), epilogue.
-        ``c``: the seesaw kernel's values (:meth:`~.seesaw.MlaDecodeSeesawSm90.seesaw_kernel`); ``b_last``: with
-        :attr:`prefetch`, the range's last request (the next piece's Q tile loads during the epilogue:
-        :meth:`epilogue_barrier`)."""
+        """First QK, loop, epilogue.  ``c``: :meth:`~.seesaw.MlaDecodeSeesawSm90.seesaw_kernel`'s values; ``b_last``
+        (:attr:`prefetch`): the range's last request (next Q tile loads in the epilogue, :meth:`epilogue_barrier`)."""
         qk_mma, pv_mma, _, _ = c.mmas
         sQ, sK0, sK1, st, wg, wtid, mblk, mTrace = c.sQ, c.sK0, c.sK1, c.st, c.wg, c.wtid, c.mblk, c.mTrace
         sM, sSc0, sSc1, sSum, mbar, scale_log2 = c.sM, c.sSc0, c.sSc1, c.sSum, c.mbar, c.scale_log2
@@ -168,8 +151,7 @@ class MlaDecodeTransposedSm90(TransposedOutMixin, MlaDecodeSeesawSm90):
         ref = cute.make_rmem_tensor((nst,), Float32)
         sc = cute.make_rmem_tensor((nst,), Float32)
 
-        # ---- first QK of each warpgroup (pair 0; the producer loaded all four column groups, completion 0)
-        if n_pairs > 0:
+        if n_pairs > 0:  # first QK of each WG (pair 0; the producer loaded all 4 column groups, completion 0)
             if wg == 0:
                 self.qk_landed(qk_mma, acc_s, *self.qk_ops(c, 0), mbar, (0, 1), _ALL_CHUNKS, 0, True)
             else:
@@ -189,8 +171,8 @@ class MlaDecodeTransposedSm90(TransposedOutMixin, MlaDecodeSeesawSm90):
                 self.exp_t(acc_s, ref, row_l)
                 cute.arch.barrier_arrive(barrier_id=int(Barrier.SCALE0), number_of_threads=self.num_threads)
                 self.mark(mTrace, cta, wg, wtid, j, 1)
-                # 2. P0^T -> rope columns of slot 0 (all 128 threads' parts: the warpgroup's barrier, which also
-                #    publishes scale0 of every column); O^T *= scale0; O^T += V0^T P0^T; refill slot 0 cols 0..255
+                # 2. P0^T -> slot 0 rope (all 128 threads': the WG barrier, also publishing every column's scale0);
+                #    O^T *= scale0; O^T += V0^T P0^T; refill A0 (slot 0 cols 0..255)
                 self.stage_p(rP, acc_s, tSsP0)
                 cute.arch.barrier(barrier_id=int(Barrier.TAIL) + wg, number_of_threads=128)
                 self.scale_ot(acc, sSc0, None, wtid)
@@ -218,9 +200,7 @@ class MlaDecodeTransposedSm90(TransposedOutMixin, MlaDecodeSeesawSm90):
                 self.mark(mTrace, cta, wg, wtid, j, 6)
                 self.pv(pv_mma, acc, *self.pv_ops(c, 1, 0))
                 warpgroup.commit_group()
-                # 5. next QK on slot 0: this warpgroup's refill first, then (after the cross PV retired, refilling
-                #    slot 1's cols 0..255 + rope) WG1's refill of the rest (col_groups)
-                if more:
+                if more:  # 5. next QK on slot 0: own A0 first, then (after the cross PV retired: refill A1) WG1's B0
                     self.mark(mTrace, cta, wg, wtid, j, 7)
                     self.qk_landed(qk_mma, acc_s, *self.qk_ops(c, 0), mbar, (0,), cg[0], ph, True)
                     warpgroup.commit_group()
@@ -259,25 +239,21 @@ class MlaDecodeTransposedSm90(TransposedOutMixin, MlaDecodeSeesawSm90):
                 warpgroup.commit_group()
                 cute.arch.barrier_arrive(barrier_id=int(Barrier.P1_READY), number_of_threads=self.num_threads)
                 self.mark(mTrace, cta, wg, wtid, j, 5)
-                # 4. refills as the PVs retire: slot 1 cols 256..511 (own PV), slot 0 cols 256..575 (cross PV, which
-                #    also read P0^T in slot 0's rope columns): col_groups
-                warpgroup.wait_group(1)
+                warpgroup.wait_group(1)  # 4. refills as the PVs retire (col_groups): B1 (own PV), B0 (cross PV)
                 if more:
                     self.refill(tAs1, tAg, tma_atom, mbar + 3, None, wtid, cg[3], Barrier.REFILL_B1)
                 warpgroup.wait_group(0)
                 self.mark(mTrace, cta, wg, wtid, j, 6)
                 if more:
                     self.refill(tAs0, tAg, tma_atom, mbar + 1, None, wtid, cg[1], Barrier.REFILL_B0)
-                    # 5. next QK on slot 1: own columns first, then WG0's refill (cols 0..255 + rope)
-                    self.mark(mTrace, cta, wg, wtid, j, 7)
+                    self.mark(mTrace, cta, wg, wtid, j, 7)  # 5. next QK on slot 1: own B1 first, then WG0's A1
                     self.qk_landed(qk_mma, acc_s, *self.qk_ops(c, 1), mbar, (3,), cg[3], ph, True)
                     self.qk_landed(qk_mma, acc_s, *self.qk_ops(c, 1), mbar, (2,), cg[2], ph, False)
                     warpgroup.commit_group()
                 warpgroup.wait_group(0)
                 self.mark(mTrace, cta, wg, wtid, j, 8)
 
-        # ---- epilogue: both warpgroups' O^T and l are relative to the final shared max
-        self.epilogue_barrier(c, b, b_last)
+        self.epilogue_barrier(c, b, b_last)  # ---- epilogue: both WGs' O^T, l are relative to the final shared max
         self.epilogue_ot(acc, sM, row_l, None, sSum, sRed, c.mOut, c.mLse, c.mOacc, c.mLacc, c.out_scale, mblk,
                          split, b, wg, wtid)
 

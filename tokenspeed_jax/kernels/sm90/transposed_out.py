@@ -1,15 +1,12 @@
-"""The output side shared by the transposed loops (S^T = K Q^T and O^T = V^T P^T, the query rows as the MMA N
-dimension): per-column softmax statistics and the O^T epilogue.  A mixin of
-:class:`~tokenspeed_jax.kernels.sm90.transposed.MlaDecodeTransposedSm90` (16-bit) and
-:class:`~tokenspeed_jax.kernels.sm90.fp8_transposed_pv.MlaDecodeFp8TransposedPvSm90` (FP8, and its 32-row subclass).
-
-A thread of a warpgroup holds ``pv_n / 4`` columns (query rows) of ``S^T`` / ``O^T``: column ``i`` is
+"""Output side of the transposed loops (S^T = K Q^T, O^T = V^T P^T; query rows as the MMA N dimension): per-column
+softmax statistics and O^T epilogue.  Mixin of :class:`~tokenspeed_jax.kernels.sm90.transposed.MlaDecodeTransposedSm90`
+(16-bit) and :class:`~tokenspeed_jax.kernels.sm90.fp8_transposed_pv.MlaDecodeFp8TransposedPvSm90` (FP8, and its 32-row
+subclass); the loop class sets ``pv_n``, ``qk_t`` and the accumulator row order: :meth:`acc_feature` (output feature of
+a warp's accumulator row ``q``) and :attr:`pair_step` (feature distance of rows ``q`` and ``q + 8``).  A thread of a
+warpgroup holds ``pv_n / 4`` columns (query rows) of ``S^T`` / ``O^T``: column ``i`` is
 ``8 (i // 2) + 2 (lane % 4) + i % 2`` (:meth:`TransposedOutMixin.col_n`), accumulator element ``e`` belongs to column
 ``e % 2 + 2 (e // 4)`` (``((e // 4) % (pv_n / 8))`` for the O^T accumulators' m-blocks).  A column's keys (tokens) lie
 in all 4 warps, so maxima and sums go through 1 KB of shared memory (``sRed``: per warpgroup and warp, 32 columns).
-
-The loop class sets ``pv_n``, ``qk_t`` and the accumulator row order: :meth:`acc_feature` (the output feature of
-accumulator row ``q`` of a warp) and :attr:`pair_step` (the feature distance of rows ``q`` and ``q + 8``).
 """
 
 from __future__ import annotations
@@ -24,8 +21,7 @@ class TransposedOutMixin:
     """Column statistics and the O^T epilogue of the transposed loops (module docstring)."""
 
     def col_n(self, i, wtid):
-        """``qk_t``: the query row (column of ``S^T`` / ``O^T``) of this thread's column ``i`` (``pv_n / 4`` of them):
-        ``8 (i // 2) + 2 (lane % 4) + i % 2``; an accumulator element ``e`` belongs to column ``e % 2 + 2 (e // 4)``."""
+        """``qk_t``: the query row of this thread's column ``i`` (module docstring)."""
         return 8 * (i // 2) + 2 * (wtid % 4) + i % 2
 
     @cute.jit
@@ -43,14 +39,12 @@ class TransposedOutMixin:
     @cute.jit
     def fold_t(self, acc_s, tScS, lim, tile_start, scale_log2, sM, sSc_in, sSc_out, sRed, row_l, ref, sc, wg, wtid,
                mk=None, m_reg=None):
-        """``qk_t``: :meth:`fold_first` (``sSc_in`` None; warpgroup 0) or :meth:`fold_second` (``sSc_in``: scale0;
-        warpgroup 1, which arrives on SCALE1 after this) without the exp, for ``S^T``: a query row's keys are spread
-        over the 4 warps (tokens are M), so each warp's column maxima (over its 2 tokens, then its 8 lanes of a
-        column, 3 butterfly shuffles) go through ``sRed`` and the warpgroup's barrier (TAIL id).  The shared max is
-        read before that barrier and written after it, by warp 0's lanes 0..3 (one writer per row).  ``mk``:
-        ``(mTrace, cta, j, event after the barrier, event at the end or None)`` for :meth:`mark` (debug builds).
-        ``m_reg`` (each warpgroup its own running max): the thread's columns' running max in registers instead of
-        ``sM`` (``sM``, ``sSc_out`` None)."""
+        """``qk_t``: :meth:`fold_first` (``sSc_in`` None; WG0) or :meth:`fold_second` (``sSc_in``: scale0; WG1, arriving
+        on SCALE1 after this) minus the exp, for ``S^T``: a row's keys span the 4 warps (tokens are M), so warp column
+        maxima (2 tokens, then 8 lanes by 3 butterfly shuffles) go through ``sRed`` and the WG barrier (TAIL id); the
+        shared max is read before it, written after it by warp 0's lanes 0..3 (one writer per row).  ``m_reg``: per-WG
+        running max in registers, not ``sM`` (``sM``, ``sSc_out`` None).  ``mk``:
+        ``(mTrace, cta, j, event after barrier, end event or None)`` for :meth:`mark` (debug)."""
         nc = self.pv_n // 4
         lane = wtid % 32
         warp = wtid // 32
@@ -100,9 +94,7 @@ class TransposedOutMixin:
 
     @cute.jit
     def scale_ot(self, acc: cute.Tensor, sa: cute.Tensor, sb: cute.Tensor, wtid: Int32):
-        """``O^T[:, n] *= sa[n] (* sb[n])`` for this thread's ``pv_n / 4`` columns ``n = 8 v2 + 2 (wtid % 4) + v0``
-        (the accumulator layout ``((2, 2, pv_n / 8), 4 m-blocks)``: element ``e`` is ``v0 = e % 2``,
-        ``v2 = (e // 4) % (pv_n / 8)``); nothing when every scale of the warp is 1 (no row max of the warp grew)."""
+        """``O^T[:, n] *= sa[n] (* sb[n])`` on the thread's columns (:meth:`col_n`); skipped if no warp row max grew."""
         c2 = 2 * (wtid % 4)
         s = cute.make_rmem_tensor((self.pv_n // 4,), Float32)
         for i in cutlass.range_constexpr(self.pv_n // 4):
@@ -115,8 +107,7 @@ class TransposedOutMixin:
 
     @cute.jit
     def scale_cols(self, acc: cute.Tensor, s: cute.Tensor):
-        """``O^T`` (any number of m-blocks) times ``s[i]`` on this thread's column ``i`` (:meth:`col_n`; element ``e``
-        is column ``e % 2 + 2 ((e // 4) % (pv_n / 8))``); nothing when every scale of the warp is 1."""
+        """``O^T`` (any m-blocks) *= ``s[i]`` on column ``i`` (:meth:`col_n`); skipped if all the warp's ``s`` are 1."""
         one = s[0] == 1.0
         for i in cutlass.range_constexpr(1, self.pv_n // 4):
             one = one & (s[i] == 1.0)
@@ -127,9 +118,8 @@ class TransposedOutMixin:
     @cute.jit
     def store_lse(self, mLse: cute.Tensor, mLacc: cute.Tensor, m: Float32, l_tot: Float32, r: Int32, split: Int32,
                   b: Int32):
-        """The LSE of query row ``r`` (``m``: its final max in the exp2 domain, P's 2^8 bias in it; ``l_tot``: its
-        row sum; -inf for a row without keys) into ``lse``, or with split partials ``lse_accum``; nothing for a
-        padding row (``r >= R``)."""
+        """LSE of query row ``r`` (``m``: final max, exp2 domain, with P's 2^8 bias; ``l_tot``: row sum; -inf without
+        keys) into ``lse``, or with split partials ``lse_accum``; nothing for a padding row (``r >= R``)."""
         lse = -Float32.inf
         if l_tot != 0.0:  # (NaN: a key with NaN / Inf was seen, NaN LSE)
             lse = (m - self.p8_bias + cute.math.log2(l_tot, fastmath=False)) * LN_2
@@ -146,8 +136,8 @@ class TransposedOutMixin:
     @cute.jit
     def epilogue_ot(self, acc, sM, row_l, row_in, sSum, sRed, mOut, mLse, mOacc, mLacc, out_scale, mblk, split, b, wg,
                     wtid):
-        """Row sums across both warpgroups (with ``qk_t`` across the lanes and warps of a column too), the LSE (by
-        one thread per row, :meth:`store_lse`), and ``O = O^T^T / l`` straight from the accumulators: thread ``(warp w, lane 4q + c)`` holds features
+        """Row sums across both WGs (``qk_t``: also a column's lanes and warps), the LSE (one thread per row,
+        :meth:`store_lse`), and ``O = O^T^T / l`` from the accumulators: thread ``(warp w, lane 4q + c)`` holds features
         ``f, f + 1`` (:func:`ot_feature`) of rows ``n = 8 v2 + 2c + v0`` (``n < pv_n``), one 2-element store each."""
         self.row_sums_ot(sM, row_l, row_in, sSum, sRed, mLse, mLacc, mblk, split, b, wg, wtid)
         self.store_ot_rows(acc, sSum, mOut, mOacc, out_scale, mblk, split, b, wg, wtid, 0)
@@ -183,8 +173,8 @@ class TransposedOutMixin:
 
     @cute.jit
     def store_ot_rows(self, acc, sSum, mOut, mOacc, out_scale, mblk, split, b, wg, wtid, mb0: cutlass.Constexpr):
-        """``O = O^T^T / l`` of warpgroup ``wg``'s 256 features from its accumulator m-blocks ``mb0 .. mb0 + 3``
-        (:meth:`epilogue_ot`; ``mb0`` 4: warpgroup 1 of ``fp8_transposed``, whose accumulators hold all 512)."""
+        """``O = O^T^T / l`` of WG ``wg``'s 256 features from accumulator m-blocks ``mb0 .. mb0 + 3``
+        (:meth:`epilogue_ot`; ``mb0`` 4: WG1 of ``fp8_transposed``, whose accumulators hold all 512)."""
         lane = wtid % 32
         c2 = 2 * (lane % 4)
         for i in cutlass.range_constexpr(self.pv_n // 4):
@@ -203,11 +193,9 @@ class TransposedOutMixin:
     @cute.jit
     def store_ot_pair(self, acc: cute.Tensor, e: cutlass.Constexpr, inv: Float32, out_scale: Float32,
                       mOut: cute.Tensor, mOacc: cute.Tensor, b: Int32, split: Int32, r: Int32, f: Int32):
-        """Output features ``f`` and ``f + pair_step`` of query row ``r`` (:attr:`pair_step`: 1 here, the register
-        ``V^T``'s row permutation puts both features of a pair in one thread): accumulator elements ``e`` and ``e + 2``
-        (rows ``q`` and ``q + 8`` of the A fragment) times ``inv`` (1 / the row sum), into ``out`` (times
-        ``out_scale``; one bf16x2 store for adjacent features) when ``split`` (the piece's workspace slot) is
-        negative, else into slot ``split`` of ``o_accum`` (one fp32x2)."""
+        """Features ``f``, ``f + pair_step`` of row ``r`` (:attr:`pair_step` 1: the register ``V^T``'s row permutation
+        pairs them in a thread): accumulator elements ``e``, ``e + 2`` (A rows ``q``, ``q + 8``) times ``inv`` (1 / row
+        sum) into ``out`` (x ``out_scale``; bf16x2 store) if ``split`` < 0, else ``o_accum`` slot ``split`` (fp32x2)."""
         if split < 0:
             sc = inv * out_scale
             if inv == 0.0:  # a row without keys: exact zeros whatever output_scale holds (NaN, inf)
