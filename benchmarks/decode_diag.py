@@ -4,7 +4,7 @@
 
 Parts: (1) per-kernel device time of one decode call (schedule fusions, main kernel, combine) from a
 profiler trace; (2) per-piece overhead: full-length batches of the same total tokens as 1..32 whole requests per
-CTA (H 32 and 128), ours (and each ``--config``, e.g. ``transposed_prefetch``) vs FlashMLA; (4) the schedule alone
+CTA (H 32 and 128), ours (and each ``--config``, e.g. ``seesaw``) vs FlashMLA; (4) the schedule alone
 per B (device time per call, many calls in one executable); (5) the schedule's policy (mode, fixed cost, ``prefer``, unit) swept on the varied and full-length
 cases of ``--cases`` (kernels on a shared schedule, FlashMLA interleaved; it replaced part 3, the fixed-cost sweep
 of 2026-12-04, whose results are in ``docs/notes/sm90_decode_journal.md``)."""

@@ -10,7 +10,7 @@ is ``(distribution, B, capacity, H, S)`` with page 64; its lengths are drawn onc
 * ``tail``: a long tail: 90% of the requests uniform in ``[64, 2048]``, 10% at the capacity.
 
 ``--config NAME`` (repeatable; a name of ``tokenspeed_jax.backends.sm90_decode.CONFIGS``, e.g.
-``transposed_prefetch``): that kernel config's kernels on a shared schedule, ``ours {dt} kernel NAME``, timed in the
+``seesaw``): that kernel config's kernels on a shared schedule, ``ours {dt} kernel NAME``, timed in the
 same rounds as the selected config's ``ours {dt} kernel`` where it applies (an A/B of configs on varied lengths).
 
 Bytes are those actually read: the sum of the lengths times 576 elements (2 bytes, 1 for FP8) plus q and the

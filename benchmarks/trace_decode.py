@@ -37,12 +37,14 @@ import time
 
 def traced_config(prob, name: str | None = None):
     """The config a trace runs for ``prob``: ``name`` (``sm90_decode.CONFIGS``) or :func:`select_config`'s pick, the
-    transposed 16-bit loop (no traced build) replaced by the seesaw loop with the producer warpgroup."""
+    transposed 16-bit loop (no traced build) replaced by the seesaw loop with the producer warpgroup, without prefetch
+    (the debug builds time one piece's loop; ``build_decode_kernel`` refuses prefetch with ``trace``)."""
     from tokenspeed_jax.backends import sm90_decode
 
     cfg = sm90_decode.CONFIGS[name] if name else sm90_decode.select_config(prob)
     if cfg.loop == "transposed":
         cfg = sm90_decode.CONFIGS["seesaw"]
+    cfg = dataclasses.replace(cfg, prefetch=False)
     sm90_decode.check_config(prob, cfg)
     return cfg
 

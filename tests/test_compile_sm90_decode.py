@@ -34,8 +34,8 @@ CASES = {
     "fp8_t16": ("fp8_transposed", True, "float8_e4m3fn", 16, 1, 64, 1),  # 16 rows
     "fp8_t32_s2": ("fp8_transposed", True, "float8_e4m3fn", 16, 2, 64, 2),  # 32 rows, causal MTP (hidden keys)
 }
-# the prefetch experiment (Sm90DecodeConfig.prefetch), as (loop, producer, dtype, H, S, page, B, prefetch): its
-# loops on the length-balanced schedule's build, compared with the default build of the case named first
+# the prefetch builds (Sm90DecodeConfig.prefetch, select_config's choice for these loops), as (loop, producer, dtype,
+# H, S, page, B, prefetch), compared with the build without prefetch of the case named first
 PREFETCH_CASES = {
     "transposed32_prefetch": ("transposed32", ("transposed", True, "float16", 16, 2, 32, 1, True)),
     "seesaw16_h128_prefetch": ("seesaw16_h128", ("seesaw", True, "bfloat16", 128, 1, 64, 1, True)),
@@ -292,10 +292,10 @@ def test_nonfinite_cleaning_expressions():
 @pytest.mark.compile
 @pytest.mark.parametrize("name", list(PREFETCH_CASES))
 def test_prefetch_build_compiles(compiled, name):
-    """The prefetch experiment's build against its loop's default build: the same main loops (MMA shapes and counts,
+    """The prefetch build against the same loop's build without prefetch: the same main loops (MMA shapes and counts,
     register operands, the producer's setmaxnreg and 160-thread barriers, no serialized wgmma), the first KV tiles'
     TMA copies issued from two places (before the walk and at each epilogue barrier) and, in the 16-bit transposed
-    loop, the Q tile's cp.async too; spills within the default build's bound plus the walk's few extra values."""
+    loop, the Q tile's cp.async too; spills within the build without prefetch's bound plus the walk's few extra values."""
     base = PREFETCH_CASES[name][0]
     x, d = compiled[name], compiled[base]
     for key in ("wgmma", "maxnreg", "bar160", "stsm", "ldsm", "sts32", "lds32", "clock", "local", "l2pf",

@@ -21,7 +21,8 @@ def _problem(**kw):
     return DecodeProblem(**base)
 
 
-# (dtype, S, H, page) -> (loop, producer): the whole policy, one row per cell of select_config's table
+# (dtype, S, H, page) -> (loop, producer): the whole policy, one row per cell of select_config's table (prefetch:
+# every loop with the producer warpgroup but fp8_transposed, _prefetch)
 TABLE = [
     ("bfloat16", 1, 16, 64, "transposed", True), ("float16", 2, 16, 32, "transposed", True),
     ("bfloat16", 1, 32, 256, "transposed", True), ("bfloat16", 1, 33, 64, "seesaw", True),
@@ -34,13 +35,20 @@ TABLE = [
 ]
 
 
+def _prefetch(loop, producer):
+    return producer and loop != "fp8_transposed"
+
+
 @pytest.mark.parametrize("dtype,S,H,page,loop,producer", TABLE)
 def test_select_config(dtype, S, H, page, loop, producer):
     from tokenspeed_jax.backends import sm90_decode as m
 
     p = _problem(dtype=dtype, q_len=S, num_heads=H, page_size=page)
     cfg = m.select_config(p)
-    assert cfg == m.Sm90DecodeConfig(loop, producer)
+    assert cfg == m.Sm90DecodeConfig(loop, producer, _prefetch(loop, producer))
+    assert cfg in m.CONFIGS.values()
+    # the batch-invariant walk runs the same loop without prefetch
+    assert m.select_config(dataclasses.replace(p, batch_invariant=True)) == m.Sm90DecodeConfig(loop, producer)
     m.check_config(p, cfg)  # what the table selects is accepted
     assert m.plan_for_config(p, cfg).block_m == (32 if loop == "fp8_transposed" else 64)
 
@@ -130,7 +138,7 @@ def test_decode_launches_the_config(monkeypatch, dtype, S, H, page, loop, produc
 
     seen = _record_custom_calls(monkeypatch)
     p, (out, lse) = _run(m, dtype=dtype, S=S, H=H, page=page)
-    cfg = m.Sm90DecodeConfig(loop, producer)
+    cfg = m.Sm90DecodeConfig(loop, producer, _prefetch(loop, producer))
     plan = m.plan_for_config(p, cfg)
     # named, not imported: the kernel modules load only when CuTe DSL compiles (not on a compile-cache hit)
     assert seen["launch"] == ffi.LaunchRef("tokenspeed_jax.kernels.sm90.decode", "launch_decode")
@@ -140,7 +148,7 @@ def test_decode_launches_the_config(monkeypatch, dtype, S, H, page, loop, produc
     assert (kw.pop("input_specs"), kw.pop("output_specs")) == m.operand_specs(p, spec)
     assert kw.pop("dynamic_shapes") is True  # one compiled object for every B, cache size and table width
     assert kw == dict(loop=loop, producer=producer, dtype=dtype, num_heads=H, q_len=S, page_size=page, causal=True,
-                      num_ctas=spec.num_ctas, max_slots=spec.max_slots, chunk=0, prefetch=False)
+                      num_ctas=spec.num_ctas, max_slots=spec.max_slots, chunk=0, prefetch=cfg.prefetch)
     # out, lse and the schedule's fp32 partials, whose size is the plan's workspace (not the batch's)
     assert len(seen["outputs"]) == 4
     assert [tuple(o.shape) for o in seen["outputs"][2:]] == [w.shape for w in plan.workspace]
@@ -160,11 +168,14 @@ def test_decode_explicit_config(monkeypatch):
     assert dataclasses.replace(seen["key"], config=key_sel.config) == key_sel
     with pytest.raises(ValueError, match="config"):
         _run(m, m.Sm90DecodeConfig("fp8_transposed", True), H=16)
-    _run(m, m.CONFIGS["transposed_prefetch"], H=16)  # the prefetch experiment: its own key, the flag launched
-    assert seen["kw"]["prefetch"] is True and seen["key"].config.prefetch and seen["key"] != key_sel
+    _run(m, m.CONFIGS["transposed"], H=16)  # the table's choice: prefetch launched
+    assert seen["kw"]["prefetch"] is True and seen["key"] == key_sel
+    _run(m, m.Sm90DecodeConfig("transposed", True), H=16)  # without prefetch: its own key
+    assert seen["kw"]["prefetch"] is False and seen["key"] != key_sel
     p = _problem(num_heads=16, batch_invariant=True)
     with pytest.raises(ValueError, match="batch_invariant"):
-        m.check_config(p, m.CONFIGS["transposed_prefetch"])
+        m.check_config(p, m.CONFIGS["transposed"])
+    assert m.select_config(p) == m.Sm90DecodeConfig("transposed", True)  # batch-invariant: no prefetch
 
 
 def test_kernel_key_fields():

@@ -53,10 +53,10 @@ class Sm90DecodeConfig:
 
     ``producer``: a third warpgroup issues the TMA refills (pages >= 32; the transposed loops always have it).
 
-    ``prefetch`` (an experiment, not yet measured: the ``*_prefetch`` entries of :data:`CONFIGS`): the producer
-    warpgroup issues the next piece's first KV tiles at the current piece's epilogue barrier, and the
-    ``"transposed"`` loop's computing warpgroups its Q tile, so a CTA's next piece does not start on their latency
-    (the loops with the producer warpgroup, except ``"fp8_transposed"``, whose epilogue uses the KV buffers).
+    ``prefetch``: the producer warpgroup issues the next piece's first KV tiles at the current piece's epilogue
+    barrier, and the ``"transposed"`` loop's computing warpgroups its Q tile, so a CTA's next piece does not start on
+    their latency (the length-balanced schedule's walk, loops with the producer warpgroup except ``"fp8_transposed"``,
+    whose epilogue uses the KV buffers; docs/sm90_decode_schedule.md, "Prefetch across pieces").
     """
 
     loop: str
@@ -64,16 +64,13 @@ class Sm90DecodeConfig:
     prefetch: bool = False
 
 
-# every config by name (benchmarks' --config, tests): select_config's, the seesaw without producer, the prefetch trial
+# every config by name (benchmarks' --config, tests): what select_config picks, and the seesaw without its producer
 CONFIGS = {
-    "seesaw": Sm90DecodeConfig("seesaw", producer=True),
+    "seesaw": Sm90DecodeConfig("seesaw", producer=True, prefetch=True),
     "seesaw_noproducer": Sm90DecodeConfig("seesaw", producer=False),
-    "transposed": Sm90DecodeConfig("transposed", producer=True),
-    "fp8_transposed_pv": Sm90DecodeConfig("fp8_transposed_pv", producer=True),
+    "transposed": Sm90DecodeConfig("transposed", producer=True, prefetch=True),
+    "fp8_transposed_pv": Sm90DecodeConfig("fp8_transposed_pv", producer=True, prefetch=True),
     "fp8_transposed": Sm90DecodeConfig("fp8_transposed", producer=True),
-    "seesaw_prefetch": Sm90DecodeConfig("seesaw", producer=True, prefetch=True),
-    "transposed_prefetch": Sm90DecodeConfig("transposed", producer=True, prefetch=True),
-    "fp8_transposed_pv_prefetch": Sm90DecodeConfig("fp8_transposed_pv", producer=True, prefetch=True),
 }
 
 
@@ -123,20 +120,23 @@ def select_config(problem: DecodeProblem) -> Sm90DecodeConfig:
     ===========  ===========  ========  =======================================
     dtype        S x H        page      config
     ===========  ===========  ========  =======================================
-    16-bit       <= 32        >= 32     ``transposed``, producer
-    16-bit       > 32         >= 32     ``seesaw``, producer
+    16-bit       <= 32        >= 32     ``transposed``, producer, prefetch
+    16-bit       > 32         >= 32     ``seesaw``, producer, prefetch
     16-bit       any          16        ``seesaw``
     FP8          <= 32        >= 32     ``fp8_transposed``, producer
-    FP8          > 32         >= 32     ``fp8_transposed_pv``, producer
+    FP8          > 32         >= 32     ``fp8_transposed_pv``, producer, prefetch
     FP8          any          16        ``seesaw``
     ===========  ===========  ========  =======================================
+
+    ``batch_invariant`` runs the same loops without prefetch (its walk runs each request chunk by chunk).
     """
     fp8 = problem.dtype == "float8_e4m3fn"
     if problem.page_size < _MIN_PRODUCER_PAGE:
         return Sm90DecodeConfig("seesaw", producer=False)
+    ahead = not problem.batch_invariant
     if problem.rows <= _MAX_TRANSPOSED_ROWS:
-        return Sm90DecodeConfig("fp8_transposed" if fp8 else "transposed", producer=True)
-    return Sm90DecodeConfig("fp8_transposed_pv" if fp8 else "seesaw", producer=True)
+        return Sm90DecodeConfig("fp8_transposed", True) if fp8 else Sm90DecodeConfig("transposed", True, ahead)
+    return Sm90DecodeConfig("fp8_transposed_pv" if fp8 else "seesaw", producer=True, prefetch=ahead)
 
 
 def check_config(problem: DecodeProblem, config: Sm90DecodeConfig) -> None:
