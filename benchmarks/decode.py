@@ -137,7 +137,8 @@ def config_applies(c: Case, config: str) -> bool:
 
 def decode_fn(c: Case, backend: str, config: str | None = None):
     """jitted ``(q, kv, bt, sl, scale) -> (out, lse)``; ``config`` (sm90 only: a name of ``sm90_decode.CONFIGS``)
-    calls the sm90 wrapper directly with that kernel config instead of going through ``mla_decode``."""
+    calls the sm90 wrapper directly with that kernel config instead of going through ``mla_decode``, and then takes
+    an optional sixth argument: the schedule ``(cta, req)`` computed outside (``sm90_decode.schedule_of``)."""
     import jax
     import jax.numpy as jnp
 
@@ -147,10 +148,10 @@ def decode_fn(c: Case, backend: str, config: str | None = None):
         from tokenspeed_jax.backends import sm90_decode
         from tokenspeed_jax.decode import _decode_problem
 
-        def g(q, kv, bt, sl, scale):
+        def g(q, kv, bt, sl, scale, work=None):
             prob = _decode_problem(q, kv, bt, sl, c.causal, 512, True)
-            return sm90_decode.decode(prob, q, kv, bt, sl, scale.astype(jnp.float32), jnp.float32(1.0),
-                                      config=sm90_decode.CONFIGS[config])
+            return sm90_decode.decode(prob, q, kv, bt, sl, jnp.asarray(scale, jnp.float32), jnp.float32(1.0),
+                                      config=sm90_decode.CONFIGS[config], work=work)
 
         return jax.jit(g)
 

@@ -26,7 +26,7 @@ import time
 
 import numpy as np
 
-from benchmarks.decode import Case, _jax_calls, config_applies, prewarm
+from benchmarks.decode import Case, _jax_calls, config_applies, decode_fn, prewarm
 
 DISTS = ("full", "uniform", "tail")
 DEFAULT = ([("uniform", 64, 81920, H, S) for H in (16, 32, 128) for S in (1, 4)]
@@ -106,7 +106,6 @@ def our_contenders(q, kv, q8, kv8, bt, sl, scale, c: Case | None = None, configs
     import dataclasses
 
     import jax
-    import jax.numpy as jnp
 
     import tokenspeed_jax as tj
     from tokenspeed_jax.backends import sm90_decode
@@ -131,15 +130,10 @@ def our_contenders(q, kv, q8, kv8, bt, sl, scale, c: Case | None = None, configs
             if not config_applies(cdt, name):
                 continue
             cfg = sm90_decode.CONFIGS[name]
-
-            def g(q_, kv_, bt_, sl_, s_, w_, cfg=cfg):
-                prob = _decode_problem(q_, kv_, bt_, sl_, True, 512, True)
-                return sm90_decode.decode(prob, q_, kv_, bt_, sl_, jnp.asarray(s_, jnp.float32), jnp.float32(1.0),
-                                          config=cfg, work=w_)
-
             work = jax.jit(lambda q_, kv_, bt_, sl_, cfg=cfg: sm90_decode.schedule_of(
                 _decode_problem(q_, kv_, bt_, sl_, True, 512, True), sl_, cfg))(qq, kk, bt, sl)
-            out[f"ours {dt} kernel {name}"] = (jax.jit(g), (qq, kk, bt, sl, scale, work), fp8)
+            out[f"ours {dt} kernel {name}"] = (decode_fn(cdt, "sm90", name),
+                                               (qq, kk, bt, sl, scale, work), fp8)
     return out
 
 

@@ -260,17 +260,14 @@ class MlaDecodeSm90(CombineMixin):
             self.walk_chunks(c, b_first, b_last, producer)
         else:
             mCta, mBT, mSeq, g = c.mCta, c.mBT, c.mSeq, c.g
+            c.b_last = b_last  # (prefetch: the next piece is looked up in b + 1..b_last at each epilogue barrier)
             # (prefetch: the warpgroups that issue loads ahead, the producer and with prefetch_q the computing ones)
-            ahead = self.prefetch and (producer or self.prefetch_q)
-            if cutlass.const_expr(ahead):
+            if cutlass.const_expr(self.prefetch and (producer or self.prefetch_q)):
                 self.start_piece(c, self.next_piece(c, b_first, b_last), producer)
             for b in cutlass.range(b_first, b_last + 1, unroll=1):
                 seq, start, end, slot = self.piece(mCta, mBT, mSeq, g, b)
                 if end > start:
-                    if cutlass.const_expr(ahead):
-                        self.run_piece(c, b, seq, start, end, slot, producer, b_last)
-                    else:
-                        self.run_piece(c, b, seq, start, end, slot, producer)
+                    self.run_piece(c, b, seq, start, end, slot, producer)
 
     @cute.jit
     def next_piece(self, c, b: Int32, b_last: Int32):
@@ -300,20 +297,13 @@ class MlaDecodeSm90(CombineMixin):
                 cute.arch.cp_async_commit_group()
 
     @cute.jit
-    def epilogue_barrier(self, c, b, b_last):
+    def epilogue_barrier(self, c, b):
         """The computing warpgroups' CTA barrier before the epilogue of ``b``'s piece (every wgmma retired, every buffer
         read); with :attr:`prefetch` and :attr:`prefetch_q` the next piece's Q tile follows (:meth:`next_piece` in
-        ``b + 1..b_last``, looked up here so no value of it lives across the loop), which its run waits for."""
+        ``b + 1..c.b_last``, looked up here so no value of it lives across the loop), which its run waits for."""
         cute.arch.barrier()
         if cutlass.const_expr(self.prefetch and self.prefetch_q):
-            self.start_piece(c, self.next_piece(c, b + 1, b_last), False)
-
-    @cute.jit
-    def produce_piece(self, c, b: Int32, split_start: Int32, split_end: Int32, n_pairs: Int32):
-        """Producer: first KV tiles (``produce_start``), the barrier Q waits on, refills (``produce_rest``)."""
-        self.produce_start(c, b, split_start, split_end, n_pairs)
-        cute.arch.barrier()  # the consumers' Q tile landed
-        self.produce_rest(c, b, split_start, split_end, n_pairs)
+            self.start_piece(c, self.next_piece(c, b + 1, c.b_last), False)
 
     @cute.jit
     def walk_chunks(self, c, b_first: Int32, b_last: Int32, producer: cutlass.Constexpr):
@@ -343,24 +333,24 @@ class MlaDecodeSm90(CombineMixin):
                 cs = Int32(0)
 
     @cute.jit
-    def run_piece(self, c, b: Int32, seq: Int32, start: Int32, end: Int32, slot: Int32, producer: cutlass.Constexpr,
-                  b_last=None):
+    def run_piece(self, c, b: Int32, seq: Int32, start: Int32, end: Int32, slot: Int32, producer: cutlass.Constexpr):
         """One non-empty piece ``[start, end)`` of request ``b``, a whole run of the loop between CTA barriers.  Hooks:
-        ``produce_start``, ``produce_rest(c, b, start, end, n_pairs)`` (:meth:`produce_piece`), :meth:`load_piece_q`,
-        ``consume(c, cta, b, seq, start, end, slot, n_pairs[, b_last])`` (computing warpgroups: loop and epilogue, which
-        starts with a CTA barrier, :meth:`epilogue_barrier` with :attr:`prefetch_q`), ``advance_phases(n_pairs)``
-        (piece's mbarrier completions into :attr:`ph`).  :attr:`prefetch`: :meth:`start_piece`."""
+        ``produce_start`` and ``produce_rest(c, b, start, end, n_pairs)`` (the producer: first KV tiles, then after the
+        barrier Q waits on, the refills), :meth:`load_piece_q`, ``consume(c, cta, b, seq, start, end, slot, n_pairs)``
+        (computing warpgroups: loop and epilogue, which starts with a CTA barrier, :meth:`epilogue_barrier` with
+        :attr:`prefetch_q`), ``advance_phases(n_pairs)`` (piece's mbarrier completions into :attr:`ph`).
+        :attr:`prefetch`: the first KV tiles were issued ahead (:meth:`start_piece`), and the next piece's (in ``b +
+        1..c.b_last``) are issued at this one's epilogue barrier."""
         tid, sM, g = c.tid, c.sM, c.g
         n_pairs = self.num_pairs(start, end)
         if cutlass.const_expr(producer):
+            if cutlass.const_expr(not self.prefetch):
+                self.produce_start(c, b, start, end, n_pairs)
+            cute.arch.barrier()  # the consumers' Q tile landed
+            self.produce_rest(c, b, start, end, n_pairs)
+            cute.arch.barrier()  # the consumers' barrier before their epilogue: every buffer read
             if cutlass.const_expr(self.prefetch):
-                cute.arch.barrier()  # the consumers' Q tile landed
-                self.produce_rest(c, b, start, end, n_pairs)
-                cute.arch.barrier()  # the consumers' barrier before their epilogue: every buffer read
-                self.start_piece(c, self.next_piece(c, b + 1, b_last), True)
-            else:
-                self.produce_piece(c, b, start, end, n_pairs)
-                cute.arch.barrier()  # the consumers' barrier before their epilogue
+                self.start_piece(c, self.next_piece(c, b + 1, c.b_last), True)
         else:
             if tid < 64:
                 sM[tid] = -Float32.inf
@@ -372,10 +362,7 @@ class MlaDecodeSm90(CombineMixin):
             cute.arch.barrier()
             cta = g * self.num_m_blocks + c.mblk  # (debug traces: mark)
             self.clear_trace(c.mTrace, cta, c.wg, c.wtid)
-            if cutlass.const_expr(self.prefetch and self.prefetch_q):
-                self.consume(c, cta, b, seq, start, end, slot, n_pairs, b_last)
-            else:
-                self.consume(c, cta, b, seq, start, end, slot, n_pairs)
+            self.consume(c, cta, b, seq, start, end, slot, n_pairs)
         cute.arch.barrier()  # the piece's epilogue done: its buffers are free
         if cutlass.const_expr(not producer):
             self.advance_phases(n_pairs)

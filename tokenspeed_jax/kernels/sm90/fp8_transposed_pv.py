@@ -351,7 +351,7 @@ class MlaDecodeFp8TransposedPvSm90(TransposedOutMixin, KvRefillMixin, DecodeTrac
 
     @cute.jit
     def produce_start(self, c, b, split_start, split_end, n_pairs):
-        """The producer's first loads of a piece (:meth:`produce_piece`): pairs 0 and 1 into buffers 0..3."""
+        """The producer's first loads of a piece (``run_piece``): pairs 0 and 1 into buffers 0..3."""
         tAs, tAg, tma_atom, mbar, mBT, num_pages, wtid = c.tAs, c.tAg, c.tma_atom, c.mbar, c.mBT, c.num_pages, c.wtid
         for k in cutlass.range_constexpr(_NBUF):
             t0 = split_start + k * self.block_n

@@ -326,7 +326,7 @@ class MlaDecodeSeesawSm90(Fp8OperandsMixin, KvRefillMixin, DecodeTraceMixin, Mla
 
     @cute.jit
     def produce_start(self, c, b: Int32, split_start: Int32, split_end: Int32, n_pairs: Int32):
-        """The producer's first loads of a piece (:meth:`produce_piece`): pair 0 (:meth:`prologue_refills`)."""
+        """The producer's first loads of a piece (``run_piece``): pair 0 (:meth:`prologue_refills`)."""
         self.prologue_refills(c.tAs0, c.tAs1, c.tAg, c.tma_atom, c.mbar, c.mBT, b, split_start, split_end,
                               c.num_pages, c.wg, c.wtid)
 

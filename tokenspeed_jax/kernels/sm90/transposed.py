@@ -121,9 +121,9 @@ class MlaDecodeTransposedSm90(TransposedOutMixin, MlaDecodeSeesawSm90):
         return ((tOrVt0, tOsPt0), (tOrVt1, tOsPt1))[slot]
 
     @cute.jit
-    def consume(self, c, cta, b, seq, split_start, split_end, split, n_pairs, b_last=None):
-        """First QK, loop, epilogue.  ``c``: :meth:`~.seesaw.MlaDecodeSeesawSm90.seesaw_kernel`'s values; ``b_last``
-        (:attr:`prefetch`): the range's last request (next Q tile loads in the epilogue, :meth:`epilogue_barrier`)."""
+    def consume(self, c, cta, b, seq, split_start, split_end, split, n_pairs):
+        """First QK, loop, epilogue.  ``c``: :meth:`~.seesaw.MlaDecodeSeesawSm90.seesaw_kernel`'s values (with
+        :attr:`prefetch` the next Q tile loads in the epilogue, :meth:`epilogue_barrier`)."""
         qk_mma, pv_mma, _, _ = c.mmas
         sQ, sK0, sK1, st, wg, wtid, mblk, mTrace = c.sQ, c.sK0, c.sK1, c.st, c.wg, c.wtid, c.mblk, c.mTrace
         sM, sSc0, sSc1, sSum, mbar, scale_log2 = c.sM, c.sSc0, c.sSc1, c.sSum, c.mbar, c.scale_log2
@@ -253,7 +253,7 @@ class MlaDecodeTransposedSm90(TransposedOutMixin, MlaDecodeSeesawSm90):
                 warpgroup.wait_group(0)
                 self.mark(mTrace, cta, wg, wtid, j, 8)
 
-        self.epilogue_barrier(c, b, b_last)  # ---- epilogue: both WGs' O^T, l are relative to the final shared max
+        self.epilogue_barrier(c, b)  # ---- epilogue: both WGs' O^T, l are relative to the final shared max
         self.epilogue_ot(acc, sM, row_l, None, sSum, sRed, c.mOut, c.mLse, c.mOacc, c.mLacc, c.out_scale, mblk,
                          split, b, wg, wtid)
 
