@@ -155,3 +155,30 @@ def test_shapes_option_rejects_bad_shapes(capsys):
     with pytest.raises(SystemExit):
         bd.main(["--bench", "--shapes", "1,100,64,16,1"])
     assert "--shapes" in capsys.readouterr().err
+
+
+def test_tree_outputs_bitwise_compare(tmp_path, capsys):
+    """``benchmarks/tree_outputs.py`` (the bitwise check of two trees) on the xla backend: a tree against itself
+    is bitwise equal; one ulp changed in a saved output is caught and measured against the tolerance."""
+    import json
+
+    import numpy as np
+
+    from benchmarks import tree_outputs
+
+    cases = "s1h16p64,s2h32p64_garbage"
+    assert tree_outputs.main(["save", str(tmp_path), "--backend", "xla", "--cases", cases]) == 0
+    out = tmp_path / "cmp.json"
+    tree_outputs.main(["compare", str(tmp_path), "--backend", "xla", "--cases", cases, "--out", str(out)])
+    doc = json.loads(out.read_text())
+    assert (doc["bitwise_cases"], doc["within_tolerance"], doc["cases"]) == (2, 2, 2)
+    f = tmp_path / "s1h16p64.npz"
+    saved = dict(np.load(f))
+    i = np.unravel_index(np.argmax(np.abs(saved["out"])), saved["out"].shape)
+    saved["out"][i] = np.nextafter(saved["out"][i], np.float32(np.inf))
+    np.savez(f, **saved)
+    tree_outputs.main(["compare", str(tmp_path), "--backend", "xla", "--cases", cases, "--out", str(out)])
+    doc = json.loads(out.read_text())
+    row = doc["rows"][0]
+    assert (doc["bitwise_cases"], row["bitwise_out"], row["bitwise_lse"]) == (1, False, True)
+    assert 0 < row["max_diff"] and row["max_diff_over_tol"] < 1e-3 and doc["within_tolerance"] == 2
