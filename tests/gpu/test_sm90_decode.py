@@ -336,16 +336,20 @@ _SCHED_SPECS = [(132, "choose", 0), (132, "balanced", 0), (132, "per_request", 0
 @pytest.mark.parametrize("num_ctas,mode,chunk", _SCHED_SPECS, ids=lambda x: str(x))
 def test_schedule_kernel_matches_jnp(num_ctas, mode, chunk, rng):
     """The CuTe DSL schedule kernel (``decode_schedule(..., cuda_kernel=True)`` on CUDA) gives the jnp schedule's
-    arrays bit for bit: batch sizes 1-1100, empty requests, lengths past the capacity and below 0, full-length
-    batches, capacities 64-131072 and per-request cuts 1-39, one compiled object for all of them."""
+    arrays bit for bit: batch sizes 1-2049 (the prefixes in shared memory up to ``SMEM_BATCH``, in global memory
+    past it), empty requests, lengths past the capacity and below 0, full-length batches, capacities 64-131072 and
+    per-request cuts 1-39, one compiled object for all of them."""
     import jax
     import jax.numpy as jnp
     import numpy as np
 
     from tokenspeed_jax.decode_schedule import ScheduleSpec, decode_schedule
+    from tokenspeed_jax.kernels.sm90.schedule import SMEM_BATCH
 
     for i in range(12):
         B = int(rng.choice([1, 2, 3, 64, 130, 257, 1100]))
+        if i in (1, 2):  # the largest batch whose prefixes stay in shared memory, and the first past it
+            B = SMEM_BATCH + i - 1
         cap = int(rng.choice([64, 1000, 4096, 81920, 131072]))
         sl = rng.integers(-5, cap + 300, B).astype(np.int32)
         if i % 3 == 0:
