@@ -1,6 +1,6 @@
 """The one runner for GPU-machine work: tests, correctness checks, memcheck, benchmarks, A/B timing, profiles.
 
-    python -m benchmarks.device tests    [--files tests/gpu/...] [-k EXPR]   # pytest of tests/gpu
+    python -m benchmarks.device tests    [--files tests/gpu/...] [-k EXPR] [--shards N]  # pytest of tests/gpu
     python -m benchmarks.device check    [--op decode|prefill|all]           # the check matrices
     python -m benchmarks.device memcheck                                      # compute-sanitizer, decode
     python -m benchmarks.device bench    [--op decode|prefill|all] [-- ARGS] # JSON + PNG per op
@@ -82,7 +82,12 @@ def steps_for(args: argparse.Namespace) -> list[Step]:
                                               "prewarm([Case(f'hostile_{d}_p{p}_s{s}', d, 4, s, h, p, 16) "
                                               f"for p, d in CONFIGS for s, h in HIDDEN_SH], {jobs})"), 120))
         k = ("-k", args.k) if args.k else ("-k", "not memcheck")
-        s.append(Step("gpu_tests", _pytest(files, *k), args.budget))
+        if args.shards > 1:  # the shards compile what they need side by side: no serial prewarm first
+            s = [Step("gpu_tests", (PY, "-m", "benchmarks.pytest_shards", "--shards", str(args.shards),
+                                    "--seconds", str(args.budget - 15), "--out", str(out), *k, *files),
+                      args.budget)]
+        else:
+            s.append(Step("gpu_tests", _pytest(files, *k), args.budget))
     elif args.cmd == "check":
         if "decode" in ops:
             s.append(Step("check_decode", (PY, "-m", "benchmarks.decode", "--prewarm", jobs, "--check",
@@ -143,6 +148,9 @@ def _parser() -> argparse.ArgumentParser:
     t = sub.add_parser("tests", parents=[common], help="pytest of the GPU tests (memcheck excluded)")
     t.add_argument("--files", nargs="+", default=None, help="test files (default: tests/gpu)")
     t.add_argument("-k", default=None, help="pytest -k expression (default: 'not memcheck')")
+    t.add_argument("--shards", type=int, default=1,
+                   help="run the tests as this many pytest processes side by side (benchmarks.pytest_shards; "
+                        "no prewarm step; DIR/gpu_tests.json lists each test's outcome)")
     c = sub.add_parser("check", parents=[common], help="correctness matrices against the fp32 reference")
     c.add_argument("--op", choices=("decode", "prefill", "all"), default="all")
     c.add_argument("--cases", default="", help="decode: comma-separated CHECK case names")

@@ -36,6 +36,9 @@ def test_tests_and_check_and_memcheck_steps(tmp_path):
         assert ("configs=tuple(CONFIGS)" in _cmd(s[0])) == cfg, _cmd(s[0])
     s = _steps("tests", "--files", "tests/gpu/test_vllm_adapter.py", "-k", "fp8", "--out", str(tmp_path))
     assert [x.name for x in s] == ["gpu_tests"] and "fp8" in s[0].argv
+    s = _steps("tests", "--shards", "7", "--budget", "345", "--out", str(tmp_path))  # no prewarm: one sharded step
+    assert [x.name for x in s] == ["gpu_tests"] and "-m benchmarks.pytest_shards --shards 7 --seconds 330" in _cmd(s[0])
+    assert s[0].timeout == 345 and "not memcheck" in s[0].argv and "tests/gpu" in s[0].argv
     s = _steps("check", "--op", "decode", "--cases", "s1h16p64", "--out", str(tmp_path))
     assert [x.name for x in s] == ["check_decode"]
     assert "-m benchmarks.decode" in _cmd(s[0]) and "--check" in s[0].argv and "s1h16p64" in s[0].argv
@@ -91,3 +94,28 @@ def test_run_writes_manifest_logs_and_stamps_the_commit(tmp_path, monkeypatch):
 
 def test_no_h200_shell_scripts_remain():
     assert not list((ROOT / "scripts").glob("h200_*"))
+
+
+def test_pytest_shards_outcomes_and_deadline(tmp_path, monkeypatch):
+    """``benchmarks.pytest_shards`` on a throwaway test file: each test's outcome from the shards' logs, a failure
+    reported as such, and a test still running at the deadline killed and listed as not reached."""
+    import json
+
+    from benchmarks import pytest_shards
+
+    f = tmp_path / "test_throwaway.py"
+    f.write_text("import time, pytest\n"
+                 "@pytest.mark.parametrize('i', range(4))\n"
+                 "def test_ok(i):\n    assert i >= 0\n"
+                 "def test_bad():\n    assert 1 == 2\n"
+                 "def test_skip():\n    pytest.skip('no')\n"
+                 "def test_slow():\n    time.sleep(600)\n")
+    out = tmp_path / "out"
+    monkeypatch.chdir(tmp_path)  # (run from the rootdir: node ids are relative to it)
+    rc = pytest_shards.main([f.name, "--shards", "3", "--seconds", "25", "--out", str(out)])
+    doc = json.loads((out / "gpu_tests.json").read_text())
+    assert rc == 1 and doc["collected"] == 7 and doc["shards"] == 3 and doc["killed_at_deadline"]
+    res = {k.split("::")[1]: v for k, v in doc["results"].items()}
+    assert res == {**{f"test_ok[{i}]": "PASSED" for i in range(4)}, "test_bad": "FAILED", "test_skip": "SKIPPED"}
+    assert [n.split("::")[1] for n in doc["not_reached"]] == ["test_slow"]
+    assert pytest_shards.outcomes("FAILED a.py::t - assert\na.py::t PASSED") == {"a.py::t": "FAILED"}
