@@ -66,28 +66,26 @@ def steps_for(args: argparse.Namespace) -> list[Step]:
     s: list[Step] = []
     if args.cmd == "tests":
         files = args.files or ["tests/gpu"]
-        if any("sm90_prefill" in f or f.rstrip("/") == "tests/gpu" for f in files):
+        prewarm = args.shards <= 1  # (shards compile what they need side by side: no serial prewarm first)
+        if prewarm and any("sm90_prefill" in f or f.rstrip("/") == "tests/gpu" for f in files):
             s.append(Step("prewarm_prefill", (PY, "-m", "benchmarks.prefill", "--prewarm", jobs,
                                               "--prewarm-only", "--with-test-configs"), 120))
-        if any("sm90_decode" in f or f.rstrip("/") == "tests/gpu" for f in files):
+        if prewarm and any("sm90_decode" in f or f.rstrip("/") == "tests/gpu" for f in files):
             # (the named configs of the config test too, where -k may select it: every config that runs a case)
             cfg = not args.k or any(w in args.k for w in ("config", "prefetch", "seesaw", "transposed"))
             s.append(Step("prewarm_decode", (PY, "-c", "from benchmarks.decode import CHECK, prewarm; "
                                              "from tokenspeed_jax.backends.sm90_decode import CONFIGS; "
                                              f"prewarm(CHECK, {jobs}{', configs=tuple(CONFIGS)' if cfg else ''})"),
                           240 if cfg else 150))
-        if any("hostile_sm90" in f or f.rstrip("/") == "tests/gpu" for f in files):  # its decode kernels
+        if prewarm and any("hostile_sm90" in f or f.rstrip("/") == "tests/gpu" for f in files):  # its kernels
             s.append(Step("prewarm_hostile", (PY, "-c", "from benchmarks.decode import Case, prewarm; "
                                               "from tests.gpu.test_hostile_sm90 import CONFIGS, HIDDEN_SH; "
                                               "prewarm([Case(f'hostile_{d}_p{p}_s{s}', d, 4, s, h, p, 16) "
                                               f"for p, d in CONFIGS for s, h in HIDDEN_SH], {jobs})"), 120))
         k = ("-k", args.k) if args.k else ("-k", "not memcheck")
-        if args.shards > 1:  # the shards compile what they need side by side: no serial prewarm first
-            s = [Step("gpu_tests", (PY, "-m", "benchmarks.pytest_shards", "--shards", str(args.shards),
-                                    "--seconds", str(args.budget - 15), "--out", str(out), *k, *files),
-                      args.budget)]
-        else:
-            s.append(Step("gpu_tests", _pytest(files, *k), args.budget))
+        shards = (PY, "-m", "benchmarks.pytest_shards", "--shards", str(args.shards), "--seconds",
+                  str(args.budget - 15), "--out", str(out), *k, *files)
+        s.append(Step("gpu_tests", _pytest(files, *k) if prewarm else shards, args.budget))
     elif args.cmd == "check":
         if "decode" in ops:
             s.append(Step("check_decode", (PY, "-m", "benchmarks.decode", "--prewarm", jobs, "--check",

@@ -133,10 +133,11 @@ def select_config(problem: DecodeProblem) -> Sm90DecodeConfig:
     fp8 = problem.dtype == "float8_e4m3fn"
     if problem.page_size < _MIN_PRODUCER_PAGE:
         return Sm90DecodeConfig("seesaw", producer=False)
-    ahead = not problem.batch_invariant
     if problem.rows <= _MAX_TRANSPOSED_ROWS:
-        return Sm90DecodeConfig("fp8_transposed", True) if fp8 else Sm90DecodeConfig("transposed", True, ahead)
-    return Sm90DecodeConfig("fp8_transposed_pv" if fp8 else "seesaw", producer=True, prefetch=ahead)
+        loop = "fp8_transposed" if fp8 else "transposed"
+    else:
+        loop = "fp8_transposed_pv" if fp8 else "seesaw"
+    return Sm90DecodeConfig(loop, producer=True, prefetch=loop != "fp8_transposed" and not problem.batch_invariant)
 
 
 def check_config(problem: DecodeProblem, config: Sm90DecodeConfig) -> None:
