@@ -12,6 +12,9 @@ device memory before each call, LSE, -inf rows, and bitwise run-to-run determini
 ours vs FlashMLA (BF16 and the FP8 fork, from the GPU kit) vs plain XLA on the issue's matrix, each shape's
 contenders interleaved (``benchmarks.harness.interleaved``: 5 alternating rounds, the order rotating, the
 median of each contender; since 2026-11-30, before which each contender was timed on its own in turn).
+The bench matrix here is full-length (every request at capacity, as FlashMLA's own benchmark); serving-shaped
+batches (all-full, uniform and long-tail lengths; B 1-256, capacity 4k-128k) are ``benchmarks.decode_varlen``, built
+on this module's ``Case`` and ``prewarm`` (``python -m benchmarks.device bench`` runs both).
 ``--sustain SECS`` adds the steady-state timing of every contender but plain XLA (``benchmarks.harness.sustained``:
 SECS seconds back to back each, twice, the second half timed, with the SM clock and power polled), a second report
 ``<out>_sustained.json`` / ``.png``: the interleaved rounds are 20-50 ms bursts, below the H200's 700 W power cap,

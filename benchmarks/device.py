@@ -104,6 +104,11 @@ def steps_for(args: argparse.Namespace) -> list[Step]:
             s.append(Step("bench_decode", (PY, "-m", "benchmarks.decode", "--prewarm", jobs, "--bench",
                                            "--no-xla", *args.rest, "--out", str(out / "decode.json"),
                                            "--png", str(out / "decode.png")), 420))
+            # serving-shaped batches (full / uniform / long-tail lengths, B 1-256, capacity 4k-128k): the
+            # varied-length table the README shows; its own cases (the static matrix's ARGS do not apply)
+            s.append(Step("bench_decode_varlen", (PY, "-m", "benchmarks.decode_varlen", "--prewarm", jobs,
+                                                  "--out", str(out / "decode_varlen.json"),
+                                                  "--png", str(out / "decode_varlen.png")), 600))
         if "prefill" in ops:
             s.append(Step("bench_prefill", (PY, "-m", "benchmarks.prefill", "--prewarm", jobs, "--fp8",
                                             *args.rest,

@@ -51,7 +51,9 @@ def test_tests_and_check_and_memcheck_steps(tmp_path):
 def test_bench_ab_profile_steps(tmp_path):
     s = _steps("bench", "--op", "decode", "--out", str(tmp_path), "--", "--quick")
     assert "--quick" in s[0].argv and str(tmp_path / "decode.png") in s[0].argv
-    assert [x.name for x in _steps("bench", "--out", str(tmp_path))] == ["bench_decode", "bench_prefill"]
+    assert [x.name for x in _steps("bench", "--out", str(tmp_path))] == [
+        "bench_decode", "bench_decode_varlen", "bench_prefill"]
+    assert "benchmarks.decode_varlen" in _cmd(s[1]) and "--quick" not in s[1].argv
     ab = _steps("ab", "--out", str(tmp_path), "--", "--config", "A", "--config", "B", "--quick")
     assert ab[0].argv[1:] == ("-m", "benchmarks.decode", "--config", "A", "--config", "B", "--quick",
                               "--out", str(tmp_path / "ab.json"))
