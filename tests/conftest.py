@@ -33,6 +33,19 @@ def is_sm90() -> bool:
     return HAS_GPU and str(getattr(jax.devices()[0], "compute_capability", "")).startswith("9.")
 
 
+def sm90_prefill_missing() -> str | None:
+    """The optional package the sm90 prefill backend (FlashAttention-4's forward) lacks here, or None: its GPU tests
+    skip naming it, as ``mla_prefill(backend="sm90")`` refuses naming it."""
+    from tokenspeed_jax.backends.sm90_prefill import _missing_packages
+
+    return _missing_packages()
+
+
+def needs_sm90_prefill():
+    missing = sm90_prefill_missing()
+    return pytest.mark.skipif(missing is not None, reason=f"the sm90 prefill backend needs {missing} (not installed)")
+
+
 @pytest.fixture(scope="module")
 def sm90_arch():
     """Skip the module's tests unless on an sm_90 GPU; CuTe DSL compiles for ``sm_90a`` there."""

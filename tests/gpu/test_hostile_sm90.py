@@ -22,6 +22,8 @@ import functools
 import numpy as np
 import pytest
 
+from tests.conftest import needs_sm90_prefill
+
 
 pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("sm90_arch")]
 
@@ -203,6 +205,7 @@ def _run_prefill(q, k, v, cq, ck, causal):
     return got, want
 
 
+@needs_sm90_prefill()
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
 def test_prefill_nonfinite_tail_rows_are_never_a_precondition(causal, rng):
     """NaN k and NaN / +-Inf v in every row past cu_seqlens_k[-1] (so in the 127 FA4 reads): the output is
@@ -219,6 +222,7 @@ def test_prefill_nonfinite_tail_rows_are_never_a_precondition(causal, rng):
     assert np.isneginf(np.asarray(got[1])[int(cq[-1]):]).all()
 
 
+@needs_sm90_prefill()
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
 def test_prefill_nan_v_row_stays_in_its_request(causal, rng):
     """NaN in the v row 200 keys into request 1 (beyond the 127 rows request 0's tiles read past its end):

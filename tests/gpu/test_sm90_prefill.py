@@ -17,9 +17,9 @@ import pytest
 
 import tokenspeed_jax as tj
 from tests import reference as ref
-from tests.conftest import is_sm90
+from tests.conftest import is_sm90, needs_sm90_prefill
 
-pytestmark = pytest.mark.gpu
+pytestmark = [pytest.mark.gpu, needs_sm90_prefill()]
 
 
 needs_sm90 = pytest.mark.skipif(not is_sm90(), reason="needs an sm_90 GPU")
