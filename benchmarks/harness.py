@@ -241,11 +241,15 @@ def scoped_env(name: str, value: str):
 
 def provenance(command: str | None = None) -> dict:
     """Where a result file comes from: the command line (this process's unless given), the UTC date, the
-    device and the jax version (every JSON the benchmarks and A/B scripts write starts with these)."""
+    device, the jax version, the commit and the source tree's hash (:mod:`benchmarks.runinfo`; a GPU machine's
+    copy of the tree has no ``.git``: ``$TOKENSPEED_JAX_COMMIT``). Every JSON the benchmarks and A/B scripts write
+    starts with these."""
+    from benchmarks.runinfo import source_commit, tree_sha1
+
     if command is None:
         command = " ".join(shlex.quote(a) for a in [os.path.basename(sys.executable), *sys.argv])
     return {"command": command, "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
-            "device": device_name(), "jax": jax.__version__}
+            "device": device_name(), "jax": jax.__version__, "commit": source_commit(), "tree_sha1": tree_sha1()}
 
 
 def device_name() -> str:
@@ -260,8 +264,7 @@ class Report:
         self.name = name
         self.ceilings = ceilings
         self.rows: list[dict] = []
-        p = provenance()
-        self.command, self.date = p["command"], p["date"]
+        self.provenance = provenance()
 
     def add(self, case: str, contender: str, timing: dict | float | None, *, nbytes: float, flops: float,
             fp8: bool = False, note: str = "", **extra) -> dict:
@@ -288,9 +291,8 @@ class Report:
 
     def write(self, json_path: str, png_path: str | None = None) -> None:
         os.makedirs(os.path.dirname(os.path.abspath(json_path)), exist_ok=True)
-        doc = {"name": self.name, "command": self.command, "date": self.date, "device": device_name(),
-               "jax": jax.__version__, "ceilings": dataclasses.asdict(self.ceilings) if self.ceilings else None,
-               "rows": self.rows}
+        doc = {"name": self.name, **self.provenance,
+               "ceilings": dataclasses.asdict(self.ceilings) if self.ceilings else None, "rows": self.rows}
         with open(json_path, "w") as f:
             json.dump(doc, f, indent=1, default=float)
         if png_path:

@@ -182,3 +182,17 @@ def test_tree_outputs_bitwise_compare(tmp_path, capsys):
     row = doc["rows"][0]
     assert (doc["bitwise_cases"], row["bitwise_out"], row["bitwise_lse"]) == (1, False, True)
     assert 0 < row["max_diff"] and row["max_diff_over_tol"] < 1e-3 and doc["within_tolerance"] == 2
+
+
+def test_report_json_carries_provenance(tmp_path):
+    """A report's JSON names the command, date, device and the commit and source-tree hash it measured."""
+    import json
+
+    from benchmarks.runinfo import tree_sha1
+
+    report = Report("provenance (cpu)")
+    report.add("case", "ours", 10.0, nbytes=1e6, flops=1e9)
+    report.write(str(tmp_path / "r.json"))
+    doc = json.loads((tmp_path / "r.json").read_text())
+    assert {"command", "date", "device", "commit", "tree_sha1"} <= set(doc)
+    assert doc["tree_sha1"] == tree_sha1() and np.isclose(doc["rows"][0]["gbps"], 100.0)
