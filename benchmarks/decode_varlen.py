@@ -1,6 +1,7 @@
 """MLA decode on serving-shaped batches: varied request lengths, ours vs FlashMLA (BF16) and its FP8 fork.
 
     CUTE_DSL_ARCH=sm_90a python -m benchmarks.decode_varlen --prewarm 12 --out $OUT/varlen.json --png $OUT/varlen.png
+    python -m benchmarks.decode_varlen --replot varlen.json --png varlen.png      # the plot again, from the JSON
 
 Every contender runs on the same inputs in one process, interleaved (``benchmarks.harness.interleaved``).  A case
 is ``(distribution, B, capacity, H, S)`` with page 64; its lengths are drawn once per case from a seeded generator:
@@ -180,7 +181,9 @@ def bench_case(report, fm, spec, seed: int, rounds: int, calls: int, configs: tu
     for n, (_, b, fp8) in fns.items():
         r = res[n]
         us = r["median_us"] / (calls if n.startswith("ours") else 1)
-        report.add(c.name, n, us, nbytes=b, flops=fl, fp8=fp8, note=f"interleaved median of {rounds} rounds",
+        sched = n.startswith("schedule")  # (the schedule alone reads a few bytes and does no attention FLOPs)
+        report.add(c.name, n, us, nbytes=b, flops=0.0 if sched else fl, fp8=fp8,
+                   note=f"interleaved median of {rounds} rounds",
                    dist=dist, B=B, capacity=cap, H=H, S=S, mean_len=float(np.mean(lens)),
                    max_diff_flashmla=diffs.get(n))
     print("\n".join(report.table().splitlines()[-len(fns):]), flush=True)
@@ -223,6 +226,45 @@ def summary(rows: list[dict]) -> dict:
             out[f"{dt}_config_{name}_speedup"] = {"geomean": float(np.exp(np.mean(np.log(v)))), "min": float(min(v)),
                                                   "n": len(v), "per_case": xs}
     return out
+
+
+def plot(doc: dict, png_path: str) -> None:
+    """Two panels per case: the speed-up over FlashMLA / the FP8 fork (BF16 and FP8; the schedule shared by the layers
+    and computed in the call), and the fraction of the measured roofline (copy bandwidth, tensor peak) on the bytes
+    actually read (ours on a shared schedule, FlashMLA, both dtypes)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    us = {(r["case"], r["contender"]): r for r in doc["rows"] if r.get("us")}
+    cases = list(dict.fromkeys(r["case"] for r in doc["rows"]))
+    x = np.arange(len(cases))
+    fig, (a1, a2) = plt.subplots(2, 1, figsize=(max(8.0, 0.9 * len(cases) + 3), 7), sharex=True)
+    bars1 = [(f"{dt} {lab}", f"ours {dt}{suf}", f"FlashMLA {dt}") for dt in ("bf16", "fp8")
+             for lab, suf in (("shared schedule", " kernel"), ("per call", ""))]
+    bars2 = [(f"{who} {dt}", f"ours {dt} kernel" if who == "ours" else f"FlashMLA {dt}")
+             for dt in ("bf16", "fp8") for who in ("ours", "FlashMLA")]
+    w = 0.8 / len(bars1)
+    for i, (lab, ours, ref) in enumerate(bars1):
+        v = [us[(c, ref)]["us"] / us[(c, ours)]["us"] if (c, ref) in us and (c, ours) in us else np.nan for c in cases]
+        a1.bar(x + i * w, v, w, label=lab)
+    a1.axhline(1.0, color="k", lw=0.8)
+    a1.set_ylabel("speed-up over FlashMLA / fork")
+    a1.legend(fontsize=7, ncol=4)
+    for i, (lab, name) in enumerate(bars2):
+        a2.bar(x + i * w, [us[(c, name)].get("roofline_fraction", np.nan) if (c, name) in us else np.nan
+                           for c in cases], w, label=lab)
+    a2.axhline(1.0, color="k", lw=0.8)
+    a2.set_ylabel("fraction of measured roofline\n(bytes actually read)")
+    a2.legend(fontsize=7, ncol=4)
+    a2.set_xticks(x + 0.4 - w / 2)
+    a2.set_xticklabels(cases, rotation=30, ha="right", fontsize=7)
+    a1.set_title(f"{doc['name']} on {doc['device']} ({doc['date']}, commit {doc.get('commit')})", fontsize=9)
+    fig.text(0.01, 0.005, doc["command"][:200], fontsize=5)
+    fig.tight_layout(rect=(0, 0.02, 1, 1))
+    fig.savefig(png_path, dpi=110)
+    plt.close(fig)
 
 
 def smoke(specs, seed: int, configs: tuple[str, ...] = ()) -> None:
@@ -269,9 +311,19 @@ def main(argv=None):
     ap.add_argument("--smoke", action="store_true",
                     help="CPU: lower every one of our contenders (default, shared work, batch-invariant; BF16 and FP8) "
                          "of the cases for sm_90a, compiling the kernels, and time nothing")
+    ap.add_argument("--replot", default=None, metavar="JSON", help="draw --png from a result JSON of this script; "
+                    "run nothing")
     from benchmarks.runinfo import parse_with_smoke
 
     a = parse_with_smoke(ap, {"cases": ["uniform,4,4096,16,1"], "no_flashmla": True}, argv)
+    if a.replot:
+        import json
+
+        if not a.png:
+            ap.error("--replot: expected --png PATH")
+        with open(a.replot) as f:
+            plot(json.load(f), a.png)
+        return
     specs = DEFAULT if not a.cases else [
         (d, int(b), int(k), int(h), int(s)) for d, b, k, h, s in (x.split(",") for x in a.cases)]
     for s in specs:
@@ -303,7 +355,7 @@ def main(argv=None):
         if i + 1 < len(specs):
             report.write(a.out, None)  # the cases so far (a call cut short keeps them)
     doc_extra = summary(report.rows)
-    report.write(a.out, a.png)
+    report.write(a.out, None)
     import json
 
     with open(a.out) as f:
@@ -311,6 +363,8 @@ def main(argv=None):
     doc["summary"] = doc_extra
     with open(a.out, "w") as f:
         json.dump(doc, f, indent=1)
+    if a.png:
+        plot(doc, a.png)
     print(json.dumps(doc_extra, indent=1))
     print(f"{len(specs)} cases in {time.time() - t:.0f}s")
 

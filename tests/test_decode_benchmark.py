@@ -196,3 +196,26 @@ def test_report_json_carries_provenance(tmp_path):
     doc = json.loads((tmp_path / "r.json").read_text())
     assert {"command", "date", "device", "commit", "tree_sha1"} <= set(doc)
     assert doc["tree_sha1"] == tree_sha1() and np.isclose(doc["rows"][0]["gbps"], 100.0)
+
+
+def test_decode_varlen_summary_and_plot(tmp_path):
+    """``benchmarks.decode_varlen``: the speed-up geomeans per dtype and distribution (per call and on a shared
+    schedule) and the invariant mode's cost from a report's rows, and the two-panel PNG (``--replot``) from its JSON."""
+    import json
+
+    from benchmarks import decode_varlen as dv
+
+    rows = []
+    for case, ours, kern, inv, fm in (("full_B2_K128_H16_S1", 110.0, 100.0, 105.0, 100.0),
+                                      ("uniform_B2_K128_H16_S1", 50.0, 40.0, 48.0, 44.0)):
+        for name, us in (("ours bf16", ours), ("ours bf16 kernel", kern), ("ours bf16 invariant", inv),
+                         ("FlashMLA bf16", fm), ("schedule bf16", 5.0)):
+            rows.append({"case": case, "contender": name, "us": us, "roofline_fraction": 0.5})
+    s = dv.summary(rows)
+    assert np.isclose(s["bf16_all"]["geomean_speedup"], np.sqrt(100 / 110 * 44 / 50))
+    assert np.isclose(s["bf16_uniform_shared"]["geomean_speedup"], 44 / 40) and s["bf16_full_shared"]["n"] == 1
+    assert np.isclose(s["bf16_all_invariant_cost"]["max"], 1.2)
+    doc = {"name": "varlen (cpu)", "device": "cpu", "date": "today", "command": "test", "rows": rows, "summary": s}
+    (tmp_path / "v.json").write_text(json.dumps(doc))
+    dv.main(["--replot", str(tmp_path / "v.json"), "--png", str(tmp_path / "v.png")])
+    assert (tmp_path / "v.png").stat().st_size > 10_000
