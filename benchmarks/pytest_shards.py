@@ -10,8 +10,10 @@ inputs, the fp32 reference), so one pytest process leaves the GPU idle most of t
 the pytest rootdir (the repository root, as ``benchmarks.device`` does): node ids are relative to it.
 
 Writes ``DIR/shard_<i>.log`` and ``DIR/gpu_tests.json``: each node id's outcome (``PASSED``, ``FAILED``, ``ERROR``,
-``SKIPPED``, ...), the counts, and the node ids not reached before the deadline.  Exit status 0 only when every
-collected test ran and none failed or errored.  On 2026-12-05 (H100), 7 shards ran 42 decode tests in 330 s.
+``SKIPPED``, ...), the counts, the node ids not reached before the deadline, the failures whose log reports a CUDA /
+XLA out-of-memory (the shards' sum overfilling the GPU, not the kernels) and the skip reasons with their counts.
+Exit status 0 only when every collected test ran and none failed or errored. On 2026-12-05 (H100), 7 shards ran 42
+decode tests in 330 s.
 """
 
 from __future__ import annotations
@@ -28,6 +30,10 @@ from pathlib import Path
 
 OUTCOME = re.compile(r"(\S+::\S+?) (PASSED|FAILED|ERROR|SKIPPED|XFAIL|XPASS)\b")
 SUMMARY = re.compile(r"^(FAILED|ERROR) (\S+::\S+)")
+SKIP_REASON = re.compile(r"^SKIPPED \[(\d+)\] \S+?:\d+: (.*)$")
+SECTION = re.compile(r"^_{3,} (\S+) _{3,}$")  # a failure's section in the log: "____ test_x[p] ____"
+BANNER = re.compile(r"^=+ .* =+$")  # "==== short test summary info ====" and the like
+OUT_OF_MEMORY = ("RESOURCE_EXHAUSTED", "CUDA_ERROR_OUT_OF_MEMORY", "out of memory")
 
 
 def collect(files: list[str], k: str | None) -> list[str]:
@@ -58,6 +64,33 @@ def outcomes(text: str) -> dict[str, str]:
     return res
 
 
+def skip_reasons(text: str) -> dict[str, int]:
+    """Reason -> number of tests, from a ``pytest -rs`` log's short summary (an optional package the GPU tests need
+    shows here: a whole file skipped is not a pass)."""
+    res: dict[str, int] = {}
+    for line in text.splitlines():
+        m = SKIP_REASON.match(line)
+        if m:
+            res[m.group(2)] = res.get(m.group(2), 0) + int(m.group(1))
+    return res
+
+
+def out_of_memory(text: str) -> set[str]:
+    """The tests (``name[params]``, as their failure sections title them) whose failure in a ``pytest -v`` log reports
+    a CUDA / XLA out-of-memory: shards that together overfill the GPU fail tests the kernels do not."""
+    names: set[str] = set()
+    cur, buf = None, []
+    for line in [*text.splitlines(), "=== end ==="]:
+        m = SECTION.match(line)
+        if m or BANNER.match(line):
+            if cur and any(k in "\n".join(buf) for k in OUT_OF_MEMORY):
+                names.add(cur)
+            cur, buf = (m.group(1) if m else None), []
+        elif cur:
+            buf.append(line)
+    return names
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("files", nargs="+")
@@ -77,7 +110,7 @@ def main(argv=None) -> int:
     procs = []
     for i, g in enumerate(groups):
         log = open(out / f"shard_{i}.log", "w")
-        procs.append((subprocess.Popen([sys.executable, "-m", "pytest", "-v", "-rfE", "-p", "no:cacheprovider", *g],
+        procs.append((subprocess.Popen([sys.executable, "-m", "pytest", "-v", "-rfEs", "-p", "no:cacheprovider", *g],
                                        stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True), log))
     killed = False
     while any(p.poll() is None for p, _ in procs):
@@ -89,23 +122,33 @@ def main(argv=None) -> int:
             break
         time.sleep(1)
     res: dict[str, str] = {}
+    skips: dict[str, int] = {}
+    oom: set[str] = set()
     for i, (p, log) in enumerate(procs):
         p.wait()
         log.close()
-        res.update(outcomes((out / f"shard_{i}.log").read_text(errors="replace")))
+        text = (out / f"shard_{i}.log").read_text(errors="replace")
+        res.update(outcomes(text))
+        for r, n in skip_reasons(text).items():
+            skips[r] = skips.get(r, 0) + n
+        oom |= out_of_memory(text)
     counts: dict[str, int] = {}
     for v in res.values():
         counts[v] = counts.get(v, 0) + 1
     missing = [n for n in ids if n not in res]
     doc = {"files": a.files, "k": a.k, "shards": len(groups), "seconds": round(time.monotonic() - t0, 1),
            "killed_at_deadline": killed, "collected": len(ids), "counts": counts, "not_reached": missing,
-           "results": res}
+           "failed_out_of_memory": [n for n, v in res.items()
+                                    if v in ("FAILED", "ERROR") and n.split("::")[-1] in oom],
+           "skip_reasons": skips, "results": res}
     (out / "gpu_tests.json").write_text(json.dumps(doc, indent=1))
     print(f"{len(ids)} collected, {counts}, {len(missing)} not reached"
           + (f" (killed at {a.seconds} s)" if killed else ""))
     for n, v in res.items():
         if v in ("FAILED", "ERROR"):
-            print(v, n)
+            print(v, n, "(out of memory)" if n in doc["failed_out_of_memory"] else "")
+    for r, n in skips.items():
+        print(f"SKIPPED {n}: {r}")
     return 0 if not missing and not any(v in ("FAILED", "ERROR") for v in res.values()) else 1
 
 

@@ -100,7 +100,8 @@ def test_no_h200_shell_scripts_remain():
 
 def test_pytest_shards_outcomes_and_deadline(tmp_path, monkeypatch):
     """``benchmarks.pytest_shards`` on a throwaway test file: each test's outcome from the shards' logs, a failure
-    reported as such, and a test still running at the deadline killed and listed as not reached."""
+    reported as such (an out-of-memory one named apart), skip reasons counted, and a test still running at the deadline
+    killed and listed as not reached."""
     import json
 
     from benchmarks import pytest_shards
@@ -111,13 +112,20 @@ def test_pytest_shards_outcomes_and_deadline(tmp_path, monkeypatch):
                  "def test_ok(i):\n    assert i >= 0\n"
                  "def test_bad():\n    assert 1 == 2\n"
                  "def test_skip():\n    pytest.skip('no')\n"
+                 "def test_oom():\n    raise RuntimeError('RESOURCE_EXHAUSTED: Out of memory allocating 1GiB')\n"
                  "def test_slow():\n    time.sleep(600)\n")
     out = tmp_path / "out"
     monkeypatch.chdir(tmp_path)  # (run from the rootdir: node ids are relative to it)
     rc = pytest_shards.main([f.name, "--shards", "3", "--seconds", "25", "--out", str(out)])
     doc = json.loads((out / "gpu_tests.json").read_text())
-    assert rc == 1 and doc["collected"] == 7 and doc["shards"] == 3 and doc["killed_at_deadline"]
+    assert rc == 1 and doc["collected"] == 8 and doc["shards"] == 3 and doc["killed_at_deadline"]
     res = {k.split("::")[1]: v for k, v in doc["results"].items()}
-    assert res == {**{f"test_ok[{i}]": "PASSED" for i in range(4)}, "test_bad": "FAILED", "test_skip": "SKIPPED"}
+    assert res == {**{f"test_ok[{i}]": "PASSED" for i in range(4)}, "test_bad": "FAILED", "test_skip": "SKIPPED",
+                   "test_oom": "FAILED"}
+    assert [n.split("::")[1] for n in doc["failed_out_of_memory"]] == ["test_oom"]  # (test_bad: a real failure)
+    assert doc["skip_reasons"] == {"no": 1}
     assert [n.split("::")[1] for n in doc["not_reached"]] == ["test_slow"]
     assert pytest_shards.outcomes("FAILED a.py::t - assert\na.py::t PASSED") == {"a.py::t": "FAILED"}
+    log = ("___ t_a ___\nE   assert 1 == 2\n___ t_b[x] ___\n========= Program hit CUDA_ERROR_OUT_OF_MEMORY (error 2)\n"
+           "E   AssertionError\n=== short test summary info ===\nE out of memory\n")
+    assert pytest_shards.out_of_memory(log) == {"t_b[x]"}  # (a sanitizer's '=====' line does not end a section)
