@@ -354,18 +354,12 @@ def main(argv=None):
         bench_case(report, fm, s, a.seed + i, a.rounds, a.calls, tuple(a.config))
         if i + 1 < len(specs):
             report.write(a.out, None)  # the cases so far (a call cut short keeps them)
-    doc_extra = summary(report.rows)
-    report.write(a.out, None)
-    import json
-
-    with open(a.out) as f:
-        doc = json.load(f)
-    doc["summary"] = doc_extra
-    with open(a.out, "w") as f:
-        json.dump(doc, f, indent=1)
+    doc = report.write(a.out, None, summary=summary(report.rows))
     if a.png:
         plot(doc, a.png)
-    print(json.dumps(doc_extra, indent=1))
+    import json
+
+    print(json.dumps(doc["summary"], indent=1))
     print(f"{len(specs)} cases in {time.time() - t:.0f}s")
 
 

@@ -21,11 +21,9 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import datetime
 import json
 import math
 import os
-import shlex
 import statistics
 import subprocess
 import sys
@@ -239,24 +237,6 @@ def scoped_env(name: str, value: str):
             os.environ[name] = saved
 
 
-def provenance(command: str | None = None) -> dict:
-    """Where a result file comes from: the command line (this process's unless given), the UTC date, the
-    device, the jax version, the commit and the source tree's hash (:mod:`benchmarks.runinfo`; a GPU machine's
-    copy of the tree has no ``.git``: ``$TOKENSPEED_JAX_COMMIT``). Every JSON the benchmarks and A/B scripts write
-    starts with these."""
-    from benchmarks.runinfo import source_commit, tree_sha1
-
-    if command is None:
-        command = " ".join(shlex.quote(a) for a in [os.path.basename(sys.executable), *sys.argv])
-    return {"command": command, "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
-            "device": device_name(), "jax": jax.__version__, "commit": source_commit(), "tree_sha1": tree_sha1()}
-
-
-def device_name() -> str:
-    d = jax.devices()[0]
-    return f"{d.platform}:{getattr(d, 'device_kind', '?')}"
-
-
 class Report:
     """Rows of (case, contender, time, bytes, flops) -> JSON + PNG with the command that produced them."""
 
@@ -264,6 +244,8 @@ class Report:
         self.name = name
         self.ceilings = ceilings
         self.rows: list[dict] = []
+        from benchmarks.runinfo import provenance  # (command, date, device, jax, commit, source-tree hash)
+
         self.provenance = provenance()
 
     def add(self, case: str, contender: str, timing: dict | float | None, *, nbytes: float, flops: float,
@@ -289,14 +271,17 @@ class Report:
                 lines.append(f"{r['case']:42s} {r['contender']:18s} {'-':>10s}  {r['note']}")
         return "\n".join(lines)
 
-    def write(self, json_path: str, png_path: str | None = None) -> None:
+    def write(self, json_path: str, png_path: str | None = None, **extra) -> dict:
+        """The JSON (provenance, ceilings, rows and ``extra`` top-level fields) and, with ``png_path``, the plot;
+        returns the document written."""
         os.makedirs(os.path.dirname(os.path.abspath(json_path)), exist_ok=True)
         doc = {"name": self.name, **self.provenance,
-               "ceilings": dataclasses.asdict(self.ceilings) if self.ceilings else None, "rows": self.rows}
+               "ceilings": dataclasses.asdict(self.ceilings) if self.ceilings else None, "rows": self.rows, **extra}
         with open(json_path, "w") as f:
             json.dump(doc, f, indent=1, default=float)
         if png_path:
             plot(doc, png_path)
+        return doc
 
 
 def plot(doc: dict, png_path: str) -> None:

@@ -143,7 +143,7 @@ def main(argv=None):
     import numpy as np
 
     from benchmarks.decode import bench_case, bench_inputs, decode_fn
-    from benchmarks.harness import provenance
+    from benchmarks.runinfo import provenance
     from tokenspeed_jax.backends.sm90_decode import CONFIGS
     from tokenspeed_jax.decode import _decode_problem
 

@@ -192,9 +192,10 @@ def test_report_json_carries_provenance(tmp_path):
 
     report = Report("provenance (cpu)")
     report.add("case", "ours", 10.0, nbytes=1e6, flops=1e9)
-    report.write(str(tmp_path / "r.json"))
+    written = report.write(str(tmp_path / "r.json"), summary={"x": 1})
     doc = json.loads((tmp_path / "r.json").read_text())
     assert {"command", "date", "device", "commit", "tree_sha1"} <= set(doc)
+    assert doc == json.loads(json.dumps(written)) and doc["summary"] == {"x": 1}
     assert doc["tree_sha1"] == tree_sha1() and np.isclose(doc["rows"][0]["gbps"], 100.0)
 
 
