@@ -33,16 +33,12 @@ def is_sm90() -> bool:
     return HAS_GPU and str(getattr(jax.devices()[0], "compute_capability", "")).startswith("9.")
 
 
-def sm90_prefill_missing() -> str | None:
-    """The optional package the sm90 prefill backend (FlashAttention-4's forward) lacks here, or None: its GPU tests
-    skip naming it, as ``mla_prefill(backend="sm90")`` refuses naming it."""
+def needs_sm90_prefill():
+    """Skip marker: the optional package the sm90 prefill backend (FlashAttention-4's forward) lacks here, named as
+    ``mla_prefill(backend="sm90")`` names it when it refuses."""
     from tokenspeed_jax.backends.sm90_prefill import _missing_packages
 
-    return _missing_packages()
-
-
-def needs_sm90_prefill():
-    missing = sm90_prefill_missing()
+    missing = _missing_packages()
     return pytest.mark.skipif(missing is not None, reason=f"the sm90 prefill backend needs {missing} (not installed)")
 
 
