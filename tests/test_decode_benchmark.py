@@ -220,3 +220,31 @@ def test_decode_varlen_summary_and_plot(tmp_path):
     (tmp_path / "v.json").write_text(json.dumps(doc))
     dv.main(["--replot", str(tmp_path / "v.json"), "--png", str(tmp_path / "v.png")])
     assert (tmp_path / "v.png").stat().st_size > 10_000
+
+
+def test_kernel_times_parse(tmp_path):
+    """benchmarks/kernel_times.py --parse: ncu's CSV split into cases at each KV fill, medians per kernel kind."""
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location(
+        "kernel_times", Path(__file__).resolve().parents[1] / "benchmarks" / "kernel_times.py")
+    kt = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(kt)
+    head = '"ID","Kernel Name","Grid Size","Metric Name","Metric Unit","Metric Value"\n'
+    row = lambda name, grid, ns: f'"0","{name}","{grid}","gpu__time_duration.sum","ns","{ns:,}"\n'
+    body = ["==PROF== noise\n", row("loop_clamp_fusion_1", "(1, 1, 1)", 2000)]  # (before the first case: ignored)
+    for case in range(2):
+        body.append(row("loop_multiply_fusion", "(5898816, 1, 1)", 16_000_000))
+        for call in range(3):
+            body += [row("loop_clamp_fusion_1", "(1, 1, 1)", 2700),
+                     row("kernel_DecodeScheduleKernel_x", "(1, 1, 1)", 8600),
+                     row("loop_clamp_fusion", "(640, 1, 1)", 3000),
+                     row("kernel_seesaw_kernel_MlaDecodeSeesaw_x", "(1, 132, 1)", 2_000_000 + 1000 * call + case),
+                     row("kernel_cutlass_combine_kernel_x", "(16, 132, 1)", 14_400)]
+    p = tmp_path / "ncu.csv"
+    p.write_text(head + "".join(body))
+    out = kt.parse(str(p))
+    assert list(out) == ["bf16 H32 S1", "bf16 H128 S1"]
+    assert out["bf16 H32 S1"] == {"xla_clamp_seq_lens": 2.7, "schedule": 8.6, "xla_clamp_block_table": 3.0,
+                                  "main": 2001.0, "combine": 14.4, "total": 2029.7}
