@@ -52,7 +52,32 @@ _SCRIPT = textwrap.dedent(
     CASES = json.loads(sys.argv[1])
     res = {}
     d = os.environ["CUTE_DSL_DUMP_DIR"]
-    import time
+    import struct, time
+    def kernel_regs(before):  # {kernel: registers a thread} of the cubins written since ``before`` (EIATTR_REGCOUNT)
+        out = {}
+        for p in sorted(glob.glob(d + "/*.cubin")):
+            if os.path.getmtime(p) < before:
+                continue
+            b = open(p, "rb").read()
+            shoff, = struct.unpack_from("<Q", b, 0x28)
+            esz, n, stri = struct.unpack_from("<HHH", b, 0x3a)
+            sec = [struct.unpack_from("<IIQQQQIIQQ", b, shoff + i * esz) for i in range(n)]
+            name = lambda s, o: b[sec[s][4] + o: b.index(b"\0", sec[s][4] + o)].decode()
+            secs = {name(stri, h[0]): h for h in sec}
+            sym = secs[".symtab"]
+            syms = [name(sym[6], struct.unpack_from("<I", b, sym[4] + 24 * i)[0]) for i in range(sym[5] // 24)]
+            info = secs[".nv.info"]
+            body, i = b[info[4]: info[4] + info[5]], 0
+            while i + 4 <= len(body):
+                if body[i] == 4:  # EIFMT_SVAL: a 16-bit size, then the value
+                    size, = struct.unpack_from("<H", body, i + 2)
+                    if body[i + 1] == 0x2F:  # EIATTR_REGCOUNT: (symbol index, registers)
+                        k_, r_ = struct.unpack_from("<II", body, i + 4)
+                        out[syms[k_]] = r_
+                    i += 4 + size
+                else:
+                    i += 4
+        return out
     own = lambda before, ext: "".join(  # text of the dump files a compile wrote since time ``before`` (the
         open(p).read() for p in sorted(glob.glob(d + "/*"))  # batch-invariant build rewrites its default's names)
         if p.endswith(ext) and os.path.getmtime(p) >= before)
@@ -108,8 +133,10 @@ _SCRIPT = textwrap.dedent(
         x["entries"] = sorted(set(re.findall(r"\.entry\s+(\w+)", ptx)))
         x["tiles"] = [k.block_m, k.num_m_blocks, getattr(k, "pv_n", 64), k.cta_threads]
         comb = ptx[ptx.index(".entry kernel_cutlass_combine"):]
-        x["comb"] = dict(v4=len(re.findall(r"ld\.global\.v4\.[bf]32", comb)),
-                         wait=len(re.findall(r"griddepcontrol\.wait", comb)))
+        x["comb"] = dict(cp16=len(re.findall(r"cp\.async\.cg\.shared\.global[^;]*, 16;", comb)),
+                         wait=len(re.findall(r"griddepcontrol\.wait", comb)),
+                         regs=max(r for n_, r in kernel_regs(before).items() if "combine" in n_),
+                         nb=k.COMBINE_SLOTS_IN_FLIGHT, ctas_per_sm=k.COMBINE_CTAS_PER_SM)
         if hasattr(k, "pv_mma_repr"):
             x["pv_tv"] = k.pv_mma_repr
         res[name] = x
@@ -166,7 +193,7 @@ def compiled(tmp_path_factory):
     env = dict(os.environ, CUTE_DSL_ARCH="sm_90a", CUTE_DSL_DUMP_DIR=str(tmp), TOKENSPEED_JAX_DISK_CACHE="0",
                JAX_PLATFORMS="cpu", PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     have_nvdisasm = shutil.which("nvdisasm") is not None or _nvdisasm_wheel()
-    env["CUTE_DSL_KEEP"] = "ptx,sass" if have_nvdisasm else "ptx"
+    env["CUTE_DSL_KEEP"] = "ptx,sass,cubin" if have_nvdisasm else "ptx,cubin"
     script = _SCRIPT.replace("NCTAS", str(NUM_CTAS)).replace("NSLOTS", str(MAX_SLOTS)).replace("INV_CHUNK",
                                                                                              str(INV_CHUNK))
     cases = dict(CASES, **{n: c for n, (_, c) in PREFETCH_CASES.items()})
@@ -318,14 +345,20 @@ def test_staged_epilogue_and_combine(compiled):
     """The seesaw's staged epilogue: O through the Q tile's shared memory in 16-byte chunks, 16 rows per thread and
     pass, both versions built (each piece picks one at run time): one pass of 16-bit output plus two of fp32
     partials through the 72 KB 16-bit Q tile, two of bf16 plus four of fp32 through the 36 KB e4m3 one; the combine
-    kernel: 16-byte loads of the fp32 partials in its slot loop (the next slot's in flight), after griddepcontrol.wait."""
+    kernel: after griddepcontrol.wait, a warp item's slot partials copied by 16-byte cp.async, COMBINE_SLOTS_IN_FLIGHT
+    at a time, and few enough registers for its one-wave grid (COMBINE_CTAS_PER_SM CTAs of 128 threads on every SM)."""
     if compiled["seesaw16_prod"]["sass"]:
         # both epilogues are built (the direct output and the fp32 partials are chosen per piece at run time)
         for name in ("seesaw16_prod", "seesaw16_h128", "seesaw8_page16"):
             assert compiled[name]["stg128"] == 16 + 2 * 16, compiled[name]
-    for name in CASES:  # the combine: 16-byte loads of the fp32 partials (the next slot in flight), after the wait
-        comb = compiled[name]["comb"]
-        assert comb["wait"] == 1 and comb["v4"] >= 2, (name, comb)
+    for name in CASES:
+        check_combine(name, compiled[name]["comb"])
+
+
+def check_combine(name, comb):
+    """The combine kernel of build ``name`` as the compile script read it (:func:`test_staged_epilogue_and_combine`)."""
+    assert comb["wait"] == 1 and comb["cp16"] == comb["nb"], (name, comb)
+    assert comb["regs"] * 128 * comb["ctas_per_sm"] <= 65536, (name, comb)
 
 
 @pytest.mark.compile
@@ -372,7 +405,7 @@ def test_batch_invariant_build_compiles(compiled, name):
         for key in ("qgmma", "qgmma_r") if fp8 else ("hgmma", "hgmma_r"):
             assert x[key] == d[key], (name, key, x, d)
         assert x["depbar"] <= 12 and x["spill"] <= INV_SPILL.get(name, want["spill"] + 4), (name, x["spill"])
-    assert x["comb"]["wait"] == 1 and x["comb"]["v4"] >= 2, (name, x["comb"])
+    check_combine(name, x["comb"])
 
 
 # the batch-invariant builds' spill bound where it differs from the default build's bound + 4: the FP8 O^T loop's walk

@@ -26,7 +26,9 @@ LSE
 Runtime data safety (clamp, documented decision)
     ``seq_lens`` is clamped to ``[0, max_pages * page_size]`` and block-table entries to
     ``[0, num_pages)`` before any access, so no input can read outside the cache; entries past the pages a
-    request uses are never read for its result and pages it does not own may hold NaN.  The clamp is done
+    request uses are never read for its result and pages it does not own may hold NaN.  The ``sm90`` kernels
+    clamp every length and table entry they read themselves, so int32 arrays reach them unchanged (no XLA
+    clamp kernel before each call); other dtypes and backends are clamped by ``mla_decode``.  The clamp is done
     in the input's own integer dtype before the conversion to int32 (``_checks.clamp_index``): uint32
     ``2**32 - 1`` or an int64 NumPy length past ``2**31`` is a huge length (the capacity), never a wrapped
     negative one; bool and float arrays are refused.  Out-of-range values inside a request's used range give
@@ -266,14 +268,24 @@ def mla_decode(
         if validate:
             check_decode_inputs(block_table, seq_lens, num_pages=problem.num_pages,
                                 page_size=problem.page_size)
-        # The documented clamp, in the inputs' own dtypes (module docstring); backends get int32 in range.
-        block_table = C.clamp_index(block_table, 0, problem.num_pages - 1)
-        seq_lens = C.clamp_index(seq_lens, 0, problem.max_kv_len)
+        # The documented clamp, in the inputs' own dtypes (module docstring); backends get int32 in range, or
+        # int32 as given where the backend's kernels clamp every entry they read (``decode_clamps_indices``).
+        own = getattr(impl, "decode_clamps_indices", False)
+        block_table = _clamp_index(block_table, 0, problem.num_pages - 1, own)
+        seq_lens = _clamp_index(seq_lens, 0, problem.max_kv_len, own)
         call = _vmappable_decode(impl.name, problem.causal, problem.kv_lora_rank, problem.return_lse,
                                  problem.target, trace_switches(impl), problem.batch_invariant)
         out, lse = defer_to_lowering_platform("decode", problem, backend, call, q, kv_cache, block_table, seq_lens,
                                               ss, os_, work_arrays)
     return (out, lse) if return_lse else out
+
+
+def _clamp_index(x, lo: int, hi: int, in_kernel: bool):
+    """``C.clamp_index(x, lo, hi)``, or a JAX int32 ``x`` unchanged when ``in_kernel`` (the backend clamps every
+    entry it reads to the same bounds: no XLA kernel for a clamp that is done anyway)."""
+    if in_kernel and isinstance(x, jax.Array) and x.dtype == jnp.int32:
+        return x
+    return C.clamp_index(x, lo, hi)
 
 
 def contract_reason(problem: DecodeProblem) -> str | None:

@@ -6,7 +6,8 @@ modes; values are O(1)).
 Decode (bf16 and fp8, pages 16 and 64, MTP S = 3, H = 16, R1 dims 512 + 64): NaN in unowned pages, past ``seq_len``
 in owned pages, in the causally masked keys of an MTP step (tokens 0 and 1 cannot see the last key; S = 2 and 3 for
 every loop, the hidden keys straddling a tile boundary), a non-finite ``output_scale`` (empty rows exactly 0), a
-uint32 ``2**32 - 1`` length (clamped to the capacity, never wrapped to 0). Prefill (bf16, Dqk 192 / Dv 128, 16
+uint32 ``2**32 - 1`` length (clamped to the capacity, never wrapped to 0), int32 lengths and page ids out of range
+(clamped by the kernels themselves). Prefill (bf16, Dqk 192 / Dv 128, 16
 heads): NaN / Inf in every k and v row past ``cu_seqlens_k[-1]`` (the 127 rows FA4 reads there included: finite by
 construction, the backend zeroes them), NaN q rows outside every request (0 / LSE -inf), and a NaN v row 200 rows
 into a request (other requests exact; the rows that see it NaN; its own request's rows that do not see it may follow
@@ -166,6 +167,30 @@ def test_decode_uint32_length_clamps_to_capacity(page, dtype, rng):
     got, want = _run_decode(q, kv, bt, sl)
     check(got, want, atol=DECODE_ATOL[dtype])
     assert np.isfinite(np.asarray(got[1])[0]).all()  # not wrapped to length 0 (LSE -inf)
+
+
+def int32_out_of_range(seed: int, page: int, dtype: str) -> None:
+    """int32 lengths and table entries out of range reach the sm90 kernels unclamped (``mla_decode`` leaves int32
+    arrays to them: ``decode_clamps_indices``): lengths -5, ``2**31 - 1`` (the capacity) and ``-2**31``; page ids
+    -1, ``num_pages``, ``2**31 - 1`` and ``-2**31`` inside the used pages of request 3.  The result must be the
+    documented clamp's (the float64 reference on clamped inputs; NaN rows zeroed so that every page read is finite).
+    Also run under compute-sanitizer memcheck (``tests/gpu/test_sm90_decode.py::test_memcheck_small_shapes``)."""
+    q, kv, bt, sl = _decode_inputs(seed, page, dtype)
+    kv = np.where(np.isnan(kv.astype(np.float32)), 0, kv).astype(kv.dtype)
+    bt = np.asarray(bt, np.int32).copy()
+    for j, v in enumerate((-1, kv.shape[0], 2**31 - 1, -2**31)):
+        bt[3, j * -(-200 // page) // 4] = v  # (inside the pages of request 3's 200 tokens)
+    sl = np.array([-5, 2**31 - 1, -2**31, 200], np.int32)
+    got, want = _run_decode(q, kv, bt, sl)
+    check(got, want, atol=DECODE_ATOL[dtype])
+    out, lse = np.asarray(got[0], np.float32), np.asarray(got[1])
+    assert (out[[0, 2]] == 0).all() and (lse[[0, 2]] == -np.inf).all()
+    assert np.isfinite(out[[1, 3]]).all()
+
+
+@pytest.mark.parametrize("page,dtype", CONFIGS, ids=[f"p{p}-{d[:4]}" for p, d in CONFIGS])
+def test_decode_int32_out_of_range_clamped_in_kernel(page, dtype, rng):
+    int32_out_of_range(int(rng.integers(2**31)), page, dtype)
 
 
 # ---------------------------------------------------------------------------------------- prefill

@@ -99,7 +99,7 @@ def test_new_scale_does_not_recompile(rng):
 def test_memcheck_small_shapes():
     """compute-sanitizer memcheck of our two kernels (main + combine) on shapes with garbage block-table
     entries, a seq_len beyond the table, NaN pages, BF16 and FP8, and both combine layouts (2-8 splits and
-    16 splits).  Only kernels whose name contains ``MlaDecode`` are checked (XLA's own kernels are out of
+    16 splits), and on int32 lengths and page ids out of range (``test_hostile_sm90.int32_out_of_range``).  Only kernels whose name contains ``MlaDecode`` are checked (XLA's own kernels are out of
     scope); every entry point of our decode kernels carries that substring
     (``tests/test_compile_sm90_decode.py`` asserts it on the generated PTX)."""
     import shutil
@@ -112,6 +112,8 @@ def test_memcheck_small_shapes():
     names = ("s2h32p64_garbage", "fp8_s2h32p32_garbage", "b1s1h16p64_short", "s4h32p32", "fp8_s1h32p32_garbage",
              "s2h16p32_garbage")
     code = ("import sys; from benchmarks.decode import CHECK, check; "
+            "from tests.gpu.test_hostile_sm90 import int32_out_of_range; "
+            "int32_out_of_range(5, 64, 'bfloat16'); int32_out_of_range(6, 16, 'float8_e4m3fn'); "
             f"r = check([c for c in CHECK if c.name in {names!r}], 5); "
             "sys.exit(0 if r and all(x['ok'] for x in r) else 3)")
     # XLA's GEMM autotuning (the fp32 reference's dots) under the sanitizer made this test time out and the

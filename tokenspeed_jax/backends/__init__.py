@@ -19,6 +19,9 @@ A backend is an object with
 * optionally ``decode_batch_invariant = True``: the backend takes ``problem.batch_invariant``
   (``mla_decode(batch_invariant=True)``: ``sm90`` runs its batch-invariant schedule, ``xla`` accepts it unchanged);
   ``mla_decode`` refuses the flag on the others.
+* optionally ``decode_clamps_indices = True``: the backend's decode clamps every ``seq_lens`` and ``block_table``
+  entry it reads to ``mla_decode``'s documented bounds itself, so ``mla_decode`` passes int32 arrays unchanged
+  (other integer dtypes are still clamped in their own dtype and converted).
 
 where the scales are float32 scalar arrays (runtime operands).  ``supports_*`` must be cheap and must not
 import torch or compile anything; availability checks that need an import are cached.

@@ -24,6 +24,9 @@ class Sm90Backend:
     name = "sm90"
     priority = 90
     decode_batch_invariant = True  # mla_decode(batch_invariant=True): the batch-invariant schedule
+    # the decode kernels clamp every length and block-table entry they read (the schedule kernel's and jnp schedule's
+    # ``units``, ``MlaDecodeSm90.piece``, ``KvRefillMixin.coords``): mla_decode passes int32 ones unclamped
+    decode_clamps_indices = True
 
     @staticmethod
     def _decode_mod():

@@ -1,12 +1,20 @@
 """Split-KV combine kernel of the Hopper MLA decode: merges a split request's fp32 partials and LSEs
 (``MlaDecodeSm90.out_row``) in slot order (deterministic, no atomics), writes exact zeros and -inf LSE for length-0
 requests.  A mixin of :class:`~tokenspeed_jax.kernels.sm90.decode_common.MlaDecodeSm90` (its module docstring: the
-split), using its ``R``, ``DV``, ``out_dtype``, ``num_ctas``, ``num_m_blocks``, ``max_slots`` and ``chunk``."""
+split), using its ``R``, ``DV``, ``out_dtype``, ``num_ctas``, ``num_m_blocks``, ``max_slots`` and ``chunk``.
+
+The unit of work is a *warp item*: one column quarter (128 of the 512 output columns, 4 a lane) of one row of one
+split request, merged by one warp alone over all the request's slots.  Warp items are independent (no shared memory,
+no CTA barrier) and spread over every warp of a one-wave grid, so a batch of many two-piece requests and a batch of a
+few requests cut into tens of pieces both run in about one round of items.  Inside an item the slot partials are
+loaded :attr:`COMBINE_SLOTS_IN_FLIGHT` at a time (16-byte loads, all in flight before the first is added), so a
+request of ``k`` pieces costs ``ceil(k / 4)`` dependent L2 round trips, not ``k``."""
 
 from __future__ import annotations
 
 import cutlass
 from cutlass import Float32, Int64, cute
+from cutlass.cute.nvgpu import cpasync
 
 from tokenspeed_jax.kernels.sm90.helpers import LOG2_E, row_ptr
 
@@ -19,7 +27,8 @@ class CombineMixin:
         """Main kernels first: the combine grid may launch now (PDL; it waits for this grid: :meth:`combine_kernel`)."""
         cute.arch.griddepcontrol_launch_dependents()
 
-    COMBINE_CTAS_PER_SM = 16  # combine CTAs of 128 threads: one wave on every SM, whatever the batch
+    COMBINE_CTAS_PER_SM = 16  # combine CTAs of 4 warps: one wave on every SM (at most 32 registers a thread)
+    COMBINE_SLOTS_IN_FLIGHT = 4  # slot partials a warp item loads before adding the first
 
     @property
     def combine_lse_regs(self) -> int:
@@ -31,8 +40,8 @@ class CombineMixin:
                        sched_cta: cute.Tensor, sched_req: cute.Tensor, out: cute.Tensor, lse: cute.Tensor):
 
         @cute.struct
-        class CombineStorage:
-            acc: cute.struct.Align[cute.struct.MemRange[Float32, 384], 16]
+        class CombineStorage:  # per warp: its slot partials in flight (cp.async, 16 bytes a lane and slot), weights
+            buf: cute.struct.Align[cute.struct.MemRange[Float32, 4 * self.COMBINE_SLOTS_IN_FLIGHT * 128], 16]
             w: cute.struct.Align[cute.struct.MemRange[Float32, 4 * 32 * self.combine_lse_regs], 16]
 
         self.combine_kernel(o_accum, lse_accum, output_scale, sched_cta, sched_req, out, lse, CombineStorage).launch(
@@ -47,15 +56,6 @@ class CombineMixin:
             x = cute.arch.fmax(x, y) if is_max else x + y
         return x
 
-    @cute.jit
-    def warp_max_ref(self, m: Float32):
-        """``(max, ref)``: warp max of ``m`` and weight reference (0 if -inf: every slot empty, exact zero weights)."""
-        m = self.warp_allreduce(m, True)
-        ref = m
-        if m == -Float32.inf:
-            ref = Float32(0.0)
-        return m, ref
-
     @cute.kernel
     def combine_kernel(self, mOacc: cute.Tensor, mLacc: cute.Tensor, mOS: cute.Tensor, mCta: cute.Tensor,
                        mReq: cute.Tensor, mOut: cute.Tensor, mLse: cute.Tensor, Storage: cutlass.Constexpr):
@@ -63,24 +63,24 @@ class CombineMixin:
         requests.  PDL (:meth:`allow_combine_launch`) launches it while the main grid runs, its CTAs taking SMs as main
         CTAs retire; ``griddepcontrol.wait`` holds every thread until the main grid is done and its writes are visible.
 
-        * Work items ``(k, row, column quarter)`` over the schedule's work list (``mCta[k, 6]``: the ``k``-th request
-          cut into pieces; ``mCta[0, 7]`` of them, at most ``num_ctas - 1``), spread over the CTAs.  An item's 4 warps
-          split its slots (warp ``w``: slots ``w, w + 4, ..``; a lane: 4 of the quarter's 128 columns), each weighting
-          its fp32 partials by ``exp(lse_s - max)`` (every warp takes max and sum over all slots by shuffles); warp 0
-          adds the 4 warp sums from shared memory in warp order (deterministic, no atomics), writes output row and LSE.
-        * Requests of length 0 (``mReq[b, 0] == 0``), ``b`` spread over the CTAs: exact zero rows, LSE -inf.
-        * Batch-invariant schedule (:attr:`chunk` > 0): items ``(b, row, column quarter)`` over every request (more
-          than ``num_ctas - 1`` may be split; :meth:`combine_item`)."""
+        * Requests of length 0 (``mReq[b, 0] == 0``), ``b`` spread over the CTAs, rows over its warps: exact zero rows,
+          LSE -inf.
+        * Warp items ``((k, row), column quarter)`` (module docstring) over the schedule's work list (``mCta[k, 6]``:
+          the ``k``-th request cut into pieces; ``mCta[0, 7]`` of them, at most ``num_ctas - 1``), item ``i`` on the
+          grid's warp ``i`` modulo the warps (the 4 quarters of a row on one CTA's 4 warps: adjacent 512-byte loads).
+        * Batch-invariant schedule (:attr:`chunk` > 0): items over every request (more than ``num_ctas - 1`` may be
+          split; requests of one piece skipped)."""
         cute.arch.griddepcontrol_wait()
         tid, _, _ = cute.arch.thread_idx()
         bx, by, _ = cute.arch.block_idx()
         nx, ny, _ = cute.arch.grid_dim()
         cta, n_cta = by * nx + bx, nx * ny
         warp, lane = tid // 32, tid % 32
+        NB = self.COMBINE_SLOTS_IN_FLIGHT
         st = cutlass.utils.SmemAllocator().allocate(Storage)
-        NL = self.combine_lse_regs
-        sAcc = st.acc.get_tensor(cute.make_layout(384))
-        sW = st.w.get_tensor(cute.make_layout(4 * 32 * NL))
+        sBuf = cute.make_tensor(st.buf.data_ptr(), cute.make_layout((4, 4 * NB * 32), stride=(1, 4)))
+        NW = 32 * self.combine_lse_regs
+        sW = cute.make_tensor(st.w.data_ptr() + warp * NW, cute.make_layout(NW))  # (this warp's)
         res = cute.make_rmem_tensor((4,), self.out_dtype)
         for b in cutlass.range(cta, mReq.shape[0], n_cta, unroll=1):
             if mReq[b, 0] == 0:  # a request of length 0: exact zeros, LSE -inf
@@ -95,96 +95,106 @@ class CombineMixin:
         n_items = mCta[0, 7] * (self.R * 4)
         if cutlass.const_expr(self.chunk > 0):
             n_items = mReq.shape[0] * (self.R * 4)  # (the batch-invariant schedule: every request, split or not)
-        for item in cutlass.range(cta, n_items, n_cta, unroll=1):
+        for item in cutlass.range(cta * 4 + warp, n_items, n_cta * 4, unroll=1):
             if cutlass.const_expr(self.chunk > 0):
-                self.combine_item(mOacc, mLacc, mOS, mReq, mOut, mLse, sAcc, sW, res, item, item // (self.R * 4),
-                                  warp, lane)
+                b = item // (self.R * 4)
+                ns = mReq[b, 0]
+                if ns >= 2:
+                    self.combine_item(mOacc, mLacc, mOS, mReq, mOut, mLse, sBuf, sW, res, item, b, ns, warp, lane)
             else:
-                self.combine_item(mOacc, mLacc, mOS, mReq, mOut, mLse, sAcc, sW, res, item,
-                                  mCta[item // (self.R * 4), 6], warp, lane)
+                b = mCta[item // (self.R * 4), 6]
+                self.combine_item(mOacc, mLacc, mOS, mReq, mOut, mLse, sBuf, sW, res, item, b, mReq[b, 0], warp,
+                                  lane)
 
     @cute.jit
-    def combine_item(self, mOacc, mLacc, mOS, mReq, mOut, mLse, sAcc, sW, res, item, b, warp, lane):
-        """:meth:`combine_kernel` item: row ``(item // 4) % R``, column quarter ``item % 4`` of split request ``b``.
-        :attr:`chunk` > 0: any request (< 2 pieces: skipped) and slot count: lanes take slots ``lane, lane + 32, ..`` in
-        order for max and sum (per piece count the same in any batch), weights recomputed from LSEs where added."""
-        ns = mReq[b, 0]
+    def slot_max_sum(self, gL: cute.Tensor, sW: cute.Tensor, ns, lane):
+        """``(max, ref, sum)`` over the ``ns`` slot LSEs ``gL``: lane ``l`` takes slots ``l, l + 32, ..`` in order (the
+        same order for every batch with this piece count), then butterfly shuffles; ``ref`` is the max, or 0 where every
+        slot is empty (-inf: exact zero weights); ``sum`` is that of the weights ``exp(lse_s - ref)``.  The default
+        schedule's ``ns <= max_slots`` LSEs are loaded all at once (:attr:`combine_lse_regs` a lane) and the weights
+        left in the warp's ``sW`` (published by a warp barrier); the batch-invariant one's (any count) are loaded
+        again where added."""
+        m = -Float32.inf
+        part = Float32(0.0)
         if cutlass.const_expr(self.chunk > 0):
-            if ns >= 2:
-                self.combine_row(mOacc, mLacc, mOS, mReq, mOut, mLse, sAcc, sW, res, item, b, ns, warp, lane)
-        else:
-            self.combine_row(mOacc, mLacc, mOS, mReq, mOut, mLse, sAcc, sW, res, item, b, ns, warp, lane)
-
-    @cute.jit
-    def combine_row(self, mOacc, mLacc, mOS, mReq, mOut, mLse, sAcc, sW, res, item, b, ns, warp, lane):
-        """The merge of :meth:`combine_item` (``ns`` >= 2 slots from ``mReq[b, 1]``)."""
-        NL = self.combine_lse_regs
-        r = (item // 4) % self.R
-        col = (item % 4) * 128 + lane * 4
-        lbase = Int64(mReq[b, 1]) * self.R + r
-        if cutlass.const_expr(self.chunk > 0):
-            gL = cute.make_tensor(mLacc.iterator + lbase, cute.make_layout(mLacc.shape[0], stride=self.R))
-            m = -Float32.inf
             for s in cutlass.range(lane, ns, 32, unroll=1):
                 m = cute.arch.fmax(m, gL[s])
-            m, ref = self.warp_max_ref(m)
-            part = Float32(0.0)
-            for s in cutlass.range(lane, ns, 32, unroll=1):
-                part = part + cute.arch.exp2((gL[s] - ref) * LOG2_E)
-            total = self.warp_allreduce(part, False)
         else:
-            gL = cute.make_tensor(mLacc.iterator + lbase, cute.make_layout(self.max_slots, stride=self.R))
-            lv = cute.make_rmem_tensor((NL,), Float32)  # slot lane + 32 j's LSE, all loads in flight
-            m = -Float32.inf
-            for j in cutlass.range_constexpr(NL):
+            lv = cute.make_rmem_tensor((self.combine_lse_regs,), Float32)
+            for j in cutlass.range_constexpr(self.combine_lse_regs):
                 lv[j] = -Float32.inf
                 if lane + 32 * j < ns:
                     lv[j] = gL[lane + 32 * j]
                 m = cute.arch.fmax(m, lv[j])
-            m, ref = self.warp_max_ref(m)
-            part = Float32(0.0)
-            for j in cutlass.range_constexpr(NL):
-                w = cute.arch.exp2((lv[j] - ref) * LOG2_E)
-                sW[warp * NL * 32 + lane + 32 * j] = w  # (each warp its own copy: no CTA barrier)
-                part = part + w
-            total = self.warp_allreduce(part, False)
-        cute.arch.sync_warp()
+        m = self.warp_allreduce(m, True)
+        ref = m
+        if m == -Float32.inf:
+            ref = Float32(0.0)
+        if cutlass.const_expr(self.chunk > 0):
+            for s in cutlass.range(lane, ns, 32, unroll=1):
+                part = part + cute.arch.exp2((gL[s] - ref) * LOG2_E)
+        else:
+            for j in cutlass.range_constexpr(self.combine_lse_regs):
+                wj = cute.arch.exp2((lv[j] - ref) * LOG2_E)
+                sW[lane + 32 * j] = wj
+                part = part + wj
+            cute.arch.sync_warp()
+        return m, ref, self.warp_allreduce(part, False)
+
+    @cute.jit
+    def slot_weight(self, gL: cute.Tensor, sW: cute.Tensor, ref, s):
+        """Slot ``s``'s weight, bitwise the one :meth:`slot_max_sum` summed: from the warp's ``sW`` (default schedule),
+        or ``exp(lse_s - ref)`` from the LSE (batch-invariant)."""
+        res = Float32(0.0)
+        if cutlass.const_expr(self.chunk > 0):
+            res = cute.arch.exp2((gL[s] - ref) * LOG2_E)
+        else:
+            res = sW[s]
+        return res
+
+    @cute.jit
+    def combine_item(self, mOacc, mLacc, mOS, mReq, mOut, mLse, sBuf, sW, res, item, b, ns, warp, lane):
+        """One warp merges row ``(item // 4) % R``, column quarter ``item % 4`` of request ``b`` over its ``ns >= 2``
+        slots from ``mReq[b, 1]``: slot ``s``'s partial times its weight (:meth:`slot_weight`) added in slot order,
+        :attr:`COMBINE_SLOTS_IN_FLIGHT` slots' 16-byte cp.async copies in flight at a time (past the last slot: the
+        last slot again, not added); output ``output_scale * acc / sum`` and LSE ``max + log(sum)``; exact zeros and
+        -inf where every slot was empty (NaN: a piece saw a NaN / Inf key, NaN LSE)."""
+        NB = self.COMBINE_SLOTS_IN_FLIGHT
+        r = (item // 4) % self.R
+        col = (item % 4) * 128 + lane * 4
+        lbase = Int64(mReq[b, 1]) * self.R + r
+        gL = cute.make_tensor(mLacc.iterator + lbase, cute.make_layout(mLacc.shape[0], stride=self.R))
+        m, ref, total = self.slot_max_sum(gL, sW, ns, lane)
         acc = cute.make_rmem_tensor((4,), Float32)
         acc.fill(0.0)
-        # slots warp, warp + 4, ..: slot s + 4's partial loads while slot s is added (past the last: valid row, unused)
-        vc = cute.make_rmem_tensor((4,), Float32)
-        vc.store(cute.make_tensor(row_ptr(mOacc, lbase + Int64(cutlass.min(warp, ns - 1)) * self.R, col,
-                                          self.DV, 16), cute.make_layout(4)).load())
-        for s in cutlass.range(warp, ns, 4, unroll=2):
-            vn = cute.make_tensor(row_ptr(mOacc, lbase + Int64(cutlass.min(s + 4, ns - 1)) * self.R, col,
-                                          self.DV, 16), cute.make_layout(4)).load()
-            if cutlass.const_expr(self.chunk > 0):
-                ws = cute.arch.exp2((gL[s] - ref) * LOG2_E)
-            else:
-                ws = sW[warp * NL * 32 + s]
-            for j in cutlass.range_constexpr(4):
-                acc[j] = acc[j] + ws * vc[j]
-            vc.store(vn)
-        if warp > 0:
-            for j in cutlass.range_constexpr(4):
-                sAcc[(warp - 1) * 128 + lane * 4 + j] = acc[j]
-        cute.arch.barrier()
-        if warp == 0:
-            for o in cutlass.range_constexpr(3):
-                for j in cutlass.range_constexpr(4):
-                    acc[j] = acc[j] + sAcc[o * 128 + lane * 4 + j]
-            inv = Float32(0.0)
-            lse = -Float32.inf
-            if total != 0.0:  # (NaN: a piece saw a NaN / Inf key, NaN LSE)
-                inv = mOS[0] / total
-                lse = m + cute.math.log(total, fastmath=False)
-            for j in cutlass.range_constexpr(4):
-                res[j] = (acc[j] * inv).to(self.out_dtype)
-            obase = Int64(b) * self.R + r
-            cute.make_tensor(row_ptr(mOut, obase, col, self.DV, 8), cute.make_layout(4)).store(res.load())
-            if lane == 0 and col == 0:
-                cute.make_tensor(mLse.iterator + obase, cute.make_layout(1))[0] = lse
-        cute.arch.barrier()  # sAcc is free for the next item
+        atom = cute.make_copy_atom(cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL), Float32,
+                                   num_bits_per_copy=128)
+        w = cute.make_rmem_tensor((NB,), Float32)
+        for s0 in cutlass.range(0, ns, NB, unroll=1):
+            for j in cutlass.range_constexpr(NB):  # (cp.async: all NB in flight whatever the register allocator does)
+                s = cutlass.min(s0 + j, ns - 1)
+                cute.copy(atom, cute.make_tensor(row_ptr(mOacc, lbase + Int64(s) * self.R, col, self.DV, 16),
+                                                 cute.make_layout(4)), sBuf[None, (warp * NB + j) * 32 + lane])
+            cute.arch.cp_async_commit_group()
+            for j in cutlass.range_constexpr(NB):
+                w[j] = self.slot_weight(gL, sW, ref, cutlass.min(s0 + j, ns - 1))
+            cute.arch.cp_async_wait_group(0)
+            for j in cutlass.range_constexpr(NB):
+                v = sBuf[None, (warp * NB + j) * 32 + lane].load()
+                for e in cutlass.range_constexpr(4):
+                    acc[e] = cutlass.select_(s0 + j < ns, acc[e] + w[j] * v[e], acc[e])
+        inv = Float32(0.0)
+        lse = -Float32.inf
+        if total != 0.0:
+            inv = mOS[0] / total
+            lse = m + cute.math.log(total, fastmath=False)
+        for e in cutlass.range_constexpr(4):
+            res[e] = (acc[e] * inv).to(self.out_dtype)
+        obase = Int64(b) * self.R + r
+        cute.make_tensor(row_ptr(mOut, obase, col, self.DV, 8), cute.make_layout(4)).store(res.load())
+        if lane == 0 and col == 0:
+            cute.make_tensor(mLse.iterator + obase, cute.make_layout(1))[0] = lse
+        cute.arch.sync_warp()  # (the warp's sW and sBuf are free for its next item)
 
 
 __all__ = ["CombineMixin"]
