@@ -16,27 +16,31 @@ from tests.reference import f64
 
 
 def _attend(qrows: np.ndarray, keys: np.ndarray, vals: np.ndarray, scale: float):
-    """qrows [R, D] over keys [n >= 1, D] / vals [n, Dv] in float64 with IEEE propagation.  Every score
-    -inf: LSE ``log(0) = -inf`` and output ``0 / 0 = NaN`` (the max shift uses 0 there)."""
+    """qrows [R, D] over keys [n >= 1, D] / vals [n, Dv] in float64 with IEEE propagation: ``(out, lse, spread)``,
+    ``spread = sqrt(sum_j p_j^2 v_j^2) / sum_j p_j`` per output element (the scale of the error of P rounded to e4m3:
+    ``benchmarks.decode.FP8_P_ROUND``).  Every score -inf: LSE ``log(0) = -inf`` and output ``0 / 0 = NaN`` (the max
+    shift uses 0 there)."""
     with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
         s = scale * np.einsum("rd,nd->rn", qrows, keys)
         m = s.max(axis=1, keepdims=True)
         m = np.where(np.isneginf(m), 0.0, m)
         p = np.exp(s - m)
         den = p.sum(axis=1)
-        return np.einsum("rn,nv->rv", p, vals) / den[:, None], m[:, 0] + np.log(den)
+        spread = np.sqrt(np.einsum("rn,nv->rv", p * p, vals * vals)) / den[:, None]
+        return np.einsum("rn,nv->rv", p, vals) / den[:, None], m[:, 0] + np.log(den), spread
 
 
 def decode(q, kv_cache, block_table, seq_lens, *, softmax_scale, output_scale=1.0, causal=True,
-           kv_lora_rank):
-    """``(out [B,S,H,L], lse [B,S,H])`` float64; ``seq_lens`` already clamped, the used block-table
-    entries in range."""
+           kv_lora_rank, spread=False):
+    """``(out [B,S,H,L], lse [B,S,H])`` float64, and with ``spread`` each output element's P-rounding spread
+    (``_attend``; 0 where a row sees no key); ``seq_lens`` already clamped, the used block-table entries in range."""
     q, kv = f64(q), f64(kv_cache)
     bt = np.asarray(block_table).astype(np.int64)
     B, S, H, D = q.shape
     ps, L = kv.shape[1], kv_lora_rank
     out = np.zeros((B, S, H, L))
     lse = np.full((B, S, H), -np.inf)
+    spr = np.zeros((B, S, H, L))
     for b in range(B):
         n_b = int(seq_lens[b])
         for i in range(S):
@@ -45,11 +49,11 @@ def decode(q, kv_cache, block_table, seq_lens, *, softmax_scale, output_scale=1.
                 continue
             j = np.arange(n)
             keys = kv[bt[b, j // ps], j % ps]
-            o, s = _attend(q[b, i], keys, keys[:, :L], float(softmax_scale))
+            o, s, spr[b, i] = _attend(q[b, i], keys, keys[:, :L], float(softmax_scale))
             with np.errstate(invalid="ignore"):
                 out[b, i] = float(output_scale) * o
             lse[b, i] = s
-    return out, lse
+    return (out, lse, spr) if spread else (out, lse)
 
 
 def prefill(q, k, v, cu_seqlens_q, cu_seqlens_k, *, softmax_scale, causal=True):
@@ -71,6 +75,6 @@ def prefill(q, k, v, cu_seqlens_q, cu_seqlens_k, *, softmax_scale, causal=True):
             row = cq[b] + i
             for g in range(Hk):
                 hs = slice(g * G, (g + 1) * G)
-                o, s = _attend(q[row, hs], k[ck[b]:ck[b] + n, g], v[ck[b]:ck[b] + n, g], float(softmax_scale))
+                o, s, _ = _attend(q[row, hs], k[ck[b]:ck[b] + n, g], v[ck[b]:ck[b] + n, g], float(softmax_scale))
                 out[row, hs], lse[row, hs] = o, s
     return out, lse

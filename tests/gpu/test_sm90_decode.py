@@ -111,6 +111,12 @@ def test_memcheck_small_shapes():
         pytest.skip("compute-sanitizer not found")
     names = ("s2h32p64_garbage", "fp8_s2h32p32_garbage", "b1s1h16p64_short", "s4h32p32", "fp8_s1h32p32_garbage",
              "s2h16p32_garbage")
+    from benchmarks.decode import CHECK, Case, prewarm
+
+    # the kernels compiled first in CPU workers, outside the sanitizer (under it a compile takes minutes; the check's
+    # shapes and the two int32 cases' shapes, S 3 / H 16, page 64 bf16 and page 16 FP8)
+    prewarm([c for c in CHECK if c.name in names] + [Case("i32_bf16", "bfloat16", 4, 3, 16, 64, 8),
+                                                     Case("i32_fp8", "float8_e4m3fn", 4, 3, 16, 16, 16)], 4)
     code = ("import sys; from benchmarks.decode import CHECK, check; "
             "from tests.gpu.test_hostile_sm90 import int32_out_of_range; "
             "int32_out_of_range(5, 64, 'bfloat16'); int32_out_of_range(6, 16, 'float8_e4m3fn'); "
