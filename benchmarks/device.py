@@ -17,8 +17,8 @@ one at a time, so no two GPU jobs share the device. Kernels are compiled first i
 (``--prewarm``, the FFI disk cache under ``TOKENSPEED_JAX_CACHE_DIR``, default ``/tmp/tsj_cache``), so the
 GPU steps only load them.
 
-The commit comes from ``git rev-parse HEAD`` where the checkout has ``.git``, else ``--commit`` or
-``$TOKENSPEED_JAX_COMMIT`` (a copy of the working tree on the GPU machine has no history: pass it).
+The commit is ``--commit`` / ``$TOKENSPEED_JAX_COMMIT`` where given, else ``git rev-parse HEAD``
+(``benchmarks.runinfo.source_commit``; pass it on the GPU machine, whose copy of the tree may carry another HEAD).
 """
 
 from __future__ import annotations
@@ -144,7 +144,7 @@ def _parser() -> argparse.ArgumentParser:
     common.add_argument("--budget", type=int, default=575, help="seconds for the whole call")
     common.add_argument("--jobs", type=int, default=15, help="CPU processes compiling kernels first")
     common.add_argument("--commit", default=os.environ.get("TOKENSPEED_JAX_COMMIT", ""),
-                        help="commit to record when the checkout has no .git")
+                        help="commit to record (ahead of git's HEAD)")
     common.add_argument("--dry-run", action="store_true",
                         help="print the steps and the environment, run nothing")
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -184,16 +184,9 @@ def _environment(args: argparse.Namespace) -> dict[str, str]:
 
 
 def _commit(given: str) -> str:
-    try:
-        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True,
-                              timeout=10).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
-                               capture_output=True, text=True, timeout=10).stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        head, dirty = "", ""
-    if head:
-        return head + ("+dirty" if dirty else "")
-    return given or "unknown"
+    from benchmarks.runinfo import source_commit
+
+    return source_commit(given or None) or "unknown"
 
 
 def _device() -> str:

@@ -17,9 +17,10 @@ they spend a time budget.
   whose estimated cost does not fit is skipped with a note instead of being cut off by the caller's
   ``timeout``.
 
-The commit: ``git rev-parse HEAD`` (``+dirty`` with uncommitted changes to tracked files) where the
-checkout has ``.git``, else ``--commit`` / ``$TOKENSPEED_JAX_COMMIT``; a copy of the working tree on a GPU
-machine has no ``.git``, so ``tree_sha1`` (a SHA-1 over the ``.py`` / ``.sh`` files of ``tokenspeed_jax``,
+The commit: ``--commit`` / ``$TOKENSPEED_JAX_COMMIT`` where given (the caller knows which tree it sent: a copy of
+the working tree on a GPU machine may carry a ``.git`` whose HEAD is another commit, as on 2026-12-05 when a branch's
+tree reported main's HEAD), else ``git rev-parse HEAD`` (``+dirty`` with uncommitted changes to tracked files) where
+the checkout has ``.git``; ``tree_sha1`` (a SHA-1 over the ``.py`` / ``.sh`` files of ``tokenspeed_jax``,
 ``models``, ``benchmarks`` and ``scripts``) identifies the sources too: ``python -m benchmarks.runinfo
 tree-hash`` at a commit gives the same value.  ``python -m benchmarks.runinfo summary FILE.json`` prints a
 result file's status, skipped points, backends and rows (the driver ``scripts/gpu_figures.sh`` does after
@@ -80,7 +81,9 @@ def tree_sha1(root: str = ROOT) -> str:
 
 
 def source_commit(given: str | None = None) -> str | None:
-    """``git rev-parse HEAD`` (+ ``+dirty``) of this checkout, else ``given``, else ``$TOKENSPEED_JAX_COMMIT``."""
+    """``given``, else ``$TOKENSPEED_JAX_COMMIT``, else ``git rev-parse HEAD`` (+ ``+dirty``) of this checkout."""
+    if given or os.environ.get("TOKENSPEED_JAX_COMMIT"):
+        return given or os.environ.get("TOKENSPEED_JAX_COMMIT")
     try:
 
         def git(*a: str) -> str:
@@ -92,9 +95,7 @@ def source_commit(given: str | None = None) -> str | None:
         dirty = git("status", "--porcelain", "--untracked-files=no") if head else ""
     except (OSError, subprocess.SubprocessError):
         head, dirty = "", ""
-    if head:
-        return head + ("+dirty" if dirty else "")
-    return given or os.environ.get("TOKENSPEED_JAX_COMMIT") or None
+    return head + ("+dirty" if dirty else "") if head else None
 
 
 def provenance(commit: str | None = None) -> dict:

@@ -20,7 +20,7 @@
 # to the log) the JSON's status, the point in progress, the backends and the points so far.
 # Extra arguments after SECTION go to the script (e.g. `bash scripts/gpu_figures.sh r1 --experts 16`).
 # Environment: OUT (default results/gpu_figures), PYTHON (default python3), BUDGET_S / TIMEOUT_S (override the
-# defaults above), TOKENSPEED_JAX_COMMIT (the commit to record where the checkout has no .git).  The attention
+# defaults above), TOKENSPEED_JAX_COMMIT (the commit to record, ahead of the checkout's git HEAD).  The attention
 # backend is `auto`: the sm90 decode kernel, and the sm90 prefill only where FlashAttention-4 is importable
 # (else the xla reference); each JSON's attention_backends says which ran.
 set -uo pipefail

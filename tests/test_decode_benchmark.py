@@ -248,3 +248,16 @@ def test_kernel_times_parse(tmp_path):
     assert list(out) == ["bf16 full B64 K81920 H32 S1", "bf16 full B64 K81920 H128 S1"]
     assert out["bf16 full B64 K81920 H32 S1"] == {"xla_clamp_seq_lens": 2.7, "schedule": 8.6, "xla_clamp_block_table": 3.0,
                                   "main": 2001.0, "combine": 14.4, "total": 2029.7}
+
+
+def test_source_commit_prefers_the_named_commit(monkeypatch):
+    """benchmarks.runinfo.source_commit: ``--commit`` first, then ``$TOKENSPEED_JAX_COMMIT``, then git (a GPU copy's
+    ``.git`` may name another commit than the tree that was sent)."""
+    from benchmarks import runinfo
+
+    monkeypatch.setenv("TOKENSPEED_JAX_COMMIT", "abc1234")
+    assert runinfo.source_commit("def5678") == "def5678"
+    assert runinfo.source_commit() == "abc1234"
+    monkeypatch.delenv("TOKENSPEED_JAX_COMMIT")
+    got = runinfo.source_commit()
+    assert got is None or got.split("+")[0].isalnum()
