@@ -8,9 +8,10 @@
 :data:`CASES`: full-length batches (B 64, 81920 tokens each; BF16 H32 S1 / H128 S1 / H16 S4, FP8 H32 S1 / H16 S4)
 and varied ones (``benchmarks.decode_varlen.lengths``: a long tail, 256 short requests, one long request, uniform
 H128), page 64, causal, each called three times under ``jax.jit``.  ``--parse`` splits ncu's CSV into the cases (each
-starts with its KV cache's random fill, at least 16384 pages: the one kernel over 1 ms) and prints each case's median duration per kernel kind: ``main``
-(the decode kernel), ``combine``, ``schedule`` and the XLA clamp fusions of ``seq_lens`` / ``block_table``, so two
-trees' per-call kernels compare side by side (``benchmarks/results/decode_sm90_ab_tag_h100.json``).  Run it as a
+starts with its KV cache's random fill, at least 16384 pages: the one kernel over 1 ms) and prints each case's median
+duration per kernel kind: ``main`` (the decode kernel), ``combine``, ``schedule`` and, in trees before commit 4ec2353,
+the XLA clamp fusions of ``seq_lens`` / ``block_table``, so two trees' per-call kernels compare side by side
+(``benchmarks/results/decode_sm90_kernel_times_h200.json``).  Run it as a
 file, not with ``-m`` (``-m`` puts the working directory's ``tokenspeed_jax`` ahead of ``PYTHONPATH``).  ncu is
 told to leave the GPU clocks alone; it still serializes the kernels, so launch gaps and overlap are not counted.
 """

@@ -28,7 +28,7 @@ LATEST = {
         "decode_sm90_own_bench_20261203.json", "decode_sm90_own_bench_20261203.png",
         "decode_sm90_own_bench_sustained_20261203.json", "decode_sm90_own_bench_sustained_20261203.png"),
     "mla_decode sm90, varied lengths (benchmarks/decode_varlen.py)": (
-        "decode_sm90_varlen.json", "decode_sm90_varlen.png"),
+        "decode_sm90_varlen_h200.json", "decode_sm90_varlen_h200.png"),
     "mla_prefill sm90 (benchmarks/prefill.py)": ("prefill_sm90.json", "prefill_sm90.png"),
     "DeepSeek model CLI (python -m tokenspeed_jax.models.deepseek --json)": ("deepseek_small_h200.json",),
 }

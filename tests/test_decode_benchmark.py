@@ -246,8 +246,9 @@ def test_kernel_times_parse(tmp_path):
     p.write_text(head + "".join(body))
     out = kt.parse(str(p))
     assert list(out) == ["bf16 full B64 K81920 H32 S1", "bf16 full B64 K81920 H128 S1"]
-    assert out["bf16 full B64 K81920 H32 S1"] == {"xla_clamp_seq_lens": 2.7, "schedule": 8.6, "xla_clamp_block_table": 3.0,
-                                  "main": 2001.0, "combine": 14.4, "total": 2029.7}
+    assert out["bf16 full B64 K81920 H32 S1"] == {"xla_clamp_seq_lens": 2.7, "schedule": 8.6,
+                                                  "xla_clamp_block_table": 3.0, "main": 2001.0, "combine": 14.4,
+                                                  "total": 2029.7}
 
 
 def test_source_commit_prefers_the_named_commit(monkeypatch):

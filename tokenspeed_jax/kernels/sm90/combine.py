@@ -4,11 +4,12 @@ requests.  A mixin of :class:`~tokenspeed_jax.kernels.sm90.decode_common.MlaDeco
 split), using its ``R``, ``DV``, ``out_dtype``, ``num_ctas``, ``num_m_blocks``, ``max_slots`` and ``chunk``.
 
 The unit of work is a *warp item*: one column quarter (128 of the 512 output columns, 4 a lane) of one row of one
-split request, merged by one warp alone over all the request's slots.  Warp items are independent (no shared memory,
-no CTA barrier) and spread over every warp of a one-wave grid, so a batch of many two-piece requests and a batch of a
-few requests cut into tens of pieces both run in about one round of items.  Inside an item the slot partials are
-loaded :attr:`COMBINE_SLOTS_IN_FLIGHT` at a time (16-byte loads, all in flight before the first is added), so a
-request of ``k`` pieces costs ``ceil(k / 4)`` dependent L2 round trips, not ``k``."""
+split request, merged by one warp alone over all the request's slots.  Warp items are independent (each warp has its
+own shared-memory buffers, no CTA barrier) and spread over every warp of a one-wave grid, so a batch of many two-piece
+requests and a batch of a few requests cut into tens of pieces both run in about one round of items.  Inside an item
+the slot partials are copied :attr:`COMBINE_SLOTS_IN_FLIGHT` at a time into the warp's buffer by 16-byte cp.async
+(all in flight before the first is added), so a request of ``k`` pieces costs ``ceil(k / 4)`` dependent L2 round
+trips, not ``k``."""
 
 from __future__ import annotations
 
@@ -101,7 +102,7 @@ class CombineMixin:
                 ns = mReq[b, 0]
                 if ns >= 2:
                     self.combine_item(mOacc, mLacc, mOS, mReq, mOut, mLse, sBuf, sW, res, item, b, ns, warp, lane)
-            else:
+            else:  # (a listed request has >= 2 pieces; testing it here costs 10 registers: 42 instead of 32)
                 b = mCta[item // (self.R * 4), 6]
                 self.combine_item(mOacc, mLacc, mOS, mReq, mOut, mLse, sBuf, sW, res, item, b, mReq[b, 0], warp,
                                   lane)
