@@ -238,7 +238,7 @@ def test_kernel_times_parse(tmp_path):
         body.append(row("loop_multiply_fusion", "(5898816, 1, 1)", 16_000_000))
         for call in range(3):
             body += [row("loop_clamp_fusion_1", "(1, 1, 1)", 2700),
-                     row("kernel_DecodeScheduleKernel_x", "(1, 1, 1)", 8600),
+                     row("kernel_MlaDecodeScheduleKernel_x", "(1, 1, 1)", 8600),
                      row("loop_clamp_fusion", "(640, 1, 1)", 3000),
                      row("kernel_seesaw_kernel_MlaDecodeSeesaw_x", "(1, 132, 1)", 2_000_000 + 1000 * call + case),
                      row("kernel_cutlass_combine_kernel_x", "(16, 132, 1)", 14_400)]

@@ -97,11 +97,12 @@ def test_new_scale_does_not_recompile(rng):
 
 @pytest.mark.skipif(os.environ.get("TOKENSPEED_SANITIZER") != "1", reason="opt-in: TOKENSPEED_SANITIZER=1 (slow)")
 def test_memcheck_small_shapes():
-    """compute-sanitizer memcheck of our two kernels (main + combine) on shapes with garbage block-table
+    """compute-sanitizer memcheck of our three kernels (schedule, main, combine) on shapes with garbage block-table
     entries, a seq_len beyond the table, NaN pages, BF16 and FP8, and both combine layouts (2-8 splits and
     16 splits), and on int32 lengths and page ids out of range (``test_hostile_sm90.int32_out_of_range``).  Only
     kernels whose name contains ``MlaDecode`` are checked (XLA's own kernels are out of scope); every entry point of
-    our decode kernels carries that substring (``tests/test_compile_sm90_decode.py`` asserts it on the PTX)."""
+    our decode kernels carries that substring (``tests/test_compile_sm90_decode.py`` asserts it on the PTX; the
+    schedule kernel's class is named ``MlaDecodeScheduleKernel`` so that it is checked too)."""
     import shutil
     import subprocess
     import sys

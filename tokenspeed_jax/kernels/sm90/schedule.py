@@ -95,7 +95,7 @@ def _block_max(x: Int32, s_warp: cute.Tensor, tid: Int32):
     return m
 
 
-class DecodeScheduleKernel:
+class MlaDecodeScheduleKernel:
     """The kernel of one :class:`tokenspeed_jax.decode_schedule.ScheduleSpec`: its grid, cost model, mode and chunk
     are compile-time values; the table's capacity and the per-request cut (which change with the table's width)
     are the run-time operand ``params = (capacity, split_units)``, so a new table width compiles nothing."""
@@ -331,8 +331,8 @@ def launch_schedule(stream, seq_lens: cute.Tensor, params: cute.Tensor, cta: cut
     """FFI launch function (ABI: ``tokenspeed_jax.decode_schedule.decode_schedule`` on CUDA): ``seq_lens [B]``,
     ``params = (capacity, split_units)``, then the outputs ``cta [num_ctas, 8]``, ``req [B, 2]`` and the
     ``scratch [2 B + 2]`` prefixes."""
-    DecodeScheduleKernel(num_ctas=num_ctas, fixed_cost=fixed_cost, mode=mode, prefer=prefer, unit=unit, chunk=chunk)(
-        stream, seq_lens, params, cta, req, scratch)
+    MlaDecodeScheduleKernel(num_ctas=num_ctas, fixed_cost=fixed_cost, mode=mode, prefer=prefer, unit=unit,
+                            chunk=chunk)(stream, seq_lens, params, cta, req, scratch)
 
 
-__all__ = ["THREADS", "DecodeScheduleKernel", "launch_schedule"]
+__all__ = ["THREADS", "MlaDecodeScheduleKernel", "launch_schedule"]
