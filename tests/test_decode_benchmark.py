@@ -262,3 +262,23 @@ def test_source_commit_prefers_the_named_commit(monkeypatch):
     monkeypatch.delenv("TOKENSPEED_JAX_COMMIT")
     got = runinfo.source_commit()
     assert got is None or got.split("+")[0].isalnum()
+
+
+def test_timeline_summary_counts_gaps_and_overlap_once():
+    """benchmarks.timeline.summarize: the span per call, each kind's median, and the idle time between kernels, with
+    an overlapping (PDL-launched) kernel counted once."""
+    from benchmarks import timeline as tl
+
+    ks = []
+    for call in range(2):  # schedule 8 us, gap 2, main 100, combine overlapping main's last 3 us, then a gap of 5
+        t = call * 125.0
+        ks += [(t, 8.0, "kernel_MlaDecodeScheduleKernel_x"), (t + 10, 100.0, "kernel_MlaDecodeSeesaw_x"),
+               (t + 107, 13.0, "kernel_cutlass_combine_kernel_x")]
+    s = tl.summarize(sorted(ks), 2)
+    assert s["kernels"] == 6 and s["us_per_call"] == (125 + 120) / 2
+    assert s["gap_us"] == (2 + 5 + 2) / 2
+    assert s["kinds"] == {"schedule": {"median_us": 8.0, "per_call": 1.0},
+                          "main": {"median_us": 100.0, "per_call": 1.0},
+                          "combine": {"median_us": 13.0, "per_call": 1.0}}
+    assert tl.kind("flash_fwd_splitkv_mla_kernel<...>").startswith("flash") and tl.kind("loop_fusion") == "other"
+    assert tl.summarize([], 3) == {"kernels": 0}
