@@ -32,12 +32,12 @@ import tempfile
 
 
 def kind(name: str) -> str:
-    if "DecodeSchedule" in name:
-        return "schedule"
-    if "combine_kernel" in name:
-        return "combine"
-    if "MlaDecode" in name:
-        return "main"
+    """Our kernels as ``benchmarks/kernel_times.py`` names them, FlashMLA's by their own name, XLA's ``other``."""
+    from benchmarks.kernel_times import kind as our_kind
+
+    ours = our_kind(name, "")
+    if ours is not None:
+        return ours
     if "flash" in name.lower() or "mla" in name.lower():
         return name[:60]
     return "other"
@@ -94,19 +94,15 @@ def main(argv=None):
     import jax.numpy as jnp
 
     from benchmarks.decode_varlen import case_of, flashmla_calls, inputs, lengths, our_contenders
-    from benchmarks.runinfo import source_commit
+    from benchmarks.runinfo import provenance
 
     try:
         import flash_mla as fm
     except Exception as e:  # noqa: BLE001
         print("flash_mla unavailable:", e)
         fm = None
-    import jax
 
-    doc = {"name": "decode timeline (CUPTI via torch.profiler)", "command": "python -m benchmarks.timeline "
-           + " ".join(argv if argv is not None else __import__("sys").argv[1:]), "device": jax.devices()[0].device_kind,
-           "commit": source_commit(), "date": __import__("datetime").datetime.utcnow().isoformat() + "Z",
-           "calls": a.calls, "cases": {}}
+    doc = {"name": "decode timeline (CUPTI via torch.profiler)", **provenance(), "calls": a.calls, "cases": {}}
     for i, spec in enumerate(a.cases):
         dist, B, cap, H, S = spec.split(",")
         B, cap, H, S = int(B), int(cap), int(H), int(S)
