@@ -3,18 +3,26 @@
 requests.  A mixin of :class:`~tokenspeed_jax.kernels.sm90.decode_common.MlaDecodeSm90` (its module docstring: the
 split), using its ``R``, ``DV``, ``out_dtype``, ``num_ctas``, ``num_m_blocks``, ``max_slots`` and ``chunk``.
 
-The unit of work is a *warp item*: one column quarter (128 of the 512 output columns, 4 a lane) of one row of one
-split request, merged by one warp alone over all the request's slots.  Warp items are independent (each warp has its
-own shared-memory buffers, no CTA barrier) and spread over every warp of a one-wave grid, so a batch of many two-piece
-requests and a batch of a few requests cut into tens of pieces both run in about one round of items.  Inside an item
-the slot partials are copied :attr:`COMBINE_SLOTS_IN_FLIGHT` at a time into the warp's buffer by 16-byte cp.async
-(all in flight before the first is added), so a request of ``k`` pieces costs ``ceil(k / 4)`` dependent L2 round
-trips, not ``k``."""
+The unit of work is a *warp item*: one column chunk of one row of one split request, merged by one warp alone over
+all the request's slots.  Warp items are independent (each warp has its own shared-memory buffers, no CTA barrier)
+and spread over every warp of a one-wave grid.  Inside an item the slot partials are copied
+:attr:`COMBINE_SLOTS_IN_FLIGHT` at a time per lane into the warp's buffer by 16-byte cp.async (all in flight before
+the first is added), 4 columns a lane.  The item's width is chosen per batch, from the number of split requests:
+
+* **quarters** (128 of the 512 columns, the whole warp on each slot): a request of ``k`` pieces costs
+  ``ceil(k / 4)`` dependent L2 round trips; 4 items a row, so a batch of many two-piece requests (64 split requests
+  of 32 rows: 8192 items) runs in one round of the grid's items;
+* **32-column chunks** (16 items a row), when they still fit in one round of the grid's warps (split requests x rows
+  x 16 <= warps: a few long requests, the small batches of single-user latency): the warp's 4 groups of 8 lanes take
+  every 4th slot, so 16 slots are in flight and a request of ``k`` pieces costs ``ceil(k / 16)`` round trips (B=1 at
+  128k, one request of 130 pieces: 9 instead of 33), then two butterfly shuffles add the 4 groups' sums.
+
+The batch-invariant build keeps quarters whatever the batch (its order of additions depends on the request alone)."""
 
 from __future__ import annotations
 
 import cutlass
-from cutlass import Float32, Int64, cute
+from cutlass import Float32, Int32, Int64, cute
 from cutlass.cute.nvgpu import cpasync
 
 from tokenspeed_jax.kernels.sm90.helpers import LOG2_E, row_ptr
@@ -47,7 +55,8 @@ class CombineMixin:
 
         self.combine_kernel(o_accum, lse_accum, output_scale, sched_cta, sched_req, out, lse, CombineStorage).launch(
             grid=(self.COMBINE_CTAS_PER_SM, self.num_ctas * self.num_m_blocks, 1), block=(128, 1, 1),
-            smem=CombineStorage.size_in_bytes(), stream=stream, use_pdl=True)
+            smem=CombineStorage.size_in_bytes(), stream=stream, use_pdl=True,
+            min_blocks_per_mp=self.COMBINE_CTAS_PER_SM, preferred_smem_carveout=100)
 
     @cute.jit
     def warp_allreduce(self, x: Float32, is_max: cutlass.Constexpr[bool]) -> Float32:
@@ -66,9 +75,12 @@ class CombineMixin:
 
         * Requests of length 0 (``mReq[b, 0] == 0``), ``b`` spread over the CTAs, rows over its warps: exact zero rows,
           LSE -inf.
-        * Warp items ``((k, row), column quarter)`` (module docstring) over the schedule's work list (``mCta[k, 6]``:
-          the ``k``-th request cut into pieces; ``mCta[0, 7]`` of them, at most ``num_ctas - 1``), item ``i`` on the
-          grid's warp ``i`` modulo the warps (the 4 quarters of a row on one CTA's 4 warps: adjacent 512-byte loads).
+        * Warp items ``((k, row), column chunk)`` (module docstring: quarters, or 32-column chunks where those fit
+          one round of the grid's warps, ``gl`` 0 or 2) over the schedule's work list (``mCta[k, 6]``: the ``k``-th
+          request cut into pieces; ``mCta[0, 7]`` of them, at most ``num_ctas - 1``), item ``i`` on the grid's warp
+          ``i`` modulo the warps (a row's chunks on adjacent warps: adjacent loads).  The launch caps the kernel at
+          the registers of its one-wave grid (``min_blocks_per_mp``; ``preferred_smem_carveout``: all of the SM's
+          shared memory, which the grid's warp buffers need).
         * Batch-invariant schedule (:attr:`chunk` > 0): items over every request (more than ``num_ctas - 1`` may be
           split; requests of one piece skipped)."""
         cute.arch.griddepcontrol_wait()
@@ -93,19 +105,25 @@ class CombineMixin:
                                          cute.make_layout(4)).store(res.load())
                     if lane == 0:
                         cute.make_tensor(mLse.iterator + obase, cute.make_layout(1))[0] = -Float32.inf
-        n_items = mCta[0, 7] * (self.R * 4)
+        n_split = mCta[0, 7]
+        gl = Int32(0)  # log2 of an item's lane groups: 0 (quarters) or 2 (32-column chunks)
+        if cutlass.const_expr(self.chunk == 0):
+            if n_split * (self.R * 16) <= n_cta * 4:
+                gl = Int32(2)
+        per_req = (self.R * 4) << gl
+        n_req = n_split
         if cutlass.const_expr(self.chunk > 0):
-            n_items = mReq.shape[0] * (self.R * 4)  # (the batch-invariant schedule: every request, split or not)
-        for item in cutlass.range(cta * 4 + warp, n_items, n_cta * 4, unroll=1):
+            n_req = mReq.shape[0]
+        for item in cutlass.range(cta * 4 + warp, n_req * per_req, n_cta * 4, unroll=1):
             if cutlass.const_expr(self.chunk > 0):
-                b = item // (self.R * 4)
+                b = item // per_req
                 ns = mReq[b, 0]
                 if ns >= 2:
-                    self.combine_item(mOacc, mLacc, mOS, mReq, mOut, mLse, sBuf, sW, res, item, b, ns, warp, lane)
-            else:  # (a listed request has >= 2 pieces; testing it here costs 10 registers: 42 instead of 32)
-                b = mCta[item // (self.R * 4), 6]
+                    self.combine_item(mOacc, mLacc, mOS, mReq, mOut, mLse, sBuf, sW, res, item, b, ns, warp, lane, gl)
+            else:  # (a listed request has >= 2 pieces; testing it here costs 10 registers)
+                b = mCta[item // per_req, 6]
                 self.combine_item(mOacc, mLacc, mOS, mReq, mOut, mLse, sBuf, sW, res, item, b, mReq[b, 0], warp,
-                                  lane)
+                                  lane, gl)
 
     @cute.jit
     def slot_max_sum(self, gL: cute.Tensor, sW: cute.Tensor, ns, lane):
@@ -154,15 +172,21 @@ class CombineMixin:
         return res
 
     @cute.jit
-    def combine_item(self, mOacc, mLacc, mOS, mReq, mOut, mLse, sBuf, sW, res, item, b, ns, warp, lane):
-        """One warp merges row ``(item // 4) % R``, column quarter ``item % 4`` of request ``b`` over its ``ns >= 2``
-        slots from ``mReq[b, 1]``: slot ``s``'s partial times its weight (:meth:`slot_weight`) added in slot order,
-        :attr:`COMBINE_SLOTS_IN_FLIGHT` slots' 16-byte cp.async copies in flight at a time (past the last slot: the
-        last slot again, not added); output ``output_scale * acc / sum`` and LSE ``max + log(sum)``; exact zeros and
-        -inf where every slot was empty (NaN: a piece saw a NaN / Inf key, NaN LSE)."""
+    def combine_item(self, mOacc, mLacc, mOS, mReq, mOut, mLse, sBuf, sW, res, item, b, ns, warp, lane, gl):
+        """One warp merges row ``(item >> (2 + gl)) % R``, column chunk ``item % (4 << gl)`` (``128 >> gl`` columns)
+        of request ``b`` over its ``ns >= 2`` slots from ``mReq[b, 1]``.  Its ``2**gl`` lane groups (``32 >> gl``
+        lanes, 4 columns a lane) take the slots ``group, group + 2**gl, ..`` in order, each with
+        :attr:`COMBINE_SLOTS_IN_FLIGHT` 16-byte cp.async copies in flight at a time (past the last slot: the last slot
+        again, not added); slot ``s``'s partial times its weight (:meth:`slot_weight`).  Butterfly shuffles add the
+        groups' sums (the same sum in every lane, commutative adds), group 0 stores ``output_scale * acc / sum`` and
+        the first chunk's lane 0 the LSE ``max + log(sum)``; exact zeros and -inf where every slot was empty (NaN: a
+        piece saw a NaN / Inf key, NaN LSE)."""
         NB = self.COMBINE_SLOTS_IN_FLIGHT
-        r = (item // 4) % self.R
-        col = (item % 4) * 128 + lane * 4
+        ng = Int32(1) << gl
+        grp, lig = lane >> (5 - gl), lane & ((Int32(32) >> gl) - 1)
+        r = (item >> (2 + gl)) % self.R
+        chunk = item & ((Int32(4) << gl) - 1)
+        col = chunk * (Int32(128) >> gl) + lig * 4
         lbase = Int64(mReq[b, 1]) * self.R + r
         gL = cute.make_tensor(mLacc.iterator + lbase, cute.make_layout(mLacc.shape[0], stride=self.R))
         m, ref, total = self.slot_max_sum(gL, sW, ns, lane)
@@ -171,19 +195,23 @@ class CombineMixin:
         atom = cute.make_copy_atom(cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL), Float32,
                                    num_bits_per_copy=128)
         w = cute.make_rmem_tensor((NB,), Float32)
-        for s0 in cutlass.range(0, ns, NB, unroll=1):
+        for s0 in cutlass.range(0, ns, NB * ng, unroll=1):  # (rounds; group `grp`: slots s0 + grp + j * ng)
             for j in cutlass.range_constexpr(NB):  # (cp.async: all NB in flight whatever the register allocator does)
-                s = cutlass.min(s0 + j, ns - 1)
+                s = cutlass.min(s0 + grp + j * ng, ns - 1)
                 cute.copy(atom, cute.make_tensor(row_ptr(mOacc, lbase + Int64(s) * self.R, col, self.DV, 16),
                                                  cute.make_layout(4)), sBuf[None, (warp * NB + j) * 32 + lane])
             cute.arch.cp_async_commit_group()
             for j in cutlass.range_constexpr(NB):
-                w[j] = self.slot_weight(gL, sW, ref, cutlass.min(s0 + j, ns - 1))
+                w[j] = self.slot_weight(gL, sW, ref, cutlass.min(s0 + grp + j * ng, ns - 1))
             cute.arch.cp_async_wait_group(0)
             for j in cutlass.range_constexpr(NB):
                 v = sBuf[None, (warp * NB + j) * 32 + lane].load()
                 for e in cutlass.range_constexpr(4):
-                    acc[e] = cutlass.select_(s0 + j < ns, acc[e] + w[j] * v[e], acc[e])
+                    acc[e] = cutlass.select_(s0 + grp + j * ng < ns, acc[e] + w[j] * v[e], acc[e])
+        if gl > 0:  # the 4 groups' sums (lane bits 4 and 3)
+            for k in cutlass.range_constexpr(2):
+                for e in cutlass.range_constexpr(4):
+                    acc[e] = acc[e] + cute.arch.shuffle_sync_bfly(acc[e], offset=16 >> k)
         inv = Float32(0.0)
         lse = -Float32.inf
         if total != 0.0:
@@ -192,8 +220,9 @@ class CombineMixin:
         for e in cutlass.range_constexpr(4):
             res[e] = (acc[e] * inv).to(self.out_dtype)
         obase = Int64(b) * self.R + r
-        cute.make_tensor(row_ptr(mOut, obase, col, self.DV, 8), cute.make_layout(4)).store(res.load())
-        if lane == 0 and col == 0:
+        if grp == 0:  # (gl 0: every lane)
+            cute.make_tensor(row_ptr(mOut, obase, col, self.DV, 8), cute.make_layout(4)).store(res.load())
+        if lane == 0 and chunk == 0:
             cute.make_tensor(mLse.iterator + obase, cute.make_layout(1))[0] = lse
         cute.arch.sync_warp()  # (the warp's sW and sBuf are free for its next item)
 
