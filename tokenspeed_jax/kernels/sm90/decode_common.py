@@ -184,7 +184,6 @@ class MlaDecodeSm90(CombineMixin):
         tid, _, _ = cute.arch.thread_idx()
         mblk, g, _ = cute.arch.block_idx()
         self.allow_combine_launch()
-        cute.arch.griddepcontrol_wait()  # (PDL: every read and write of the kernel's operands comes after this)
         wg = cute.arch.make_warp_uniform(tid // 128)
         st = cutlass.utils.SmemAllocator().allocate(Storage)
         return tid, mblk, g, wg, tid % 128, st
@@ -629,7 +628,7 @@ class MlaDecodeSm90(CombineMixin):
         """Host side of every loop: launch its traced main kernel ``main`` (``smem`` bytes of shared memory: one CTA
         per SM) on the persistent grid ``(row blocks, num_ctas)`` (:meth:`cta_start`), then :meth:`launch_combine`."""
         main.launch(grid=(self.num_m_blocks, self.num_ctas, 1), block=(self.cta_threads, 1, 1), smem=smem,
-                    stream=stream, min_blocks_per_mp=1, use_pdl=True)
+                    stream=stream, min_blocks_per_mp=1)
         self.launch_combine(stream, o_accum, lse_accum, output_scale, sched_cta, sched_req, out, lse)
 
 
