@@ -15,10 +15,10 @@ some kernel ran). Where ``us_per_call`` of ``ours {dt}`` exceeds ``ours {dt} ker
 kernel's duration, the rest is launch gaps, which ``gap_us`` shows.
 
 Unlike ``benchmarks/kernel_times.py`` (Nsight Compute: each kernel alone, serialized, caches flushed), this is the
-timeline of the sustained run whose totals the README's table reports. Its purpose: on the H200 (2026-12-05) a call
-computing its own schedule took 14-25 µs more than one on a shared schedule, while ncu timed the schedule kernel at
-~8 µs. Written 2026-12-05 and not yet run on a GPU (no device came that session); its parsing and accounting are
-tested on the CPU (``tests/test_decode_benchmark.py::test_timeline_summary_counts_gaps_and_overlap_once``).
+timeline of the sustained run whose totals the README's table reports: it splits a call's time into kernels and
+launch gaps (why it was written, and whether it has run: ``docs/sm90_decode_schedule.md``, "Not done yet"). Its
+parsing and accounting are tested on the CPU
+(``tests/test_decode_benchmark.py::test_timeline_summary_counts_gaps_and_overlap_once``).
 """
 
 from __future__ import annotations
