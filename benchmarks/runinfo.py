@@ -64,10 +64,10 @@ _TREE_DIRS = ("tokenspeed_jax", "models", "benchmarks", "scripts")
 
 
 # ----------------------------------------------------------------------------------------- provenance
-def tree_sha1(root: str = ROOT) -> str:
-    """SHA-1 over the relative paths and contents of the ``.py`` / ``.sh`` files under ``_TREE_DIRS``."""
+def tree_sha1(root: str = ROOT, tops: tuple[str, ...] = _TREE_DIRS) -> str:
+    """SHA-1 over the relative paths and contents of the ``.py`` / ``.sh`` files under ``tops`` of ``root``."""
     h = hashlib.sha1()
-    for top in _TREE_DIRS:
+    for top in tops:
         for d, dirs, files in os.walk(os.path.join(root, top)):
             dirs[:] = sorted(x for x in dirs if x != "__pycache__" and not x.startswith("."))
             for f in sorted(files):
@@ -98,8 +98,24 @@ def source_commit(given: str | None = None) -> str | None:
     return head + ("+dirty" if dirty else "") if head else None
 
 
+def package_source() -> dict:
+    """Where this process's ``tokenspeed_jax`` came from: ``package_dir`` (the imported package's directory) and
+    ``package_sha1`` (:func:`tree_sha1` over ``tokenspeed_jax``, ``ffi`` and ``models`` beside it, the code a
+    measurement ran).  ``tree_sha1`` hashes the checkout holding ``benchmarks`` instead, so in an A/B of package
+    trees these two fields tell the trees apart, and show it when a tree was not the one imported: ``python -m``
+    and ``python -c`` put the working directory first on ``sys.path``, ahead of ``PYTHONPATH``, so a tree named on
+    ``PYTHONPATH`` is only imported when the command runs from a directory without a ``tokenspeed_jax``
+    (``cd <tree> && PYTHONPATH=<tree>:<checkout> python -m benchmarks...``) or runs a script by path (2026-12-06:
+    three "trees" timed from the checkout's root all ran the checkout's package)."""
+    import tokenspeed_jax
+
+    pkg = os.path.dirname(os.path.abspath(tokenspeed_jax.__file__))
+    return {"package_dir": pkg, "package_sha1": tree_sha1(os.path.dirname(pkg), ("tokenspeed_jax", "ffi", "models"))}
+
+
 def provenance(commit: str | None = None) -> dict:
-    """Command, UTC date, device, jax version, commit and source-tree hash of this process."""
+    """Command, UTC date, device, jax version, commit, source-tree hash and imported package
+    (:func:`package_source`) of this process."""
     import jax
 
     d = jax.devices()[0]
@@ -112,6 +128,7 @@ def provenance(commit: str | None = None) -> dict:
         "python": sys.version.split()[0],
         "commit": source_commit(commit),
         "tree_sha1": tree_sha1(),
+        **package_source(),
     }
 
 

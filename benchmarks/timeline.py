@@ -89,6 +89,8 @@ def main(argv=None):
     ap.add_argument("--calls", type=int, default=30)
     ap.add_argument("--seed", type=int, default=1234)
     ap.add_argument("--out", default="/tmp/decode_timeline.json")
+    ap.add_argument("--contenders", nargs="+", metavar="NAME",
+                    help="only these contenders (names as in the JSON, e.g. 'ours bf16 kernel'); default: all")
     a = ap.parse_args(argv)
     os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
     import jax.numpy as jnp
@@ -112,9 +114,11 @@ def main(argv=None):
         fns = {n: (lambda f=f, args=args: f(*args))
                for n, (f, args, _) in our_contenders(q, kv, q8, kv8, bt, sl, scale).items()
                if n in ("ours bf16", "ours bf16 kernel", "ours fp8", "ours fp8 kernel")}
-        if fm is not None:
+        if fm is not None and (not a.contenders or any(n.startswith("FlashMLA") for n in a.contenders)):
             run, run8 = flashmla_calls(fm, q, kv, bt, sl)
             fns["FlashMLA bf16"], fns["FlashMLA fp8"] = run, run8
+        if a.contenders:
+            fns = {n: fn for n, fn in fns.items() if n in a.contenders}
         res = {}
         for n, fn in fns.items():
             try:

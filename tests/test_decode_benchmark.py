@@ -4,6 +4,8 @@ contenders are pointed at the ``xla`` backend, FlashMLA is absent)."""
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 
 from benchmarks import decode as bd
@@ -282,3 +284,36 @@ def test_timeline_summary_counts_gaps_and_overlap_once():
                           "combine": {"median_us": 13.0, "per_call": 1.0}}
     assert tl.kind("flash_fwd_splitkv_mla_kernel<...>").startswith("flash") and tl.kind("loop_fusion") == "other"
     assert tl.summarize([], 3) == {"kernels": 0}
+
+
+def test_provenance_names_the_imported_package_tree(tmp_path):
+    """An A/B of package trees: the JSON's ``package_dir`` / ``package_sha1`` name the tree a process imported.  Run
+    from the tree's own directory, the tree is imported; ``python -c`` (or ``-m``) from the checkout's root imports
+    the checkout's package whatever ``PYTHONPATH`` says first (the trap ``benchmarks.runinfo.package_source``
+    documents)."""
+    import json
+    import shutil
+    import subprocess
+    import sys
+
+    from benchmarks.runinfo import ROOT, package_source, tree_sha1
+
+    tree = tmp_path / "tree"
+    for top in ("tokenspeed_jax", "ffi", "models"):
+        shutil.copytree(os.path.join(ROOT, top), tree / top, ignore=shutil.ignore_patterns("__pycache__"))
+    with open(tree / "tokenspeed_jax" / "_version.py", "a") as f:
+        f.write("# another tree\n")
+    probe = "import json; from benchmarks.runinfo import package_source; print(json.dumps(package_source()))"
+
+    def run(cwd):
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tree), ROOT]), JAX_PLATFORMS="cpu")
+        out = subprocess.run([sys.executable, "-c", probe], cwd=cwd, env=env, capture_output=True, text=True,
+                             timeout=300, check=True).stdout
+        return json.loads(out.strip().splitlines()[-1])
+
+    here = package_source()
+    assert here["package_sha1"] == tree_sha1(ROOT, ("tokenspeed_jax", "ffi", "models"))
+    theirs = run(str(tree))
+    assert theirs["package_dir"] == str(tree / "tokenspeed_jax")
+    assert theirs["package_sha1"] == tree_sha1(str(tree), ("tokenspeed_jax", "ffi", "models")) != here["package_sha1"]
+    assert run(ROOT) == here  # (from the root: the root's package, although the tree is first on PYTHONPATH)
