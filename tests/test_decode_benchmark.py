@@ -286,6 +286,20 @@ def test_timeline_summary_counts_gaps_and_overlap_once():
     assert tl.summarize([], 3) == {"kernels": 0}
 
 
+def _package_tree(tree):
+    """A copy of this checkout's ``tokenspeed_jax``, ``ffi`` and ``models`` at ``tree`` (a path), one file changed so
+    that its ``package_sha1`` differs: another package tree, as an A/B carries it."""
+    import shutil
+
+    from benchmarks.runinfo import ROOT
+
+    for top in ("tokenspeed_jax", "ffi", "models"):
+        shutil.copytree(os.path.join(ROOT, top), tree / top, ignore=shutil.ignore_patterns("__pycache__"))
+    with open(tree / "tokenspeed_jax" / "_version.py", "a") as f:
+        f.write("# another tree\n")
+    return tree
+
+
 def test_provenance_names_the_imported_package_tree(tmp_path):
     """An A/B of package trees: the JSON's ``package_dir`` / ``package_sha1`` name the tree a process imported.  Run
     from the tree's own directory, the tree is imported; ``python -c`` (or ``-m``) from the checkout's root imports
@@ -298,11 +312,7 @@ def test_provenance_names_the_imported_package_tree(tmp_path):
 
     from benchmarks.runinfo import ROOT, package_source, tree_sha1
 
-    tree = tmp_path / "tree"
-    for top in ("tokenspeed_jax", "ffi", "models"):
-        shutil.copytree(os.path.join(ROOT, top), tree / top, ignore=shutil.ignore_patterns("__pycache__"))
-    with open(tree / "tokenspeed_jax" / "_version.py", "a") as f:
-        f.write("# another tree\n")
+    tree = _package_tree(tmp_path / "tree")
     probe = "import json; from benchmarks.runinfo import package_source; print(json.dumps(package_source()))"
 
     def run(cwd):
@@ -317,3 +327,45 @@ def test_provenance_names_the_imported_package_tree(tmp_path):
     assert theirs["package_dir"] == str(tree / "tokenspeed_jax")
     assert theirs["package_sha1"] == tree_sha1(str(tree), ("tokenspeed_jax", "ffi", "models")) != here["package_sha1"]
     assert run(ROOT) == here  # (from the root: the root's package, although the tree is first on PYTHONPATH)
+
+
+def test_ab_alternates_trees_and_checks_the_imported_package(tmp_path, monkeypatch):
+    """``benchmarks.ab`` runs a benchmark module once per tree per round from the tree's directory, trees alternating,
+    summarizes each (case, contender) per tree, and stops when a run did not import its tree's package."""
+    import json
+    import shutil
+
+    import pytest
+
+    from benchmarks import ab
+    from benchmarks.runinfo import ROOT
+
+    tree = _package_tree(tmp_path / "tree")
+    probe = tmp_path / "probe"
+    probe.mkdir()
+    (probe / "ab_probe.py").write_text(  # a "benchmark": 20 us in the copied tree, 10 in the checkout
+        "import argparse, json, os, time\n"
+        "from benchmarks.runinfo import package_source\n"
+        "ap = argparse.ArgumentParser(); ap.add_argument('--out'); ap.add_argument('--case')\n"
+        "a = ap.parse_args(); src = package_source()\n"
+        "if os.environ.get('PROBE_LIE'): src['package_dir'] = '/elsewhere'\n"
+        "us = 20.0 if src['package_dir'].startswith(%r) else 10.0\n"
+        "json.dump({**src, 't': time.time(), 'rows': [{'case': a.case, 'contender': 'ours', 'us': us}]},"
+        " open(a.out, 'w'))\n" % str(tree))
+    monkeypatch.setenv("PYTHONPATH", str(probe))
+    monkeypatch.setenv("JAX_PLATFORMS", "cpu")
+    out = tmp_path / "ab.json"
+    ab.main(["--tree", f"main={ROOT}", "--tree", f"copy={tree}", "--rounds", "2", "--out", str(out),
+             "--cache", str(tmp_path / "cache"), "--", "ab_probe", "--case", "c1"])
+    doc = json.loads(out.read_text())
+    runs = sorted((r["t"], n) for n, t in doc["trees"].items() for r in t["runs"])
+    assert [n for _, n in runs] == ["main", "copy", "copy", "main"]  # (round 1 rotated)
+    assert doc["trees"]["copy"]["runs"][0]["package_dir"] == str(tree / "tokenspeed_jax")
+    assert doc["trees"]["main"]["package_sha1"] == doc["trees"]["main"]["runs"][0]["package_sha1"]
+    (row,) = doc["summary"]
+    assert (row["case"], row["key"], row["main"]["values"], row["copy"]["median"]) == ("c1", "us", [10.0, 10.0], 20.0)
+    assert row["ratio"] == {"copy": 2.0}
+    monkeypatch.setenv("PROBE_LIE", "1")
+    with pytest.raises(RuntimeError, match="imported '/elsewhere'"):
+        ab.main(["--tree", f"main={ROOT}", "--tree", f"copy={tree}", "--rounds", "1", "--out", str(out), "--",
+                 "ab_probe", "--case", "c1"])
