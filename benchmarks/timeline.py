@@ -12,11 +12,14 @@ kernel's start to the last one's end divided by the calls (``us_per_call``: what
 time, without the host's last sync), each kernel kind's median duration (``schedule``, ``main``, ``combine``,
 FlashMLA's own kernel names, ``other`` for XLA's) and the idle time per call (``gap_us``: the span minus the time
 some kernel ran). Where ``us_per_call`` of ``ours {dt}`` exceeds ``ours {dt} kernel`` by more than the schedule
-kernel's duration, the rest is launch gaps, which ``gap_us`` shows.
+kernel's duration, the rest is launch gaps, which ``gap_us`` shows.  Our combine is launched by PDL while the main
+grid runs and waits for it, so its duration is about the main kernel's: what it adds is ``us_per_call - gap_us -
+main - schedule``.  ``--contenders NAME ...`` times only those (FlashMLA is set up only when named).
 
 Unlike ``benchmarks/kernel_times.py`` (Nsight Compute: each kernel alone, serialized, caches flushed), this is the
 timeline of the sustained run whose totals the README's table reports: it splits a call's time into kernels and
-launch gaps (why it was written, and whether it has run: ``docs/sm90_decode_schedule.md``, "Not done yet"). Its
+launch gaps (what it found: ``docs/sm90_decode_schedule.md``, "Not done yet"; H100, 2026-12-06:
+``benchmarks/results/decode_sm90_timeline_h100.json``). Its
 parsing and accounting are tested on the CPU
 (``tests/test_decode_benchmark.py::test_timeline_summary_counts_gaps_and_overlap_once``).
 """
