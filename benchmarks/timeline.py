@@ -14,7 +14,9 @@ FlashMLA's own kernel names, ``other`` for XLA's) and the idle time per call (``
 some kernel ran). Where ``us_per_call`` of ``ours {dt}`` exceeds ``ours {dt} kernel`` by more than the schedule
 kernel's duration, the rest is launch gaps, which ``gap_us`` shows.  Our combine is launched by PDL while the main
 grid runs and waits for it, so its duration is about the main kernel's: what it adds is ``us_per_call - gap_us -
-main - schedule``.  ``--contenders NAME ...`` times only those (FlashMLA is set up only when named).
+main - schedule``.  ``--contenders NAME ...`` times only those (FlashMLA is set up only when named); ``--config
+NAME`` adds that kernel config (``sm90_decode.CONFIGS``) per call and shared, e.g. to time a config built with and
+without ``prefetch`` per call (docs/sm90_decode_schedule.md, "The schedule's cost when not shared").
 
 Unlike ``benchmarks/kernel_times.py`` (Nsight Compute: each kernel alone, serialized, caches flushed), this is the
 timeline of the sustained run whose totals the README's table reports: it splits a call's time into kernels and
@@ -94,10 +96,16 @@ def main(argv=None):
     ap.add_argument("--out", default="/tmp/decode_timeline.json")
     ap.add_argument("--contenders", nargs="+", metavar="NAME",
                     help="only these contenders (names as in the JSON, e.g. 'ours bf16 kernel'); default: all")
+    ap.add_argument("--config", action="append", default=[], metavar="NAME",
+                    help="also kernel config NAME of sm90_decode.CONFIGS where it runs the case: 'ours {dt} NAME' "
+                         "(its schedule in the call) and 'ours {dt} kernel NAME' (shared); repeatable")
     a = ap.parse_args(argv)
     os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
     import jax.numpy as jnp
 
+    import dataclasses
+
+    from benchmarks.decode import config_applies, decode_fn
     from benchmarks.decode_varlen import case_of, flashmla_calls, inputs, lengths, our_contenders
     from benchmarks.runinfo import provenance
 
@@ -114,9 +122,16 @@ def main(argv=None):
         c = case_of(dist, B, cap, H, S)
         q, kv, bt, sl, scale = inputs(c, lengths(dist, B, cap, a.seed + i), a.seed + i)
         q8, kv8 = q.astype(jnp.float8_e4m3fn), kv.astype(jnp.float8_e4m3fn)
-        fns = {n: (lambda f=f, args=args: f(*args))
-               for n, (f, args, _) in our_contenders(q, kv, q8, kv8, bt, sl, scale).items()
-               if n in ("ours bf16", "ours bf16 kernel", "ours fp8", "ours fp8 kernel")}
+        ours = our_contenders(q, kv, q8, kv8, bt, sl, scale, c, tuple(a.config))
+        keep = {"ours bf16", "ours bf16 kernel", "ours fp8", "ours fp8 kernel"}
+        keep |= {f"ours {dt} kernel {name}" for dt in ("bf16", "fp8") for name in a.config}
+        fns = {n: (lambda f=f, args=args: f(*args)) for n, (f, args, _) in ours.items() if n in keep}
+        for name in a.config:  # (the config's schedule computed in the call, as mla_decode does)
+            for dt, qq, kk in (("bf16", q, kv), ("fp8", q8, kv8)):
+                cdt = dataclasses.replace(c, dtype="float8_e4m3fn" if dt == "fp8" else "bfloat16")
+                if config_applies(cdt, name):
+                    fns[f"ours {dt} {name}"] = (lambda f=decode_fn(cdt, "sm90", name), args=(qq, kk, bt, sl, scale):
+                                                f(*args))
         if fm is not None and (not a.contenders or any(n.startswith("FlashMLA") for n in a.contenders)):
             run, run8 = flashmla_calls(fm, q, kv, bt, sl)
             fns["FlashMLA bf16"], fns["FlashMLA fp8"] = run, run8
