@@ -81,7 +81,7 @@ def run_tree(name: str, tree: str, module: str, args: list[str], out: str, cache
     with open(out) as f:
         doc = json.load(f)
     want = os.path.join(tree, "tokenspeed_jax")
-    if doc.get("package_dir") != want:
+    if not doc.get("package_dir") or os.path.realpath(doc["package_dir"]) != os.path.realpath(want):
         raise RuntimeError(f"tree {name}: the run imported {doc.get('package_dir')!r}, not {want!r}")
     return doc
 
