@@ -110,6 +110,7 @@ def main(argv=None):
     if len(trees) < 2:
         ap.error("--tree: at least two trees")
     names = list(trees)
+    summary = []
     with tempfile.TemporaryDirectory() as tmp:
         for r in range(a.rounds):
             for name in names[r % len(names):] + names[: r % len(names)]:
@@ -117,14 +118,15 @@ def main(argv=None):
                                a.cache, a.timeout)
                 trees[name]["package_sha1"] = doc.get("package_sha1")
                 trees[name]["runs"].append(doc)
+                summary = summarize(trees)
                 result = {"name": f"A/B of package trees: {' '.join(cmd)}", "rounds": a.rounds,
                           "command": " ".join([os.path.basename(sys.executable), "-m", "benchmarks.ab",
                                                *(argv if argv is not None else sys.argv[1:])]),
-                          "trees": trees, "summary": summarize(trees)}
+                          "trees": trees, "summary": summary}
                 with open(a.out, "w") as f:  # (after every run: a cut call keeps what ran)
                     json.dump(result, f, indent=1)
                 print(f"ab: round {r} tree {name} done", flush=True)
-    for row in summarize(trees):
+    for row in summary:
         if row["key"] in ("us", "us_per_call"):
             print(row["case"], row["contender"], row["key"],
                   " ".join(f"{n}={row[n]['median']}" for n in names), row["ratio"], flush=True)

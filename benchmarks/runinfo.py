@@ -61,6 +61,7 @@ def _process_age() -> float:
 T0 = time.monotonic() - _process_age()  # the process start: budgets count interpreter and jax start-up too
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _TREE_DIRS = ("tokenspeed_jax", "models", "benchmarks", "scripts")
+PACKAGE_DIRS = ("tokenspeed_jax", "ffi", "models")  # a package tree: what an A/B of trees carries
 
 
 # ----------------------------------------------------------------------------------------- provenance
@@ -100,9 +101,9 @@ def source_commit(given: str | None = None) -> str | None:
 
 def package_source() -> dict:
     """Where this process's ``tokenspeed_jax`` came from: ``package_dir`` (the imported package's directory) and
-    ``package_sha1`` (:func:`tree_sha1` over ``tokenspeed_jax``, ``ffi`` and ``models`` beside it, the code a
-    measurement ran).  ``tree_sha1`` hashes the checkout holding ``benchmarks`` instead, so in an A/B of package
-    trees these two fields tell the trees apart, and show it when a tree was not the one imported: ``python -m``
+    ``package_sha1`` (:func:`tree_sha1` over :data:`PACKAGE_DIRS` beside it, the code a measurement ran).
+    ``tree_sha1`` hashes the checkout holding ``benchmarks`` instead, so in an A/B of package trees these two
+    fields tell the trees apart, and show it when a tree was not the one imported: ``python -m``
     and ``python -c`` put the working directory first on ``sys.path``, ahead of ``PYTHONPATH``, so a tree named on
     ``PYTHONPATH`` is only imported when the command runs from a directory without a ``tokenspeed_jax``
     (``cd <tree> && PYTHONPATH=<tree>:<checkout> python -m benchmarks...``) or runs a script by path (2026-12-06:
@@ -110,7 +111,7 @@ def package_source() -> dict:
     import tokenspeed_jax
 
     pkg = os.path.dirname(os.path.abspath(tokenspeed_jax.__file__))
-    return {"package_dir": pkg, "package_sha1": tree_sha1(os.path.dirname(pkg), ("tokenspeed_jax", "ffi", "models"))}
+    return {"package_dir": pkg, "package_sha1": tree_sha1(os.path.dirname(pkg), PACKAGE_DIRS)}
 
 
 def provenance(commit: str | None = None) -> dict:

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import dataclasses
 import json
 import os
 import statistics
@@ -102,8 +103,6 @@ def main(argv=None):
     a = ap.parse_args(argv)
     os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
     import jax.numpy as jnp
-
-    import dataclasses
 
     from benchmarks.decode import config_applies, decode_fn
     from benchmarks.decode_varlen import case_of, flashmla_calls, inputs, lengths, our_contenders

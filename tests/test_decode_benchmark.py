@@ -291,9 +291,9 @@ def _package_tree(tree):
     that its ``package_sha1`` differs: another package tree, as an A/B carries it."""
     import shutil
 
-    from benchmarks.runinfo import ROOT
+    from benchmarks.runinfo import PACKAGE_DIRS, ROOT
 
-    for top in ("tokenspeed_jax", "ffi", "models"):
+    for top in PACKAGE_DIRS:
         shutil.copytree(os.path.join(ROOT, top), tree / top, ignore=shutil.ignore_patterns("__pycache__"))
     with open(tree / "tokenspeed_jax" / "_version.py", "a") as f:
         f.write("# another tree\n")
@@ -306,11 +306,10 @@ def test_provenance_names_the_imported_package_tree(tmp_path):
     the checkout's package whatever ``PYTHONPATH`` says first (the trap ``benchmarks.runinfo.package_source``
     documents)."""
     import json
-    import shutil
     import subprocess
     import sys
 
-    from benchmarks.runinfo import ROOT, package_source, tree_sha1
+    from benchmarks.runinfo import PACKAGE_DIRS, ROOT, package_source, tree_sha1
 
     tree = _package_tree(tmp_path / "tree")
     probe = "import json; from benchmarks.runinfo import package_source; print(json.dumps(package_source()))"
@@ -322,10 +321,10 @@ def test_provenance_names_the_imported_package_tree(tmp_path):
         return json.loads(out.strip().splitlines()[-1])
 
     here = package_source()
-    assert here["package_sha1"] == tree_sha1(ROOT, ("tokenspeed_jax", "ffi", "models"))
+    assert here["package_sha1"] == tree_sha1(ROOT, PACKAGE_DIRS)
     theirs = run(str(tree))
     assert theirs["package_dir"] == str(tree / "tokenspeed_jax")
-    assert theirs["package_sha1"] == tree_sha1(str(tree), ("tokenspeed_jax", "ffi", "models")) != here["package_sha1"]
+    assert theirs["package_sha1"] == tree_sha1(str(tree), PACKAGE_DIRS) != here["package_sha1"]
     assert run(ROOT) == here  # (from the root: the root's package, although the tree is first on PYTHONPATH)
 
 
@@ -333,7 +332,6 @@ def test_ab_alternates_trees_and_checks_the_imported_package(tmp_path, monkeypat
     """``benchmarks.ab`` runs a benchmark module once per tree per round from the tree's directory, trees alternating,
     summarizes each (case, contender) per tree, and stops when a run did not import its tree's package."""
     import json
-    import shutil
 
     import pytest
 
