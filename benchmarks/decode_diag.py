@@ -70,6 +70,8 @@ def main():
                     help="part 5: dist,B,capacity,H,S cases (default: the README's decode table and 3 more)")
     ap.add_argument("--config", action="append", default=[], metavar="NAME",
                     help="part 2: also time this config of tokenspeed_jax.backends.sm90_decode.CONFIGS (repeatable)")
+    ap.add_argument("--fixed-costs", default="8,2,4,6,12", help="part 5: the choose mode's fixed costs (64-token tiles)")
+    ap.add_argument("--balanced-costs", default="4,8", help="part 5: the balanced mode's fixed costs")
     args = ap.parse_args()
     res: dict = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
 
@@ -192,8 +194,9 @@ def main():
         res["policy"] = []
         # (the fixed cost of a piece, 64-token tiles, around the default 8, which the sweep of 2026-12-05 chose
         # before the prefetch across pieces made a piece's start cheaper; its other variants are in the journal)
-        variants = {f"choose fc{fc}": {"fixed_cost": fc} for fc in (8, 2, 4, 6, 12)}
-        variants.update({f"balanced fc{fc}": {"mode": "balanced", "fixed_cost": fc} for fc in (4, 8)})
+        variants = {f"choose fc{fc}": {"fixed_cost": int(fc)} for fc in args.fixed_costs.split(",")}
+        variants.update({f"balanced fc{fc}": {"mode": "balanced", "fixed_cost": int(fc)}
+                         for fc in args.balanced_costs.split(",") if fc})
         for c, lens, q, kv, bt, sl, dt, qq, kk in case_inputs(sweep):
             S, H = c.S, c.H
             prob = _decode_problem(qq, kk, bt, sl, True, 512, True)
