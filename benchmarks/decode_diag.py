@@ -73,7 +73,9 @@ def main():
     ap.add_argument("--fixed-costs", default="8,2,4,6,12", help="part 5: the choose mode's fixed costs (64-token tiles)")
     ap.add_argument("--balanced-costs", default="4,8", help="part 5: the balanced mode's fixed costs")
     args = ap.parse_args()
-    res: dict = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
+    from benchmarks.runinfo import provenance
+
+    res: dict = {"name": f"sm90 decode diagnostics, parts {args.parts}", **provenance()}
 
     def dump():
         with open(args.out, "w") as f:
