@@ -10,6 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from tokenspeed_jax.backends.sm90_decode import _FIXED_COST
 from tokenspeed_jax.decode_schedule import UNIT, ScheduleSpec, decode_schedule, reference_pieces
 
 
@@ -73,16 +74,17 @@ def _cta_costs(pieces, spec):
     return cost
 
 
+@pytest.mark.parametrize("fixed_cost", [3, _FIXED_COST])  # (the sm90 backend's)
 @pytest.mark.parametrize("mode", ["balanced", "per_request", "choose"])
 @pytest.mark.parametrize("case", ["uniform", "tail", "zeros", "one", "full"])
-def test_cover_and_slots(mode, case):
+def test_cover_and_slots(mode, case, fixed_cost):
     rng = np.random.default_rng(7)
     B, cap = 64, 81920
     seq = {"uniform": rng.integers(256, cap + 1, B), "tail": np.where(rng.random(B) < 0.1, cap, rng.integers(1, 2048, B)),
            "zeros": np.where(rng.random(B) < 0.5, 0, rng.integers(1, cap, B)), "one": np.full(1, 131072),
            "full": np.full(B, cap)}[case]
     capacity = 131072 if case == "one" else cap
-    spec, cta, req = _run(seq, num_ctas=132, capacity=capacity, split_units=320, mode=mode)
+    spec, cta, req = _run(seq, num_ctas=132, capacity=capacity, split_units=320, mode=mode, fixed_cost=fixed_cost)
     _check_cover(seq, spec, cta, req)
 
 
@@ -197,7 +199,7 @@ def test_emulated_split_attention_is_exact(data):
     seq = np.array(data.draw(st.lists(st.integers(-3, cap + 300), min_size=B, max_size=B)), np.int64)
     mode = data.draw(st.sampled_from(["balanced", "per_request", "choose", "invariant"]))
     split_units = data.draw(st.integers(1, cap // UNIT))
-    fixed = data.draw(st.integers(0, 4))
+    fixed = data.draw(st.integers(0, 24))
     chunk = UNIT * data.draw(st.integers(1, 3)) if mode == "invariant" else 0
     spec, cta, req = _run(seq, num_ctas=G, capacity=cap, split_units=split_units, mode="choose" if chunk else mode,
                           fixed_cost=fixed, chunk=chunk)
@@ -231,7 +233,7 @@ def test_invariant_pieces_depend_on_own_length(data):
     G = data.draw(st.integers(1, 24))
     cap = UNIT * data.draw(st.integers(1, 40))
     chunk = UNIT * data.draw(st.integers(1, 8))
-    fixed = data.draw(st.integers(0, 5))
+    fixed = data.draw(st.integers(0, 24))
     L0 = data.draw(st.integers(0, cap + 200))
     seen = set()
     for _ in range(3):
