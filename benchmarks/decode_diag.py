@@ -5,8 +5,8 @@
 Parts: (1) per-kernel device time of one decode call (schedule fusions, main kernel, combine) from a
 profiler trace; (2) per-piece overhead: full-length batches of the same total tokens as 1..32 whole requests per
 CTA (H 32 and 128), ours (and each ``--config``, e.g. ``seesaw``) vs FlashMLA; (4) the schedule alone
-per B (device time per call, many calls in one executable); (5) the schedule's fixed cost per piece (``choose``
-2..12 tiles, ``balanced`` 4 and 8) swept on the varied and full-length cases of ``--cases`` (kernels on a shared
+per B (device time per call, many calls in one executable); (5) the schedule's fixed cost per piece (``--fixed-costs`` in
+``choose`` mode, ``--balanced-costs`` in ``balanced`` mode) swept on the varied and full-length cases of ``--cases`` (kernels on a shared
 schedule, FlashMLA interleaved; the earlier sweeps of mode, ``prefer`` and unit, 2026-12-04 and 12-05, are in
 ``docs/notes/sm90_decode_journal.md``)."""
 
@@ -42,6 +42,11 @@ def kernel_times(trace_dir: str, calls: int) -> dict[str, float]:
     return dict(sorted(tot.items(), key=lambda kv: -kv[1]))
 
 
+def _ints(arg: str | None, default: list[int]) -> list[int]:
+    """A comma-separated option's integers, or ``default`` where it was not given."""
+    return [int(x) for x in arg.split(",") if x] if arg is not None else default
+
+
 def case_inputs(specs):
     """``(case, lengths, q, kv, table, seq_lens, dtype, q in dtype, kv in dtype)`` for each ``(dist, B, capacity, H,
     S)`` of ``specs`` and each dtype (BF16, FP8): the same random inputs for both dtypes (seed 0)."""
@@ -70,8 +75,10 @@ def main():
                     help="part 5: dist,B,capacity,H,S cases (default: the README's decode table and 3 more)")
     ap.add_argument("--config", action="append", default=[], metavar="NAME",
                     help="part 2: also time this config of tokenspeed_jax.backends.sm90_decode.CONFIGS (repeatable)")
-    ap.add_argument("--fixed-costs", default="8,2,4,6,12", help="part 5: the choose mode's fixed costs (64-token tiles)")
-    ap.add_argument("--balanced-costs", default="4,8", help="part 5: the balanced mode's fixed costs")
+    ap.add_argument("--fixed-costs", default=None, help="part 5: the choose mode's fixed costs, 64-token tiles, comma "
+                    "separated (default: the backend's, then 8, 12, 24)")
+    ap.add_argument("--balanced-costs", default=None, help="part 5: the balanced mode's fixed costs (default: the "
+                    "backend's)")
     args = ap.parse_args()
     from benchmarks.runinfo import provenance
 
@@ -194,11 +201,10 @@ def main():
     # ---- (5) the schedule's policy: mode, fixed cost, prefer (kernels alone, schedule precomputed)
     if "5" in args.parts:
         res["policy"] = []
-        # (the fixed cost of a piece, 64-token tiles, around the default 8, which the sweep of 2026-12-05 chose
-        # before the prefetch across pieces made a piece's start cheaper; its other variants are in the journal)
-        variants = {f"choose fc{fc}": {"fixed_cost": int(fc)} for fc in args.fixed_costs.split(",")}
-        variants.update({f"balanced fc{fc}": {"mode": "balanced", "fixed_cost": int(fc)}
-                         for fc in args.balanced_costs.split(",") if fc})
+        own = sm90_decode._FIXED_COST
+        variants = {f"choose fc{fc}": {"fixed_cost": fc} for fc in _ints(args.fixed_costs, [own, 8, 12, 24])}
+        variants.update({f"balanced fc{fc}": {"mode": "balanced", "fixed_cost": fc}
+                         for fc in _ints(args.balanced_costs, [own])})
         for c, lens, q, kv, bt, sl, dt, qq, kk in case_inputs(sweep):
             S, H = c.S, c.H
             prob = _decode_problem(qq, kk, bt, sl, True, 512, True)

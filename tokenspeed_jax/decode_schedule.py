@@ -73,7 +73,8 @@ class ScheduleSpec:
     num_ctas: CTAs per row block of the persistent grid (``num_sms // m_blocks``).
     capacity: the block table's token capacity (``max_pages * page_size``), the kernel's length clamp.
     split_units: per-request cut granularity in units (the static plan's tokens per split / ``unit``).
-    fixed_cost: start/drain cost of a piece, in units (FlashMLA: 5 blocks of 64 tokens; the sm90 backend: 8).
+    fixed_cost: start/drain cost of a piece, in units (FlashMLA: 5 blocks of 64 tokens; the sm90 backend:
+      ``sm90_decode._FIXED_COST``).
     mode: ``"choose"`` (per call, on the device), ``"balanced"`` or ``"per_request"``.
     prefer: the per-request cut is kept while its busiest CTA costs at most ``prefer`` x the balanced one's.
     chunk: ``0``, or the batch-invariant schedule's piece length in tokens (a multiple of ``unit``; ``mode``,

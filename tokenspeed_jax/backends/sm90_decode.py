@@ -181,8 +181,8 @@ def plan_for_config(problem: DecodeProblem, config: Sm90DecodeConfig):
 # held to at most 1/INVARIANT_OVERHEAD of the piece's own KV work, by the schedule's cost model (invariant_chunk)
 INVARIANT_OVERHEAD = 8
 # the schedule's fixed cost of a piece in 64-token tiles (Q load, pipeline start and drain, epilogue, fp32 partial):
-# 16, the fastest of 2..32 on the H100 with the prefetch across pieces (docs/sm90_decode_schedule.md, "The cost
-# model's fixed cost")
+# 16, the fastest of 2..32 on the H100 with the prefetch across pieces (docs/sm90_decode_schedule.md, "The fixed
+# cost of a piece")
 _FIXED_COST = 16
 # the batch-invariant chunk's start/drain estimate per piece, in 64-token tiles (FlashMLA's constant; invariant_chunk)
 _START_DRAIN = 5
