@@ -123,8 +123,22 @@ def shapes(c: Case):
             jax.ShapeDtypeStruct((c.B, c.max_pages), jnp.int32), jax.ShapeDtypeStruct((c.B,), jnp.int32))
 
 
+def named_config(name: str):
+    """The sm90 kernel config a benchmark names: a key of ``sm90_decode.CONFIGS``, or such a key + ``"/noprefetch"``
+    (that config with :attr:`~tokenspeed_jax.backends.sm90_decode.Sm90DecodeConfig.prefetch` off: the A/B of the
+    prefetch across pieces, with no ``CONFIGS`` entry for it)."""
+    from tokenspeed_jax.backends import sm90_decode
+
+    base, sep, mod = name.partition("/")
+    if base not in sm90_decode.CONFIGS or (sep and mod != "noprefetch"):
+        raise ValueError(f"config: expected a name of sm90_decode.CONFIGS {sorted(sm90_decode.CONFIGS)}, optionally "
+                         f"with '/noprefetch', got {name!r}")
+    cfg = sm90_decode.CONFIGS[base]
+    return dataclasses.replace(cfg, prefetch=False) if sep else cfg
+
+
 def config_applies(c: Case, config: str) -> bool:
-    """Whether the sm90 kernel config named ``config`` (``sm90_decode.CONFIGS``) runs case ``c``."""
+    """Whether the sm90 kernel config named ``config`` (:func:`named_config`) runs case ``c``."""
     from tokenspeed_jax.backends import sm90_decode
     from tokenspeed_jax.decode import _decode_problem
     from tokenspeed_jax.runtime import target_override
@@ -132,14 +146,14 @@ def config_applies(c: Case, config: str) -> bool:
     with target_override("sm_90a", num_sms=132):
         prob = _decode_problem(*shapes(c), c.causal, 512, True)
     try:
-        sm90_decode.check_config(prob, sm90_decode.CONFIGS[config])
+        sm90_decode.check_config(prob, named_config(config))
     except ValueError:
         return False
     return True
 
 
 def decode_fn(c: Case, backend: str, config: str | None = None):
-    """jitted ``(q, kv, bt, sl, scale) -> (out, lse)``; ``config`` (sm90 only: a name of ``sm90_decode.CONFIGS``)
+    """jitted ``(q, kv, bt, sl, scale) -> (out, lse)``; ``config`` (sm90 only: a name, :func:`named_config`)
     calls the sm90 wrapper directly with that kernel config instead of going through ``mla_decode``, and then takes
     an optional sixth argument: the schedule ``(cta, req)`` computed outside (``sm90_decode.schedule_of``)."""
     import jax
@@ -154,7 +168,7 @@ def decode_fn(c: Case, backend: str, config: str | None = None):
         def g(q, kv, bt, sl, scale, work=None):
             prob = _decode_problem(q, kv, bt, sl, c.causal, 512, True)
             return sm90_decode.decode(prob, q, kv, bt, sl, jnp.asarray(scale, jnp.float32), jnp.float32(1.0),
-                                      config=sm90_decode.CONFIGS[config], work=work)
+                                      config=named_config(config), work=work)
 
         return jax.jit(g)
 

@@ -11,7 +11,8 @@ is ``(distribution, B, capacity, H, S)`` with page 64; its lengths are drawn onc
 * ``tail``: a long tail: 90% of the requests uniform in ``[64, 2048]``, 10% at the capacity.
 
 ``--config NAME`` (repeatable; a name of ``tokenspeed_jax.backends.sm90_decode.CONFIGS``, e.g.
-``seesaw``): that kernel config's kernels on a shared schedule, ``ours {dt} kernel NAME``, timed in the
+``seesaw``, or one with ``/noprefetch``: ``benchmarks.decode.named_config``): that kernel config's kernels on a
+shared schedule, ``ours {dt} kernel NAME``, timed in the
 same rounds as the selected config's ``ours {dt} kernel`` where it applies (an A/B of configs on varied lengths).
 
 Bytes are those actually read: the sum of the lengths times 576 elements (2 bytes, 1 for FP8) plus q and the
@@ -27,7 +28,7 @@ import time
 
 import numpy as np
 
-from benchmarks.decode import Case, _jax_calls, config_applies, decode_fn, prewarm
+from benchmarks.decode import Case, _jax_calls, config_applies, decode_fn, named_config, prewarm
 
 DISTS = ("full", "uniform", "tail")
 DEFAULT = ([("uniform", 64, 81920, H, S) for H in (16, 32, 128) for S in (1, 4)]
@@ -130,7 +131,7 @@ def our_contenders(q, kv, q8, kv8, bt, sl, scale, c: Case | None = None, configs
             cdt = dataclasses.replace(c, dtype="float8_e4m3fn" if fp8 else "bfloat16")
             if not config_applies(cdt, name):
                 continue
-            cfg = sm90_decode.CONFIGS[name]
+            cfg = named_config(name)
             work = jax.jit(lambda q_, kv_, bt_, sl_, cfg=cfg: sm90_decode.schedule_of(
                 _decode_problem(q_, kv_, bt_, sl_, True, 512, True), sl_, cfg))(qq, kk, bt, sl)
             out[f"ours {dt} kernel {name}"] = (decode_fn(cdt, "sm90", name),
@@ -306,8 +307,8 @@ def main(argv=None):
     ap.add_argument("--out", default="/tmp/decode_varlen.json")
     ap.add_argument("--png", default=None)
     ap.add_argument("--config", action="append", default=[], metavar="NAME",
-                    help="also time this kernel config of tokenspeed_jax.backends.sm90_decode.CONFIGS on a shared "
-                         "schedule (repeatable)")
+                    help="also time this kernel config of tokenspeed_jax.backends.sm90_decode.CONFIGS (or "
+                         "NAME/noprefetch) on a shared schedule (repeatable)")
     ap.add_argument("--smoke", action="store_true",
                     help="CPU: lower every one of our contenders (default, shared work, batch-invariant; BF16 and FP8) "
                          "of the cases for sm_90a, compiling the kernels, and time nothing")
@@ -329,11 +330,11 @@ def main(argv=None):
     for s in specs:
         if s[0] not in DISTS:
             ap.error(f"--cases: distribution must be one of {DISTS}, got {s[0]!r}")
-    from tokenspeed_jax.backends.sm90_decode import CONFIGS
-
-    bad = [n for n in a.config if n not in CONFIGS]
-    if bad:
-        ap.error(f"--config: expected names of {tuple(CONFIGS)}, got {bad}")
+    for n in a.config:
+        try:
+            named_config(n)
+        except ValueError as e:
+            ap.error(f"--{e}")
     if a.smoke:
         smoke(specs, a.seed, tuple(a.config))
         return

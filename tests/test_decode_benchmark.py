@@ -367,3 +367,104 @@ def test_ab_alternates_trees_and_checks_the_imported_package(tmp_path, monkeypat
     with pytest.raises(RuntimeError, match="imported '/elsewhere'"):
         ab.main(["--tree", f"main={ROOT}", "--tree", f"copy={tree}", "--rounds", "1", "--out", str(out), "--",
                  "ab_probe", "--case", "c1"])
+
+
+def test_piece_cases_give_their_layout_on_the_real_schedule():
+    """decode_diag part 6: every batch of ``piece_cases`` has, under the jnp schedule the part times with (balanced,
+    fixed cost 0, the backend's grid), exactly ``k`` pieces in every CTA, all direct or all split as its kind says;
+    a schedule of another layout is refused."""
+    import jax.numpy as jnp
+    import pytest
+
+    from benchmarks.decode_diag import piece_cases, piece_layout
+    from tokenspeed_jax.decode_schedule import ScheduleSpec, decode_schedule
+
+    for G in (132, 66):
+        cases = piece_cases(G, tiles=(4, 64), per_cta=(1, 3))
+        assert {c[0] for c in cases} == {"direct", "split"} and {c[2] for c in cases} == {0, 32}
+        for kind, n, short, k, B, L in cases:
+            cap = -(-L // 64) * 64
+            spec = ScheduleSpec(num_ctas=G, capacity=cap, split_units=max(1, cap // 64), fixed_cost=0,
+                                mode="balanced", unit=64)
+            lens = np.full(B, L)
+            got = piece_layout(decode_schedule(jnp.asarray(lens, jnp.int32), spec), lens, cap, kind, k)
+            assert got["pieces_per_cta"] == [k, k]
+            assert got["split_pieces"] == (G if kind == "split" else 0)
+    assert all(c[0] == "direct" for c in piece_cases(5))  # an odd grid cannot halve every request
+    kind, n, short, k, B, L = piece_cases(132, tiles=(16,), per_cta=(2,))[0]
+    spec = ScheduleSpec(num_ctas=132, capacity=L, split_units=1, fixed_cost=16, mode="balanced", unit=64)
+    lens = np.full(B + 7, L)  # not the batch's shape: the check must refuse it
+    with pytest.raises(ValueError, match="part 6"):
+        piece_layout(decode_schedule(jnp.asarray(lens, jnp.int32), spec), lens, L, kind, k)
+
+
+def test_fit_piece_cost_recovers_tile_and_piece_costs():
+    """decode_diag part 6's fit: times made from known costs (µs per tile, per piece, per split piece, a constant per
+    call) come back, per contender and per short-tile setting; a contender missing from a row is left out."""
+    from benchmarks.decode_diag import fit_piece_cost, piece_cases
+
+    cost = {"ours": (3.0, 20.0, 9.0, 12.0), "FlashMLA": (3.2, 6.0, 4.0, 8.0)}  # tile, piece, split extra, call
+    rows = []
+    for kind, n, short, k, B, L in piece_cases(132, tiles=(4, 16, 64)):
+        row = {"dtype": "bfloat16", "H": 32, "kind": kind, "tiles": n, "short": short, "k": k}
+        for name, (a, beta, sp, call) in cost.items():
+            extra = 1.5 if short else 0.0  # a short last tile costs a little more per piece
+            row[name] = call + k * (a * n + beta + extra) + (sp if kind == "split" else 0.0)
+        rows.append(row)
+    rows[0].pop("FlashMLA")
+    fits = {(f["contender"], f["short"]): f for f in fit_piece_cost(rows, ["ours", "FlashMLA"])}
+    assert set(fits) == {(c, s) for c in cost for s in (0, 32)}
+    for (name, short), f in fits.items():
+        a, beta, sp, _ = cost[name]
+        assert abs(f["us_per_tile"] - a) < 1e-6
+        assert abs(f["beta_us"] - beta - (1.5 if short else 0.0)) < 1e-6
+        assert abs(f["beta_tiles"] - f["beta_us"] / a) < 1e-9
+        assert all(abs(v - sp) < 1e-6 for v in f["split_extra_us"].values())
+    assert 4 not in fits[("FlashMLA", 0)]["split_extra_us"]  # its k = 1 direct row lost FlashMLA's time
+
+
+def test_named_config_and_its_noprefetch_variant():
+    """benchmarks.decode.named_config: a CONFIGS name, or NAME/noprefetch (prefetch off, all else equal); others
+    are refused with the names."""
+    import dataclasses
+
+    import pytest
+
+    from tokenspeed_jax.backends.sm90_decode import CONFIGS
+
+    assert bd.named_config("transposed") is CONFIGS["transposed"]
+    off = bd.named_config("transposed/noprefetch")
+    assert off.prefetch is False and dataclasses.replace(off, prefetch=True) == CONFIGS["transposed"]
+    for bad in ("nope", "transposed/fast", "/noprefetch"):
+        with pytest.raises(ValueError, match="CONFIGS"):
+            bd.named_config(bad)
+
+
+def test_decode_diag_part6_runs_its_batches(tmp_path, monkeypatch):
+    """decode_diag --parts 6 end to end on the CPU up to the timing: the grid from the backend's spec for sm_90a,
+    every batch built and its schedule checked (piece_layout), a row per batch and the fit in the JSON.  The kernels
+    are not run here (the timing is replaced; no prewarm), so this is the part's control flow, not its numbers."""
+    import json
+
+    import benchmarks.decode as bdec
+    import benchmarks.harness as harness
+    from benchmarks import decode_diag
+    from tokenspeed_jax.runtime import target_override
+
+    def fake_interleaved(fns, est_us, rounds=5):
+        return {name: {"median_us": 10.0 + i} for i, name in enumerate(fns)}
+
+    monkeypatch.setattr(harness, "interleaved", fake_interleaved)
+    monkeypatch.setattr(bdec, "prewarm", lambda *a, **k: None)
+    out = tmp_path / "diag6.json"
+    with target_override("sm_90a", num_sms=132):
+        decode_diag.main(["--parts", "6", "--piece-tiles", "4", "--piece-per-cta", "1,2", "--out", str(out),
+                          "--config", "transposed/noprefetch"])
+    res = json.loads(out.read_text())
+    rows = res["piece_cost"]
+    assert len(rows) == 2 * len(decode_diag.piece_cases(132, tiles=(4,), per_cta=(1, 2)))  # BF16 and FP8
+    assert all(r["pieces_per_cta"] == [r["k"], r["k"]] for r in rows)
+    bf16 = [r for r in rows if r["dtype"] == "bfloat16"]
+    assert all("transposed/noprefetch" in r for r in bf16)  # the 16-bit H32 config: the variant applies
+    assert not any("transposed/noprefetch" in r for r in rows if r["dtype"] != "bfloat16")
+    assert {f["contender"] for f in res["piece_cost_fit"]} >= {"ours", "transposed/noprefetch"}
