@@ -474,6 +474,57 @@ _TRACE_SCRIPT = textwrap.dedent(
 )
 
 
+@pytest.mark.compile
+def test_piece_traced_build_lowers():
+    """The debug build behind benchmarks/piece_timeline.py (each CTA's pieces recorded: clock64 and globaltimer, an
+    extra int64 output) compiles and lowers for each of the four loops, with the prefetch across pieces where the
+    table uses it; a piece trace with the loop trace or the batch-invariant walk is refused."""
+    pytest.importorskip("cutlass")
+    env = dict(os.environ, CUTE_DSL_ARCH="sm_90a", TOKENSPEED_JAX_DISK_CACHE="0", JAX_PLATFORMS="cpu",
+               PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    p = subprocess.run([sys.executable, "-c", _PIECE_TRACE_SCRIPT], env=env, capture_output=True, text=True,
+                       timeout=900, cwd=ROOT, check=False)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    for cfg in ("transposed", "seesaw", "fp8_transposed_pv", "fp8_transposed"):
+        assert f"PIECES {cfg} True" in p.stdout, p.stdout[-2000:]
+    assert p.stdout.count("REFUSED piece_trace") == 2, p.stdout[-2000:]
+
+
+_PIECE_TRACE_SCRIPT = textwrap.dedent(
+    r"""
+    import re, jax, jax.numpy as jnp
+    from benchmarks.piece_timeline import traced_decode
+    from tokenspeed_jax.backends import sm90_decode
+    from tokenspeed_jax.decode import _decode_problem
+    from tokenspeed_jax.kernels.sm90.decode import build_decode_kernel
+    from tokenspeed_jax.kernels.sm90.decode_common import PIECE_FIELDS
+    from tokenspeed_jax.runtime import target_override
+    sd = jax.ShapeDtypeStruct
+    for dt, H, name in (("bfloat16", 32, "transposed"), ("bfloat16", 128, "seesaw"),
+                        ("float8_e4m3fn", 128, "fp8_transposed_pv"), ("float8_e4m3fn", 32, "fp8_transposed")):
+        B, pages, dtype = 3, 16, jnp.dtype(dt)
+        args = (sd((B, 1, H, 576), dtype), sd((B * pages + 1, 64, 576), dtype), sd((B, pages), jnp.int32),
+                sd((B,), jnp.int32))
+        with target_override("sm_90a", num_sms=132):
+            prob = _decode_problem(*args, True, 512, True)
+            cfg = sm90_decode.CONFIGS[name]
+            plan = sm90_decode.plan_for_config(prob, cfg)
+            G = sm90_decode.schedule_spec(prob, plan).num_ctas
+            txt = traced_decode(prob, cfg, 5).trace(*args, sd((), jnp.float32), (
+                sd((G, 8), jnp.int32), sd((B, 2), jnp.int32))).lower(lowering_platforms=("cuda",)).as_text()
+        ok = bool(re.search(r"tensor<%dx5x%dxi64>" % (G * plan.num_m_blocks, len(PIECE_FIELDS)), txt))
+        print("PIECES", name, ok, flush=True)
+    kw = dict(loop="seesaw", producer=True, dtype="bfloat16", num_heads=128, q_len=1, page_size=64, causal=True,
+              num_ctas=66, max_slots=130, piece_trace=4)
+    for bad in ({"trace": 2}, {"chunk": 4096}):
+        try:
+            build_decode_kernel(**kw, **bad)
+        except ValueError as e:
+            print("REFUSED", str(e).split(":")[0])
+    """
+)
+
+
 def _nvdisasm_wheel() -> bool:
     """Whether the ``nvidia-cuda-nvdisasm`` wheel (a test dependency) ships an ``nvdisasm`` binary: where the CuTe DSL
     looks for it (the distribution's file list; the binary moved between wheel versions, to ``nvidia/cu13/bin`` in

@@ -468,3 +468,42 @@ def test_decode_diag_part6_runs_its_batches(tmp_path, monkeypatch):
     assert all("transposed/noprefetch" in r for r in bf16)  # the 16-bit H32 config: the variant applies
     assert not any("transposed/noprefetch" in r for r in rows if r["dtype"] != "bfloat16")
     assert {f["contender"] for f in res["piece_cost_fit"]} >= {"ours", "transposed/noprefetch"}
+
+
+def test_piece_timeline_summary_recovers_costs_and_the_pacing_ctas():
+    """benchmarks/piece_timeline.summarize on a synthetic trace made from known costs: the SM clock (clock64 over
+    globaltimer), the per-tile and per-piece (direct / split) costs, each phase's median, the gaps between a CTA's
+    pieces, and which CTAs finish last; records left at 0 (no piece) are skipped."""
+    from benchmarks.piece_timeline import summarize
+    from tokenspeed_jax.kernels.sm90.decode_common import PIECE_FIELDS
+
+    ghz, a, beta = 1.5, 3.0, {"direct": 4.0, "split": 9.0}  # GHz, µs per tile, µs per piece
+    f = {n: i for i, n in enumerate(PIECE_FIELDS)}
+    layout = {0: [(40, 0), (20, -1), (6, -1), (30, 3)], 1: [(96, 5)], 2: [(50, 7), (45, 8)]}  # (tiles, slot)
+    tr = np.zeros((4, 6, len(PIECE_FIELDS)), np.int64)  # CTA 3 and the last records: no piece
+    for cta, ps in layout.items():
+        t_us = 1.0 + cta  # launch skew
+        for j, (tiles, slot) in enumerate(ps):
+            kind = "split" if slot >= 0 else "direct"
+            start, epi, total = 0.5, 1.0, a * tiles + beta[kind]
+            rec = tr[cta, j]
+            rec[f["b"]], rec[f["start"]], rec[f["end"]], rec[f["slot"]] = j, 64, 64 + 64 * tiles - 10, slot
+            clk0 = int(round(t_us * 1e3 * ghz))
+            rec[f["clk_start"]] = clk0
+            rec[f["clk_q"]] = clk0 + int(round(start * 1e3 * ghz))
+            rec[f["clk_epilogue"]] = clk0 + int(round((total - epi) * 1e3 * ghz))
+            rec[f["clk_end"]] = clk0 + int(round(total * 1e3 * ghz))
+            rec[f["ns_start"]], rec[f["ns_end"]] = int(round(t_us * 1e3)), int(round((t_us + total) * 1e3))
+            t_us += total + 0.25  # the gap to the next piece
+    s = summarize(tr)
+    assert abs(s["clock_ghz"] - ghz) < 1e-3 and s["pieces"] == 7
+    assert abs(s["fit"]["us_per_tile"] - a) < 1e-3 and s["fit"]["rms_us"] < 1e-2
+    assert abs(s["fit"]["beta_direct_us"] - 4.0) < 0.05 and abs(s["fit"]["beta_split_us"] - 9.0) < 0.05
+    d = s["by_kind"]["direct"]
+    assert d["n"] == 2 and abs(d["start_us"] - 0.5) < 1e-2 and abs(d["epilogue_us"] - 1.0) < 1e-2
+    assert abs(d["gap_us"] - 0.25) < 1e-2
+    finish = {c: 1.0 + c + sum(a * t + beta["split" if sl >= 0 else "direct"] + 0.25 for t, sl in ps) - 0.25 - 1.0
+              for c, ps in layout.items()}  # from the earliest start (CTA 0 at 1 µs)
+    assert [c["cta"] for c in s["latest_ctas"]] == sorted(finish, key=lambda c: -finish[c])
+    assert abs(s["span_us"] - max(finish.values())) < 1e-2
+    assert s["by_pieces_per_cta"][4]["tiles_mean"] == 96 and s["by_pieces_per_cta"][1]["ctas"] == 1

@@ -24,12 +24,13 @@ LOOPS = ("seesaw", "transposed", "fp8_transposed_pv", "fp8_transposed")
 
 def build_decode_kernel(*, loop: str, producer: bool, dtype: str, num_heads: int, q_len: int, page_size: int,
                         causal: bool, num_ctas: int, max_slots: int, trace: int = 0, chunk: int = 0,
-                        prefetch: bool = False):
+                        prefetch: bool = False, piece_trace: int = 0):
     """The kernel object of ``loop`` for one problem class (the backend's config, resolved); other arguments as in
     ``decode_common.MlaDecodeSm90``.  ``trace``: not the transposed 16-bit loop; ``prefetch``: loops with the producer
-    warpgroup whose epilogue leaves the KV buffers alone (not ``fp8_transposed``: it swaps O^T halves through them)."""
+    warpgroup whose epilogue leaves the KV buffers alone (not ``fp8_transposed``: it swaps O^T halves through them);
+    ``piece_trace``: any loop, with or without ``prefetch``, the length-balanced schedule."""
     kw = dict(dtype=dtype, num_heads=num_heads, q_len=q_len, page_size=page_size, causal=causal,
-              num_ctas=num_ctas, max_slots=max_slots, chunk=chunk, prefetch=prefetch)
+              num_ctas=num_ctas, max_slots=max_slots, chunk=chunk, prefetch=prefetch, piece_trace=piece_trace)
     if prefetch and (not producer or loop == "fp8_transposed" or trace):
         raise ValueError(f"prefetch: loops with the producer warpgroup other than fp8_transposed, and no trace "
                          f"build, got loop {loop!r}, producer {producer}, trace {trace}")
@@ -86,4 +87,24 @@ def launch_decode_traced(stream, q: cute.Tensor, kv: cute.Tensor, block_table: c
         lse_accum, trace_buf)
 
 
-__all__ = ["LOOPS", "build_decode_kernel", "launch_decode", "launch_decode_traced"]
+@cute.jit
+def launch_decode_piece_traced(stream, q: cute.Tensor, kv: cute.Tensor, block_table: cute.Tensor,
+                               seq_lens: cute.Tensor, softmax_scale: cute.Tensor, output_scale: cute.Tensor,
+                               sched_cta: cute.Tensor, sched_req: cute.Tensor, out: cute.Tensor, lse: cute.Tensor,
+                               trace_buf: cute.Tensor, o_accum: cute.Tensor, lse_accum: cute.Tensor, *,
+                               loop: cutlass.Constexpr, producer: cutlass.Constexpr, dtype: cutlass.Constexpr,
+                               num_heads: cutlass.Constexpr, q_len: cutlass.Constexpr, page_size: cutlass.Constexpr,
+                               causal: cutlass.Constexpr, num_ctas: cutlass.Constexpr, max_slots: cutlass.Constexpr,
+                               piece_trace: cutlass.Constexpr, prefetch: cutlass.Constexpr = False):
+    """Debug build of :func:`launch_decode` recording each CTA's first ``piece_trace`` pieces
+    (:meth:`~.decode_common.MlaDecodeSm90.mark_piece`) in ``trace_buf`` (int64 ``(num_ctas * row blocks,
+    piece_trace, len(PIECE_FIELDS))``, CTA ``g * row blocks + row block``), an extra output after ``lse``
+    (benchmarks/piece_timeline.py)."""
+    build_decode_kernel(loop=loop, producer=producer, dtype=dtype, num_heads=num_heads, q_len=q_len,
+                        page_size=page_size, causal=causal, num_ctas=num_ctas, max_slots=max_slots,
+                        prefetch=prefetch, piece_trace=piece_trace)(
+        stream, q, kv, block_table, seq_lens, softmax_scale, output_scale, sched_cta, sched_req, out, lse, o_accum,
+        lse_accum, trace_buf)
+
+
+__all__ = ["LOOPS", "build_decode_kernel", "launch_decode", "launch_decode_piece_traced", "launch_decode_traced"]

@@ -29,6 +29,10 @@ _K32 = 32  # wgmma K of 8-bit operands
 _CHUNK = 64  # columns of one 64-column chunk of a KV tile
 _DTYPES = {"bfloat16": cutlass.BFloat16, "float16": cutlass.Float16, "float8_e4m3fn": cutlass.Float8E4M3FN}
 _MIN_PAGE = 16  # TMA refills: at most 4 boxes of whole pages per 64-token chunk
+# a piece-trace build's record of one piece (int64 each; :meth:`MlaDecodeSm90.mark_piece`): the piece, clock64 at its
+# start, after its Q barrier, at the epilogue's barrier and after its last barrier, globaltimer (ns) at start and end
+PIECE_FIELDS = ("b", "start", "end", "slot", "clk_start", "clk_q", "clk_epilogue", "clk_end", "ns_start", "ns_end")
+_PIECE_CLOCK, _PIECE_NS = 4, 8
 
 
 class MlaDecodeSm90(CombineMixin):
@@ -38,7 +42,8 @@ class MlaDecodeSm90(CombineMixin):
     every key masked (else no row past R is read: no padding, or a loop on the real rows), ``chunk``: 0, or the
     batch-invariant piece length (a multiple of 128), ``prefetch``: the next piece's first loads issued at this one's
     epilogue barrier (:meth:`start_piece`; length-balanced schedule, producer-warpgroup loops), ``trace``: 0, or a debug
-    build's iterations timed per warpgroup (``clock64`` marks; ``decode_trace``)."""
+    build's iterations timed per warpgroup (``clock64`` marks; ``decode_trace``), ``piece_trace``: 0, or a debug build
+    recording its first ``piece_trace`` pieces per CTA (:meth:`mark_piece`; ``benchmarks/piece_timeline.py``)."""
 
     block_m = 64
     block_n = 64
@@ -47,7 +52,7 @@ class MlaDecodeSm90(CombineMixin):
 
     def __init__(self, *, dtype: str, num_heads: int, q_len: int, page_size: int, causal: bool,
                  num_ctas: int, max_slots: int, pad_zero: bool = False, chunk: int = 0, prefetch: bool = False,
-                 trace: int = 0):
+                 trace: int = 0, piece_trace: int = 0):
         why = self.can_implement(dtype=dtype, num_heads=num_heads, q_len=q_len, page_size=page_size)
         if why:
             raise ValueError(why)
@@ -85,6 +90,10 @@ class MlaDecodeSm90(CombineMixin):
         if trace < 0:
             raise ValueError(f"trace: expected the number of iterations to time (0: a normal build), got {trace}")
         self.trace = int(trace)
+        if piece_trace < 0 or (piece_trace and (trace or chunk)):
+            raise ValueError(f"piece_trace: expected the number of pieces to record per CTA (0: a normal build), "
+                             f"without trace or chunk, got {piece_trace} (trace {trace}, chunk {chunk})")
+        self.piece_trace = int(piece_trace)
         # a producer warpgroup runs on 24 registers, the computing ones on 240: 2x128x240 + 128x24 = 384x168 (launch)
         self.producer_regs, self.consumer_regs = 24, 240
         self.box_rows = min(self.page_size, self.block_n)  # rows of one TMA box (one page or one tile)
@@ -261,6 +270,9 @@ class MlaDecodeSm90(CombineMixin):
         else:
             mCta, mBT, mSeq, g = c.mCta, c.mBT, c.mSeq, c.g
             c.b_last = b_last  # (prefetch: the next piece is looked up in b + 1..b_last at each epilogue barrier)
+            c.b_first = b_first  # (piece_trace: a piece's record is its request's index in the range)
+            if cutlass.const_expr(self.piece_trace > 0 and not producer):
+                self.clear_piece_trace(c)
             # (prefetch: the warpgroups that issue loads ahead, the producer and with prefetch_q the computing ones)
             if cutlass.const_expr(self.prefetch and (producer or self.prefetch_q)):
                 self.start_piece(c, self.next_piece(c, b_first, b_last), producer)
@@ -304,6 +316,38 @@ class MlaDecodeSm90(CombineMixin):
         cute.arch.barrier()
         if cutlass.const_expr(self.prefetch and self.prefetch_q):
             self.start_piece(c, self.next_piece(c, b + 1, c.b_last), False)
+
+    @cute.jit
+    def mark_piece(self, c, b: Int32, event: cutlass.Constexpr, meta=None):
+        """Debug builds (:attr:`piece_trace` > 0): thread 0 (computing warpgroup 0) records event ``event`` of request
+        ``b``'s piece in ``c.mTrace[cta, b - b_first]`` (:data:`PIECE_FIELDS`): its ``clock64``, and at events 0 and
+        3 the ``globaltimer`` (ns, one clock for all SMs); ``meta``: the piece's ``(b, start, end, slot)`` too.
+        Pieces past the first :attr:`piece_trace` of a range are not recorded.  Normal builds: nothing."""
+        if cutlass.const_expr(self.piece_trace > 0):
+            j = b - c.b_first
+            ok = (c.tid == 0) & (j < self.piece_trace)
+            row = (c.g * self.num_m_blocks + c.mblk) * self.piece_trace + cutlass.min(j, self.piece_trace - 1)
+            self._piece_store(c.mTrace, row, _PIECE_CLOCK + event, cute.arch.clock64(), ok)
+            if cutlass.const_expr(event == 0 or event == 3):
+                self._piece_store(c.mTrace, row, _PIECE_NS + event // 3, cute.arch.globaltimer(), ok)
+            if cutlass.const_expr(meta is not None):
+                for f in cutlass.range_constexpr(4):
+                    self._piece_store(c.mTrace, row, f, Int64(meta[f]), ok)
+
+    @cute.jit
+    def clear_piece_trace(self, c):
+        """Debug builds: thread 0 zeroes its CTA's :attr:`piece_trace` records before the first piece, so a record of
+        no piece reads 0 (a fresh XLA output is not zeroed)."""
+        row0 = (c.g * self.num_m_blocks + c.mblk) * self.piece_trace
+        for i in cutlass.range(self.piece_trace, unroll=1):
+            for f in cutlass.range_constexpr(len(PIECE_FIELDS)):
+                self._piece_store(c.mTrace, row0 + i, f, Int64(0), c.tid == 0)
+
+    @cute.jit
+    def _piece_store(self, mTrace: cute.Tensor, row: Int32, field: cutlass.Constexpr, value: Int64, ok):
+        idx = Int64(row) * len(PIECE_FIELDS) + field
+        cute.arch.inline_ptx("st.global.b64 [{$r0}], {$r1};", read_only_args=[(mTrace.iterator + idx).toint(), value],
+                             predicate=ok)
 
     @cute.jit
     def walk_chunks(self, c, b_first: Int32, b_last: Int32, producer: cutlass.Constexpr):
@@ -352,6 +396,7 @@ class MlaDecodeSm90(CombineMixin):
             if cutlass.const_expr(self.prefetch):
                 self.start_piece(c, self.next_piece(c, b + 1, c.b_last), True)
         else:
+            self.mark_piece(c, b, 0, (b, start, end, slot))
             if tid < 64:
                 sM[tid] = -Float32.inf
             if cutlass.const_expr(self.prefetch and self.prefetch_q):
@@ -360,11 +405,13 @@ class MlaDecodeSm90(CombineMixin):
                 self.load_piece_q(c, b, start, end)
             cute.arch.fence_view_async_shared()  # q (generic stores) before the wgmmas read it
             cute.arch.barrier()
+            self.mark_piece(c, b, 1)
             cta = g * self.num_m_blocks + c.mblk  # (debug traces: mark)
             self.clear_trace(c.mTrace, cta, c.wg, c.wtid)
             self.consume(c, cta, b, seq, start, end, slot, n_pairs)
         cute.arch.barrier()  # the piece's epilogue done: its buffers are free
         if cutlass.const_expr(not producer):
+            self.mark_piece(c, b, 3)
             self.advance_phases(n_pairs)
 
     @cute.jit
