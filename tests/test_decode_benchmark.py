@@ -507,3 +507,59 @@ def test_piece_timeline_summary_recovers_costs_and_the_pacing_ctas():
     assert [c["cta"] for c in s["latest_ctas"]] == sorted(finish, key=lambda c: -finish[c])
     assert abs(s["span_us"] - max(finish.values())) < 1e-2
     assert s["by_pieces_per_cta"][4]["tiles_mean"] == 96 and s["by_pieces_per_cta"][1]["ctas"] == 1
+
+
+def test_piece_timeline_main_runs_its_cases(tmp_path, monkeypatch):
+    """benchmarks/piece_timeline.main on the CPU with the two GPU builds replaced (the normal build by zeros, the traced
+    one by zeros and a trace written from the schedule's own pieces): every case x fixed cost is scheduled, compared
+    bit for bit, summarized (every scheduled piece recorded) and written; a traced output that differs stops the run."""
+    import json
+
+    import jax.numpy as jnp
+    import pytest
+
+    from benchmarks import piece_timeline as pt
+    from tokenspeed_jax.backends import sm90_decode
+    from tokenspeed_jax.decode_schedule import reference_pieces
+    from tokenspeed_jax.kernels.sm90.decode_common import PIECE_FIELDS
+    from tokenspeed_jax.runtime import target_override
+
+    def fake_decode(prob, q, kv, bt, sl, ss, os_, config=None, work=None):
+        return jnp.zeros(q.shape[:3] + (512,), jnp.bfloat16), jnp.zeros(q.shape[:3], jnp.float32)
+
+    bad = {"on": False}
+
+    def fake_traced(prob, cfg, pieces):
+        def run(q, kv, bt, sl, scale, work):
+            cta, req = (np.asarray(x) for x in work)
+            G = cta.shape[0]
+            tr = np.zeros((G, pieces, len(PIECE_FIELDS)), np.int64)
+            cap = bt.shape[1] * kv.shape[1]
+            t = np.ones(G, np.int64) * 1000
+            seen = np.zeros(G, int)
+            for g, b, s, e, slot in reference_pieces(cta, req, np.asarray(sl), cap):
+                j = b - int(cta[g, 0])
+                if j < pieces:
+                    d = 2000 * (-(-(e - s) // 64)) + 5000
+                    tr[g, j] = [b, s, e, slot, t[g], t[g] + 500, t[g] + d - 800, t[g] + d, t[g], t[g] + d]
+                    t[g] += d + 100
+                    seen[g] += 1
+            out, lse = fake_decode(prob, q, kv, bt, sl, None, None)
+            return (out + 1 if bad["on"] else out), lse, jnp.asarray(tr)
+        return run
+
+    monkeypatch.setattr(sm90_decode, "decode", fake_decode)
+    monkeypatch.setattr(pt, "traced_decode", fake_traced)
+    out = tmp_path / "pieces.json"
+    with target_override("sm_90a", num_sms=132):
+        pt.main(["--cases", "tail,16,8192,32,1", "uniform,8,4096,128,1", "--fixed-costs", "2,16", "--out", str(out)])
+    res = json.loads(out.read_text())
+    assert [(c["case"], c["fixed_cost"]) for c in res["cases"]] == [
+        ("tail_B16_K8192_H32_S1", 2), ("tail_B16_K8192_H32_S1", 16), ("uniform_B8_K4096_H128_S1", 2),
+        ("uniform_B8_K4096_H128_S1", 16)]
+    for c in res["cases"]:
+        assert c["bitwise_equal_to_normal_build"] and c["summary"]["pieces_not_recorded"] == 0
+        assert abs(c["summary"]["clock_ghz"] - 1.0) < 1e-9 and abs(c["summary"]["fit"]["us_per_tile"] - 2.0) < 1e-6
+    bad["on"] = True
+    with target_override("sm_90a", num_sms=132), pytest.raises(SystemExit, match="void"):
+        pt.main(["--cases", "tail,16,8192,32,1", "--fixed-costs", "2", "--out", str(out)])
