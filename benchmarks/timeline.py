@@ -15,8 +15,9 @@ some kernel ran). Where ``us_per_call`` of ``ours {dt}`` exceeds ``ours {dt} ker
 kernel's duration, the rest is launch gaps, which ``gap_us`` shows.  Our combine is launched by PDL while the main
 grid runs and waits for it, so its duration is about the main kernel's: what it adds is ``us_per_call - gap_us -
 main - schedule``.  ``--contenders NAME ...`` times only those (FlashMLA is set up only when named); ``--config
-NAME`` adds that kernel config (``sm90_decode.CONFIGS``) per call and shared, e.g. to time a config built with and
-without ``prefetch`` per call (docs/sm90_decode_schedule.md, "The schedule's cost when not shared").
+NAME`` adds that kernel config (``sm90_decode.CONFIGS``, or ``NAME/noprefetch``: ``benchmarks.decode.named_config``)
+per call and shared, e.g. ``--config transposed/noprefetch`` to time the config built without ``prefetch`` per call
+(docs/sm90_decode_schedule.md, "The schedule's cost when not shared").
 
 Unlike ``benchmarks/kernel_times.py`` (Nsight Compute: each kernel alone, serialized, caches flushed), this is the
 timeline of the sustained run whose totals the README's table reports: it splits a call's time into kernels and
@@ -98,7 +99,8 @@ def main(argv=None):
     ap.add_argument("--contenders", nargs="+", metavar="NAME",
                     help="only these contenders (names as in the JSON, e.g. 'ours bf16 kernel'); default: all")
     ap.add_argument("--config", action="append", default=[], metavar="NAME",
-                    help="also kernel config NAME of sm90_decode.CONFIGS where it runs the case: 'ours {dt} NAME' "
+                    help="also kernel config NAME of sm90_decode.CONFIGS (or NAME/noprefetch) where it runs the "
+                         "case: 'ours {dt} NAME' "
                          "(its schedule in the call) and 'ours {dt} kernel NAME' (shared); repeatable")
     a = ap.parse_args(argv)
     os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
