@@ -5,6 +5,7 @@
     python -m benchmarks.device memcheck                                      # compute-sanitizer, decode
     python -m benchmarks.device bench    [--op decode|prefill|all] [-- ARGS] # JSON + PNG per op
     python -m benchmarks.device ab       -- --config A --config B [...]      # benchmarks.decode ARGS
+    python -m benchmarks.device pieces   [-- ARGS]                            # what a decode piece costs, and where
     python -m benchmarks.device profile  [--ncu]                              # XLA trace (+ Nsight Compute)
 
 Every subcommand takes ``--out DIR`` (default ``$OUT``, else ``results/device``; the device tool returns the
@@ -122,6 +123,12 @@ def steps_for(args: argparse.Namespace) -> list[Step]:
         if "--out" not in rest and not any(a.startswith("--out=") for a in rest):
             rest += ["--out", str(out / "ab.json")]
         s.append(Step("ab", (PY, "-m", "benchmarks.decode", *rest), args.budget))
+    elif args.cmd == "pieces":  # decode_diag part 6 (ARGS go to it), then the piece timeline of the varied cases
+        s.append(Step("piece_cost", (PY, "-m", "benchmarks.decode_diag", "--parts", "6", "--config",
+                                     "transposed/noprefetch", *args.rest, "--out", str(out / "piece_cost.json")),
+                      330))
+        s.append(Step("piece_timeline", (PY, "-m", "benchmarks.piece_timeline",
+                                         "--out", str(out / "piece_timeline.json")), 240))
     elif args.cmd == "profile":
         s.append(Step("trace", (PY, "-m", "tokenspeed_jax.demo", "--large", "--no-check",
                                 "--profile", str(out / "trace")), 300))
@@ -161,6 +168,8 @@ def _parser() -> argparse.ArgumentParser:
     b = sub.add_parser("bench", parents=[common], help="benchmarks: JSON + PNG per op")
     b.add_argument("--op", choices=("decode", "prefill", "all"), default="all")
     sub.add_parser("ab", parents=[common], help="A/B timing: python -m benchmarks.decode ARGS (after --)")
+    sub.add_parser("pieces", parents=[common], help="the cost of a decode piece by kind (benchmarks.decode_diag "
+                   "part 6, ARGS after --) and the piece timeline (benchmarks.piece_timeline)")
     p = sub.add_parser("profile", parents=[common], help="XLA profiler trace of the demo (+ --ncu)")
     p.add_argument("--ncu", action="store_true", help="also Nsight Compute on benchmarks.profile_decode")
     return ap

@@ -64,6 +64,14 @@ def test_bench_ab_profile_steps(tmp_path):
     assert "--profile" in p[0].argv
 
 
+def test_pieces_steps(tmp_path):
+    s = _steps("pieces", "--out", str(tmp_path), "--", "--piece-heads", "32,128")
+    assert [x.name for x in s] == ["piece_cost", "piece_timeline"]
+    assert "-m benchmarks.decode_diag --parts 6 --config transposed/noprefetch --piece-heads 32,128" in _cmd(s[0])
+    assert _cmd(s[0]).endswith(f"--out {tmp_path / 'piece_cost.json'}") and "benchmarks.piece_timeline" in _cmd(s[1])
+    assert sum(x.timeout for x in s) <= 575  # inside the default budget of one call
+
+
 def test_bad_arguments_exit():
     with pytest.raises(SystemExit):
         D.parse(["frobnicate"])
