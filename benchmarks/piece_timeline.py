@@ -110,6 +110,7 @@ def traced_decode(prob, cfg, pieces: int):
     on the schedule ``work = (cta, req)``."""
     import jax
     import jax.numpy as jnp
+    from cutlass.jax import TensorSpec
 
     from tokenspeed_jax import ffi
     from tokenspeed_jax.backends import sm90_decode
@@ -125,9 +126,13 @@ def traced_decode(prob, cfg, pieces: int):
                jax.ShapeDtypeStruct((ctas, pieces, len(PIECE_FIELDS)), jnp.int64)]
     outputs += [jax.ShapeDtypeStruct(w.shape, jnp.dtype(w.dtype)) for w in plan.workspace]
     statics = {f.name: getattr(key, f.name) for f in dataclasses.fields(key) if f.name not in ("config", "chunk")}
+    # (extents read at run time, as the normal build's: one compile serves every batch size of the key)
+    ins, outs = sm90_decode.operand_specs(prob, sm90_decode.schedule_spec(prob, plan))
+    trace_spec = TensorSpec(divisibility=(ctas, pieces, len(PIECE_FIELDS)))
     call = ffi.custom_call(sm90_decode.TARGET, launch_decode_piece_traced, outputs=outputs,
-                           compile_key=("piece_traced", key, pieces), loop=cfg.loop, producer=cfg.producer,
-                           prefetch=cfg.prefetch, piece_trace=pieces, **statics)
+                           compile_key=("piece_traced", key, pieces), input_specs=ins,
+                           output_specs=(outs[0], outs[1], trace_spec, *outs[2:]), dynamic_shapes=True,
+                           loop=cfg.loop, producer=cfg.producer, prefetch=cfg.prefetch, piece_trace=pieces, **statics)
 
     def g(q, kv, bt, sl, scale, work):
         res = call(q, kv, bt, sl, ffi.scalar_operand(scale), ffi.scalar_operand(jnp.float32(1.0)), *work)
