@@ -333,7 +333,7 @@ def main(argv=None):
                         w = sched(sl)
                         if got is None:
                             got = piece_layout(w, lens, cap, kind, k)
-                        fns[name] = (lambda kf=kf, w=w: kf(qq, kk, bt, sl, w))
+                        fns[name] = (lambda kf=kf, w=w, a=(qq, kk, bt, sl): kf(*a, w))
                         names += [name] if name not in names else []
                     if fm is not None:
                         fns["FlashMLA"] = fm_fn(q, kv, bt, sl, dt != "bfloat16")

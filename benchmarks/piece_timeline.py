@@ -171,15 +171,15 @@ def main(argv=None):
         prob = _decode_problem(q, kv, bt, sl, True, 512, True)
         cfg = named_config(a.config) if a.config else sm90_decode.select_config(prob)
         plan = sm90_decode.plan_for_config(prob, cfg)
-        normal = jax.jit(lambda q_, kv_, bt_, sl_, w_, cfg=cfg: sm90_decode.decode(
-            prob, q_, kv_, bt_, sl_, jnp.float32(scale), jnp.float32(1.0), config=cfg, work=w_))
+        normal = jax.jit(lambda q_, kv_, bt_, sl_, s_, w_, cfg=cfg, prob=prob: sm90_decode.decode(
+            prob, q_, kv_, bt_, sl_, s_, jnp.float32(1.0), config=cfg, work=w_))
         traced = traced_decode(prob, cfg, a.pieces)
         for fc in (int(x) for x in a.fixed_costs.split(",")):
             spec = dataclasses.replace(sm90_decode.schedule_spec(prob, plan), fixed_cost=fc)
             work = jax.jit(lambda s_, spec=spec: decode_schedule(s_, spec))(sl)
             per_cta = np.bincount([p[0] for p in reference_pieces(*map(np.asarray, work), lens, spec.capacity)],
                                   minlength=spec.num_ctas)
-            ref = jax.block_until_ready(normal(q, kv, bt, sl, work))
+            ref = jax.block_until_ready(normal(q, kv, bt, sl, scale, work))
             for _ in range(3):  # the last launch's records (the first compiles, the second warms the caches)
                 out, lse, tr = jax.block_until_ready(traced(q, kv, bt, sl, scale, work))
             same = bool(np.array_equal(np.asarray(out.astype(jnp.float32)), np.asarray(ref[0].astype(jnp.float32)),

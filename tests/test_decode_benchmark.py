@@ -391,7 +391,7 @@ def test_piece_cases_give_their_layout_on_the_real_schedule():
             assert got["pieces_per_cta"] == [k, k]
             assert got["split_pieces"] == (G if kind == "split" else 0)
     assert all(c[0] == "direct" for c in piece_cases(5))  # an odd grid cannot halve every request
-    kind, n, short, k, B, L = piece_cases(132, tiles=(16,), per_cta=(2,))[0]
+    kind, _, _, k, B, L = piece_cases(132, tiles=(16,), per_cta=(2,))[0]
     spec = ScheduleSpec(num_ctas=132, capacity=L, split_units=1, fixed_cost=16, mode="balanced", unit=64)
     lens = np.full(B + 7, L)  # not the batch's shape: the check must refuse it
     with pytest.raises(ValueError, match="part 6"):
@@ -447,8 +447,7 @@ def test_decode_diag_part6_runs_its_batches(tmp_path, monkeypatch):
     import json
 
     import benchmarks.decode as bdec
-    import benchmarks.harness as harness
-    from benchmarks import decode_diag
+    from benchmarks import decode_diag, harness
     from tokenspeed_jax.runtime import target_override
 
     def fake_interleaved(fns, est_us, rounds=5):
@@ -488,12 +487,12 @@ def test_piece_timeline_summary_recovers_costs_and_the_pacing_ctas():
             start, epi, total = 0.5, 1.0, a * tiles + beta[kind]
             rec = tr[cta, j]
             rec[f["b"]], rec[f["start"]], rec[f["end"]], rec[f["slot"]] = j, 64, 64 + 64 * tiles - 10, slot
-            clk0 = int(round(t_us * 1e3 * ghz))
+            clk0 = round(t_us * 1e3 * ghz)
             rec[f["clk_start"]] = clk0
-            rec[f["clk_q"]] = clk0 + int(round(start * 1e3 * ghz))
-            rec[f["clk_epilogue"]] = clk0 + int(round((total - epi) * 1e3 * ghz))
-            rec[f["clk_end"]] = clk0 + int(round(total * 1e3 * ghz))
-            rec[f["ns_start"]], rec[f["ns_end"]] = int(round(t_us * 1e3)), int(round((t_us + total) * 1e3))
+            rec[f["clk_q"]] = clk0 + round(start * 1e3 * ghz)
+            rec[f["clk_epilogue"]] = clk0 + round((total - epi) * 1e3 * ghz)
+            rec[f["clk_end"]] = clk0 + round(total * 1e3 * ghz)
+            rec[f["ns_start"]], rec[f["ns_end"]] = round(t_us * 1e3), round((t_us + total) * 1e3)
             t_us += total + 0.25  # the gap to the next piece
     s = summarize(tr)
     assert abs(s["clock_ghz"] - ghz) < 1e-3 and s["pieces"] == 7
