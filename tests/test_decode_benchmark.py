@@ -562,3 +562,35 @@ def test_piece_timeline_main_runs_its_cases(tmp_path, monkeypatch):
     bad["on"] = True
     with target_override("sm_90a", num_sms=132), pytest.raises(SystemExit, match="void"):
         pt.main(["--cases", "tail,16,8192,32,1", "--fixed-costs", "2", "--out", str(out)])
+
+
+def test_schedule_model_evaluates_a_piece_cost_model():
+    """scripts/schedule_model.py: times made by a known per-piece model are predicted exactly by that model (the
+    per-case constant absorbed) and worse by another; ``cta_pieces`` covers every request's tiles exactly once."""
+    import importlib.util
+    import pathlib
+
+    spec = importlib.util.spec_from_file_location(
+        "schedule_model", pathlib.Path(__file__).resolve().parents[1] / "scripts" / "schedule_model.py")
+    sm = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(sm)
+    layouts = {  # variant -> per CTA (tiles, split) pieces
+        "choose fc2": [[(40, True), (5, False), (5, False), (30, True)], [(90, False)]],
+        "choose fc16": [[(40, True), (10, False)], [(20, True), (85, False)]],
+        "balanced fc8": [[(70, False)], [(60, True), (4, False)]],
+    }
+    truth = (3.0, 5.0, 20.0)
+    busiest = {v: max(sum(truth[0] * t + (truth[2] if sp else truth[1]) for t, sp in ps) for ps in cs)
+               for v, cs in layouts.items()}
+    rows = [{"case": "tail_B8_K4096_H32_S1", "dtype": "bfloat16", "FlashMLA": 1.0,
+             **{v: b + 12.0 for v, b in busiest.items()}}]
+    pieces_of = lambda case, dtype, v: layouts[v]  # noqa: E731
+    table, rms, rms0 = sm.evaluate(rows, *truth, pieces_of=pieces_of)
+    assert rms < 1e-12 and rms0 > 0.01 and abs(table[0]["constant_us"] - 12.0) < 1e-9
+    assert sm.evaluate(rows, 3.0, 0.0, 0.0, pieces_of=pieces_of)[1] > 1e-3
+    assert sm.evaluate(rows, 6.0, 10.0, 40.0, pieces_of=pieces_of, scale_per_case=True)[1] < 1e-9  # 2x the truth
+    from benchmarks.decode_varlen import lengths
+
+    cs = sm.cta_pieces("tail_B8_K4096_H32_S1", "bfloat16", "choose fc16")
+    assert len(cs) == 132 and sum(t for ps in cs for t, _ in ps) == sum(-(-int(x) // 64) for x in lengths(
+        "tail", 8, 4096, 0))
