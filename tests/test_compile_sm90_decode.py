@@ -267,9 +267,8 @@ def test_selected_config_compiles(compiled, name):
     fp8 = CASES[name][2] == "float8_e4m3fn"
     # (16-bit: the Q tile's cp.async, 2 rows x 9 chunks of 16 bytes a thread; the KV is TMA only)
     assert x["clock"] == 0 and x["local"] == 0 and x["cpasync"] == (0 if fp8 else 18) and x["l2pf"] == 0, (name, x)
-    # PDL: the main kernel lets the combine launch early and, itself launched early behind its predecessor (the
-    # schedule kernel, or whatever kernel ran before), waits for it once, before any access to its operands
-    assert x["gdc_launch"] == 1 and x["gdc_wait"] == 1, (name, x)
+    # PDL: the main kernel lets the combine launch early (split partials only); nothing waits before it
+    assert x["gdc_launch"] == 1 and x["gdc_wait"] == 0, (name, x)
     assert all("MlaDecode" in e for e in x["entries"]), x["entries"]  # (compute-sanitizer's kernel filter)
     if x["sass"]:  # (ptxas adds one HGMMA.64x8x16.F16 to the 16-bit builds, not counted)
         assert x["qgmma" if fp8 else "hgmma"] == want["mma"], (name, x)

@@ -188,14 +188,10 @@ class MlaDecodeSm90(CombineMixin):
 
     @cute.jit
     def cta_start(self, Storage: cutlass.Constexpr):
-        """First thing of a main kernel: the wait for its predecessor grid (PDL: the main kernel is launched early,
-        behind the schedule kernel when a call computes its schedule, and every read and write of its operands comes
-        after this wait), then the combine's PDL trigger (after the wait, so the combine, which reads the schedule's
-        outputs before its own wait, never starts before the schedule kernel is done): ``tid``, row block, ``g`` (CTA
-        ``g`` walks range ``g``: :meth:`piece`), warpgroup, thread in warpgroup, shared storage."""
+        """First thing of a main kernel, after the combine's programmatic dependent launch (PDL) trigger: ``tid``, row
+        block, ``g`` (CTA ``g`` walks range ``g``: :meth:`piece`), warpgroup, thread in warpgroup, shared storage."""
         tid, _, _ = cute.arch.thread_idx()
         mblk, g, _ = cute.arch.block_idx()
-        cute.arch.griddepcontrol_wait()
         self.allow_combine_launch()
         wg = cute.arch.make_warp_uniform(tid // 128)
         st = cutlass.utils.SmemAllocator().allocate(Storage)
@@ -679,7 +675,7 @@ class MlaDecodeSm90(CombineMixin):
         """Host side of every loop: launch its traced main kernel ``main`` (``smem`` bytes of shared memory: one CTA
         per SM) on the persistent grid ``(row blocks, num_ctas)`` (:meth:`cta_start`), then :meth:`launch_combine`."""
         main.launch(grid=(self.num_m_blocks, self.num_ctas, 1), block=(self.cta_threads, 1, 1), smem=smem,
-                    stream=stream, min_blocks_per_mp=1, use_pdl=True)
+                    stream=stream, min_blocks_per_mp=1)
         self.launch_combine(stream, o_accum, lse_accum, output_scale, sched_cta, sched_req, out, lse)
 
 

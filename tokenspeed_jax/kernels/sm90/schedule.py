@@ -118,7 +118,7 @@ class MlaDecodeScheduleKernel:
             pre: cute.struct.MemRange[Int32, 2 * SMEM_BATCH + 2]  # K and T where B <= SMEM_BATCH
 
         self.kernel(mSeq, mPar, mCta, mReq, mScr, Storage).launch(grid=(1, 1, 1), block=(THREADS, 1, 1),
-                                                            smem=Storage.size_in_bytes(), stream=stream, use_pdl=True)
+                                                            smem=Storage.size_in_bytes(), stream=stream)
 
     @cute.jit
     def units(self, mSeq: cute.Tensor, cap: Int32, b: Int32):
@@ -173,8 +173,6 @@ class MlaDecodeScheduleKernel:
     @cute.kernel
     def kernel(self, mSeq: cute.Tensor, mPar: cute.Tensor, mCta: cute.Tensor, mReq: cute.Tensor,
                mScr: cute.Tensor, Storage: cutlass.Constexpr):
-        cute.arch.griddepcontrol_wait()  # (PDL: the writers of seq_lens and params, and the readers of the outputs)
-        cute.arch.griddepcontrol_launch_dependents()  # the main kernel's CTAs launch now, and wait for this grid
         tid, _, _ = cute.arch.thread_idx()
         st = cutlass.utils.SmemAllocator().allocate(Storage)
         sWarp = st.warp.get_tensor(cute.make_layout(_WARPS))
