@@ -315,8 +315,7 @@ def main(argv=None):
             for H in heads:
                 probe = _decode_problem(*shapes(dataclasses.replace(case_of("full", 2, 4096, H, 1), dtype=dt)), True,
                                         512, True)
-                G = sm90_decode.schedule_spec(probe, sm90_decode.plan_for_config(
-                    probe, sm90_decode.select_config(probe))).num_ctas
+                G = sm90_decode.work_key(probe)[1].num_ctas
                 for kind, n, short, k, B, L in piece_cases(G, _ints(args.piece_tiles, list(PIECE_TILES)),
                                                                  _ints(args.piece_per_cta, list(PIECE_PER_CTA))):
                     cap = -(-L // 64) * 64

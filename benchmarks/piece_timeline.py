@@ -37,7 +37,7 @@ def summarize(trace: np.ndarray, block_n: int = 64, latest: int = 8) -> dict:
     docstring).  Records with ``clk_end == 0`` (no piece, or one not reached) are left out; cycles are converted to
     µs at the SM clock measured from the pieces themselves (clock64 over globaltimer, the median over pieces of >= 20
     µs, else >= 5 µs)."""
-    from tokenspeed_jax.kernels.sm90.decode_common import PIECE_FIELDS
+    from tokenspeed_jax.kernels.sm90.decode_trace import PIECE_FIELDS
 
     f = {name: i for i, name in enumerate(PIECE_FIELDS)}
     tr = np.asarray(trace, np.int64)
@@ -117,7 +117,7 @@ def traced_decode(prob, cfg, pieces: int):
     from tokenspeed_jax import ffi
     from tokenspeed_jax.backends import sm90_decode
     from tokenspeed_jax.kernels.sm90.decode import launch_decode_piece_traced
-    from tokenspeed_jax.kernels.sm90.decode_common import PIECE_FIELDS
+    from tokenspeed_jax.kernels.sm90.decode_trace import PIECE_FIELDS
 
     plan = sm90_decode.plan_for_config(prob, cfg)
     key = sm90_decode.kernel_key(prob, cfg, plan)
@@ -176,8 +176,9 @@ def main(argv=None):
         normal = jax.jit(lambda q_, kv_, bt_, sl_, s_, w_, cfg=cfg, prob=prob: sm90_decode.decode(
             prob, q_, kv_, bt_, sl_, s_, jnp.float32(1.0), config=cfg, work=w_))
         traced = traced_decode(prob, cfg, a.pieces)
+        base = sm90_decode.schedule_spec(prob, plan)
         for fc in (int(x) for x in a.fixed_costs.split(",")):
-            spec = dataclasses.replace(sm90_decode.schedule_spec(prob, plan), fixed_cost=fc)
+            spec = dataclasses.replace(base, fixed_cost=fc)
             work = jax.jit(lambda s_, spec=spec: decode_schedule(s_, spec))(sl)
             per_cta = np.bincount([p[0] for p in reference_pieces(*map(np.asarray, work), lens, spec.capacity)],
                                   minlength=spec.num_ctas)

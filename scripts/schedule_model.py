@@ -39,10 +39,10 @@ def parse_case(name: str):
 def cta_pieces(case: str, dtype: str, variant: str):
     """Per CTA row of the schedule of ``variant`` (``'choose fc16'``, ``'balanced fc12'``) for the case: a list of
     ``(tiles, split)`` pieces per CTA."""
-    import jax
     import jax.numpy as jnp
 
-    from benchmarks.decode_varlen import lengths
+    from benchmarks.decode import shapes
+    from benchmarks.decode_varlen import case_of, lengths
     from tokenspeed_jax.backends import sm90_decode
     from tokenspeed_jax.decode import _decode_problem
     from tokenspeed_jax.decode_schedule import decode_schedule, reference_pieces
@@ -51,12 +51,9 @@ def cta_pieces(case: str, dtype: str, variant: str):
     dist, B, cap, H, S = parse_case(case)
     lens = lengths(dist, B, cap, 0)
     mode, fc = variant.split()
-    sd = jax.ShapeDtypeStruct
-    dt = jnp.dtype(dtype)
     with target_override("sm_90a", num_sms=132):
-        prob = _decode_problem(sd((B, S, H, 576), dt), sd((B * (cap // 64) + 1, 64, 576), dt),
-                               sd((B, cap // 64), jnp.int32), jnp.asarray(lens, jnp.int32), True, 512, True)
-        base = sm90_decode.schedule_spec(prob, sm90_decode.plan_for_config(prob, sm90_decode.select_config(prob)))
+        prob = _decode_problem(*shapes(case_of(dist, B, cap, H, S, dtype=dtype)), True, 512, True)
+        base = sm90_decode.work_key(prob)[1]
     spec = dataclasses.replace(base, mode=mode, fixed_cost=int(fc[2:]))
     cta, req = (np.asarray(x) for x in decode_schedule(jnp.asarray(lens, jnp.int32), spec))
     out: list[list[tuple[int, bool]]] = [[] for _ in range(spec.num_ctas)]

@@ -497,7 +497,7 @@ _PIECE_TRACE_SCRIPT = textwrap.dedent(
     from tokenspeed_jax.backends import sm90_decode
     from tokenspeed_jax.decode import _decode_problem
     from tokenspeed_jax.kernels.sm90.decode import build_decode_kernel
-    from tokenspeed_jax.kernels.sm90.decode_common import PIECE_FIELDS
+    from tokenspeed_jax.kernels.sm90.decode_trace import PIECE_FIELDS
     from tokenspeed_jax.runtime import target_override
     sd = jax.ShapeDtypeStruct
     for dt, H, name in (("bfloat16", 32, "transposed"), ("bfloat16", 128, "seesaw"),

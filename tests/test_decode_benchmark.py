@@ -474,7 +474,7 @@ def test_piece_timeline_summary_recovers_costs_and_the_pacing_ctas():
     globaltimer), the per-tile and per-piece (direct / split) costs, each phase's median, the gaps between a CTA's
     pieces, and which CTAs finish last; records left at 0 (no piece) are skipped."""
     from benchmarks.piece_timeline import summarize
-    from tokenspeed_jax.kernels.sm90.decode_common import PIECE_FIELDS
+    from tokenspeed_jax.kernels.sm90.decode_trace import PIECE_FIELDS
 
     ghz, a, beta = 1.5, 3.0, {"direct": 4.0, "split": 9.0}  # GHz, µs per tile, µs per piece
     f = {n: i for i, n in enumerate(PIECE_FIELDS)}
@@ -520,7 +520,7 @@ def test_piece_timeline_main_runs_its_cases(tmp_path, monkeypatch):
     from benchmarks import piece_timeline as pt
     from tokenspeed_jax.backends import sm90_decode
     from tokenspeed_jax.decode_schedule import reference_pieces
-    from tokenspeed_jax.kernels.sm90.decode_common import PIECE_FIELDS
+    from tokenspeed_jax.kernels.sm90.decode_trace import PIECE_FIELDS
     from tokenspeed_jax.runtime import target_override
 
     def fake_decode(prob, q, kv, bt, sl, ss, os_, config=None, work=None):

@@ -97,7 +97,7 @@ def launch_decode_piece_traced(stream, q: cute.Tensor, kv: cute.Tensor, block_ta
                                causal: cutlass.Constexpr, num_ctas: cutlass.Constexpr, max_slots: cutlass.Constexpr,
                                piece_trace: cutlass.Constexpr, prefetch: cutlass.Constexpr = False):
     """Debug build of :func:`launch_decode` recording each CTA's first ``piece_trace`` pieces
-    (:meth:`~.decode_common.MlaDecodeSm90.mark_piece`) in ``trace_buf`` (int64 ``(num_ctas * row blocks,
+    (:meth:`~.decode_trace.DecodeTraceMixin.mark_piece`) in ``trace_buf`` (int64 ``(num_ctas * row blocks,
     piece_trace, len(PIECE_FIELDS))``, CTA ``g * row blocks + row block``), an extra output after ``lse``
     (benchmarks/piece_timeline.py)."""
     build_decode_kernel(loop=loop, producer=producer, dtype=dtype, num_heads=num_heads, q_len=q_len,
