@@ -362,11 +362,13 @@ def test_staged_epilogue_and_combine(compiled):
 def check_combine(name, comb, invariant=False):
     """The combine kernel of build ``name`` as the compile script read it (:func:`test_staged_epilogue_and_combine`);
     ``invariant``: the batch-invariant build (quarters only, no spill)."""
-    assert comb["wait"] == 1 and comb["cp16"] == comb["nb"], (name, comb)
+    # (the default build issues one round of slot copies before it reads the slot LSEs, the others in the slot loop)
+    assert comb["wait"] == 1 and comb["cp16"] == (1 if invariant else 2) * comb["nb"], (name, comb)
     assert comb["regs"] * 128 * comb["ctas_per_sm"] <= 65536, (name, comb)
-    # (the launch caps the registers at the one-wave grid's; the default build's 32-column path spills one value an
-    # item, outside its slot loop)
-    assert comb["spill"] is None or comb["spill"] <= (0 if invariant else 2), (name, comb)
+    # (the launch caps the registers at the one-wave grid's; the default build spills one value, its item's request,
+    # outside the slot loop: stored where it is set (before the grid-dependency wait, for the first item, and in the
+    # item loop, each in both item widths' copies of the code) and loaded once for the output's address)
+    assert comb["spill"] is None or comb["spill"] <= (0 if invariant else 5), (name, comb)
 
 
 @pytest.mark.compile

@@ -72,6 +72,9 @@ class CombineMixin:
         """A fixed one-wave grid (``COMBINE_CTAS_PER_SM`` x the SMs), 4 warps a CTA; the main kernel wrote the one-piece
         requests.  PDL (:meth:`allow_combine_launch`) launches it while the main grid runs, its CTAs taking SMs as main
         CTAs retire; ``griddepcontrol.wait`` holds every thread until the main grid is done and its writes are visible.
+        What the schedule wrote (``mCta``, ``mReq``: before the main grid started) is read before that wait, while the
+        main grid runs: the zero rows below and each warp's first item's request, so that after the wait an item's
+        chain is its LSE and partial loads (issued together), the adds and the store.
 
         * Requests of length 0 (``mReq[b, 0] == 0``), ``b`` spread over the CTAs, rows over its warps: exact zero rows,
           LSE -inf.
@@ -83,7 +86,6 @@ class CombineMixin:
           shared memory, which the grid's warp buffers need).
         * Batch-invariant schedule (:attr:`chunk` > 0): items over every request (more than ``num_ctas - 1`` may be
           split; requests of one piece skipped)."""
-        cute.arch.griddepcontrol_wait()
         tid, _, _ = cute.arch.thread_idx()
         bx, by, _ = cute.arch.block_idx()
         nx, ny, _ = cute.arch.grid_dim()
@@ -114,16 +116,31 @@ class CombineMixin:
         n_req = n_split
         if cutlass.const_expr(self.chunk > 0):
             n_req = mReq.shape[0]
-        for item in cutlass.range(cta * 4 + warp, n_req * per_req, n_cta * 4, unroll=1):
+        item0, n_items = cta * 4 + warp, n_req * per_req
+        b, ns, first = self.item_request(mCta, mReq, item0, n_items, per_req)  # (the warp's first item's, early)
+        cute.arch.griddepcontrol_wait()
+        for item in cutlass.range(item0, n_items, n_cta * 4, unroll=1):
+            if item != item0:
+                b, ns, first = self.item_request(mCta, mReq, item, n_items, per_req)
+            if cutlass.const_expr(self.chunk > 0):
+                if ns >= 2:
+                    self.combine_item(mOacc, mLacc, mOS, mOut, mLse, sBuf, sW, res, item, b, ns, first, warp, lane,
+                                      gl)
+            else:  # (a listed request has >= 2 pieces; testing it here costs 10 registers)
+                self.combine_item(mOacc, mLacc, mOS, mOut, mLse, sBuf, sW, res, item, b, ns, first, warp, lane, gl)
+
+    @cute.jit
+    def item_request(self, mCta: cute.Tensor, mReq: cute.Tensor, item: Int32, n_items: Int32, per_req: Int32):
+        """``(b, pieces, first slot)`` of warp item ``item``'s request (zeros past ``n_items``): the ``item //
+        per_req``-th request of the combine's work list (``mCta[k, 6]``), or that request itself (batch-invariant)."""
+        b, ns, first = Int32(0), Int32(0), Int32(0)
+        if item < n_items:
             if cutlass.const_expr(self.chunk > 0):
                 b = item // per_req
-                ns = mReq[b, 0]
-                if ns >= 2:
-                    self.combine_item(mOacc, mLacc, mOS, mReq, mOut, mLse, sBuf, sW, res, item, b, ns, warp, lane, gl)
-            else:  # (a listed request has >= 2 pieces; testing it here costs 10 registers)
+            else:
                 b = mCta[item // per_req, 6]
-                self.combine_item(mOacc, mLacc, mOS, mReq, mOut, mLse, sBuf, sW, res, item, b, mReq[b, 0], warp,
-                                  lane, gl)
+            ns, first = mReq[b, 0], mReq[b, 1]
+        return b, ns, first
 
     @cute.jit
     def slot_max_sum(self, gL: cute.Tensor, sW: cute.Tensor, ns, lane):
@@ -172,12 +189,14 @@ class CombineMixin:
         return res
 
     @cute.jit
-    def combine_item(self, mOacc, mLacc, mOS, mReq, mOut, mLse, sBuf, sW, res, item, b, ns, warp, lane, gl):
+    def combine_item(self, mOacc, mLacc, mOS, mOut, mLse, sBuf, sW, res, item, b, ns, first, warp, lane, gl):
         """One warp merges row ``(item >> (2 + gl)) % R``, column chunk ``item % (4 << gl)`` (``128 >> gl`` columns)
-        of request ``b`` over its ``ns >= 2`` slots from ``mReq[b, 1]``.  Its ``2**gl`` lane groups (``32 >> gl``
-        lanes, 4 columns a lane) take the slots ``group, group + 2**gl, ..`` in order, each with
-        :attr:`COMBINE_SLOTS_IN_FLIGHT` 16-byte cp.async copies in flight at a time (past the last slot: the last slot
-        again, not added); slot ``s``'s partial times its weight (:meth:`slot_weight`).  Butterfly shuffles add the
+        of request ``b`` over its ``ns >= 2`` slots from ``first`` (``mReq[b, 1]``).  Its ``2**gl`` lane groups
+        (``32 >> gl`` lanes, 4 columns a lane) take the slots ``group, group + 2**gl, ..`` in order, each with
+        :attr:`COMBINE_SLOTS_IN_FLIGHT` 16-byte cp.async copies in flight at a time (:meth:`load_slots`; the default
+        build issues the first round before it reads the LSEs, so both loads are in flight together; not the
+        batch-invariant build, where with its run-time LSE loops that spilled two registers); slot ``s``'s
+        partial times its weight (:meth:`slot_weight`).  Butterfly shuffles add the
         groups' sums (the same sum in every lane, commutative adds), group 0 stores ``output_scale * acc / sum`` and
         the first chunk's lane 0 the LSE ``max + log(sum)``; exact zeros and -inf where every slot was empty (NaN: a
         piece saw a NaN / Inf key, NaN LSE)."""
@@ -187,20 +206,19 @@ class CombineMixin:
         r = (item >> (2 + gl)) % self.R
         chunk = item & ((Int32(4) << gl) - 1)
         col = chunk * (Int32(128) >> gl) + lig * 4
-        lbase = Int64(mReq[b, 1]) * self.R + r
+        lbase = Int64(first) * self.R + r
         gL = cute.make_tensor(mLacc.iterator + lbase, cute.make_layout(mLacc.shape[0], stride=self.R))
+        if cutlass.const_expr(self.chunk == 0):
+            self.load_slots(mOacc, sBuf, lbase, col, Int32(0), grp, ng, ns, warp, lane)  # (in flight beside the LSEs)
         m, ref, total = self.slot_max_sum(gL, sW, ns, lane)
         acc = cute.make_rmem_tensor((4,), Float32)
         acc.fill(0.0)
-        atom = cute.make_copy_atom(cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL), Float32,
-                                   num_bits_per_copy=128)
         w = cute.make_rmem_tensor((NB,), Float32)
         for s0 in cutlass.range(0, ns, NB * ng, unroll=1):  # (rounds; group `grp`: slots s0 + grp + j * ng)
-            for j in cutlass.range_constexpr(NB):  # (cp.async: all NB in flight whatever the register allocator does)
-                s = cutlass.min(s0 + grp + j * ng, ns - 1)
-                cute.copy(atom, cute.make_tensor(row_ptr(mOacc, lbase + Int64(s) * self.R, col, self.DV, 16),
-                                                 cute.make_layout(4)), sBuf[None, (warp * NB + j) * 32 + lane])
-            cute.arch.cp_async_commit_group()
+            if cutlass.const_expr(self.chunk > 0):
+                self.load_slots(mOacc, sBuf, lbase, col, s0, grp, ng, ns, warp, lane)
+            elif s0 > 0:  # (the default build's first round is in flight already)
+                self.load_slots(mOacc, sBuf, lbase, col, s0, grp, ng, ns, warp, lane)
             for j in cutlass.range_constexpr(NB):
                 w[j] = self.slot_weight(gL, sW, ref, cutlass.min(s0 + grp + j * ng, ns - 1))
             cute.arch.cp_async_wait_group(0)
@@ -225,6 +243,21 @@ class CombineMixin:
         if lane == 0 and chunk == 0:
             cute.make_tensor(mLse.iterator + obase, cute.make_layout(1))[0] = lse
         cute.arch.sync_warp()  # (the warp's sW and sBuf are free for its next item)
+
+    @cute.jit
+    def load_slots(self, mOacc, sBuf, lbase, col, s0, grp, ng, ns, warp, lane):
+        """One round of :meth:`combine_item`: lane group ``grp``'s slots ``s0 + grp + j * ng`` (``j <``
+        :attr:`COMBINE_SLOTS_IN_FLIGHT`; past the last slot: the last slot again), 4 columns from ``col`` each, into
+        the warp's buffer by 16-byte cp.async, committed as one group (all in flight whatever the register allocator
+        does)."""
+        NB = self.COMBINE_SLOTS_IN_FLIGHT
+        atom = cute.make_copy_atom(cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL), Float32,
+                                   num_bits_per_copy=128)
+        for j in cutlass.range_constexpr(NB):
+            s = cutlass.min(s0 + grp + j * ng, ns - 1)
+            cute.copy(atom, cute.make_tensor(row_ptr(mOacc, lbase + Int64(s) * self.R, col, self.DV, 16),
+                                             cute.make_layout(4)), sBuf[None, (warp * NB + j) * 32 + lane])
+        cute.arch.cp_async_commit_group()
 
 
 __all__ = ["CombineMixin"]
