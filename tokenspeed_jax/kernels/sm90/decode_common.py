@@ -29,9 +29,6 @@ _K32 = 32  # wgmma K of 8-bit operands
 _CHUNK = 64  # columns of one 64-column chunk of a KV tile
 _DTYPES = {"bfloat16": cutlass.BFloat16, "float16": cutlass.Float16, "float8_e4m3fn": cutlass.Float8E4M3FN}
 _MIN_PAGE = 16  # TMA refills: at most 4 boxes of whole pages per 64-token chunk
-# ``st.nxt`` (prefetch): the staged successor (request, start, end, unused) and the coordinates of its first tiles
-# (at most 4 tiles x 4 boxes x 2; :meth:`MlaDecodeSm90.stage_next`)
-NEXT_WORDS = 4 + 4 * 4 * 2
 
 
 class MlaDecodeSm90(CombineMixin):
@@ -48,7 +45,6 @@ class MlaDecodeSm90(CombineMixin):
     block_n = 64
     num_threads = 256  # the two computing warpgroups
     prefetch_q = False  # with :attr:`prefetch`: the epilogue leaves the Q tile alone, the next one loads there
-    prefetch_tiles = 2  # KV tiles a piece's ``produce_start`` loads (:meth:`stage_next` stages their coordinates)
 
     def __init__(self, *, dtype: str, num_heads: int, q_len: int, page_size: int, causal: bool,
                  num_ctas: int, max_slots: int, pad_zero: bool = False, chunk: int = 0, prefetch: bool = False,
@@ -297,74 +293,25 @@ class MlaDecodeSm90(CombineMixin):
 
     @cute.jit
     def start_piece(self, c, b: Int32, producer: cutlass.Constexpr):
-        """:attr:`prefetch`: issue request ``b``'s first loads (none if ``b < 0``) ahead of the walk's first
-        :meth:`run_piece`: the producer its first KV tiles (``produce_start``), the consumers Q (if
-        :attr:`prefetch_q`).  The later pieces' loads go out from :meth:`start_staged`."""
+        """:attr:`prefetch`: issue request ``b``'s first loads (none if ``b < 0``) ahead of :meth:`run_piece`, for the
+        first piece before the walk, else at the previous one's epilogue barrier: the producer its first KV tiles
+        (``produce_start``; no consumer reads a buffer after that barrier), the consumers Q (if :attr:`prefetch_q`)."""
         if b >= 0:
             _, start, end, _ = self.piece(c.mCta, c.mBT, c.mSeq, c.g, b)
             if cutlass.const_expr(producer):
-                self.produce_start(c, b, start, end, self.num_pairs(start, end), None)
+                self.produce_start(c, b, start, end, self.num_pairs(start, end))
             elif cutlass.const_expr(self.prefetch_q):
                 self.load_q_tile(c.sQ[None, None, 0], c.mQ, c.mblk, b, c.tid)
                 cute.arch.cp_async_commit_group()
 
     @cute.jit
-    def stage_next(self, c, b: Int32):
-        """:attr:`prefetch`, one thread of the producer warpgroup's idle warp 1 while request ``b``'s piece runs: its
-        successor in the CTA's range (:meth:`next_piece` in ``b + 1..c.b_last``, -1 for none), that piece's token
-        bounds and the TMA coordinates of its first :attr:`prefetch_tiles` tiles (:meth:`coords`) into ``st.nxt``
-        (:data:`NEXT_WORDS`).  Its global loads (schedule, lengths, block table) then complete under the loop instead
-        of at the epilogue barrier, where the memory system is queued behind every CTA's KV stream (several µs a
-        dependent load); the barrier publishes the words to :meth:`start_staged`."""
-        sN = c.st.nxt.get_tensor(cute.make_layout(NEXT_WORDS))
-        nb = self.next_piece(c, b + 1, c.b_last)
-        start = Int32(0)
-        end = Int32(0)
-        if nb >= 0:
-            _, start, end, _ = self.piece(c.mCta, c.mBT, c.mSeq, c.g, nb)
-            for t in cutlass.range_constexpr(self.prefetch_tiles):
-                crd = self.coords(c.mBT, nb, start + t * self.block_n, end, c.num_pages)
-                for s in cutlass.range_constexpr(self.subs):
-                    for j in cutlass.range_constexpr(2):
-                        sN[4 + (t * self.subs + s) * 2 + j] = crd[s, j]
-        sN[0] = nb
-        sN[1] = start
-        sN[2] = end
-
-    @cute.jit
-    def staged_coords(self, sN: cute.Tensor, t: cutlass.Constexpr):
-        """Tile ``t``'s coordinates as :meth:`stage_next` stored them (the layout of :meth:`coords`)."""
-        crd = cute.make_rmem_tensor((self.subs, 2), Int32)
-        for s in cutlass.range_constexpr(self.subs):
-            for j in cutlass.range_constexpr(2):
-                crd[s, j] = sN[4 + (t * self.subs + s) * 2 + j]
-        return crd
-
-    @cute.jit
-    def start_staged(self, c, producer: cutlass.Constexpr):
-        """:attr:`prefetch`, after the epilogue barrier of a piece: the next piece's first loads from the words
-        :meth:`stage_next` left in shared memory (no global load on this path): the producer its first KV tiles (no
-        consumer reads a buffer after that barrier), the consumers (with :attr:`prefetch_q`) its Q tile."""
-        sN = c.st.nxt.get_tensor(cute.make_layout(NEXT_WORDS))
-        nb = sN[0]
-        if nb >= 0:
-            if cutlass.const_expr(producer):
-                start = sN[1]
-                end = sN[2]
-                self.produce_start(c, nb, start, end, self.num_pairs(start, end), sN)
-            elif cutlass.const_expr(self.prefetch_q):
-                self.load_q_tile(c.sQ[None, None, 0], c.mQ, c.mblk, nb, c.tid)
-                cute.arch.cp_async_commit_group()
-
-    @cute.jit
     def epilogue_barrier(self, c, b):
         """The computing warpgroups' CTA barrier before the epilogue of ``b``'s piece (every wgmma retired, every buffer
-        read); with :attr:`prefetch` and :attr:`prefetch_q` the next piece's Q tile follows (:meth:`start_staged`:
-        the successor the producer staged in shared memory, so no value of it lives across the loop), which its run
-        waits for."""
+        read); with :attr:`prefetch` and :attr:`prefetch_q` the next piece's Q tile follows (:meth:`next_piece` in
+        ``b + 1..c.b_last``, looked up here so no value of it lives across the loop), which its run waits for."""
         cute.arch.barrier()
         if cutlass.const_expr(self.prefetch and self.prefetch_q):
-            self.start_staged(c, False)
+            self.start_piece(c, self.next_piece(c, b + 1, c.b_last), False)
 
     @cute.jit
     def walk_chunks(self, c, b_first: Int32, b_last: Int32, producer: cutlass.Constexpr):
@@ -406,15 +353,12 @@ class MlaDecodeSm90(CombineMixin):
         n_pairs = self.num_pairs(start, end)
         if cutlass.const_expr(producer):
             if cutlass.const_expr(not self.prefetch):
-                self.produce_start(c, b, start, end, n_pairs, None)
+                self.produce_start(c, b, start, end, n_pairs)
             cute.arch.barrier()  # the consumers' Q tile landed
-            if cutlass.const_expr(self.prefetch):  # (warp 1 is idle: produce_rest issues from warp 0)
-                if c.wtid == 32:
-                    self.stage_next(c, b)
             self.produce_rest(c, b, start, end, n_pairs)
             cute.arch.barrier()  # the consumers' barrier before their epilogue: every buffer read
             if cutlass.const_expr(self.prefetch):
-                self.start_staged(c, True)
+                self.start_piece(c, self.next_piece(c, b + 1, c.b_last), True)
         else:
             self.mark_piece(c, b, 0, (b, start, end, slot))
             if tid < 64:
@@ -708,4 +652,4 @@ def staged_pass_features(elem_bytes: int, stage_bytes: int) -> int:
     raise ValueError(f"store_o_staged: {stage_bytes} bytes of shared memory are too few for O")
 
 
-__all__ = ["NEXT_WORDS", "MlaDecodeSm90", "staged_pass_features"]
+__all__ = ["MlaDecodeSm90", "staged_pass_features"]

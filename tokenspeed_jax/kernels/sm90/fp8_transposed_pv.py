@@ -45,7 +45,7 @@ from cutlass import Float32, Int32, Int64, cute
 from cutlass.cute.nvgpu import warpgroup
 from cutlass.tensor_utils import LayoutEnum
 
-from tokenspeed_jax.kernels.sm90.decode_common import NEXT_WORDS, MlaDecodeSm90
+from tokenspeed_jax.kernels.sm90.decode_common import MlaDecodeSm90
 from tokenspeed_jax.kernels.sm90.decode_trace import TRACE_EVENTS, DecodeTraceMixin
 from tokenspeed_jax.kernels.sm90.fp8_operands import _ldsm4t, _prmt, store_p8, sw64
 from tokenspeed_jax.kernels.sm90.helpers import LOG2_E, Barrier, clear_nan_e4m3x4
@@ -130,7 +130,6 @@ class MlaDecodeFp8TransposedPvSm90(TransposedOutMixin, KvRefillMixin, DecodeTrac
     """``O^T = V^T P^T``, 64-row blocks (module docstring).  Arguments: the base's + ``qk_t`` (transposed QK)."""
 
     pair_step = 1  # output features of an O^T accumulator row pair q, q + 8 (store_ot_pair): f and f + 1
-    prefetch_tiles = _NBUF  # produce_start loads pairs 0 and 1
 
     def __init__(self, *, qk_t: bool = False, **kw):
         super().__init__(**kw)
@@ -180,7 +179,6 @@ class MlaDecodeFp8TransposedPvSm90(TransposedOutMixin, KvRefillMixin, DecodeTrac
             zero_row: cute.struct.Align[cute.struct.MemRange[Int32, 4], 16]  # V rows past the split
             # S^T (qk_t): per warpgroup and warp, column maxima / sums
             red: cute.struct.Align[cute.struct.MemRange[Float32, 2 * 4 * 32], 16]
-            nxt: cute.struct.Align[cute.struct.MemRange[Int32, NEXT_WORDS], 16]  # prefetch: the staged successor
 
         main = self.ot_kernel(qk_mma, pv_mma, q, kv, block_table, seq_lens, softmax_scale, output_scale, sched_cta,
                               out, lse, o_accum, lse_accum, trace_buf, q_layout, tma_atom, tma_kv, Storage)
@@ -352,17 +350,13 @@ class MlaDecodeFp8TransposedPvSm90(TransposedOutMixin, KvRefillMixin, DecodeTrac
         ph[0] = ph[0] ^ ((((n_pairs + 1) >> 1) & 1) * 3) ^ (((n_pairs >> 1) & 1) * 12)
 
     @cute.jit
-    def produce_start(self, c, b, split_start, split_end, n_pairs, sN):
-        """The producer's first loads of a piece (``run_piece``): pairs 0 and 1 into buffers 0..3; ``sN``: None, or
-        the staged coordinates (:meth:`~.decode_common.MlaDecodeSm90.stage_next`)."""
+    def produce_start(self, c, b, split_start, split_end, n_pairs):
+        """The producer's first loads of a piece (``run_piece``): pairs 0 and 1 into buffers 0..3."""
         tAs, tAg, tma_atom, mbar, mBT, num_pages, wtid = c.tAs, c.tAg, c.tma_atom, c.mbar, c.mBT, c.num_pages, c.wtid
         for k in cutlass.range_constexpr(_NBUF):
             t0 = split_start + k * self.block_n
             if k < 2 or n_pairs > 1:
-                if cutlass.const_expr(sN is not None):
-                    crd = self.staged_coords(sN, k)
-                else:
-                    crd = self.coords(mBT, b, t0, split_end, num_pages)
+                crd = self.coords(mBT, b, t0, split_end, num_pages)
                 self.refill(tAs[k], tAg, tma_atom, mbar + k, crd, wtid, _ALL_CHUNKS, None)
 
     @cute.jit

@@ -42,7 +42,7 @@ from cutlass import Float32, Int32, Int64, cute
 from cutlass.cute.nvgpu import warpgroup
 from cutlass.tensor_utils import LayoutEnum
 
-from tokenspeed_jax.kernels.sm90.decode_common import _K16, _K32, NEXT_WORDS, MlaDecodeSm90
+from tokenspeed_jax.kernels.sm90.decode_common import _K16, _K32, MlaDecodeSm90
 from tokenspeed_jax.kernels.sm90.decode_trace import DecodeTraceMixin
 from tokenspeed_jax.kernels.sm90.fp8_operands import Fp8OperandsMixin, store_p8
 from tokenspeed_jax.kernels.sm90.helpers import LOG2_E, Barrier, clear_nonfinite_16x2
@@ -132,7 +132,6 @@ class MlaDecodeSeesawSm90(Fp8OperandsMixin, KvRefillMixin, DecodeTraceMixin, Mla
             sK: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(k_layout)], 1024]
             zero_row: cute.struct.Align[cute.struct.MemRange[Int32, 4], 16]  # FP8 transpose: rows past the split
             red: cute.struct.Align[cute.struct.MemRange[Float32, self.red_floats], 16]  # column statistics
-            nxt: cute.struct.Align[cute.struct.MemRange[Int32, NEXT_WORDS], 16]  # prefetch: the staged successor
 
         main = self.seesaw_kernel(qk_mma, pv_ss, pv_rs, pv8, q, kv, block_table, seq_lens, softmax_scale, output_scale,
                                   sched_cta, out, lse, o_accum, lse_accum, trace_buf, q_layout, k_layout, v_layout,
@@ -326,11 +325,10 @@ class MlaDecodeSeesawSm90(Fp8OperandsMixin, KvRefillMixin, DecodeTraceMixin, Mla
             tAs0=tAs0, tAs1=tAs1, tAg=tAg, tma_atom=tma_atom, zrow=zrow))
 
     @cute.jit
-    def produce_start(self, c, b: Int32, split_start: Int32, split_end: Int32, n_pairs: Int32, sN):
-        """The producer's first loads of a piece (``run_piece``): pair 0 (:meth:`prologue_refills`); ``sN``: None, or
-        the staged coordinates (:meth:`~.decode_common.MlaDecodeSm90.stage_next`)."""
+    def produce_start(self, c, b: Int32, split_start: Int32, split_end: Int32, n_pairs: Int32):
+        """The producer's first loads of a piece (``run_piece``): pair 0 (:meth:`prologue_refills`)."""
         self.prologue_refills(c.tAs0, c.tAs1, c.tAg, c.tma_atom, c.mbar, c.mBT, b, split_start, split_end,
-                              c.num_pages, c.wg, c.wtid, sN)
+                              c.num_pages, c.wg, c.wtid)
 
     @cute.jit
     def produce_rest(self, c, b: Int32, split_start: Int32, split_end: Int32, n_pairs: Int32):
@@ -354,17 +352,11 @@ class MlaDecodeSeesawSm90(Fp8OperandsMixin, KvRefillMixin, DecodeTraceMixin, Mla
         ph[0] = ph[0] ^ (Int32(0) - (n_pairs & 1))
 
     @cute.jit
-    def prologue_refills(self, tAs0, tAs1, tAg, tma_atom, mbar, mBT, b, split_start, split_end, num_pages, wg, wtid,
-                         sN=None):
-        """Pair 0 into both slots (1 completion per mbarrier): the producer alone, or each computing WG its groups;
-        the coordinates from the block table, or staged in ``sN`` (:meth:`~.decode_common.MlaDecodeSm90.stage_next`)."""
+    def prologue_refills(self, tAs0, tAs1, tAg, tma_atom, mbar, mBT, b, split_start, split_end, num_pages, wg, wtid):
+        """Pair 0 into both slots (1 completion per mbarrier): the producer alone, or each computing WG its groups."""
         bn = self.block_n
-        if cutlass.const_expr(sN is not None):
-            pg0 = self.staged_coords(sN, 0)
-            pg1 = self.staged_coords(sN, 1)
-        else:
-            pg0 = self.coords(mBT, b, split_start, split_end, num_pages)
-            pg1 = self.coords(mBT, b, split_start + bn, split_end, num_pages)
+        pg0 = self.coords(mBT, b, split_start, split_end, num_pages)
+        pg1 = self.coords(mBT, b, split_start + bn, split_end, num_pages)
         cg = self.col_groups
         if cutlass.const_expr(self.producer):  # the producer loads both slots by column groups (A0, A1, B0, B1)
             self.refill(tAs0, tAg, tma_atom, mbar + 0, pg0, wtid, cg[0], None)
