@@ -373,14 +373,7 @@ class MlaDecodeSm90(CombineMixin):
             cta = g * self.num_m_blocks + c.mblk  # (debug traces: mark)
             self.clear_trace(c.mTrace, cta, c.wg, c.wtid)
             self.consume(c, cta, b, seq, start, end, slot, n_pairs)
-        if cutlass.const_expr(self.prefetch and self.producer):
-            # the piece's epilogue done, among the computing warpgroups only: the producer issued the next piece's
-            # first KV tiles after the epilogue barrier (no epilogue reads a KV buffer) and goes on to its Q barrier,
-            # so no computing warp waits for those TMA issues
-            if cutlass.const_expr(not producer):
-                cute.arch.barrier(barrier_id=int(Barrier.PIECE_END), number_of_threads=self.num_threads)
-        else:
-            cute.arch.barrier()  # the piece's epilogue done: its buffers are free
+        cute.arch.barrier()  # the piece's epilogue done: its buffers are free
         if cutlass.const_expr(not producer):
             self.mark_piece(c, b, 3)
             self.advance_phases(n_pairs)

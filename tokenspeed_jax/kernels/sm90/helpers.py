@@ -15,7 +15,6 @@ class Barrier(enum.IntEnum):
     """Named barrier ids of the decode kernels (0 is __syncthreads, reserved)."""
 
     ROW_SUM = 4  # per-warpgroup row sums published in smem (epilogue; the own-tiles loop's merge)
-    PIECE_END = 5  # prefetch builds with the producer: the computing warpgroups' end of a piece (256 threads)
     # the seesaw handoffs between the two computing warpgroups (producer arrives, consumer syncs; 256 threads)
     SCALE0 = 6  # WG0 folded its tile into the shared row max (sM, scale0 published)
     SCALE1 = 7  # WG1 folded its tile (scale1 published)
