@@ -45,7 +45,6 @@ class MlaDecodeSm90(CombineMixin):
     block_n = 64
     num_threads = 256  # the two computing warpgroups
     prefetch_q = False  # with :attr:`prefetch`: the epilogue leaves the Q tile alone, the next one loads there
-    q_tile_rows = 64  # rows of the Q tile the loop's QK reads (:meth:`load_rows` loads only these)
 
     def __init__(self, *, dtype: str, num_heads: int, q_len: int, page_size: int, causal: bool,
                  num_ctas: int, max_slots: int, pad_zero: bool = False, chunk: int = 0, prefetch: bool = False,
@@ -134,32 +133,21 @@ class MlaDecodeSm90(CombineMixin):
                   zero_neg: cutlass.Constexpr = False):
         """cp.async 16-bit rows: smem row 32m + t//8 <- global row ``rows[m]`` of ``base`` (row-major, D
         wide); thread t copies the 16-byte chunks (t % 8) + 8k.  ``zero_neg``: a negative ``rows[m]`` (a padded
-        q row, :meth:`q_rows`) stores zeros instead (plain stores: the reader's proxy fence publishes them).  Only
-        the first :attr:`q_tile_rows` smem rows (the rows the loop's QK reads; whole warps skip the rest)."""
+        q row, :meth:`q_rows`) stores zeros instead (plain stores: the reader's proxy fence publishes them)."""
         atom, tiled = self._row_copy(self.mma_dtype, 128, 8)
         tXsX = tiled.get_slice(tid).partition_D(sX)  # (CPY, rows/32, 9)
         for m in cutlass.range_constexpr(cute.size(tXsX, mode=[1])):
-            if cutlass.const_expr(32 * m < self.q_tile_rows):
-                if cutlass.const_expr(32 * (m + 1) <= self.q_tile_rows):
-                    self.load_rows_m(sX, base, rows, tid, zero_neg, atom, tXsX, m)
-                elif tid // 8 + 32 * m < self.q_tile_rows:  # (8 threads a row: warp-uniform)
-                    self.load_rows_m(sX, base, rows, tid, zero_neg, atom, tXsX, m)
-
-    @cute.jit
-    def load_rows_m(self, sX: cute.Tensor, base: cute.Tensor, rows: cute.Tensor, tid: Int32,
-                    zero_neg: cutlass.Constexpr, atom: cute.CopyAtom, tXsX: cute.Tensor, m: cutlass.Constexpr):
-        """:meth:`load_rows`' copies of smem rows ``32 m + t // 8``."""
-        for k in cutlass.range_constexpr(cute.size(tXsX, mode=[2])):
-            dst = tXsX[None, m, k]
-            if cutlass.const_expr(zero_neg):
-                if rows[m] < 0:
-                    z = cute.make_rmem_tensor((8,), self.mma_dtype)
-                    z.fill(0.0)
-                    cute.autovec_copy(z, dst)
+            for k in cutlass.range_constexpr(cute.size(tXsX, mode=[2])):
+                dst = tXsX[None, m, k]
+                if cutlass.const_expr(zero_neg):
+                    if rows[m] < 0:
+                        z = cute.make_rmem_tensor((8,), self.mma_dtype)
+                        z.fill(0.0)
+                        cute.autovec_copy(z, dst)
+                    else:
+                        self.copy_chunk(atom, base, rows[m], (tid % 8) * 8 + 64 * k, dst)
                 else:
                     self.copy_chunk(atom, base, rows[m], (tid % 8) * 8 + 64 * k, dst)
-            else:
-                self.copy_chunk(atom, base, rows[m], (tid % 8) * 8 + 64 * k, dst)
 
     @cute.jit
     def copy_chunk(self, atom: cute.CopyAtom, base: cute.Tensor, row: Int64, col, dst: cute.Tensor):

@@ -54,7 +54,6 @@ class MlaDecodeTransposedSm90(TransposedOutMixin, MlaDecodeSeesawSm90):
             raise ValueError(f"the transposed 16-bit loop needs S x H <= {_MAX_ROWS}, got {self.R}")
         self.qk_t = True  # (the O^T loop's column-statistics paths: fold_t, col_limits, epilogue_ot)
         self.pv_n = 16 if self.R <= 16 else 32
-        self.q_tile_rows = self.pv_n  # the QK's B operand: the Q tile's first pv_n rows (operand_views)
 
     # ------------------------------------------------------------------------------------------ host
     def seesaw_mmas(self):
