@@ -14,7 +14,10 @@ bit (the marks add stores only), else the run stops.  The traced build is the re
 included.  It runs once, after two warm-up launches.
 
 Printed and written (``--out``, JSON; :func:`summarize`): per piece kind (direct / split) the median start, loop,
-epilogue and gap (from the CTA's previous piece) in µs; a least-squares fit of a piece's time on its tiles with a
+epilogue and gap (from the CTA's previous piece) in µs; per kind and whether the CTA runs another piece after it
+(``direct_next``, ``split_last``, ...) the loop's µs a tile and the epilogue's steps (its barrier, the next Q tile's
+copies, the stores, the wait at the piece's last barrier: the transposed loop records all, the others the stores and
+the last wait); a least-squares fit of a piece's time on its tiles with a
 constant per kind (what a piece costs beyond its tiles); the kernel's span and the CTAs that finish last, with their
 pieces and tiles (what paces the kernel).  The question it answers: why CTAs holding several short pieces finish
 after CTAs holding more tiles in one piece (docs/notes/sm90_decode_journal.md, 2026-12-06 "midday").
@@ -51,28 +54,48 @@ def summarize(trace: np.ndarray, block_n: int = 64, latest: int = 8) -> dict:
     def us(cycles):
         return cycles / ghz / 1e3
 
+    def step(r, a, b):  # the epilogue step from field a to field b, where the loop records both
+        return us(r[f[b]] - r[f[a]]) if r[f[a]] > 0 and r[f[b]] > 0 else None
+
     pieces = []
     for cta in range(tr.shape[0]):
         prev_end = None
-        for j in np.flatnonzero(ok[cta]):
+        recs = np.flatnonzero(ok[cta])
+        for i, j in enumerate(recs):
             r = tr[cta, j]
             tiles = -(-(int(r[f["end"]]) - int(r[f["start"]])) // block_n)
+            stores_from = next((k for k in ("clk_q_issued", "clk_epi_pass") if r[f[k]] > 0), "clk_epilogue")
             pieces.append({
                 "cta": cta, "b": int(r[f["b"]]), "tiles": tiles, "kind": "split" if r[f["slot"]] >= 0 else "direct",
+                "next": bool(i + 1 < len(recs)),  # the CTA runs another piece after this one
                 "start_us": us(r[f["clk_q"]] - r[f["clk_start"]]),
                 "loop_us": us(r[f["clk_epilogue"]] - r[f["clk_q"]]),
+                "loop_us_per_tile": us(r[f["clk_epilogue"]] - r[f["clk_q"]]) / max(tiles, 1),
                 "epilogue_us": us(r[f["clk_end"]] - r[f["clk_epilogue"]]),
+                "epi_barrier_us": step(r, "clk_epilogue", "clk_epi_pass"),
+                "epi_q_issue_us": step(r, "clk_epi_pass", "clk_q_issued"),
+                "epi_store_us": step(r, stores_from, "clk_stored"),
+                "epi_end_wait_us": step(r, "clk_stored", "clk_end"),
                 "total_us": us(r[f["clk_end"]] - r[f["clk_start"]]),
                 "gap_us": None if prev_end is None else us(r[f["clk_start"]] - prev_end),
                 "ns_start": int(r[f["ns_start"]]), "ns_end": int(r[f["ns_end"]])})
             prev_end = r[f["clk_end"]]
-    out: dict = {"clock_ghz": ghz, "pieces": len(pieces), "by_kind": {}}
+
+    def medians(ps, keys):
+        return {k: float(np.median([p[k] for p in ps if p[k] is not None] or [np.nan])) for k in keys}
+
+    out: dict = {"clock_ghz": ghz, "pieces": len(pieces), "by_kind": {}, "by_kind_and_next": {}}
     for kind in ("direct", "split"):
         ps = [p for p in pieces if p["kind"] == kind]
         if ps:
-            out["by_kind"][kind] = {"n": len(ps), "tiles_median": float(np.median([p["tiles"] for p in ps])), **{
-                k: float(np.median([p[k] for p in ps if p[k] is not None] or [np.nan]))
-                for k in ("start_us", "loop_us", "epilogue_us", "total_us", "gap_us")}}
+            out["by_kind"][kind] = {"n": len(ps), "tiles_median": float(np.median([p["tiles"] for p in ps])),
+                                    **medians(ps, ("start_us", "loop_us", "epilogue_us", "total_us", "gap_us"))}
+        for nxt in (True, False):  # a piece the CTA follows with another, or its last (the epilogue's steps)
+            qs = [p for p in ps if p["next"] == nxt]
+            if qs:
+                out["by_kind_and_next"][f"{kind}_{'next' if nxt else 'last'}"] = {
+                    "n": len(qs), **medians(qs, ("loop_us_per_tile", "epilogue_us", "epi_barrier_us", "epi_q_issue_us",
+                                                 "epi_store_us", "epi_end_wait_us"))}
     if len(pieces) >= 3:  # total = a tiles + beta_direct [direct] + beta_split [split]
         A = np.array([[p["tiles"], p["kind"] == "direct", p["kind"] == "split"] for p in pieces], np.float64)
         y = np.array([p["total_us"] for p in pieces])
@@ -197,6 +220,8 @@ def main(argv=None):
             print("  fit:", json.dumps({k: (round(v, 2) if isinstance(v, float) else v)
                                         for k, v in s.get("fit", {}).items()}))
             for kind, d in s["by_kind"].items():
+                print(f"  {kind}:", json.dumps({k: round(v, 2) for k, v in d.items()}))
+            for kind, d in s["by_kind_and_next"].items():
                 print(f"  {kind}:", json.dumps({k: round(v, 2) for k, v in d.items()}))
             for n, d in s.get("by_pieces_per_cta", {}).items():
                 print(f"  {n} pieces/CTA:", json.dumps({k: round(v, 1) for k, v in d.items()}))

@@ -492,6 +492,9 @@ def test_piece_timeline_summary_recovers_costs_and_the_pacing_ctas():
             rec[f["clk_q"]] = clk0 + round(start * 1e3 * ghz)
             rec[f["clk_epilogue"]] = clk0 + round((total - epi) * 1e3 * ghz)
             rec[f["clk_end"]] = clk0 + round(total * 1e3 * ghz)
+            if cta != 1:  # the epilogue's steps: barrier 0.2, the next Q's copies 0.3, stores 0.4, last wait 0.1 µs
+                for k, dt in (("clk_epi_pass", 0.2), ("clk_q_issued", 0.5), ("clk_stored", 0.9)):
+                    rec[f[k]] = rec[f["clk_epilogue"]] + round(dt * 1e3 * ghz)
             rec[f["ns_start"]], rec[f["ns_end"]] = round(t_us * 1e3), round((t_us + total) * 1e3)
             t_us += total + 0.25  # the gap to the next piece
     s = summarize(tr)
@@ -501,6 +504,11 @@ def test_piece_timeline_summary_recovers_costs_and_the_pacing_ctas():
     d = s["by_kind"]["direct"]
     assert d["n"] == 2 and abs(d["start_us"] - 0.5) < 1e-2 and abs(d["epilogue_us"] - 1.0) < 1e-2
     assert abs(d["gap_us"] - 0.25) < 1e-2
+    kn = s["by_kind_and_next"]  # CTA 0: split, direct, direct then split last; CTA 1 one split; CTA 2 two splits
+    assert {k: v["n"] for k, v in kn.items()} == {"direct_next": 2, "split_next": 2, "split_last": 3}
+    for k, want in (("epi_barrier_us", 0.2), ("epi_q_issue_us", 0.3), ("epi_store_us", 0.4), ("epi_end_wait_us", 0.1)):
+        assert abs(kn["direct_next"][k] - want) < 1e-2, (k, kn["direct_next"])
+    assert abs(kn["direct_next"]["loop_us_per_tile"] - np.median([(a * t + 4.0 - 1.5) / t for t in (20, 6)])) < 1e-2
     finish = {c: 1.0 + c + sum(a * t + beta["split" if sl >= 0 else "direct"] + 0.25 for t, sl in ps) - 0.25 - 1.0
               for c, ps in layout.items()}  # from the earliest start (CTA 0 at 1 µs)
     assert [c["cta"] for c in s["latest_ctas"]] == sorted(finish, key=lambda c: -finish[c])
@@ -540,7 +548,7 @@ def test_piece_timeline_main_runs_its_cases(tmp_path, monkeypatch):
                 j = b - int(cta[g, 0])
                 if j < pieces:
                     d = 2000 * (-(-(e - s) // 64)) + 5000
-                    tr[g, j] = [b, s, e, slot, t[g], t[g] + 500, t[g] + d - 800, t[g] + d, t[g], t[g] + d]
+                    tr[g, j, :10] = [b, s, e, slot, t[g], t[g] + 500, t[g] + d - 800, t[g] + d, t[g], t[g] + d]
                     t[g] += d + 100
                     seen[g] += 1
             out, lse = fake_decode(prob, q, kv, bt, sl, None, None)

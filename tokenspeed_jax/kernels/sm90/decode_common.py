@@ -310,8 +310,10 @@ class MlaDecodeSm90(CombineMixin):
         read); with :attr:`prefetch` and :attr:`prefetch_q` the next piece's Q tile follows (:meth:`next_piece` in
         ``b + 1..c.b_last``, looked up here so no value of it lives across the loop), which its run waits for."""
         cute.arch.barrier()
+        self.mark_piece(c, b, 4)
         if cutlass.const_expr(self.prefetch and self.prefetch_q):
             self.start_piece(c, self.next_piece(c, b + 1, c.b_last), False)
+            self.mark_piece(c, b, 5)
 
     @cute.jit
     def walk_chunks(self, c, b_first: Int32, b_last: Int32, producer: cutlass.Constexpr):
@@ -373,6 +375,7 @@ class MlaDecodeSm90(CombineMixin):
             cta = g * self.num_m_blocks + c.mblk  # (debug traces: mark)
             self.clear_trace(c.mTrace, cta, c.wg, c.wtid)
             self.consume(c, cta, b, seq, start, end, slot, n_pairs)
+            self.mark_piece(c, b, 6)
         cute.arch.barrier()  # the piece's epilogue done: its buffers are free
         if cutlass.const_expr(not producer):
             self.mark_piece(c, b, 3)

@@ -32,9 +32,14 @@ TRACE_EVENTS = (
 
 
 # a piece-trace build's record of one piece (int64 each; :meth:`DecodeTraceMixin.mark_piece`): the piece, clock64 at
-# its start, after its Q barrier, at the epilogue's barrier and after its last barrier, globaltimer (ns) at start and end
-PIECE_FIELDS = ("b", "start", "end", "slot", "clk_start", "clk_q", "clk_epilogue", "clk_end", "ns_start", "ns_end")
-_PIECE_CLOCK, _PIECE_NS = 4, 8
+# its start, after its Q barrier, at the epilogue's barrier and after its last barrier, globaltimer (ns) at start and
+# end; then the epilogue's steps (0 where a loop has no such step): clock64 once the epilogue barrier passed
+# (``epilogue_barrier``), after the next piece's Q copies went out (its prefetch) and when the epilogue's stores are
+# issued, before the piece's last barrier
+PIECE_FIELDS = ("b", "start", "end", "slot", "clk_start", "clk_q", "clk_epilogue", "clk_end", "ns_start", "ns_end",
+                "clk_epi_pass", "clk_q_issued", "clk_stored")
+_PIECE_NS = 8
+_PIECE_EVENT_FIELD = (4, 5, 6, 7, 10, 11, 12)  # mark_piece's event -> its clock64 field
 
 
 @cute.jit
@@ -77,14 +82,15 @@ class DecodeTraceMixin:
     @cute.jit
     def mark_piece(self, c, b: Int32, event: cutlass.Constexpr, meta=None):
         """Debug builds (:attr:`piece_trace` > 0): thread 0 (computing warpgroup 0) records event ``event`` of request
-        ``b``'s piece in ``c.mTrace[cta, b - b_first]`` (:data:`PIECE_FIELDS`): its ``clock64``, and at events 0 and
-        3 the ``globaltimer`` (ns, one clock for all SMs); ``meta``: the piece's ``(b, start, end, slot)`` too.
+        ``b``'s piece in ``c.mTrace[cta, b - b_first]`` (:data:`PIECE_FIELDS`; events 0-3: start, Q barrier, epilogue
+        barrier, end; 4-6: the epilogue's steps): its ``clock64``, and at events 0 and 3 the ``globaltimer`` (ns, one
+        clock for all SMs); ``meta``: the piece's ``(b, start, end, slot)`` too.
         Pieces past the first :attr:`piece_trace` of a range are not recorded.  Normal builds: nothing."""
         if cutlass.const_expr(self.piece_trace > 0):
             j = b - c.b_first
             ok = (c.tid == 0) & (j < self.piece_trace)
             row = (c.g * self.num_m_blocks + c.mblk) * self.piece_trace + cutlass.min(j, self.piece_trace - 1)
-            self._piece_store(c.mTrace, row, _PIECE_CLOCK + event, cute.arch.clock64(), ok)
+            self._piece_store(c.mTrace, row, _PIECE_EVENT_FIELD[event], cute.arch.clock64(), ok)
             if cutlass.const_expr(event == 0 or event == 3):
                 self._piece_store(c.mTrace, row, _PIECE_NS + event // 3, cute.arch.globaltimer(), ok)
             if cutlass.const_expr(meta is not None):
