@@ -16,8 +16,7 @@ included.  It runs once, after two warm-up launches.
 Printed and written (``--out``, JSON; :func:`summarize`): per piece kind (direct / split) the median start, loop,
 epilogue and gap (from the CTA's previous piece) in µs; per kind and whether the CTA runs another piece after it
 (``direct_next``, ``split_last``, ...) the loop's µs a tile and the epilogue's steps (its barrier, the next Q tile's
-copies, the stores, the wait at the piece's last barrier: the transposed loop records all, the others the stores and
-the last wait); a least-squares fit of a piece's time on its tiles with a
+copies in the loop that prefetches it, the stores, the wait at the piece's last barrier); a least-squares fit of a piece's time on its tiles with a
 constant per kind (what a piece costs beyond its tiles); the kernel's span and the CTAs that finish last, with their
 pieces and tiles (what paces the kernel).  The question it answers: why CTAs holding several short pieces finish
 after CTAs holding more tiles in one piece (docs/notes/sm90_decode_journal.md, 2026-12-06 "midday").
@@ -64,7 +63,7 @@ def summarize(trace: np.ndarray, block_n: int = 64, latest: int = 8) -> dict:
         for i, j in enumerate(recs):
             r = tr[cta, j]
             tiles = -(-(int(r[f["end"]]) - int(r[f["start"]])) // block_n)
-            stores_from = next((k for k in ("clk_q_issued", "clk_epi_pass") if r[f[k]] > 0), "clk_epilogue")
+            stores_from = "clk_q_issued" if r[f["clk_q_issued"]] > 0 else "clk_epi_pass"  # (the Q prefetch's loop)
             pieces.append({
                 "cta": cta, "b": int(r[f["b"]]), "tiles": tiles, "kind": "split" if r[f["slot"]] >= 0 else "direct",
                 "next": bool(i + 1 < len(recs)),  # the CTA runs another piece after this one

@@ -307,8 +307,10 @@ class MlaDecodeSm90(CombineMixin):
     @cute.jit
     def epilogue_barrier(self, c, b):
         """The computing warpgroups' CTA barrier before the epilogue of ``b``'s piece (every wgmma retired, every buffer
-        read); with :attr:`prefetch` and :attr:`prefetch_q` the next piece's Q tile follows (:meth:`next_piece` in
-        ``b + 1..c.b_last``, looked up here so no value of it lives across the loop), which its run waits for."""
+        read), every loop's; with :attr:`prefetch` and :attr:`prefetch_q` the next piece's Q tile follows
+        (:meth:`next_piece` in ``b + 1..c.b_last``, looked up here so no value of it lives across the loop), which its
+        run waits for.  Piece-trace builds mark both sides of the barrier and the Q tile's issue."""
+        self.mark_piece(c, b, 2)
         cute.arch.barrier()
         self.mark_piece(c, b, 4)
         if cutlass.const_expr(self.prefetch and self.prefetch_q):
@@ -347,8 +349,8 @@ class MlaDecodeSm90(CombineMixin):
         """One non-empty piece ``[start, end)`` of request ``b``, a whole run of the loop between CTA barriers.  Hooks:
         ``produce_start`` and ``produce_rest(c, b, start, end, n_pairs)`` (the producer: first KV tiles, then after the
         barrier Q waits on, the refills), :meth:`load_piece_q`, ``consume(c, cta, b, seq, start, end, slot, n_pairs)``
-        (computing warpgroups: loop and epilogue, which starts with a CTA barrier, :meth:`epilogue_barrier` with
-        :attr:`prefetch_q`), ``advance_phases(n_pairs)`` (piece's mbarrier completions into :attr:`ph`).
+        (computing warpgroups: loop and epilogue, which starts with the CTA barrier :meth:`epilogue_barrier`),
+        ``advance_phases(n_pairs)`` (piece's mbarrier completions into :attr:`ph`).
         :attr:`prefetch`: the first KV tiles were issued ahead (:meth:`start_piece`), and the next piece's (in ``b +
         1..c.b_last``) are issued at this one's epilogue barrier."""
         tid, sM, g = c.tid, c.sM, c.g

@@ -33,9 +33,9 @@ TRACE_EVENTS = (
 
 # a piece-trace build's record of one piece (int64 each; :meth:`DecodeTraceMixin.mark_piece`): the piece, clock64 at
 # its start, after its Q barrier, at the epilogue's barrier and after its last barrier, globaltimer (ns) at start and
-# end; then the epilogue's steps (0 where a loop has no such step): clock64 once the epilogue barrier passed
-# (``epilogue_barrier``), after the next piece's Q copies went out (its prefetch) and when the epilogue's stores are
-# issued, before the piece's last barrier
+# end; then the epilogue's steps: clock64 once the epilogue barrier passed (``epilogue_barrier``), after the next
+# piece's Q copies went out (0 but in the loop with the Q prefetch) and when the epilogue's stores are issued, before
+# the piece's last barrier
 PIECE_FIELDS = ("b", "start", "end", "slot", "clk_start", "clk_q", "clk_epilogue", "clk_end", "ns_start", "ns_end",
                 "clk_epi_pass", "clk_q_issued", "clk_stored")
 _PIECE_NS = 8

@@ -135,8 +135,7 @@ class MlaDecodeFp8TransposedSm90(MlaDecodeFp8TransposedPvSm90):
             self.mark(mTrace, cta, wg, wtid, j, 9)
 
         # ---- merge: the common max of each column (its 2^8 P bias in it), both states rescaled to it
-        self.mark_piece(c, b, 2)
-        cute.arch.barrier()  # (with the producer: every TMA load consumed, the buffers free for the O^T swap)
+        self.epilogue_barrier(c, b)  # (with the producer: every TMA load consumed, the buffers free for the O^T swap)
         if wtid < 4:  # (warp 0's lanes 0..3 hold every column between them)
             for i in cutlass.range_constexpr(nst):
                 sSum[wg * 64 + self.col_n(i, wtid)] = m_run[i]

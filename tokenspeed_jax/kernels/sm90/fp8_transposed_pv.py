@@ -518,8 +518,7 @@ class MlaDecodeFp8TransposedPvSm90(TransposedOutMixin, KvRefillMixin, DecodeTrac
                     self.mark(mTrace, cta, 1, wtid, j, 12)
 
         # ---- epilogue: both WGs' O^T and l relative to the final shared max (its 2^8 P bias taken out for the LSE)
-        self.mark_piece(c, b, 2)
-        cute.arch.barrier()
+        self.epilogue_barrier(c, b)
         self.epilogue_ot(acc, sM, row_l, row_in, sSum, sRed, c.mOut, c.mLse, c.mOacc, c.mLacc, out_scale, mblk,
                          split, b, wg, wtid)
 

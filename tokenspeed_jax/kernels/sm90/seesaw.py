@@ -597,8 +597,7 @@ class MlaDecodeSeesawSm90(Fp8OperandsMixin, KvRefillMixin, DecodeTraceMixin, Mla
                     warpgroup.commit_group()
                 self.next_qk_retired(mTrace, cta, wg, wtid, j, 8, more, w32, zrow, 1, t1, split_end)
 
-        self.mark_piece(c, b, 2)
-        cute.arch.barrier()  # ---- epilogue (every QK retired: O reuses the Q tile's smem)
+        self.epilogue_barrier(c, b)  # ---- epilogue (every QK retired: O reuses the Q tile's smem)
         row_m = cute.make_rmem_tensor((2,), Float32)  # both WGs' O and l are relative to the final shared max
         for h in cutlass.range_constexpr(2):
             row_m[h] = sM[row_in[h]]

@@ -253,7 +253,6 @@ class MlaDecodeTransposedSm90(TransposedOutMixin, MlaDecodeSeesawSm90):
                 warpgroup.wait_group(0)
                 self.mark(mTrace, cta, wg, wtid, j, 8)
 
-        self.mark_piece(c, b, 2)
         self.epilogue_barrier(c, b)  # ---- epilogue: both WGs' O^T, l are relative to the final shared max
         self.epilogue_ot(acc, sM, row_l, None, sSum, sRed, c.mOut, c.mLse, c.mOacc, c.mLacc, c.out_scale, mblk,
                          split, b, wg, wtid)
