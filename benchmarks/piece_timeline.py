@@ -218,9 +218,7 @@ def main(argv=None):
                   f"{s.get('pieces')} pieces, span {s.get('span_us', 0):.1f} µs, clock {s['clock_ghz']:.2f} GHz")
             print("  fit:", json.dumps({k: (round(v, 2) if isinstance(v, float) else v)
                                         for k, v in s.get("fit", {}).items()}))
-            for kind, d in s["by_kind"].items():
-                print(f"  {kind}:", json.dumps({k: round(v, 2) for k, v in d.items()}))
-            for kind, d in s["by_kind_and_next"].items():
+            for kind, d in {**s["by_kind"], **s["by_kind_and_next"]}.items():
                 print(f"  {kind}:", json.dumps({k: round(v, 2) for k, v in d.items()}))
             for n, d in s.get("by_pieces_per_cta", {}).items():
                 print(f"  {n} pieces/CTA:", json.dumps({k: round(v, 1) for k, v in d.items()}))
