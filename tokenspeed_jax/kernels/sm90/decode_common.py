@@ -313,6 +313,9 @@ class MlaDecodeSm90(CombineMixin):
         self.mark_piece(c, b, 2)
         cute.arch.barrier()
         self.mark_piece(c, b, 4)
+        if cutlass.const_expr(self.prefetch and self.prefetch_q):
+            self.start_piece(c, self.next_piece(c, b + 1, c.b_last), False)
+            self.mark_piece(c, b, 5)
 
     @cute.jit
     def walk_chunks(self, c, b_first: Int32, b_last: Int32, producer: cutlass.Constexpr):
@@ -375,9 +378,6 @@ class MlaDecodeSm90(CombineMixin):
             self.clear_trace(c.mTrace, cta, c.wg, c.wtid)
             self.consume(c, cta, b, seq, start, end, slot, n_pairs)
             self.mark_piece(c, b, 6)
-            if cutlass.const_expr(self.prefetch and self.prefetch_q):  # the next Q tile after the epilogue's stores
-                self.start_piece(c, self.next_piece(c, b + 1, c.b_last), False)
-                self.mark_piece(c, b, 5)
         cute.arch.barrier()  # the piece's epilogue done: its buffers are free
         if cutlass.const_expr(not producer):
             self.mark_piece(c, b, 3)
