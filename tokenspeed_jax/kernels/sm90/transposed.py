@@ -41,7 +41,7 @@ class MlaDecodeTransposedSm90(TransposedOutMixin, MlaDecodeSeesawSm90):
     own computing part (:meth:`consume`).  The base class's arguments; 16-bit dtypes, S x H <= 32, page_size >= 32."""
 
     red_floats = 2 * 4 * 32  # the seesaw storage's column statistics: per warpgroup and warp, 32 columns (fold_t)
-    prefetch_q = False  # the epilogue (epilogue_ot) stores O from the accumulators: sQ is free from its first barrier
+    prefetch_q = True  # the epilogue (epilogue_ot) stores O from the accumulators: sQ is free from its first barrier
     pair_step = 8  # accumulator rows q and q + 8 are features f and f + 8 (natural order; store_ot_pair)
 
     def __init__(self, **kw):
