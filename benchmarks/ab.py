@@ -17,7 +17,11 @@ A/B of 2026-12-06 timed main three times), with ``PYTHONPATH=TREE:CHECKOUT:...``
 ``--out`` gets ``{"trees": {name: {"dir", "package_sha1", "runs": [each run's JSON]}}, "summary": ...}``: per
 ``(case, contender)`` each tree's values over its runs and their median: ``us`` of a ``benchmarks.harness.Report``
 row, or a ``benchmarks.timeline`` entry's ``us_per_call``, ``gap_us`` and each kernel kind's median (keys
-``us_per_call``, ``gap_us``, ``kind:NAME``); and ``ratio`` (each tree's median over the first tree's)."""
+``us_per_call``, ``gap_us``, ``kind:NAME``), or a ``benchmarks.piece_timeline`` entry's span and per kind of piece
+its epilogue and loop time a tile (:func:`measurements`; the stored runs drop the raw traces); and ``ratio`` (each
+tree's median over the first tree's).  A piece timeline of each tree:
+``python -m benchmarks.ab --tree main=. --tree cand=DIR --rounds 1 --out $OUT/pt_ab.json -- benchmarks.piece_timeline
+--cases tail,64,81920,32,1``."""
 
 from __future__ import annotations
 
@@ -33,11 +37,23 @@ from benchmarks.runinfo import ROOT
 
 
 def measurements(doc: dict) -> dict:
-    """``{(case, contender, key): value}`` of one run's JSON (a Report's rows, or a timeline's cases)."""
+    """``{(case, contender, key): value}`` of one run's JSON (a Report's rows, a timeline's cases, or a piece
+    timeline's: per case and fixed cost, contender ``pieces`` key ``span_us``, and per kind of piece and successor,
+    contender e.g. ``split_next``, keys ``epilogue_us`` and ``loop_us_per_tile``)."""
     out = {}
     for row in doc.get("rows", []):
         if "us" in row and row["us"] is not None:
             out[(row["case"], row["contender"], "us")] = float(row["us"])
+    if isinstance(doc.get("cases"), list):  # benchmarks.piece_timeline: one entry per (case, fixed cost)
+        for entry in doc["cases"]:
+            case, s = f"{entry['case']} fc{entry['fixed_cost']}", entry["summary"]
+            if s.get("span_us") is not None:
+                out[(case, "pieces", "span_us")] = float(s["span_us"])
+            for kind, v in s.get("by_kind_and_next", {}).items():
+                for key in ("epilogue_us", "loop_us_per_tile"):
+                    if v.get(key) is not None and v[key] == v[key]:  # (NaN: no such piece)
+                        out[(case, kind, key)] = float(v[key])
+        return out
     for case, res in doc.get("cases", {}).items():
         for contender, r in res.items():
             for key in ("us_per_call", "gap_us"):
@@ -117,6 +133,8 @@ def main(argv=None):
                 doc = run_tree(name, trees[name]["dir"], cmd[0], cmd[1:], os.path.join(tmp, f"{name}_{r}.json"),
                                a.cache, a.timeout)
                 trees[name]["package_sha1"] = doc.get("package_sha1")
+                if isinstance(doc.get("cases"), list):  # (a piece timeline: its summaries, not the raw traces)
+                    doc["cases"] = [{k: v for k, v in c.items() if k != "trace"} for c in doc["cases"]]
                 trees[name]["runs"].append(doc)
                 summary = summarize(trees)
                 result = {"name": f"A/B of package trees: {' '.join(cmd)}", "rounds": a.rounds,
@@ -127,7 +145,7 @@ def main(argv=None):
                     json.dump(result, f, indent=1)
                 print(f"ab: round {r} tree {name} done", flush=True)
     for row in summary:
-        if row["key"] in ("us", "us_per_call"):
+        if row["key"] in ("us", "us_per_call", "span_us", "epilogue_us"):
             print(row["case"], row["contender"], row["key"],
                   " ".join(f"{n}={row[n]['median']}" for n in names), row["ratio"], flush=True)
 

@@ -602,3 +602,22 @@ def test_schedule_model_evaluates_a_piece_cost_model():
     cs = sm.cta_pieces("tail_B8_K4096_H32_S1", "bfloat16", "choose fc16")
     assert len(cs) == 132 and sum(t for ps in cs for t, _ in ps) == sum(-(-int(x) // 64) for x in lengths(
         "tail", 8, 4096, 0))
+
+
+def test_ab_reads_piece_timelines():
+    """``benchmarks.ab`` summarizes a ``benchmarks.piece_timeline`` run: per (case, fixed cost) the span, and per kind
+    of piece its epilogue and loop time a tile; a kind without pieces (NaN) is left out."""
+    from benchmarks import ab
+
+    nan = float("nan")
+    doc = {"cases": [{"case": "tail_B64", "fixed_cost": 16, "trace": [[1, 2]], "summary": {
+        "span_us": 340.5,
+        "by_kind_and_next": {"split_next": {"epilogue_us": 25.0, "loop_us_per_tile": 4.1},
+                             "direct_last": {"epilogue_us": nan, "loop_us_per_tile": nan}}}}]}
+    assert ab.measurements(doc) == {("tail_B64 fc16", "pieces", "span_us"): 340.5,
+                                    ("tail_B64 fc16", "split_next", "epilogue_us"): 25.0,
+                                    ("tail_B64 fc16", "split_next", "loop_us_per_tile"): 4.1}
+    rows = ab.summarize({"a": {"runs": [doc]}, "b": {"runs": [doc, doc]}})
+    assert (rows[0]["case"], rows[0]["contender"], rows[0]["key"], rows[0]["ratio"]) == (
+        "tail_B64 fc16", "pieces", "span_us", {"b": 1.0})
+    assert len(rows) == 3
