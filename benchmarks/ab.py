@@ -36,6 +36,11 @@ import tempfile
 from benchmarks.runinfo import ROOT
 
 
+def is_piece_timeline(doc: dict) -> bool:
+    """A ``benchmarks.piece_timeline`` run: its ``cases`` a list, one entry per (case, fixed cost)."""
+    return isinstance(doc.get("cases"), list)
+
+
 def measurements(doc: dict) -> dict:
     """``{(case, contender, key): value}`` of one run's JSON (a Report's rows, a timeline's cases, or a piece
     timeline's: per case and fixed cost, contender ``pieces`` key ``span_us``, and per kind of piece and successor,
@@ -44,7 +49,7 @@ def measurements(doc: dict) -> dict:
     for row in doc.get("rows", []):
         if "us" in row and row["us"] is not None:
             out[(row["case"], row["contender"], "us")] = float(row["us"])
-    if isinstance(doc.get("cases"), list):  # benchmarks.piece_timeline: one entry per (case, fixed cost)
+    if is_piece_timeline(doc):
         for entry in doc["cases"]:
             case, s = f"{entry['case']} fc{entry['fixed_cost']}", entry["summary"]
             if s.get("span_us") is not None:
@@ -133,7 +138,7 @@ def main(argv=None):
                 doc = run_tree(name, trees[name]["dir"], cmd[0], cmd[1:], os.path.join(tmp, f"{name}_{r}.json"),
                                a.cache, a.timeout)
                 trees[name]["package_sha1"] = doc.get("package_sha1")
-                if isinstance(doc.get("cases"), list):  # (a piece timeline: its summaries, not the raw traces)
+                if is_piece_timeline(doc):  # (its summaries, not the raw traces)
                     doc["cases"] = [{k: v for k, v in c.items() if k != "trace"} for c in doc["cases"]]
                 trees[name]["runs"].append(doc)
                 summary = summarize(trees)

@@ -16,9 +16,9 @@ included.  It runs once, after two warm-up launches.
 Printed and written (``--out``, JSON; :func:`summarize`): per piece kind (direct / split) the median start, loop,
 epilogue and gap (from the CTA's previous piece) in µs; per kind and whether the CTA runs another piece after it
 (``direct_next``, ``split_last``, ...) the loop's µs a tile and the epilogue's steps (its barrier, the next Q tile's
-copies in the loop that prefetches it, the stores, the wait at the piece's last barrier); a least-squares fit of a piece's time on its tiles with a
-constant per kind (what a piece costs beyond its tiles); the kernel's span and the CTAs that finish last, with their
-pieces and tiles (what paces the kernel).  The question it answers: why CTAs holding several short pieces finish
+copies in the loop that prefetches it, the stores, the wait at the piece's last barrier); a least-squares fit of a
+piece's time on its tiles with a constant per kind (what a piece costs beyond its tiles); the kernel's span and the
+CTAs that finish last, with their pieces and tiles (what paces the kernel).  The question it answers: why CTAs holding several short pieces finish
 after CTAs holding more tiles in one piece (docs/notes/sm90_decode_journal.md, 2026-12-06 "midday").
 """
 
@@ -63,13 +63,13 @@ def summarize(trace: np.ndarray, block_n: int = 64, latest: int = 8) -> dict:
         for i, j in enumerate(recs):
             r = tr[cta, j]
             tiles = -(-(int(r[f["end"]]) - int(r[f["start"]])) // block_n)
+            loop = us(r[f["clk_epilogue"]] - r[f["clk_q"]])
             stores_from = "clk_q_issued" if r[f["clk_q_issued"]] > 0 else "clk_epi_pass"  # (the Q prefetch's loop)
             pieces.append({
                 "cta": cta, "b": int(r[f["b"]]), "tiles": tiles, "kind": "split" if r[f["slot"]] >= 0 else "direct",
                 "next": bool(i + 1 < len(recs)),  # the CTA runs another piece after this one
                 "start_us": us(r[f["clk_q"]] - r[f["clk_start"]]),
-                "loop_us": us(r[f["clk_epilogue"]] - r[f["clk_q"]]),
-                "loop_us_per_tile": us(r[f["clk_epilogue"]] - r[f["clk_q"]]) / max(tiles, 1),
+                "loop_us": loop, "loop_us_per_tile": loop / max(tiles, 1),
                 "epilogue_us": us(r[f["clk_end"]] - r[f["clk_epilogue"]]),
                 "epi_barrier_us": step(r, "clk_epilogue", "clk_epi_pass"),
                 "epi_q_issue_us": step(r, "clk_epi_pass", "clk_q_issued"),
@@ -213,7 +213,8 @@ def main(argv=None):
             s = summarize(np.asarray(tr))
             s["pieces_not_recorded"] = int(np.maximum(per_cta - a.pieces, 0).sum()) * plan.num_m_blocks
             report["cases"].append({"case": c.name, "fixed_cost": fc, "config": dataclasses.asdict(cfg),
-                                    "bitwise_equal_to_normal_build": same, "summary": s, "trace": np.asarray(tr).tolist()})
+                                    "bitwise_equal_to_normal_build": same, "summary": s,
+                                    "trace": np.asarray(tr).tolist()})
             print(f"{c.name} fc {fc} ({cfg.loop}, prefetch {cfg.prefetch}): traced output bitwise equal: {same}; "
                   f"{s.get('pieces')} pieces, span {s.get('span_us', 0):.1f} µs, clock {s['clock_ghz']:.2f} GHz")
             print("  fit:", json.dumps({k: (round(v, 2) if isinstance(v, float) else v)
