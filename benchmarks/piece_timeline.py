@@ -18,8 +18,9 @@ epilogue and gap (from the CTA's previous piece) in µs; per kind and whether th
 (``direct_next``, ``split_last``, ...) the loop's µs a tile and the epilogue's steps (its barrier, the next Q tile's
 copies in the loop that prefetches it, the stores, the wait at the piece's last barrier); a least-squares fit of a
 piece's time on its tiles with a constant per kind (what a piece costs beyond its tiles); the kernel's span and the
-CTAs that finish last, with their pieces and tiles (what paces the kernel).  The question it answers: why CTAs holding several short pieces finish
-after CTAs holding more tiles in one piece (docs/notes/sm90_decode_journal.md, 2026-12-06 "midday").
+CTAs that finish last, with their pieces and tiles (what paces the kernel).  The question it answers: why CTAs
+holding several short pieces finish after CTAs holding more tiles in one piece (docs/notes/sm90_decode_journal.md,
+2026-12-06 "midday").
 """
 
 from __future__ import annotations
