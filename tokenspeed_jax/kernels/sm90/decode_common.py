@@ -479,14 +479,34 @@ class MlaDecodeSm90(CombineMixin):
     def scale_mask(self, acc_s: cute.Tensor, tScS: cute.Tensor, lim: cute.Tensor, tile_start: Int32,
                    scale_log2: Float32, mx: cute.Tensor, cols: cutlass.Constexpr = False):
         """S -> exp2 domain in place, -inf for keys at or past the row's ``lim``, folded into the maxima ``mx`` (one per
-        row; ``cols``: ``S^T``, keys down rows, one per column: :meth:`~.transposed_out.TransposedOutMixin.col_n`)."""
-        for e in cutlass.range_constexpr(cute.size(acc_s)):
-            i = e % 2 + 2 * (e // 4) if cutlass.const_expr(cols) else (e // 2) % 2
-            v = acc_s[e] * scale_log2
-            if tile_start + tScS[e][0 if cutlass.const_expr(cols) else 1] >= lim[i]:
-                v = -Float32.inf
-            acc_s[e] = v
-            mx[i] = cute.arch.fmax(mx[i], v)
+        row; ``cols``: ``S^T``, keys down rows, one per column: :meth:`~.transposed_out.TransposedOutMixin.col_n`).
+        A tile whose 64 keys are all below the ``lim`` of every row of the warp (every tile of a piece but its last
+        one or two) skips the per-key compare and select: the same values, a third of the instructions."""
+        whole = tile_start + self.block_n <= lim[0]
+        for i in cutlass.range_constexpr(1, cute.size(lim)):
+            whole = whole & (tile_start + self.block_n <= lim[i])
+        if cute.arch.vote_all_sync(whole):
+            for e in cutlass.range_constexpr(cute.size(acc_s)):
+                i = e % 2 + 2 * (e // 4) if cutlass.const_expr(cols) else (e // 2) % 2
+                v = acc_s[e] * scale_log2
+                acc_s[e] = v
+                mx[i] = cute.arch.fmax(mx[i], v)
+        else:
+            for e in cutlass.range_constexpr(cute.size(acc_s)):
+                i = e % 2 + 2 * (e // 4) if cutlass.const_expr(cols) else (e // 2) % 2
+                v = acc_s[e] * scale_log2
+                if tile_start + tScS[e][0 if cutlass.const_expr(cols) else 1] >= lim[i]:
+                    v = -Float32.inf
+                acc_s[e] = v
+                mx[i] = cute.arch.fmax(mx[i], v)
+
+    @cute.jit
+    def all_one(self, sc: cute.Tensor):
+        """True where every scale of this thread's rows (columns) is exactly 1: no max moved (vote it per warp)."""
+        one = sc[0] == 1.0
+        for i in cutlass.range_constexpr(1, cute.size(sc)):
+            one = one & (sc[i] == 1.0)
+        return one
 
     @cute.jit
     def fold_max(self, m_prev: Float32, mx: Float32):

@@ -236,7 +236,7 @@ class MlaDecodeFp8TransposedPvSm90(TransposedOutMixin, KvRefillMixin, DecodeTrac
         """WG0's P0 (buffer ``k``'s P tile) times its rows' ``scale1`` (``sc``: this thread's 2 rows) for WG1's cross
         PV, in its e4m3 words (:func:`p8_word_offset`; "Registers").  Nothing for a warp whose 16 rows all have scale 1
         (steady state, P exact); else its words are rounded to e4m3 twice (docs/sm90_decode.md, "FP8 error bounds")."""
-        if not cute.arch.vote_all_sync((sc[0] == 1.0) & (sc[1] == 1.0)):
+        if not cute.arch.vote_all_sync(self.all_one(sc)):
             base = bufs.toint() + k * _BUF_BYTES
             lane = wtid % 32
             for h in cutlass.range_constexpr(2):

@@ -281,8 +281,16 @@ class MlaDecodeSeesawSm90(Fp8OperandsMixin, KvRefillMixin, DecodeTraceMixin, Mla
 
     @cute.jit
     def scale_o(self, acc_o: cute.Tensor, s: cute.Tensor):
-        for e in cutlass.range_constexpr(cute.size(acc_o)):
-            acc_o[e] = acc_o[e] * s[(e // 2) % 2]
+        """``acc_o`` (O, or P) ``*= s`` on the thread's two rows.  With the producer, nothing where every row of the
+        warp has scale 1 (no max moved); without it the test stays out: there ptxas then serialized every wgmma of
+        the loop (C7520; the computing warpgroups issue the refills)."""
+        if cutlass.const_expr(self.producer):
+            if not cute.arch.vote_all_sync(self.all_one(s)):
+                for e in cutlass.range_constexpr(cute.size(acc_o)):
+                    acc_o[e] = acc_o[e] * s[(e // 2) % 2]
+        else:
+            for e in cutlass.range_constexpr(cute.size(acc_o)):
+                acc_o[e] = acc_o[e] * s[(e // 2) % 2]
 
     @cute.kernel
     def seesaw_kernel(self, qk_mma: cute.TiledMma, pv_ss: cute.TiledMma, pv_rs: cute.TiledMma, pv8: cute.TiledMma,
@@ -503,8 +511,7 @@ class MlaDecodeSeesawSm90(Fp8OperandsMixin, KvRefillMixin, DecodeTraceMixin, Mla
                 for h in cutlass.range_constexpr(2):
                     sc[h] = sSc1[row_in[h]]
                     row_l[h] = row_l[h] * sc[h]
-                for e in cutlass.range_constexpr(cute.size(acc_s)):
-                    acc_s[e] = acc_s[e] * sc[(e // 2) % 2]
+                self.scale_o(acc_s, sc)
                 if cutlass.const_expr(fp8):  # (the own PV, which read the same tile, retired above)
                     store_p8(acc_s, tSsP8_0)
                 else:

@@ -108,10 +108,7 @@ class TransposedOutMixin:
     @cute.jit
     def scale_cols(self, acc: cute.Tensor, s: cute.Tensor):
         """``O^T`` (any m-blocks) *= ``s[i]`` on column ``i`` (:meth:`col_n`); skipped if all the warp's ``s`` are 1."""
-        one = s[0] == 1.0
-        for i in cutlass.range_constexpr(1, self.pv_n // 4):
-            one = one & (s[i] == 1.0)
-        if not cute.arch.vote_all_sync(one):
+        if not cute.arch.vote_all_sync(self.all_one(s)):
             for e in cutlass.range_constexpr(cute.size(acc)):
                 acc[e] = acc[e] * s[e % 2 + 2 * ((e // 4) % (self.pv_n // 8))]
 
