@@ -466,7 +466,7 @@ class MlaDecodeSm90(CombineMixin):
     @cute.jit
     def scaled_tile_max(self, acc_s: cute.Tensor, tScS: cute.Tensor, lim: cute.Tensor, tile_start: Int32,
                         scale_log2: Float32):
-        """:meth:`scale_mask` of a tile; the quad-reduced (exp2-domain) row maxima."""
+        """S -> exp2 domain in place, -inf for keys at or past the row's ``lim``; the quad-reduced row maxima."""
         mx = cute.make_rmem_tensor((2,), Float32)
         mx[0] = -Float32.inf
         mx[1] = -Float32.inf
@@ -478,31 +478,19 @@ class MlaDecodeSm90(CombineMixin):
     @cute.jit
     def scale_mask(self, acc_s: cute.Tensor, tScS: cute.Tensor, lim: cute.Tensor, tile_start: Int32,
                    scale_log2: Float32, mx: cute.Tensor, cols: cutlass.Constexpr = False):
-        """Mask ``S`` in place (-inf for keys at or past the row's ``lim``) and fold the exp2-domain row maxima into
-        ``mx`` (one per row; ``cols``: ``S^T``, keys down rows, one per column:
-        :meth:`~.transposed_out.TransposedOutMixin.col_n`).  With ``scale_log2 > 0`` ``S`` stays unscaled: the max of
-        the raw scores times the scale is the max of the scaled ones (rounding is monotonic), and :meth:`exp_rows`
-        scales each score inside its exp (:meth:`exp_factor`, one FFMA); otherwise ``S`` is scaled here (factor 1
-        there).  A tile whose 64 keys are all below the ``lim`` of every row of the warp (every tile of a piece but its
-        last one or two) skips the per-key compare and select.  Both tests are warp votes, so no branch diverges."""
+        """S -> exp2 domain in place, -inf for keys at or past the row's ``lim``, folded into the maxima ``mx`` (one per
+        row; ``cols``: ``S^T``, keys down rows, one per column: :meth:`~.transposed_out.TransposedOutMixin.col_n`).
+        A tile whose 64 keys are all below the ``lim`` of every row of the warp (every tile of a piece but its last
+        one or two) skips the per-key compare and select: the same values, a third of the instructions."""
         whole = tile_start + self.block_n <= lim[0]
         for i in cutlass.range_constexpr(1, cute.size(lim)):
             whole = whole & (tile_start + self.block_n <= lim[i])
-        if cute.arch.vote_all_sync(scale_log2 > 0.0):
-            if cute.arch.vote_all_sync(whole):
-                for e in cutlass.range_constexpr(cute.size(acc_s)):
-                    i = e % 2 + 2 * (e // 4) if cutlass.const_expr(cols) else (e // 2) % 2
-                    mx[i] = cute.arch.fmax(mx[i], acc_s[e])
-            else:
-                for e in cutlass.range_constexpr(cute.size(acc_s)):
-                    i = e % 2 + 2 * (e // 4) if cutlass.const_expr(cols) else (e // 2) % 2
-                    v = acc_s[e]
-                    if tile_start + tScS[e][0 if cutlass.const_expr(cols) else 1] >= lim[i]:
-                        v = -Float32.inf
-                    acc_s[e] = v
-                    mx[i] = cute.arch.fmax(mx[i], v)
-            for i in cutlass.range_constexpr(cute.size(mx)):
-                mx[i] = mx[i] * scale_log2
+        if cute.arch.vote_all_sync(whole):
+            for e in cutlass.range_constexpr(cute.size(acc_s)):
+                i = e % 2 + 2 * (e // 4) if cutlass.const_expr(cols) else (e // 2) % 2
+                v = acc_s[e] * scale_log2
+                acc_s[e] = v
+                mx[i] = cute.arch.fmax(mx[i], v)
         else:
             for e in cutlass.range_constexpr(cute.size(acc_s)):
                 i = e % 2 + 2 * (e // 4) if cutlass.const_expr(cols) else (e // 2) % 2
@@ -511,15 +499,6 @@ class MlaDecodeSm90(CombineMixin):
                     v = -Float32.inf
                 acc_s[e] = v
                 mx[i] = cute.arch.fmax(mx[i], v)
-
-    @cute.jit
-    def exp_factor(self, scale_log2: Float32):
-        """What :meth:`exp_rows` multiplies a masked score by (:meth:`scale_mask`): ``scale_log2`` if positive, else 1
-        (the scores are then scaled already)."""
-        k = Float32(1.0)
-        if scale_log2 > 0.0:
-            k = scale_log2
-        return k
 
     @cute.jit
     def all_one(self, sc: cute.Tensor):
@@ -540,11 +519,9 @@ class MlaDecodeSm90(CombineMixin):
         return m_new, ref, cute.arch.exp2(m_prev - ref)
 
     @cute.jit
-    def exp_rows(self, acc_s: cute.Tensor, ref: cute.Tensor, row_l: cute.Tensor, scale_log2: Float32):
-        """``P = exp2(k S - ref)`` in place (``k``: :meth:`exp_factor`), added to the thread's partial row sums.  FP8:
-        ``2^8 P`` (:attr:`p8_bias`); O and l carry the factor until the epilogue subtracts it from the row max for the
-        LSE."""
-        k = self.exp_factor(scale_log2)
+    def exp_rows(self, acc_s: cute.Tensor, ref: cute.Tensor, row_l: cute.Tensor):
+        """``P = exp2(S - ref)`` in place, added to the thread's partial row sums.  FP8: ``2^8 P`` (:attr:`p8_bias`);
+        O and l carry the factor until the epilogue subtracts it from the row max for the LSE."""
         rb = ref
         if cutlass.const_expr(self.fp8):
             rb = cute.make_rmem_tensor((2,), Float32)
@@ -552,7 +529,7 @@ class MlaDecodeSm90(CombineMixin):
                 rb[h] = ref[h] - self.p8_bias
         for e in cutlass.range_constexpr(cute.size(acc_s)):
             h = (e // 2) % 2
-            p = cute.arch.exp2(acc_s[e] * k - rb[h])
+            p = cute.arch.exp2(acc_s[e] - rb[h])
             acc_s[e] = p
             row_l[h] = row_l[h] + p
 

@@ -108,7 +108,7 @@ class MlaDecodeFp8TransposedSm90(MlaDecodeFp8TransposedPvSm90):
             self.mark(mTrace, cta, wg, wtid, j, 0)
             self.fold_t(acc_s, tScS, lim, t, scale_log2, None, None, None, sRed, row_l, ref, sc, wg, wtid,
                         (mTrace, cta, j, 1, 2), m_run)
-            self.exp_t(acc_s, ref, row_l, scale_log2)
+            self.exp_t(acc_s, ref, row_l)
             self.mark(mTrace, cta, wg, wtid, j, 3)
             self.store_p_tile(acc_s, qk_thr, bufs, k, wtid)
             cute.arch.barrier(barrier_id=int(Barrier.TAIL) + wg, number_of_threads=128)  # (all of P^T stored)

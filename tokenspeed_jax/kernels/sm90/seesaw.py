@@ -236,14 +236,14 @@ class MlaDecodeSeesawSm90(Fp8OperandsMixin, KvRefillMixin, DecodeTraceMixin, Mla
     def fold_first(self, acc_s, tScS, lim, tile_start, scale_log2, sM, sSc0, row_in, row_l, ref, sc, wtid):
         """WG0, first in an iteration: :meth:`fold_first_max`, then ``P`` (in ``acc_s``) against ``ref``, row sums."""
         self.fold_first_max(acc_s, tScS, lim, tile_start, scale_log2, sM, sSc0, row_in, row_l, ref, sc, wtid)
-        self.exp_rows(acc_s, ref, row_l, scale_log2)
+        self.exp_rows(acc_s, ref, row_l)
 
     @cute.jit
     def fold_second(self, acc_s, tScS, lim, tile_start, scale_log2, sM, sSc0, sSc1, row_in, row_l, ref, sc, wtid):
         """Warpgroup 1, after SCALE0: :meth:`fold_second_max`, arrive on SCALE1, then ``P`` as :meth:`fold_first`."""
         self.fold_second_max(acc_s, tScS, lim, tile_start, scale_log2, sM, sSc0, sSc1, row_in, row_l, ref, sc, wtid)
         cute.arch.barrier_arrive(barrier_id=int(Barrier.SCALE1), number_of_threads=self.num_threads)
-        self.exp_rows(acc_s, ref, row_l, scale_log2)
+        self.exp_rows(acc_s, ref, row_l)
 
     def v_half(self, sKs: cute.Tensor, v_layout: cute.ComposedLayout, wg):
         """Warpgroup ``wg``'s 256 V features of slot ``sKs``, ``(features, tokens)`` MN-major (:meth:`_seesaw_layouts`):

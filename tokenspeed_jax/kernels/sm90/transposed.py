@@ -168,7 +168,7 @@ class MlaDecodeTransposedSm90(TransposedOutMixin, MlaDecodeSeesawSm90):
                 self.zero_tail(sK0, t0, split_end, wg, wtid)
                 # 1. fold tile 2j into the shared max; P0^T; publish
                 self.fold_t(acc_s, tScS, lim, t0, scale_log2, sM, None, sSc0, sRed, row_l, ref, sc, 0, wtid)
-                self.exp_t(acc_s, ref, row_l, scale_log2)
+                self.exp_t(acc_s, ref, row_l)
                 cute.arch.barrier_arrive(barrier_id=int(Barrier.SCALE0), number_of_threads=self.num_threads)
                 self.mark(mTrace, cta, wg, wtid, j, 1)
                 # 2. P0^T -> slot 0 rope (all 128 threads': the WG barrier, also publishing every column's scale0);
@@ -223,7 +223,7 @@ class MlaDecodeTransposedSm90(TransposedOutMixin, MlaDecodeSeesawSm90):
                 self.mark(mTrace, cta, wg, wtid, j, 1)
                 self.fold_t(acc_s, tScS, lim, t1, scale_log2, sM, sSc0, sSc1, sRed, row_l, ref, sc, 1, wtid)
                 cute.arch.barrier_arrive(barrier_id=int(Barrier.SCALE1), number_of_threads=self.num_threads)
-                self.exp_t(acc_s, ref, row_l, scale_log2)
+                self.exp_t(acc_s, ref, row_l)
                 self.mark(mTrace, cta, wg, wtid, j, 2)
                 # 2. P1^T -> rope columns of slot 1 (for both PVs); O^T *= scale0 x scale1; O^T += V1^T P1^T
                 self.stage_p(rP, acc_s, tSsP1)
