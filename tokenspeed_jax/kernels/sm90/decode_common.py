@@ -465,65 +465,40 @@ class MlaDecodeSm90(CombineMixin):
 
     @cute.jit
     def scaled_tile_max(self, acc_s: cute.Tensor, tScS: cute.Tensor, lim: cute.Tensor, tile_start: Int32,
-                        scale_log2: Float32, kf: cute.Tensor):
-        """:meth:`scale_mask` of a tile; the quad-reduced (exp2-domain) row maxima."""
+                        scale_log2: Float32):
+        """S -> exp2 domain in place, -inf for keys at or past the row's ``lim``; the quad-reduced row maxima."""
         mx = cute.make_rmem_tensor((2,), Float32)
         mx[0] = -Float32.inf
         mx[1] = -Float32.inf
-        self.scale_mask(acc_s, tScS, lim, tile_start, scale_log2, mx, kf)
+        self.scale_mask(acc_s, tScS, lim, tile_start, scale_log2, mx)
         for h in cutlass.range_constexpr(2):
             mx[h] = quad_max(mx[h])
         return mx
 
     @cute.jit
     def scale_mask(self, acc_s: cute.Tensor, tScS: cute.Tensor, lim: cute.Tensor, tile_start: Int32,
-                   scale_log2: Float32, mx: cute.Tensor, kf: cute.Tensor, cols: cutlass.Constexpr = False):
-        """Fold a tile's exp2-domain row maxima into ``mx`` (one per row; ``cols``: ``S^T``, keys down rows, one per
-        column: :meth:`~.transposed_out.TransposedOutMixin.col_n`) and set ``kf[0]``, the factor :meth:`exp_rows`
-        multiplies each score by inside its exp2 (one FFMA).  A tile whose 64 keys are all below the ``lim`` of every
-        row of the warp (every tile of a piece but its last one or two) skips the per-key compare and select (a warp
-        vote); with the producer warpgroup and ``scale_log2 > 0`` (the same vote) it also keeps its scores unscaled:
-        the max of the raw scores times the scale is the max of the scaled ones (rounding is monotonic), ``kf =
-        scale_log2``.  Any other tile is scaled here, ``kf = 1`` (the loops without the producer: there the unscaled
-        path made ptxas serialize the FP8 seesaw's wgmmas)."""
-        kf[0] = Float32(1.0)
-        if cutlass.const_expr(self.producer):
-            whole = scale_log2 > 0.0
-            for i in cutlass.range_constexpr(cute.size(lim)):
-                whole = whole & (tile_start + self.block_n <= lim[i])
-            if cute.arch.vote_all_sync(whole):
-                for e in cutlass.range_constexpr(cute.size(acc_s)):
-                    i = e % 2 + 2 * (e // 4) if cutlass.const_expr(cols) else (e // 2) % 2
-                    mx[i] = cute.arch.fmax(mx[i], acc_s[e])
-                for i in cutlass.range_constexpr(cute.size(mx)):
-                    mx[i] = mx[i] * scale_log2
-                kf[0] = scale_log2
-            else:
-                self.mask_scaled(acc_s, tScS, lim, tile_start, scale_log2, mx, cols)
+                   scale_log2: Float32, mx: cute.Tensor, cols: cutlass.Constexpr = False):
+        """S -> exp2 domain in place, -inf for keys at or past the row's ``lim``, folded into the maxima ``mx`` (one per
+        row; ``cols``: ``S^T``, keys down rows, one per column: :meth:`~.transposed_out.TransposedOutMixin.col_n`).
+        A tile whose 64 keys are all below the ``lim`` of every row of the warp (every tile of a piece but its last
+        one or two) skips the per-key compare and select: the same values, a third of the instructions."""
+        whole = tile_start + self.block_n <= lim[0]
+        for i in cutlass.range_constexpr(1, cute.size(lim)):
+            whole = whole & (tile_start + self.block_n <= lim[i])
+        if cute.arch.vote_all_sync(whole):
+            for e in cutlass.range_constexpr(cute.size(acc_s)):
+                i = e % 2 + 2 * (e // 4) if cutlass.const_expr(cols) else (e // 2) % 2
+                v = acc_s[e] * scale_log2
+                acc_s[e] = v
+                mx[i] = cute.arch.fmax(mx[i], v)
         else:
-            whole = tile_start + self.block_n <= lim[0]
-            for i in cutlass.range_constexpr(1, cute.size(lim)):
-                whole = whole & (tile_start + self.block_n <= lim[i])
-            if cute.arch.vote_all_sync(whole):
-                for e in cutlass.range_constexpr(cute.size(acc_s)):
-                    i = e % 2 + 2 * (e // 4) if cutlass.const_expr(cols) else (e // 2) % 2
-                    v = acc_s[e] * scale_log2
-                    acc_s[e] = v
-                    mx[i] = cute.arch.fmax(mx[i], v)
-            else:
-                self.mask_scaled(acc_s, tScS, lim, tile_start, scale_log2, mx, cols)
-
-    @cute.jit
-    def mask_scaled(self, acc_s: cute.Tensor, tScS: cute.Tensor, lim: cute.Tensor, tile_start: Int32,
-                    scale_log2: Float32, mx: cute.Tensor, cols: cutlass.Constexpr):
-        """:meth:`scale_mask`'s general tile: scores scaled in place, -inf at or past the row's ``lim``, into ``mx``."""
-        for e in cutlass.range_constexpr(cute.size(acc_s)):
-            i = e % 2 + 2 * (e // 4) if cutlass.const_expr(cols) else (e // 2) % 2
-            v = acc_s[e] * scale_log2
-            if tile_start + tScS[e][0 if cutlass.const_expr(cols) else 1] >= lim[i]:
-                v = -Float32.inf
-            acc_s[e] = v
-            mx[i] = cute.arch.fmax(mx[i], v)
+            for e in cutlass.range_constexpr(cute.size(acc_s)):
+                i = e % 2 + 2 * (e // 4) if cutlass.const_expr(cols) else (e // 2) % 2
+                v = acc_s[e] * scale_log2
+                if tile_start + tScS[e][0 if cutlass.const_expr(cols) else 1] >= lim[i]:
+                    v = -Float32.inf
+                acc_s[e] = v
+                mx[i] = cute.arch.fmax(mx[i], v)
 
     @cute.jit
     def all_one(self, sc: cute.Tensor):
@@ -544,10 +519,9 @@ class MlaDecodeSm90(CombineMixin):
         return m_new, ref, cute.arch.exp2(m_prev - ref)
 
     @cute.jit
-    def exp_rows(self, acc_s: cute.Tensor, ref: cute.Tensor, row_l: cute.Tensor, kf: cute.Tensor):
-        """``P = exp2(kf S - ref)`` in place (``kf``: :meth:`scale_mask`'s factor), added to the thread's partial row
-        sums.  FP8: ``2^8 P`` (:attr:`p8_bias`); O and l carry the factor until the epilogue subtracts it from the row
-        max for the LSE."""
+    def exp_rows(self, acc_s: cute.Tensor, ref: cute.Tensor, row_l: cute.Tensor):
+        """``P = exp2(S - ref)`` in place, added to the thread's partial row sums.  FP8: ``2^8 P`` (:attr:`p8_bias`);
+        O and l carry the factor until the epilogue subtracts it from the row max for the LSE."""
         rb = ref
         if cutlass.const_expr(self.fp8):
             rb = cute.make_rmem_tensor((2,), Float32)
@@ -555,15 +529,15 @@ class MlaDecodeSm90(CombineMixin):
                 rb[h] = ref[h] - self.p8_bias
         for e in cutlass.range_constexpr(cute.size(acc_s)):
             h = (e // 2) % 2
-            p = cute.arch.exp2(acc_s[e] * kf[0] - rb[h])
+            p = cute.arch.exp2(acc_s[e] - rb[h])
             acc_s[e] = p
             row_l[h] = row_l[h] + p
 
     @cute.jit
-    def fold_first_max(self, acc_s, tScS, lim, tile_start, scale_log2, sM, sSc0, row_in, row_l, ref, sc, wtid, kf):
+    def fold_first_max(self, acc_s, tScS, lim, tile_start, scale_log2, sM, sSc0, row_in, row_l, ref, sc, wtid):
         """Warpgroup 0: fold its tile (keys from ``tile_start``) into the shared row max ``sM``; ``ref`` = the new
         reference max, ``sc`` = its scale (also published in ``sSc0``), the row sums rescaled by it."""
-        mx = self.scaled_tile_max(acc_s, tScS, lim, tile_start, scale_log2, kf)
+        mx = self.scaled_tile_max(acc_s, tScS, lim, tile_start, scale_log2)
         for h in cutlass.range_constexpr(2):
             m_new, ref[h], sc[h] = self.fold_max(sM[row_in[h]], mx[h])
             row_l[h] = row_l[h] * sc[h]
@@ -572,11 +546,10 @@ class MlaDecodeSm90(CombineMixin):
                 sSc0[row_in[h]] = sc[h]
 
     @cute.jit
-    def fold_second_max(self, acc_s, tScS, lim, tile_start, scale_log2, sM, sSc0, sSc1, row_in, row_l, ref, sc, wtid,
-                        kf):
+    def fold_second_max(self, acc_s, tScS, lim, tile_start, scale_log2, sM, sSc0, sSc1, row_in, row_l, ref, sc, wtid):
         """Warpgroup 1, after SCALE0: fold its tile into the shared row max; ``sc`` = scale0 x its own scale (which it
         publishes in ``sSc1``), the row sums rescaled by it."""
-        mx = self.scaled_tile_max(acc_s, tScS, lim, tile_start, scale_log2, kf)
+        mx = self.scaled_tile_max(acc_s, tScS, lim, tile_start, scale_log2)
         for h in cutlass.range_constexpr(2):
             m_new, ref[h], s1 = self.fold_max(sM[row_in[h]], mx[h])
             sc[h] = sSc0[row_in[h]] * s1

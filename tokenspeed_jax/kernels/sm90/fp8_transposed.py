@@ -91,7 +91,6 @@ class MlaDecodeFp8TransposedSm90(MlaDecodeFp8TransposedPvSm90):
             m_run[i] = -Float32.inf
         ref = cute.make_rmem_tensor((nst,), Float32)
         sc = cute.make_rmem_tensor((nst,), Float32)
-        kf = cute.make_rmem_tensor((1,), Float32)  # the exp2's score factor (scale_mask)
 
         if n_pairs > 0:  # first QK: pair 0, buffer wg
             self.landed(mbar + wg, 0)
@@ -107,9 +106,9 @@ class MlaDecodeFp8TransposedSm90(MlaDecodeFp8TransposedPvSm90):
             # (the causal tail's V, before the TAIL barrier below publishes it to this warpgroup's V^T loads)
             self.clean_fp8_tail(stg0 + k * _BUF_BYTES, t, split_end, wtid)
             self.mark(mTrace, cta, wg, wtid, j, 0)
-            self.fold_t(acc_s, tScS, lim, t, scale_log2, None, None, None, sRed, row_l, ref, sc, wg, wtid, kf,
+            self.fold_t(acc_s, tScS, lim, t, scale_log2, None, None, None, sRed, row_l, ref, sc, wg, wtid,
                         (mTrace, cta, j, 1, 2), m_run)
-            self.exp_t(acc_s, ref, row_l, kf)
+            self.exp_t(acc_s, ref, row_l)
             self.mark(mTrace, cta, wg, wtid, j, 3)
             self.store_p_tile(acc_s, qk_thr, bufs, k, wtid)
             cute.arch.barrier(barrier_id=int(Barrier.TAIL) + wg, number_of_threads=128)  # (all of P^T stored)

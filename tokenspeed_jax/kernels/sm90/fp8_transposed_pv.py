@@ -412,7 +412,6 @@ class MlaDecodeFp8TransposedPvSm90(TransposedOutMixin, KvRefillMixin, DecodeTrac
             row_l[i] = 0.0
         ref = cute.make_rmem_tensor((2,), Float32)
         sc = cute.make_rmem_tensor((2,), Float32)
-        kf = cute.make_rmem_tensor((1,), Float32)  # the exp2's score factor (scale_mask)
 
         if n_pairs > 0:  # first QK: pair 0, buffer wg
             self.landed(mbar + wg, 0)
@@ -428,8 +427,8 @@ class MlaDecodeFp8TransposedPvSm90(TransposedOutMixin, KvRefillMixin, DecodeTrac
                 t0 = split_start + 2 * j * bn
                 self.mark(mTrace, cta, 0, wtid, j, 0)
                 # 1. fold tile 2j into the shared max; P0; publish
-                self.fold_first_max(acc_s, tScS, lim, t0, scale_log2, sM, sSc0, row_in, row_l, ref, sc, wtid, kf)
-                self.exp_rows(acc_s, ref, row_l, kf)
+                self.fold_first_max(acc_s, tScS, lim, t0, scale_log2, sM, sSc0, row_in, row_l, ref, sc, wtid)
+                self.exp_rows(acc_s, ref, row_l)
                 cute.arch.barrier_arrive(barrier_id=int(Barrier.SCALE0), number_of_threads=self.num_threads)
                 self.mark(mTrace, cta, 0, wtid, j, 3)
                 # 2. P0 -> smem; TAIL (all rows' scale0); O^T *= scale0; O^T += V0^T P0^T, then the next QK ("QK early")
@@ -478,9 +477,9 @@ class MlaDecodeFp8TransposedPvSm90(TransposedOutMixin, KvRefillMixin, DecodeTrac
                 # 1. after WG0: fold tile 2j+1 into the shared max; P1; publish
                 cute.arch.barrier(barrier_id=int(Barrier.SCALE0), number_of_threads=self.num_threads)
                 self.mark(mTrace, cta, 1, wtid, j, 1)
-                self.fold_second_max(acc_s, tScS, lim, t1, scale_log2, sM, sSc0, sSc1, row_in, row_l, ref, sc, wtid, kf)
+                self.fold_second_max(acc_s, tScS, lim, t1, scale_log2, sM, sSc0, sSc1, row_in, row_l, ref, sc, wtid)
                 cute.arch.barrier_arrive(barrier_id=int(Barrier.SCALE1), number_of_threads=self.num_threads)
-                self.exp_rows(acc_s, ref, row_l, kf)
+                self.exp_rows(acc_s, ref, row_l)
                 self.mark(mTrace, cta, 1, wtid, j, 4)
                 # 2. P1 -> smem (both PVs read it); O^T *= scale0 * scale1; P1_READY (P1 fenced, scales read); own PV
                 self.store_p_tile(acc_s, qk_thr, bufs, 2 * u + 1, wtid)

@@ -233,19 +233,17 @@ class MlaDecodeSeesawSm90(Fp8OperandsMixin, KvRefillMixin, DecodeTraceMixin, Mla
             cute.gemm(mma, acc_o, tA[None, None, k], tB[None, None, k], acc_o)
 
     @cute.jit
-    def fold_first(self, acc_s, tScS, lim, tile_start, scale_log2, sM, sSc0, row_in, row_l, ref, sc, wtid, kf):
+    def fold_first(self, acc_s, tScS, lim, tile_start, scale_log2, sM, sSc0, row_in, row_l, ref, sc, wtid):
         """WG0, first in an iteration: :meth:`fold_first_max`, then ``P`` (in ``acc_s``) against ``ref``, row sums."""
-        self.fold_first_max(acc_s, tScS, lim, tile_start, scale_log2, sM, sSc0, row_in, row_l, ref, sc, wtid, kf)
-        self.exp_rows(acc_s, ref, row_l, kf)
+        self.fold_first_max(acc_s, tScS, lim, tile_start, scale_log2, sM, sSc0, row_in, row_l, ref, sc, wtid)
+        self.exp_rows(acc_s, ref, row_l)
 
     @cute.jit
-    def fold_second(self, acc_s, tScS, lim, tile_start, scale_log2, sM, sSc0, sSc1, row_in, row_l, ref, sc, wtid,
-                    kf):
+    def fold_second(self, acc_s, tScS, lim, tile_start, scale_log2, sM, sSc0, sSc1, row_in, row_l, ref, sc, wtid):
         """Warpgroup 1, after SCALE0: :meth:`fold_second_max`, arrive on SCALE1, then ``P`` as :meth:`fold_first`."""
-        self.fold_second_max(acc_s, tScS, lim, tile_start, scale_log2, sM, sSc0, sSc1, row_in, row_l, ref, sc, wtid,
-                             kf)
+        self.fold_second_max(acc_s, tScS, lim, tile_start, scale_log2, sM, sSc0, sSc1, row_in, row_l, ref, sc, wtid)
         cute.arch.barrier_arrive(barrier_id=int(Barrier.SCALE1), number_of_threads=self.num_threads)
-        self.exp_rows(acc_s, ref, row_l, kf)
+        self.exp_rows(acc_s, ref, row_l)
 
     def v_half(self, sKs: cute.Tensor, v_layout: cute.ComposedLayout, wg):
         """Warpgroup ``wg``'s 256 V features of slot ``sKs``, ``(features, tokens)`` MN-major (:meth:`_seesaw_layouts`):
@@ -455,7 +453,6 @@ class MlaDecodeSeesawSm90(Fp8OperandsMixin, KvRefillMixin, DecodeTraceMixin, Mla
         row_l[1] = 0.0
         ref = cute.make_rmem_tensor((2,), Float32)
         sc = cute.make_rmem_tensor((2,), Float32)
-        kf = cute.make_rmem_tensor((1,), Float32)  # the exp2's score factor (scale_mask)
 
         # operands: mma_ops at each wgmma issue, one name per site (a name set in two dynamic branches keeps one type)
         if n_pairs > 0:  # first QK of each warpgroup (pair 0)
@@ -487,7 +484,7 @@ class MlaDecodeSeesawSm90(Fp8OperandsMixin, KvRefillMixin, DecodeTraceMixin, Mla
                 if cutlass.const_expr(not fp8):  # (the FP8 transpose zeroes those rows of V^T)
                     self.zero_tail(sK0, t0, split_end, wg, wtid)
                 # 1. fold tile 2j into the shared max; P0; O_L *= scale0; publish
-                self.fold_first(acc_s, tScS, lim, t0, scale_log2, sM, sSc0, row_in, row_l, ref, sc, wtid, kf)
+                self.fold_first(acc_s, tScS, lim, t0, scale_log2, sM, sSc0, row_in, row_l, ref, sc, wtid)
                 self.scale_o(acc_o, sc)
                 cute.arch.barrier_arrive(barrier_id=int(Barrier.SCALE0), number_of_threads=self.num_threads)
                 self.mark(mTrace, cta, wg, wtid, j, 1)
@@ -559,7 +556,7 @@ class MlaDecodeSeesawSm90(Fp8OperandsMixin, KvRefillMixin, DecodeTraceMixin, Mla
                 # 1. after WG0: fold tile 2j+1 into the shared max; P1; O_R *= scale0*scale1; publish
                 cute.arch.barrier(barrier_id=int(Barrier.SCALE0), number_of_threads=self.num_threads)
                 self.mark(mTrace, cta, wg, wtid, j, 1)
-                self.fold_second(acc_s, tScS, lim, t1, scale_log2, sM, sSc0, sSc1, row_in, row_l, ref, sc, wtid, kf)
+                self.fold_second(acc_s, tScS, lim, t1, scale_log2, sM, sSc0, sSc1, row_in, row_l, ref, sc, wtid)
                 self.scale_o(acc_o, sc)
                 self.mark(mTrace, cta, wg, wtid, j, 2)
                 # 2. P1 -> smem (for WG0), O_R += P1 V1_R (16-bit: RS; FP8: SS, P1 through smem for both PVs)

@@ -150,7 +150,6 @@ class MlaDecodeTransposedSm90(TransposedOutMixin, MlaDecodeSeesawSm90):
             row_l[i] = 0.0
         ref = cute.make_rmem_tensor((nst,), Float32)
         sc = cute.make_rmem_tensor((nst,), Float32)
-        kf = cute.make_rmem_tensor((1,), Float32)  # the exp2's score factor (scale_mask)
 
         if n_pairs > 0:  # first QK of each WG (pair 0; the producer loaded all 4 column groups, completion 0)
             if wg == 0:
@@ -168,8 +167,8 @@ class MlaDecodeTransposedSm90(TransposedOutMixin, MlaDecodeSeesawSm90):
                 self.mark(mTrace, cta, wg, wtid, j, 0)
                 self.zero_tail(sK0, t0, split_end, wg, wtid)
                 # 1. fold tile 2j into the shared max; P0^T; publish
-                self.fold_t(acc_s, tScS, lim, t0, scale_log2, sM, None, sSc0, sRed, row_l, ref, sc, 0, wtid, kf)
-                self.exp_t(acc_s, ref, row_l, kf)
+                self.fold_t(acc_s, tScS, lim, t0, scale_log2, sM, None, sSc0, sRed, row_l, ref, sc, 0, wtid)
+                self.exp_t(acc_s, ref, row_l)
                 cute.arch.barrier_arrive(barrier_id=int(Barrier.SCALE0), number_of_threads=self.num_threads)
                 self.mark(mTrace, cta, wg, wtid, j, 1)
                 # 2. P0^T -> slot 0 rope (all 128 threads': the WG barrier, also publishing every column's scale0);
@@ -222,9 +221,9 @@ class MlaDecodeTransposedSm90(TransposedOutMixin, MlaDecodeSeesawSm90):
                 # 1. after WG0: fold tile 2j+1 into the shared max (scale = scale0 x its own); P1^T; publish
                 cute.arch.barrier(barrier_id=int(Barrier.SCALE0), number_of_threads=self.num_threads)
                 self.mark(mTrace, cta, wg, wtid, j, 1)
-                self.fold_t(acc_s, tScS, lim, t1, scale_log2, sM, sSc0, sSc1, sRed, row_l, ref, sc, 1, wtid, kf)
+                self.fold_t(acc_s, tScS, lim, t1, scale_log2, sM, sSc0, sSc1, sRed, row_l, ref, sc, 1, wtid)
                 cute.arch.barrier_arrive(barrier_id=int(Barrier.SCALE1), number_of_threads=self.num_threads)
-                self.exp_t(acc_s, ref, row_l, kf)
+                self.exp_t(acc_s, ref, row_l)
                 self.mark(mTrace, cta, wg, wtid, j, 2)
                 # 2. P1^T -> rope columns of slot 1 (for both PVs); O^T *= scale0 x scale1; O^T += V1^T P1^T
                 self.stage_p(rP, acc_s, tSsP1)

@@ -38,7 +38,7 @@ class TransposedOutMixin:
 
     @cute.jit
     def fold_t(self, acc_s, tScS, lim, tile_start, scale_log2, sM, sSc_in, sSc_out, sRed, row_l, ref, sc, wg, wtid,
-               kf, mk=None, m_reg=None):
+               mk=None, m_reg=None):
         """``qk_t``: :meth:`fold_first` (``sSc_in`` None; WG0) or :meth:`fold_second` (``sSc_in``: scale0; WG1, arriving
         on SCALE1 after this) minus the exp, for ``S^T``: a row's keys span the 4 warps (tokens are M), so warp column
         maxima (2 tokens, then 8 lanes by 3 butterfly shuffles) go through ``sRed`` and the WG barrier (TAIL id); the
@@ -56,7 +56,7 @@ class TransposedOutMixin:
             else:
                 mprev[i] = sM[self.col_n(i, wtid)]
             mx[i] = -Float32.inf
-        self.scale_mask(acc_s, tScS, lim, tile_start, scale_log2, mx, kf, True)
+        self.scale_mask(acc_s, tScS, lim, tile_start, scale_log2, mx, True)
         for i in cutlass.range_constexpr(nc):
             for off in cutlass.range_constexpr(3):
                 mx[i] = cute.arch.fmax(mx[i], cute.arch.shuffle_sync_bfly(mx[i], offset=4 << off))
@@ -84,11 +84,11 @@ class TransposedOutMixin:
             self.mark(mk[0], mk[1], wg, wtid, mk[2], mk[4])
 
     @cute.jit
-    def exp_t(self, acc_s: cute.Tensor, ref: cute.Tensor, row_l: cute.Tensor, kf: cute.Tensor):
+    def exp_t(self, acc_s: cute.Tensor, ref: cute.Tensor, row_l: cute.Tensor):
         """``qk_t``: :meth:`exp_rows` for ``S^T`` (per column; the 2^8 P bias)."""
         for e in cutlass.range_constexpr(cute.size(acc_s)):
             i = e % 2 + 2 * (e // 4)
-            p = cute.arch.exp2(acc_s[e] * kf[0] - (ref[i] - self.p8_bias))
+            p = cute.arch.exp2(acc_s[e] - (ref[i] - self.p8_bias))
             acc_s[e] = p
             row_l[i] = row_l[i] + p
 
