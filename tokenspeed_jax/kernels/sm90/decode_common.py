@@ -486,19 +486,22 @@ class MlaDecodeSm90(CombineMixin):
         for i in cutlass.range_constexpr(1, cute.size(lim)):
             whole = whole & (tile_start + self.block_n <= lim[i])
         if cute.arch.vote_all_sync(whole):
-            for e in cutlass.range_constexpr(cute.size(acc_s)):
-                i = e % 2 + 2 * (e // 4) if cutlass.const_expr(cols) else (e // 2) % 2
-                v = acc_s[e] * scale_log2
-                acc_s[e] = v
-                mx[i] = cute.arch.fmax(mx[i], v)
+            self.scale_scores(acc_s, tScS, lim, tile_start, scale_log2, mx, cols, False)
         else:
-            for e in cutlass.range_constexpr(cute.size(acc_s)):
-                i = e % 2 + 2 * (e // 4) if cutlass.const_expr(cols) else (e // 2) % 2
-                v = acc_s[e] * scale_log2
+            self.scale_scores(acc_s, tScS, lim, tile_start, scale_log2, mx, cols, True)
+
+    @cute.jit
+    def scale_scores(self, acc_s: cute.Tensor, tScS: cute.Tensor, lim: cute.Tensor, tile_start: Int32,
+                     scale_log2: Float32, mx: cute.Tensor, cols: cutlass.Constexpr, masked: cutlass.Constexpr):
+        """:meth:`scale_mask`'s loop over the thread's scores; ``masked``: with the per-key compare and select."""
+        for e in cutlass.range_constexpr(cute.size(acc_s)):
+            i = e % 2 + 2 * (e // 4) if cutlass.const_expr(cols) else (e // 2) % 2
+            v = acc_s[e] * scale_log2
+            if cutlass.const_expr(masked):  # noqa: SIM102 (static + dynamic test)
                 if tile_start + tScS[e][0 if cutlass.const_expr(cols) else 1] >= lim[i]:
                     v = -Float32.inf
-                acc_s[e] = v
-                mx[i] = cute.arch.fmax(mx[i], v)
+            acc_s[e] = v
+            mx[i] = cute.arch.fmax(mx[i], v)
 
     @cute.jit
     def all_one(self, sc: cute.Tensor):
